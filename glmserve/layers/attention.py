@@ -1,0 +1,98 @@
+"""Dense attention over the paged KV cache (pure PyTorch, CPU and CUDA).
+
+Per step the runner builds one `AttentionMetadata` shared by every layer. The flat batch
+holds decode tokens first (one per sequence), then prefill chunks. Each layer:
+1. writes its new K/V into the cache pool at `slot_mapping` (one index_copy_),
+2. decode group: gathers each sequence's keys/values by slot index and runs one batched
+   grouped-query attention (no expansion of KV heads),
+3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V; otherwise
+   the queries are padded per sequence and attend to their gathered context under a mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class GroupMetadata:
+    kv_slots: torch.Tensor  # [B, L] slot index of each key position (padding points at slot 0)
+    key_mask: torch.Tensor | None  # [B, 1, Q, L] bool, True = attend; None for the fresh causal case
+    num_tokens: int  # flat tokens of this group
+    query_index: torch.Tensor | None = None  # [B, Q] flat token index per padded query (prefill)
+    valid_index: torch.Tensor | None = None  # [num_tokens] positions in the padded [B*Q] grid
+    fresh_causal: bool = False  # one sequence, no cached context: causal attention on new K/V
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    decode: GroupMetadata | None
+    prefill: GroupMetadata | None
+
+
+class PagedAttention:
+    """Attention for one layer against its slice of the KV pool ([2, slots, kv_heads, head_dim])."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H*D]."""
+        cache = self.kv_cache
+        assert cache is not None, "KV cache not allocated"
+        cache[0].index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
+        cache[1].index_copy_(0, meta.slot_mapping, v.to(cache.dtype))
+        outs = []
+        offset = 0
+        if meta.decode is not None:
+            n = meta.decode.num_tokens
+            outs.append(self._decode(q[:n], meta.decode))
+            offset = n
+        if meta.prefill is not None:
+            outs.append(self._prefill(q[offset:], k[offset:], v[offset:], meta.prefill))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, L] slots -> keys, values of shape [B, Hkv, L, D]."""
+        b, length = slots.shape
+        flat = slots.reshape(-1)
+        shape = (b, length, self.num_kv_heads, self.head_dim)
+        keys = self.kv_cache[0].index_select(0, flat).view(shape).to(dtype).transpose(1, 2)
+        values = self.kv_cache[1].index_select(0, flat).view(shape).to(dtype).transpose(1, 2)
+        return keys, values
+
+    def _decode(self, q: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
+        b = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        keys, values = self._gather(g.kv_slots, q.dtype)
+        qg = q.view(b, self.num_kv_heads, group, self.head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [B, Hkv, g, L]
+        scores.masked_fill_(~g.key_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values).reshape(b, self.num_heads, self.head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
+        if g.fresh_causal:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            return out[0].transpose(0, 1)
+        keys, values = self._gather(g.kv_slots, q.dtype)
+        b, qlen = g.query_index.shape
+        qp = q[g.query_index.reshape(-1)].view(b, qlen, self.num_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            qp, keys, values, attn_mask=g.key_mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, H, Q, D]
+        out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)
+        return out[g.valid_index]

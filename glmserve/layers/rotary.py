@@ -1,0 +1,73 @@
+"""Rotary position embeddings: neox style (Llama, Qwen) and interleaved pairs (GLM), full or partial.
+
+Frequencies come from transformers' ROPE_INIT_FUNCTIONS for scaled variants (llama3, yarn,
+linear), so rope scaling matches the reference exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float, int]:
+    """Returns (inv_freq, attention scaling, rotary dim)."""
+    params = rope_parameters(config)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * partial)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+        return (1.0 / (params["rope_theta"] ** exponents)).float(), 1.0, rotary_dim
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling), rotary_dim
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables; `cos_sin(positions)` once per step, `apply` in every layer."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, interleaved: bool = False):
+        with torch.device("cpu"):  # real tables even when the model is built on the meta device
+            self._build(config, head_dim, max_positions, interleaved)
+
+    def _build(self, config: PretrainedConfig, head_dim: int, max_positions: int, interleaved: bool) -> None:
+        inv_freq, scaling, self.rotary_dim = inverse_frequencies(config, head_dim)
+        self.interleaved = interleaved
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat([freqs, freqs], dim=-1)
+        self.cos_table = emb.cos() * scaling
+        self.sin_table = emb.sin() * scaling
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> RotaryEmbedding:
+        self.cos_table = self.cos_table.to(device=device, dtype=dtype)
+        self.sin_table = self.sin_table.to(device=device, dtype=dtype)
+        return self
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions -> cos, sin of shape [T, 1, rotary_dim] (broadcast over heads)."""
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((-x2, x1), dim=-1).flatten(-2)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]."""
+        if self.rotary_dim == x.shape[-1]:
+            return x * cos + self._rotate(x) * sin
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        return torch.cat([rot * cos + self._rotate(rot) * sin, rest], dim=-1)

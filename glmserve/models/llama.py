@@ -1,0 +1,130 @@
+"""Llama family (Llama 2/3, SmolLM2, Mistral-style dense models) on the paged KV cache.
+
+Reference: transformers' models/llama/modeling_llama.py. q|k|v and gate|up are fused into
+one matmul each; the flat batch is [tokens, hidden] with no padding. Qwen2 (qkv bias) and
+Qwen3 (per-head q/k RMSNorm) reuse these blocks with their flags.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from glmserve.layers.attention import AttentionMetadata, PagedAttention
+from glmserve.layers.linear import MergedLinear
+from glmserve.layers.norm import RMSNorm
+from glmserve.layers.rotary import RotaryEmbedding
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary.apply(q, *cos_sin), self.rotary.apply(k, *cos_sin)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, qk_norm)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos_sin, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderOnlyLM(nn.Module):
+    """Embedding, a stack of decoder layers, final norm and LM head; subclasses pick the layer."""
+
+    interleaved_rope = False
+
+    def __init__(self, config: PretrainedConfig, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions, self.interleaved_rope)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([self.make_layer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(self, config: PretrainedConfig, index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def attention_modules(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def to_runtime(self, device: torch.device, dtype: torch.dtype) -> DecoderOnlyLM:
+        self.rotary.to(device, dtype)
+        return self.to(device=device, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_index: torch.Tensor) -> torch.Tensor:
+        """Flat batch in, logits of the rows in `logits_index` out ([S, vocab], float32)."""
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)
+        for layer in self.layers:
+            x = layer(x, cos_sin, meta)
+        x = self.norm(x[logits_index])
+        return self.lm_head(x).float()
+
+    def load_weights(self, weights) -> None:
+        from glmserve.models.weights import load_weights
+
+        load_weights(self, ((_strip_model_prefix(n), t) for n, t in weights))
+
+
+def _strip_model_prefix(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+class LlamaForCausalLM(DecoderOnlyLM):
+    def make_layer(self, config: PretrainedConfig, index: int) -> nn.Module:
+        bias = bool(getattr(config, "attention_bias", False))
+        return LlamaDecoderLayer(config, self.rotary, qkv_bias=bias, o_bias=bias, qk_norm=False)

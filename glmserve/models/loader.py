@@ -1,0 +1,97 @@
+"""Loads a checkpoint (Hugging Face directory with safetensors, or a GGUF file) into our model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from glmserve.errors import UnsupportedModelError
+from glmserve.models.registry import model_class
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: set[int]
+    name: str
+    max_position_embeddings: int
+
+
+def safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"no .safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, model_dir: Path | None) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if model_dir is not None and (model_dir / "generation_config.json").exists():
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+def _build(hf_config: PretrainedConfig, weights: Iterator[tuple[str, torch.Tensor]],
+           device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    cls = model_class(hf_config)
+    max_positions = hf_config.max_position_embeddings
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(hf_config, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary.to(device, dtype)
+    model.load_weights(weights)
+    return model.eval()
+
+
+def load_model(path: str | None, tokenizer_path: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """path None loads the embedded default model (SmolLM2-135M-Instruct GGUF)."""
+    if path is None:
+        from glmserve.models.gguf_loader import embedded_default_gguf
+
+        path = str(embedded_default_gguf())
+    location = Path(path)
+    if location.is_file() and location.suffix == ".gguf":
+        from glmserve.models.gguf_loader import load_gguf
+
+        ckpt = load_gguf(location)
+        hf_config, weights, model_dir = ckpt.config, ckpt.tensors(), None
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else ckpt.tokenizer()
+    elif location.is_dir() and (location / "config.json").exists():
+        hf_config = AutoConfig.from_pretrained(str(location))
+        model_class(hf_config)  # fail fast on an unsupported architecture, before reading weights
+        weights, model_dir = safetensors_weights(location), location
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or str(location))
+    else:
+        raise UnsupportedModelError(f"{location} is neither a .gguf file nor a model directory with config.json")
+    model = _build(hf_config, weights, device, dtype)
+    return LoadedModel(
+        model=model,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(tokenizer, model_dir),
+        name=location.stem if location.is_file() else location.name,
+        max_position_embeddings=hf_config.max_position_embeddings,
+    )
