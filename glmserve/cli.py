@@ -101,6 +101,13 @@ def _read_lines(interactive: bool):
         yield line.rstrip("\n")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from glmserve.server.config import server_config_from_args
+    from glmserve.server.launch import run_server
+
+    sys.exit(run_server(engine_config_from_args(args), server_config_from_args(args)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         add_engine_args(p)
         add_sampling_args(p)
+    from glmserve.server.config import add_server_args
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (port 8000)")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(handler=cmd_serve)
     return parser
 
 

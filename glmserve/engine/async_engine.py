@@ -1,0 +1,279 @@
+"""AsyncEngine: the LLMEngine driven by its own thread, for an asyncio server.
+
+The engine loop runs in one background thread so the event loop never blocks on a model step.
+Requests and aborts enter through a lock-protected queue; the thread sleeps on a condition
+variable while there is nothing to do. Each request has a channel on the caller's event loop;
+the thread hands outputs over with `loop.call_soon_threadsafe`. Outputs are cumulative, so a
+channel keeps only the newest one: a slow consumer skips intermediate outputs instead of
+queueing them (the same idea as vLLM's `RequestOutputCollector` in
+vllm/v1/engine/output_processor.py, written here from scratch).
+
+Admission: at most `max_num_seqs + max_waiting_requests` requests are in flight (as many as
+the engine runs at once, plus the allowed waiting ones); one more is refused at once with
+`glmserve.errors.EngineOverloadedError` (the server answers 503 + Retry-After). A consumer that
+goes away (generator closed or cancelled) aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from glmserve.config import EngineConfig
+from glmserve.engine.llm_engine import LLMEngine
+from glmserve.engine.outputs import EngineStats, RequestOutput
+from glmserve.engine.sampling import SamplingParams
+from glmserve.errors import EngineOverloadedError
+
+logger = logging.getLogger(__name__)
+
+WARMUP_REQUEST_ID = "__glmserve_warmup__"
+
+
+class AsyncEngineError(RuntimeError):
+    """Base of the errors raised by `AsyncEngine.generate` before or instead of outputs."""
+
+
+class EngineNotReadyError(AsyncEngineError):
+    """The model is still loading or warming up."""
+
+
+class EngineStoppedError(AsyncEngineError):
+    """The engine is shutting down or has failed."""
+
+
+class EngineState(str, enum.Enum):
+    LOADING = "loading"
+    WARMING_UP = "warming_up"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class _Channel:
+    """Where one request's outputs land, on its caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    latest: RequestOutput | None = None
+    error: BaseException | None = None
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        # runs on the event loop thread only
+        if isinstance(item, BaseException):
+            self.error = item
+        else:
+            self.latest = item
+        self.event.set()
+
+    def send(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe hand-over from the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _NewRequest:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    channel: _Channel
+
+
+class AsyncEngine:
+    """Thread-driven LLMEngine with an async per-request output stream."""
+
+    def __init__(self, config: EngineConfig, on_failure: Callable[[str], None] | None = None) -> None:
+        """`on_failure(message)` is called from the engine thread if loading or a step fails."""
+        self.config = config
+        self._on_failure = on_failure
+        self.capacity = config.max_num_seqs + config.max_waiting_requests
+        self._cond = threading.Condition()
+        self._state = EngineState.LOADING
+        self._failure: str | None = None
+        self._engine: LLMEngine | None = None
+        self._incoming: list[_NewRequest] = []
+        self._aborts: list[str] = []
+        self._channels: dict[str, _Channel] = {}
+        self._stats: EngineStats | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Load the model, warm it up and run the engine loop, all in a background thread."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() was already called")
+        self._thread = threading.Thread(target=self._run, name="glmserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; requests still in flight end with `EngineStoppedError`."""
+        with self._cond:
+            if self._state is not EngineState.FAILED:
+                self._state = EngineState.STOPPED
+            channels = list(self._channels.values())
+            self._cond.notify_all()
+        for channel in channels:
+            channel.send(EngineStoppedError("The server is shutting down."))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed, when `state` is FAILED."""
+        return self._failure
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The loaded LLMEngine (its tokenizer and limits are safe to read from any thread)."""
+        if self._engine is None or self._state in (EngineState.LOADING, EngineState.WARMING_UP):
+            raise EngineNotReadyError("The model is still loading.")
+        return self._engine
+
+    def stats(self) -> EngineStats | None:
+        """The engine's statistics as of its last step (None before the model is loaded)."""
+        return self._stats
+
+    @property
+    def num_requests(self) -> int:
+        """Requests admitted and not finished yet."""
+        return len(self._channels)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its cumulative outputs until it finishes.
+
+        Errors (not ready, overloaded, prompt too long, invalid values) are raised by the
+        first `__anext__`. Closing or cancelling the iterator early aborts the request.
+        """
+        channel = _Channel(asyncio.get_running_loop())
+        self._admit(_NewRequest(request_id, prompt, params, channel))
+        finished = False
+        try:
+            while True:
+                await channel.event.wait()
+                channel.event.clear()
+                if channel.error is not None:
+                    finished = True  # the engine no longer holds this request
+                    raise channel.error
+                output, channel.latest = channel.latest, None
+                if output is None:
+                    continue
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            with self._cond:
+                self._channels.pop(request_id, None)
+                if not finished:
+                    self._aborts.append(request_id)
+                    self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its KV blocks return to the pool); unknown ids are ignored."""
+        with self._cond:
+            channel = self._channels.pop(request_id, None)
+            self._aborts.append(request_id)
+            self._cond.notify()
+        if channel is not None:
+            channel.send(EngineStoppedError(f"Request {request_id} was aborted."))
+
+    def _admit(self, request: _NewRequest) -> None:
+        with self._cond:
+            if self._state is EngineState.LOADING or self._state is EngineState.WARMING_UP:
+                raise EngineNotReadyError("The model is still loading; try again shortly.")
+            if self._state is not EngineState.READY:
+                raise EngineStoppedError(self._failure or "The server is shutting down.")
+            if request.request_id in self._channels:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            if len(self._channels) >= self.capacity:
+                raise EngineOverloadedError(
+                    f"The server is overloaded: {len(self._channels)} requests in flight "
+                    f"(limit {self.capacity}); try again later."
+                )
+            self._channels[request.request_id] = request.channel
+            self._incoming.append(request)
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            engine = LLMEngine(self.config)
+            self._stats = engine.stats()
+            self._engine = engine
+            self._set_state(EngineState.WARMING_UP)
+            self._warm_up(engine)
+            self._stats = engine.stats()
+            self._set_state(EngineState.READY)
+            self._loop(engine)
+        except Exception as exc:  # any failure ends the engine; clients get 503, logs get the trace
+            logger.exception("engine thread failed")
+            self._fail(f"The engine failed: {type(exc).__name__}: {exc}")
+
+    def _set_state(self, state: EngineState) -> None:
+        with self._cond:
+            if self._state is EngineState.STOPPED:
+                return
+            self._state = state
+
+    def _warm_up(self, engine: LLMEngine) -> None:
+        """One tiny greedy generation, so the first real request does not pay for lazy init."""
+        engine.add_request(WARMUP_REQUEST_ID, "Hello", SamplingParams(max_tokens=2, temperature=0.0))
+        while engine.has_unfinished_requests() and self._state is not EngineState.STOPPED:
+            engine.step()
+
+    def _loop(self, engine: LLMEngine) -> None:
+        while True:
+            with self._cond:
+                while not (self._incoming or self._aborts or engine.has_unfinished_requests()):
+                    if self._state is EngineState.STOPPED:
+                        return
+                    self._cond.wait()
+                if self._state is EngineState.STOPPED:
+                    return
+                incoming, self._incoming = self._incoming, []
+                aborts, self._aborts = self._aborts, []
+            for request in incoming:
+                try:
+                    engine.add_request(request.request_id, request.prompt, request.params)
+                except Exception as exc:  # invalid request: only this request fails
+                    request.channel.send(exc)
+            for request_id in aborts:
+                engine.abort_request(request_id)
+            if engine.has_unfinished_requests():
+                self._dispatch(engine.step())
+            self._stats = engine.stats()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        with self._cond:
+            channels = [(self._channels.get(out.request_id), out) for out in outputs]
+        for channel, output in channels:
+            if channel is not None:
+                channel.send(output)
+
+    def _fail(self, message: str) -> None:
+        with self._cond:
+            self._state = EngineState.FAILED
+            self._failure = message
+            channels = list(self._channels.values())
+        for channel in channels:
+            channel.send(EngineStoppedError(message))
+        if self._on_failure is not None:
+            self._on_failure(message)

@@ -1,0 +1,130 @@
+"""The FastAPI application: OpenAI-compatible routes over an AsyncEngine.
+
+The server starts listening at once; the model loads and warms up in the engine thread.
+`/health` (liveness) answers 200 from the start, `/v1/health` (readiness) answers 503 until
+the warm-up generation has run, and generation routes answer 503 + Retry-After until then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from glmserve.config import EngineConfig
+from glmserve.engine.async_engine import AsyncEngine, EngineState
+from glmserve.server.config import ServerConfig
+from glmserve.server.errors import install_error_handlers
+from glmserve.server.generation import ClientDisconnectedError
+from glmserve.server.metrics import HTTPMetricsMiddleware, ServerMetrics
+from glmserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from glmserve.server.responses import json_response
+from glmserve.server.serving_chat import create_chat_completion
+from glmserve.server.serving_completion import create_completion
+from glmserve.server.state import ServingContext
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; never reaches anyone
+
+router = APIRouter()
+
+
+def _ctx(request: Request) -> ServingContext:
+    return request.app.state.serving
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await create_chat_completion(body, request, _ctx(request))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await create_completion(body, request, _ctx(request))
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    model = _ctx(request).loaded()
+    cards = [
+        ModelCard(id=model_id, root=model.aliases.canonical(model_id), max_model_len=model.max_model_len)
+        for model_id in model.aliases.ids()
+    ]
+    return json_response(ModelList(data=cards))
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> Response:
+    model = _ctx(request).loaded()
+    card = ModelCard(id=model_id, root=model.aliases.canonical(model_id), max_model_len=model.max_model_len)
+    return json_response(card)
+
+
+@router.get("/health")
+async def liveness(request: Request) -> JSONResponse:
+    engine = _ctx(request).engine
+    alive = engine.state is not EngineState.FAILED
+    return JSONResponse({"status": "ok" if alive else "failed"}, status_code=200 if alive else 503)
+
+
+@router.get("/v1/health")
+async def readiness(request: Request) -> JSONResponse:
+    ctx = _ctx(request)
+    engine = ctx.engine
+    stats = engine.stats()
+    body: dict[str, Any] = {
+        "status": engine.state.value,
+        "model": None,
+        "engine": {
+            "state": engine.state.value,
+            "requests_in_flight": engine.num_requests,
+            **(dataclasses.asdict(stats) if stats is not None else {}),
+        },
+    }
+    if engine.state is not EngineState.READY:
+        body["error"] = engine.failure
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(ctx.config.retry_after_s)})
+    body["model"] = ctx.loaded().aliases.served_model
+    return JSONResponse(body)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    content, content_type = _ctx(request).metrics.render()
+    return Response(content, media_type=content_type)
+
+
+def create_app(
+    engine_config: EngineConfig,
+    server_config: ServerConfig | None = None,
+    on_engine_failure: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """A FastAPI app whose lifespan starts the engine (load + warm-up) and shuts it down.
+
+    `on_engine_failure(message)` runs (in the engine thread) if the model fails to load or a
+    step fails; the launcher uses it to stop the process instead of serving 503s forever.
+    """
+    server_config = server_config or ServerConfig()
+    engine = AsyncEngine(engine_config, on_failure=on_engine_failure)
+    metrics_ = ServerMetrics(engine)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="glmserve", lifespan=lifespan)
+    app.state.serving = ServingContext(engine, metrics_, server_config)
+    install_error_handlers(app, server_config.retry_after_s)
+
+    async def on_disconnect(_: Request, __: Exception) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    app.add_exception_handler(ClientDisconnectedError, on_disconnect)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics_)
+    app.include_router(router)
+    return app

@@ -1,0 +1,86 @@
+"""Options of the HTTP server (everything that is not an engine option).
+
+Engine options (model, max_model_len, max_num_seqs, max_waiting_requests, ...) live in
+`glmserve.config.EngineConfig`; this dataclass only holds what the HTTP layer needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    """How the OpenAI-compatible server listens and behaves."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # alias id -> canonical served model id; responses echo the id the client asked for
+    aliases: dict[str, str] = field(default_factory=dict)
+    # seconds a client is told to wait (Retry-After) when the server is overloaded or not ready
+    retry_after_s: int = 1
+    # on SIGTERM: how long in-flight requests may run before they are aborted
+    shutdown_timeout_s: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        for alias, canonical in self.aliases.items():
+            if not alias or not canonical:
+                raise ValueError(f"alias entries need a non-empty id and target, got {alias!r}={canonical!r}")
+
+
+def parse_alias(text: str) -> tuple[str, str]:
+    """Parse one `ALIAS=CANONICAL` command-line value."""
+    alias, sep, canonical = text.partition("=")
+    alias, canonical = alias.strip(), canonical.strip()
+    if not sep or not alias or not canonical:
+        raise ValueError(f"--alias expects ALIAS=CANONICAL, got {text!r}")
+    return alias, canonical
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Options of `glmserve serve` that are not engine options."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="model id clients use (default: from the checkpoint)")
+    g.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="ALIAS=CANONICAL",
+        help="accept ALIAS as a model id for the served model CANONICAL (repeatable)",
+    )
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="requests allowed to wait beyond max-num-seqs; more get 503 + Retry-After",
+    )
+    g.add_argument("--retry-after", dest="retry_after_s", type=int, default=1, help="Retry-After seconds on 503")
+    g.add_argument(
+        "--shutdown-timeout",
+        dest="shutdown_timeout_s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may still run before they are aborted",
+    )
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        aliases=dict(parse_alias(text) for text in args.alias),
+        retry_after_s=args.retry_after_s,
+        shutdown_timeout_s=args.shutdown_timeout_s,
+        log_level=args.log_level,
+    )

@@ -1,0 +1,112 @@
+"""OpenAI-style errors: typed exceptions and the handlers that turn them into JSON.
+
+Every failure leaves the server as `{"error": {"message", "type", "param", "code"}}` with the
+matching HTTP status; unexpected exceptions are logged here and reach the client only as a
+generic 500 message, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI's error fields."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+
+class BadRequestError(APIError):
+    """Invalid request values (400)."""
+
+
+class ModelNotFoundError(APIError):
+    """The requested model id is neither the served model nor one of its aliases (404)."""
+
+    status_code = 404
+    default_code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.", param="model")
+
+
+class ServiceUnavailableError(APIError):
+    """Overloaded, not ready yet or shutting down (503, sent with Retry-After)."""
+
+    status_code = 503
+    error_type = "server_error"
+
+
+def error_body(message: str, error_type: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def api_error_response(exc: APIError, retry_after_s: int) -> JSONResponse:
+    """JSON response for `exc`; 503s carry Retry-After."""
+    headers = {"Retry-After": str(retry_after_s)} if exc.status_code == 503 else None
+    body = error_body(exc.message, exc.error_type, param=exc.param, code=exc.code)
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable message (and the offending parameter) from pydantic's error list."""
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "The request body is not valid JSON.", None
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value"))
+    if param:
+        message = f"Invalid value for '{param}': {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return message, param
+
+
+def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    """Route every exception type to an OpenAI-format JSON response."""
+
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return api_error_response(exc, retry_after_s)
+
+    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        return api_error_response(BadRequestError(message, param=param), retry_after_s)
+
+    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = error_body(str(exc.detail), error_type, code=None)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error while serving a request", exc_info=exc)
+        body = error_body("The server had an internal error while processing the request.", "server_error")
+        return JSONResponse(body, status_code=500)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,169 @@
+"""Prometheus metrics of the server and the engine, in one registry per app.
+
+Request-level numbers (latencies, token counts, finish reasons) are recorded by a
+`RequestTracker` per engine request; engine gauges (running/waiting requests, KV-cache usage,
+prefix-cache hit rate) are read from the engine's latest stats at scrape time, as is the
+truncation rate (share of finished choices that stopped on `length`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from glmserve.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from glmserve.engine.async_engine import AsyncEngine
+
+PREFIX = "glmserve"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+TRACKED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+
+
+class ServerMetrics:
+    """Every metric the server exports."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.http_requests = Counter(
+            f"{PREFIX}_http_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=reg
+        )
+        self.finished = Counter(
+            f"{PREFIX}_request_finished", "Finished choices by finish reason", ["finish_reason"], registry=reg
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=reg
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between successive outputs of a request",
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS, registry=reg
+        )
+        self.queue_time = Histogram(
+            f"{PREFIX}_request_queue_time_seconds",
+            "Arrival to first scheduled step",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed", registry=reg)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated", registry=reg)
+        self.cached_tokens = Counter(
+            f"{PREFIX}_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=reg
+        )
+        self.finish_counts: dict[str, int] = {}
+        reg.register(_EngineCollector(engine, self))
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self) -> tuple[bytes, str]:
+        """Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def record_finish(self, reason: str) -> None:
+        self.finished.labels(reason).inc()
+        self.finish_counts[reason] = self.finish_counts.get(reason, 0) + 1
+
+    def truncation_rate(self) -> float:
+        total = sum(self.finish_counts.values())
+        return self.finish_counts.get("length", 0) / total if total else 0.0
+
+
+class RequestTracker:
+    """Latency and token accounting of one engine request, fed with its outputs in order."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+        self.arrival = time.monotonic()
+        self._last: float | None = None
+        self._tokens = 0
+        self._done = False
+
+    def on_output(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        tokens = sum(len(c.token_ids) for c in output.outputs)
+        if tokens > self._tokens:
+            if self._last is None:
+                self._m.ttft.observe(now - self.arrival)
+            else:
+                self._m.itl.observe(now - self._last)
+            self._last = now
+            self._tokens = tokens
+        if output.finished and not self._done:
+            self._done = True
+            self._m.e2e.observe(now - self.arrival)
+            self._m.prompt_tokens.inc(len(output.prompt_token_ids))
+            self._m.cached_tokens.inc(output.num_cached_tokens)
+            self._m.generation_tokens.inc(tokens)
+            for completion in output.outputs:
+                if completion.finish_reason is not None:
+                    self._m.record_finish(completion.finish_reason)
+
+
+class _EngineCollector(Collector):
+    """Gauges read at scrape time from the engine's latest stats."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+        self._engine = engine
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            f"{PREFIX}_truncation_rate",
+            "Share of finished choices that stopped on length",
+            value=self._metrics.truncation_rate(),
+        )
+        stats = self._engine.stats()
+        if stats is None:
+            return
+        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        gauges = {
+            "num_requests_running": ("Requests in the running batch", stats.num_running),
+            "num_requests_waiting": ("Requests waiting to be scheduled", stats.num_waiting),
+            "kv_cache_usage": ("Share of KV-cache blocks in use (0..1)", stats.kv_cache_usage),
+            "kv_cache_free_blocks": ("Free KV-cache blocks", stats.num_free_blocks),
+            "prefix_cache_hit_rate": ("Prefix-cache hits / queries, in tokens", hit_rate),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class HTTPMetricsMiddleware:
+    """Pure ASGI middleware counting responses by endpoint and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in TRACKED_PATHS or path.startswith("/v1/models/") else "other"
+        endpoint = "/v1/models/{id}" if endpoint.startswith("/v1/models/") else endpoint
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.http_requests.labels(endpoint, str(status)).inc()

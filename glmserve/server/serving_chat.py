@@ -1,0 +1,102 @@
+"""POST /v1/chat/completions: one engine request (n samples) per API request."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from glmserve.server.generation import Generation, cancel_on_disconnect, start_all
+from glmserve.server.logprobs import chat_logprobs
+from glmserve.server.params import sampling_params
+from glmserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceDelta,
+)
+from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
+from glmserve.server.state import LoadedModel, ServingContext
+from glmserve.server.usage import usage_of
+
+
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServingContext) -> Response:
+    model = ctx.loaded()
+    model_id = model.aliases.resolve(body.model)
+    prompt_ids = model.chat_prompt(body.messages)
+    params = sampling_params(body, len(prompt_ids), model.max_model_len)
+    generation = Generation(ctx.engine, ctx.metrics, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}")
+    await cancel_on_disconnect(raw, start_all([generation]))
+    if body.stream:
+        return SSEResponse(_stream(body, generation, model, model_id), on_close=generation.abort)
+    try:
+        final = await cancel_on_disconnect(raw, generation.final())
+    finally:
+        generation.abort()
+    want_logprobs = body.num_logprobs() is not None
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=AssistantMessage(content=c.text),
+            logprobs=chat_logprobs(model.formatter, c.token_ids, c.logprobs) if want_logprobs else None,
+            finish_reason=c.finish_reason,
+        )
+        for c in final.outputs
+    ]
+    response = ChatCompletionResponse(
+        id=generation.request_id, model=model_id, choices=choices, usage=usage_of([final])
+    )
+    return json_response(response)
+
+
+async def _stream(
+    body: ChatCompletionRequest, generation: Generation, model: LoadedModel, model_id: str
+) -> AsyncIterator[str]:
+    """Chunks as OpenAI sends them: a role delta, content deltas, a finish delta per choice,
+    then (stream_options.include_usage) a usage chunk with no choices, then [DONE]."""
+    created = int(time.time())
+    want_logprobs = body.num_logprobs() is not None
+
+    def chunk(choices: list[ChatChunkChoice]) -> str:
+        return event(ChatCompletionChunk(id=generation.request_id, created=created, model=model_id, choices=choices))
+
+    sent_text = [0] * body.n
+    sent_tokens = [0] * body.n
+    finished = [False] * body.n
+    try:
+        for i in range(body.n):
+            yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
+        async for output in generation.outputs():
+            for c in output.outputs:
+                i = c.index
+                text = c.text[sent_text[i] :]
+                token_ids = c.token_ids[sent_tokens[i] :]
+                logprobs = None
+                if want_logprobs and token_ids:
+                    logprobs = chat_logprobs(model.formatter, token_ids, c.logprobs[sent_tokens[i] :])
+                sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                if text or logprobs is not None:
+                    yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(content=text), logprobs=logprobs)])
+                if c.finish_reason is not None and not finished[i]:
+                    finished[i] = True
+                    yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=c.finish_reason)])
+        if body.include_usage():
+            assert generation.last is not None
+            yield event(
+                ChatCompletionChunk(
+                    id=generation.request_id,
+                    created=created,
+                    model=model_id,
+                    choices=[],
+                    usage=usage_of([generation.last]),
+                )
+            )
+    except Exception as exc:
+        yield error_event(exc)
+    yield DONE

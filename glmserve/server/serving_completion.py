@@ -1,0 +1,121 @@
+"""POST /v1/completions: one engine request per prompt, choices numbered prompt-major.
+
+Choice `index` is `prompt_index * n + sample_index`, as in OpenAI's API. With `echo`, each
+choice's text starts with its prompt.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from glmserve.engine.outputs import CompletionOutput, RequestOutput
+from glmserve.server.errors import BadRequestError
+from glmserve.server.generation import Generation, abort_all, cancel_on_disconnect, merge_outputs, start_all
+from glmserve.server.logprobs import completion_logprobs
+from glmserve.server.params import sampling_params
+from glmserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
+from glmserve.server.state import LoadedModel, ServingContext
+from glmserve.server.usage import usage_of
+
+
+async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingContext) -> Response:
+    model = ctx.loaded()
+    model_id = model.aliases.resolve(body.model)
+    if body.echo and body.logprobs is not None:
+        raise BadRequestError("echo together with logprobs is not supported by this server", param="echo")
+    prompts = [model.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    generations = [
+        Generation(
+            ctx.engine,
+            ctx.metrics,
+            ids,
+            sampling_params(body, len(ids), model.max_model_len),
+            f"{request_id}-{i}",
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    echoes = [_echo_text(body, model, p) for p in body.prompts()]
+    await cancel_on_disconnect(raw, start_all(generations))
+    if body.stream:
+        builder = _ChoiceBuilder(body, model, echoes)
+        events = _stream(body, generations, builder, request_id, model_id)
+        return SSEResponse(events, on_close=lambda: abort_all(generations))
+    try:
+        finals = await cancel_on_disconnect(raw, _finals(generations))
+    finally:
+        abort_all(generations)
+    builder = _ChoiceBuilder(body, model, echoes)
+    choices = [choice for p, final in enumerate(finals) for c in final.outputs if (choice := builder.delta(p, c))]
+    response = CompletionResponse(id=request_id, model=model_id, choices=choices, usage=usage_of(finals))
+    return json_response(response)
+
+
+def _echo_text(body: CompletionRequest, model: LoadedModel, prompt: str | list[int]) -> str:
+    if not body.echo:
+        return ""
+    return prompt if isinstance(prompt, str) else model.decode(prompt)
+
+
+async def _finals(generations: list[Generation]) -> list[RequestOutput]:
+    finals = []
+    for generation in generations:  # they run concurrently in the engine; order does not matter
+        finals.append(await generation.final())
+    return finals
+
+
+class _ChoiceBuilder:
+    """Turns cumulative engine outputs into (delta) choices; tracks what each choice has sent."""
+
+    def __init__(self, body: CompletionRequest, model: LoadedModel, echoes: list[str]) -> None:
+        self._n = body.n
+        self._want_logprobs = body.logprobs is not None
+        self._formatter = model.formatter
+        self._echoes = echoes
+        self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+        self._finished: set[int] = set()
+
+    def delta(self, prompt_index: int, c: CompletionOutput) -> CompletionChoice | None:
+        """What choice `c` adds since the last call; None when it adds nothing."""
+        index = prompt_index * self._n + c.index
+        if index in self._finished:
+            return None
+        chars, tokens = self._sent.get(index, (0, 0))
+        text = (self._echoes[prompt_index] if index not in self._sent else "") + c.text[chars:]
+        logprobs = None
+        if self._want_logprobs and len(c.token_ids) > tokens:
+            offset = len(self._echoes[prompt_index]) + chars
+            logprobs = completion_logprobs(self._formatter, c.token_ids[tokens:], c.logprobs[tokens:], offset)
+        self._sent[index] = (len(c.text), len(c.token_ids))
+        if c.finish_reason is not None:
+            self._finished.add(index)
+        elif not text and logprobs is None:
+            return None
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
+
+
+async def _stream(
+    body: CompletionRequest,
+    generations: list[Generation],
+    builder: _ChoiceBuilder,
+    request_id: str,
+    model_id: str,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    try:
+        async for prompt_index, output in merge_outputs(generations):
+            choices = [choice for c in output.outputs if (choice := builder.delta(prompt_index, c))]
+            if choices:
+                yield event(CompletionResponse(id=request_id, created=created, model=model_id, choices=choices))
+        if body.include_usage():
+            usage = usage_of([g.last for g in generations if g.last is not None])
+            yield event(CompletionResponse(id=request_id, created=created, model=model_id, choices=[], usage=usage))
+    except Exception as exc:
+        yield error_event(exc)
+    yield DONE

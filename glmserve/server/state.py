@@ -1,0 +1,62 @@
+"""What the request handlers share: the engine, metrics, config, and model-dependent helpers.
+
+The model loads in the background after the server starts listening, so the parts that need
+it (alias table, tokenizer helpers) are built on first use once the engine is ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from glmserve.engine.async_engine import AsyncEngine, EngineState
+from glmserve.engine.llm_engine import LLMEngine
+from glmserve.server.aliases import AliasTable
+from glmserve.server.config import ServerConfig
+from glmserve.server.errors import BadRequestError, ServiceUnavailableError
+from glmserve.server.logprobs import TokenFormatter
+from glmserve.server.metrics import ServerMetrics
+from glmserve.server.protocol import ChatMessage
+
+
+class LoadedModel:
+    """Helpers that need the loaded engine: aliases, tokenization, token formatting."""
+
+    def __init__(self, engine: LLMEngine, aliases: dict[str, str]) -> None:
+        self._engine = engine
+        self.aliases = AliasTable(engine.model_name, aliases)
+        self.formatter = TokenFormatter(engine.tokenizer)
+        self.max_model_len: int = engine.max_model_len
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        """Token ids of the conversation with the generation prompt appended."""
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        try:
+            return list(self._engine.apply_chat_template(turns))
+        except Exception as exc:  # a template may reject an ordering of roles, for instance
+            raise BadRequestError(f"The chat template rejected the messages: {exc}", param="messages") from exc
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt, tokenized exactly as the engine would."""
+        return self._engine.tokenize(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._engine.tokenizer.decode(token_ids)
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    config: ServerConfig
+    _loaded: LoadedModel | None = field(default=None, init=False)
+
+    def loaded(self) -> LoadedModel:
+        """The model helpers; 503 while the model is loading or after the engine stopped."""
+        if self._loaded is None:
+            if self.engine.state is not EngineState.READY:
+                raise ServiceUnavailableError(
+                    self.engine.failure or f"The model is not ready (state: {self.engine.state.value}).",
+                    code="model_not_ready",
+                )
+            self._loaded = LoadedModel(self.engine.engine, self.config.aliases)
+        return self._loaded
