@@ -7,6 +7,7 @@ import sys
 
 from glmserve.config import EngineConfig
 from glmserve.errors import GlmServeError
+from glmserve.server.config import add_server_args, server_config_from_args
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +103,6 @@ def _read_lines(interactive: bool):
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from glmserve.server.config import server_config_from_args
     from glmserve.server.launch import run_server
 
     sys.exit(run_server(engine_config_from_args(args), server_config_from_args(args)))
@@ -121,8 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         add_engine_args(p)
         add_sampling_args(p)
-    from glmserve.server.config import add_server_args
-
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (port 8000)")
     add_engine_args(serve)
     add_server_args(serve)

@@ -1,6 +1,6 @@
-"""OpenAI-compatible HTTP server over the glmserve engine (`glmserve serve`)."""
+"""OpenAI-compatible HTTP server over the glmserve engine (`glmserve serve`).
 
-from glmserve.server.app import create_app
-from glmserve.server.config import ServerConfig
-
-__all__ = ["ServerConfig", "create_app"]
+Entry points: `glmserve.server.app.create_app` (the FastAPI app) and
+`glmserve.server.launch.run_server` (uvicorn with graceful shutdown). This package file stays
+light so that `glmserve.server.config` imports without FastAPI.
+"""

@@ -1,0 +1,545 @@
+"""The OpenAI-compatible server, end to end: a real `glmserve serve` process on the embedded
+SmolLM2, driven through the official `openai` package and raw httpx.
+
+One server process serves the whole module (the model loads once). It is started with a
+small admission bound (max_num_seqs 2 + max_waiting_requests 1 = 3 requests in flight) so
+that overload is easy to reach, and the last test stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+SERVED = "smollm2"
+ALIASES = {"gpt-4o-mini": SERVED, "openrouter/smollm2-135m": SERVED}
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 2
+MAX_WAITING = 1
+CAPACITY = MAX_NUM_SEQS + MAX_WAITING
+STARTUP_TIMEOUT_S = 180
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# a request that runs until it is aborted (ignore_eos, the whole context as budget)
+ENDLESS = {"model": SERVED, "messages": QUESTION, "max_tokens": MAX_MODEL_LEN, "ignore_eos": True}
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+    early_readiness: httpx.Response  # /v1/health answered while the model was loading
+    early_chat: httpx.Response  # a chat request sent while the model was loading
+    ready_readiness: httpx.Response  # the first 200 of /v1/health
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def http(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=120, **kwargs)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _wait_for(condition: Callable[[], Any], timeout_s: float, what: str, log: Callable[[], str]) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}; server log:\n{log()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    args = ["--port", "0", "--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN)]
+    args += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING)]
+    args += ["--kv-cache-memory-bytes", str(256 << 20), "--shutdown-timeout", "20"]
+    for alias, canonical in ALIASES.items():
+        args += ["--alias", f"{alias}={canonical}"]
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "glmserve.cli", "serve", *args], stdout=log_file, stderr=subprocess.STDOUT
+        )
+
+    def log() -> str:
+        return log_path.read_text(errors="replace")
+
+    def port() -> int | None:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log()[-4000:]}")
+        match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log())
+        return int(match.group(1)) if match else None
+
+    try:
+        base_url = f"http://127.0.0.1:{_wait_for(port, STARTUP_TIMEOUT_S, 'the server to listen', log)}"
+        with httpx.Client(base_url=base_url, timeout=30) as http:
+            early_readiness = http.get("/v1/health")
+            early_chat = http.post("/v1/chat/completions", json={"model": SERVED, "messages": QUESTION})
+
+            def ready() -> httpx.Response | None:
+                response = http.get("/v1/health")
+                return response if response.status_code == 200 else None
+
+            ready_readiness = _wait_for(ready, STARTUP_TIMEOUT_S, "readiness", log)
+        yield Server(proc, base_url, log_path, early_readiness, early_chat, ready_readiness)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def engine_state(server: Server) -> dict[str, Any]:
+    with server.http() as http:
+        return http.get("/v1/health").json()["engine"]
+
+
+def wait_idle(server: Server, timeout_s: float = 20) -> dict[str, Any]:
+    """Engine stats once no request is in flight and every KV block is back in the pool."""
+
+    def idle() -> dict[str, Any] | None:
+        state = engine_state(server)
+        pool_full = state["num_free_blocks"] == state["num_total_blocks"]
+        return state if state["requests_in_flight"] == 0 and state["num_running"] == 0 and pool_full else None
+
+    return _wait_for(idle, timeout_s, "the engine to go idle with all KV blocks free", server.log)
+
+
+def scrape(server: Server) -> str:
+    with server.http() as http:
+        response = http.get("/metrics")
+    assert response.status_code == 200
+    return response.text
+
+
+def metric(text: str, sample: str, **labels: str) -> float:
+    """Value of one sample in Prometheus text (0 when absent)."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def assert_openai_error(response: httpx.Response, status: int, error_type: str, code: str | None = None) -> str:
+    assert response.status_code == status, response.text
+    assert "Traceback" not in response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == error_type
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code
+    return error["message"]
+
+
+# ---------------------------------------------------------------------- health and models
+
+
+def test_readiness_is_503_until_warm_up_then_200(server: Server) -> None:
+    early = server.early_readiness
+    assert early.status_code == 503
+    assert early.headers["retry-after"] == "1"
+    assert early.json()["status"] in ("loading", "warming_up")
+    assert_openai_error(server.early_chat, 503, "server_error", "model_not_ready")
+    assert server.early_chat.headers["retry-after"] == "1"
+
+    ready = server.ready_readiness.json()
+    assert ready["status"] == "ready"
+    assert ready["model"] == SERVED
+    assert ready["engine"]["num_total_blocks"] > 0
+
+
+def test_liveness(server: Server) -> None:
+    with server.http() as http:
+        response = http.get("/health")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+def test_models_list_served_model_and_aliases(server: Server) -> None:
+    client = server.client()
+    models = client.models.list().data
+    assert [m.id for m in models] == [SERVED, *ALIASES]
+    assert all(m.object == "model" and m.root == SERVED for m in models)
+    assert client.models.retrieve("openrouter/smollm2-135m").id == "openrouter/smollm2-135m"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-5")
+    assert info.value.code == "model_not_found"
+
+
+# ---------------------------------------------------------------------- chat
+
+
+def test_chat_completion(server: Server) -> None:
+    response = server.client().chat.completions.create(
+        model=SERVED, messages=QUESTION, max_tokens=8, temperature=0, user="test-user"
+    )
+    assert response.object == "chat.completion"
+    assert response.model == SERVED
+    assert response.id.startswith("chatcmpl-")
+    (choice,) = response.choices
+    assert choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = response.usage
+    assert usage.prompt_tokens > 10
+    assert 0 < usage.completion_tokens <= 8
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_stream_matches_non_stream(server: Server) -> None:
+    client = server.client()
+    request = {"model": SERVED, "messages": QUESTION, "max_tokens": 4, "temperature": 0}
+    whole = client.chat.completions.create(**request, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        **request,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == whole.choices[0].message.content
+    assert finishes == ["length"]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_raw_stream_ends_with_done(server: Server) -> None:
+    body = {"model": SERVED, "messages": QUESTION, "max_tokens": 3, "stream": True}
+    with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_n2_returns_two_choices(server: Server) -> None:
+    response = server.client().chat.completions.create(
+        model=SERVED, messages=QUESTION, max_tokens=3, n=2, temperature=1.0, seed=1, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in response.choices] == [0, 1]
+    assert all(c.message.content and c.finish_reason == "length" for c in response.choices)
+    assert response.usage.completion_tokens == 6
+
+
+def test_seed_reproducibility(server: Server) -> None:
+    client = server.client()
+
+    def sample(seed: int) -> list[str]:
+        response = client.completions.create(
+            model=SERVED, prompt="My favourite word is", max_tokens=5, temperature=1.0, n=2, seed=seed
+        )
+        return [c.text for c in response.choices]
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert first[0] != first[1] or any(sample(seed) != first for seed in (1, 2))
+
+
+def test_stop_string_cuts_text(server: Server) -> None:
+    client = server.client()
+    prompt = "1, 2, 3, 4, 5,"
+    free = client.completions.create(model=SERVED, prompt=prompt, max_tokens=8, temperature=0).choices[0]
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    cut = client.completions.create(model=SERVED, prompt=prompt, max_tokens=8, temperature=0, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+    chat = client.chat.completions.create(model=SERVED, messages=QUESTION, max_tokens=8, temperature=0, stop="Paris")
+    assert chat.choices[0].finish_reason == "stop"
+    assert "Paris" not in chat.choices[0].message.content
+
+
+def test_chat_logprobs(server: Server) -> None:
+    response = server.client().chat.completions.create(
+        model=SERVED, messages=QUESTION, max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
+    )
+    choice = response.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert "".join(t.token for t in content) == choice.message.content
+    for token in content:
+        assert token.logprob <= 0
+        assert bytes(token.bytes).decode() == token.token
+        assert len(token.top_logprobs) == 3
+        values = [t.logprob for t in token.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert token.top_logprobs[0].token == token.token  # greedy: the chosen token is the top one
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
+
+
+# ---------------------------------------------------------------------- completions
+
+
+def test_completions_prompt_forms_and_echo(server: Server) -> None:
+    client = server.client()
+    prompts = ["The capital of France is", "Water is made of"]
+    singles = [client.completions.create(model=SERVED, prompt=p, max_tokens=3, temperature=0) for p in prompts]
+    assert singles[0].object == "text_completion"
+    assert singles[0].id.startswith("cmpl-")
+
+    both = client.completions.create(model=SERVED, prompt=prompts, max_tokens=3, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [s.choices[0].text for s in singles]
+    assert both.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert both.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+    echoed = client.completions.create(model=SERVED, prompt=prompts[0], max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompts[0] + singles[0].choices[0].text
+
+
+def test_completions_token_id_prompt_and_stream(server: Server) -> None:
+    client = server.client()
+    # SmolLM2's tokenizer: "Hello" -> 19556, "," -> 28, " my" -> 957, " name" -> 1462, " is" -> 314
+    token_prompt = [19556, 28, 957, 1462, 314]
+    by_ids = client.completions.create(model=SERVED, prompt=token_prompt, max_tokens=4, temperature=0)
+    by_text = client.completions.create(model=SERVED, prompt="Hello, my name is", max_tokens=4, temperature=0)
+    assert by_ids.usage.prompt_tokens == 5
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    stream = client.completions.create(
+        model=SERVED, prompt="Hello, my name is", max_tokens=4, temperature=0, stream=True, logprobs=1
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == by_text.choices[0].text
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices) == by_text.usage.completion_tokens
+
+
+def test_completion_logprobs(server: Server) -> None:
+    response = server.client().completions.create(
+        model=SERVED, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=2
+    )
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 3
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(3)]
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert value <= 0
+        assert top[token] == pytest.approx(value)
+        assert 2 <= len(top) <= 3
+
+
+# ---------------------------------------------------------------------- usage, aliases, limits
+
+
+def test_repeated_long_prompt_reports_cached_tokens(server: Server) -> None:
+    client = server.client()
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and politely." for i in range(40))
+    messages = [{"role": "system", "content": system}, *QUESTION]
+    first = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=1, temperature=0)
+    second = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=1, temperature=0)
+    assert first.usage.prompt_tokens > 300
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 32  # every full block of the prompt but the last
+    assert cached < second.usage.prompt_tokens
+
+
+def test_alias_is_echoed_and_unknown_model_is_404(server: Server) -> None:
+    client = server.client()
+    for alias in ALIASES:
+        response = client.chat.completions.create(model=alias, messages=QUESTION, max_tokens=1)
+        assert response.model == alias
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-5", messages=QUESTION, max_tokens=2)
+    assert info.value.code == "model_not_found"
+    assert "gpt-5" in info.value.message
+
+
+def test_max_tokens_beyond_context_is_clamped(server: Server) -> None:
+    room = 3
+    prompt = [19556] * (MAX_MODEL_LEN - room)  # token ids: the prompt length is exact
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": 10 * MAX_MODEL_LEN, "ignore_eos": True}
+    with server.http() as http:
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == room
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": SERVED, "messages": QUESTION, "temperature": 3.0}, "temperature"),
+        ({"model": SERVED, "messages": QUESTION, "max_tokens": -1}, "max_tokens"),
+        ({"model": SERVED, "messages": QUESTION, "n": 0}, "n"),
+        ({"model": SERVED, "messages": []}, "messages"),
+        ({"model": SERVED, "messages": QUESTION, "top_p": 0}, "top_p"),
+        ({"model": SERVED, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+        ({"model": SERVED, "messages": QUESTION, "top_logprobs": 2}, None),
+        ({"model": SERVED}, "messages"),
+    ],
+)
+def test_invalid_values_are_400(server: Server, body: dict[str, Any], param: str | None) -> None:
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", json=body)
+    assert_openai_error(response, 400, "invalid_request_error")
+    assert response.json()["error"]["param"] == param
+
+
+def test_invalid_values_through_openai_client(server: Server) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=SERVED, messages=QUESTION, temperature=2.5)
+    assert "temperature" in info.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=SERVED, prompt="hi", max_tokens=-5)
+
+
+def test_malformed_json_is_400(server: Server) -> None:
+    with server.http() as http:
+        response = http.post(
+            "/v1/chat/completions",
+            content=b'{"model": "smollm2", "messages": [',
+            headers={"content-type": "application/json"},
+        )
+    message = assert_openai_error(response, 400, "invalid_request_error")
+    assert "JSON" in message
+
+
+def test_prompt_too_long_is_400_with_the_limit(server: Server) -> None:
+    long_text = "hello " * (MAX_MODEL_LEN + 50)
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": long_text}])
+    assert str(MAX_MODEL_LEN) in info.value.message
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=SERVED, prompt=long_text)
+    assert str(MAX_MODEL_LEN) in info.value.message
+
+
+def test_unknown_route_is_openai_style_404(server: Server) -> None:
+    with server.http() as http:
+        assert_openai_error(http.get("/v1/nothing-here"), 404, "invalid_request_error")
+
+
+def test_overload_is_503_with_retry_after(server: Server) -> None:
+    wait_idle(server)
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+
+            async def hold() -> None:
+                async with http.stream("POST", "/v1/chat/completions", json={**ENDLESS, "stream": True}) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+
+            holders = [asyncio.create_task(hold()) for _ in range(CAPACITY)]
+            try:
+                deadline = time.monotonic() + 60
+                while (await http.get("/v1/health")).json()["engine"]["requests_in_flight"] < CAPACITY:
+                    assert time.monotonic() < deadline, "the holding requests were never admitted"
+                    await asyncio.sleep(0.05)
+                return await http.post("/v1/chat/completions", json={"model": SERVED, "messages": QUESTION})
+            finally:
+                for task in holders:
+                    task.cancel()
+                await asyncio.gather(*holders, return_exceptions=True)
+
+    response = asyncio.run(scenario())
+    assert_openai_error(response, 503, "server_error", "overloaded")
+    assert response.headers["retry-after"] == "1"
+    wait_idle(server)  # the cancelled holders were aborted and gave their blocks back
+
+
+# ---------------------------------------------------------------------- disconnects and metrics
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(server: Server) -> None:
+    idle = wait_idle(server)
+    generated_before = metric(scrape(server), "glmserve_generation_tokens_total")
+    with server.http() as http, http.stream("POST", "/v1/chat/completions", json={**ENDLESS, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if '"content"' in line)
+        busy = engine_state(server)  # still connected: the request holds KV blocks
+        assert busy["requests_in_flight"] == 1
+        assert busy["num_free_blocks"] < idle["num_free_blocks"]
+    # leaving the `with` closes the connection mid-stream
+    after = wait_idle(server, timeout_s=15)
+    assert after["num_free_blocks"] == idle["num_free_blocks"]
+    # aborted, not completed: a completed request would have added its tokens
+    assert metric(scrape(server), "glmserve_generation_tokens_total") == generated_before
+
+
+def test_disconnect_while_waiting_for_non_streaming_response(server: Server) -> None:
+    wait_idle(server)
+    before = metric(scrape(server), "glmserve_http_requests_total", endpoint="/v1/chat/completions", status="499")
+    with server.http() as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/chat/completions", json=ENDLESS, timeout=httpx.Timeout(120, read=1.5))
+    wait_idle(server, timeout_s=15)
+    after = metric(scrape(server), "glmserve_http_requests_total", endpoint="/v1/chat/completions", status="499")
+    assert after == before + 1
+
+
+def test_metrics_move_as_requests_complete(server: Server) -> None:
+    wait_idle(server)
+    before = scrape(server)
+    response = server.client().chat.completions.create(
+        model=SERVED, messages=QUESTION, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = scrape(server)
+
+    def delta(sample: str, **labels: str) -> float:
+        return metric(after, sample, **labels) - metric(before, sample, **labels)
+
+    assert delta("glmserve_http_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert delta("glmserve_request_finished_total", finish_reason="length") == 1
+    assert delta("glmserve_generation_tokens_total") == 3
+    assert delta("glmserve_prompt_tokens_total") == response.usage.prompt_tokens
+    assert delta("glmserve_cached_prompt_tokens_total") == response.usage.prompt_tokens_details.cached_tokens
+    assert delta("glmserve_time_to_first_token_seconds_count") == 1
+    assert delta("glmserve_e2e_request_latency_seconds_count") == 1
+    assert delta("glmserve_inter_token_latency_seconds_count") >= 1
+    finished = {
+        s.labels["finish_reason"]: s.value
+        for f in text_string_to_metric_families(after)
+        for s in f.samples
+        if s.name == "glmserve_request_finished_total"
+    }
+    assert metric(after, "glmserve_truncation_rate") == pytest.approx(finished["length"] / sum(finished.values()))
+    assert 0 < metric(after, "glmserve_prefix_cache_hit_rate") <= 1
+    assert metric(after, "glmserve_kv_cache_usage") == 0  # idle again
+    assert metric(after, "glmserve_num_requests_running") == 0
+    assert metric(after, "glmserve_num_requests_waiting") == 0
+
+
+# ---------------------------------------------------------------------- shutdown (keep last)
+
+
+def test_sigterm_finishes_in_flight_request_and_exits_zero(server: Server) -> None:
+    body = {"model": SERVED, "messages": QUESTION, "max_tokens": 4, "ignore_eos": True, "stream": True}
+    with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line)
+        assert first.startswith("data: ")
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert any('"finish_reason":"length"' in line for line in rest)
+    assert server.proc.wait(timeout=60) == 0
+    assert "Traceback" not in server.log()
