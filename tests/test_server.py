@@ -528,6 +528,18 @@ def test_metrics_move_as_requests_complete(server: Server) -> None:
     assert metric(after, "glmserve_num_requests_waiting") == 0
 
 
+def test_alias_to_another_model_is_refused_at_startup() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "glmserve.cli", "serve", "--served-model-name", SERVED, "--alias", "gpt-4o=llama-70b"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "gpt-4o=llama-70b" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 # ---------------------------------------------------------------------- shutdown (keep last)
 
 

@@ -27,7 +27,7 @@ from glmserve.config import EngineConfig
 from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.outputs import EngineStats, RequestOutput
 from glmserve.engine.sampling import SamplingParams
-from glmserve.errors import EngineOverloadedError
+from glmserve.errors import EngineOverloadedError, GlmServeError
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +90,17 @@ class _NewRequest:
 class AsyncEngine:
     """Thread-driven LLMEngine with an async per-request output stream."""
 
-    def __init__(self, config: EngineConfig, on_failure: Callable[[str], None] | None = None) -> None:
-        """`on_failure(message)` is called from the engine thread if loading or a step fails."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_loaded: Callable[[LLMEngine], None] | None = None,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        """Hooks run in the engine thread: `on_loaded(engine)` after the model is loaded and
+        before warm-up (an exception there fails the engine), `on_failure(message)` if loading,
+        `on_loaded` or a step fails."""
         self.config = config
+        self._on_loaded = on_loaded
         self._on_failure = on_failure
         self.capacity = config.max_num_seqs + config.max_waiting_requests
         self._cond = threading.Condition()
@@ -216,6 +224,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             engine = LLMEngine(self.config)
+            if self._on_loaded is not None:
+                self._on_loaded(engine)
             self._stats = engine.stats()
             self._engine = engine
             self._set_state(EngineState.WARMING_UP)
@@ -223,7 +233,9 @@ class AsyncEngine:
             self._stats = engine.stats()
             self._set_state(EngineState.READY)
             self._loop(engine)
-        except Exception as exc:  # any failure ends the engine; clients get 503, logs get the trace
+        except GlmServeError as exc:  # a deliberate, explained error (bad option, unsupported model)
+            self._fail(f"The engine failed: {exc}")
+        except Exception as exc:  # anything else is a bug: clients get 503, the log gets the trace
             logger.exception("engine thread failed")
             self._fail(f"The engine failed: {type(exc).__name__}: {exc}")
 

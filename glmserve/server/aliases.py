@@ -8,17 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from glmserve.errors import InvalidRequestError
 from glmserve.server.errors import ModelNotFoundError
+
+
+def check_aliases(served_model: str, aliases: Mapping[str, str]) -> None:
+    """Every alias must name the served model as its canonical id."""
+    unknown = {a: c for a, c in aliases.items() if c != served_model}
+    if unknown:
+        listed = ", ".join(f"{a}={c}" for a, c in unknown.items())
+        raise InvalidRequestError(f"aliases must point to the served model {served_model!r}; these do not: {listed}")
 
 
 class AliasTable:
     """Maps every accepted model id to the canonical served model id."""
 
     def __init__(self, served_model: str, aliases: Mapping[str, str]) -> None:
-        unknown = {a: c for a, c in aliases.items() if c != served_model}
-        if unknown:
-            listed = ", ".join(f"{a}={c}" for a, c in unknown.items())
-            raise ValueError(f"aliases must point to the served model {served_model!r}; these do not: {listed}")
+        check_aliases(served_model, aliases)
         self.served_model = served_model
         self._canonical = {served_model: served_model, **dict(aliases)}
 

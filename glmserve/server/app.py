@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from glmserve.config import EngineConfig
 from glmserve.engine.async_engine import AsyncEngine, EngineState
+from glmserve.server.aliases import check_aliases
 from glmserve.server.config import ServerConfig
 from glmserve.server.errors import install_error_handlers
 from glmserve.server.generation import ClientDisconnectedError
@@ -108,8 +109,14 @@ def create_app(
     step fails; the launcher uses it to stop the process instead of serving 503s forever.
     """
     server_config = server_config or ServerConfig()
-    engine = AsyncEngine(engine_config, on_failure=on_engine_failure)
+    if engine_config.served_model_name is not None:  # otherwise checked once the model is loaded
+        check_aliases(engine_config.served_model_name, server_config.aliases)
+    # the hook runs in the engine thread, long after `serving` below exists
+    engine = AsyncEngine(
+        engine_config, on_loaded=lambda llm: serving.on_engine_loaded(llm), on_failure=on_engine_failure
+    )
     metrics_ = ServerMetrics(engine)
+    serving = ServingContext(engine, metrics_, server_config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -118,7 +125,7 @@ def create_app(
         await engine.shutdown()
 
     app = FastAPI(title="glmserve", lifespan=lifespan)
-    app.state.serving = ServingContext(engine, metrics_, server_config)
+    app.state.serving = serving
     install_error_handlers(app, server_config.retry_after_s)
 
     async def on_disconnect(_: Request, __: Exception) -> Response:

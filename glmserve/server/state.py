@@ -1,7 +1,7 @@
 """What the request handlers share: the engine, metrics, config, and model-dependent helpers.
 
-The model loads in the background after the server starts listening, so the parts that need
-it (alias table, tokenizer helpers) are built on first use once the engine is ready.
+The model loads in the background after the server starts listening; the parts that need it
+(alias table, tokenizer helpers) are built by an engine hook as soon as it is loaded.
 """
 
 from __future__ import annotations
@@ -50,13 +50,15 @@ class ServingContext:
     config: ServerConfig
     _loaded: LoadedModel | None = field(default=None, init=False)
 
+    def on_engine_loaded(self, engine: LLMEngine) -> None:
+        """Engine hook: build the model helpers (a bad alias fails startup here)."""
+        self._loaded = LoadedModel(engine, self.config.aliases)
+
     def loaded(self) -> LoadedModel:
         """The model helpers; 503 while the model is loading or after the engine stopped."""
-        if self._loaded is None:
-            if self.engine.state is not EngineState.READY:
-                raise ServiceUnavailableError(
-                    self.engine.failure or f"The model is not ready (state: {self.engine.state.value}).",
-                    code="model_not_ready",
-                )
-            self._loaded = LoadedModel(self.engine.engine, self.config.aliases)
+        if self._loaded is None or self.engine.state is not EngineState.READY:
+            raise ServiceUnavailableError(
+                self.engine.failure or f"The model is not ready (state: {self.engine.state.value}).",
+                code="model_not_ready",
+            )
         return self._loaded
