@@ -106,7 +106,6 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._state = EngineState.LOADING
         self._failure: str | None = None
-        self._engine: LLMEngine | None = None
         self._incoming: list[_NewRequest] = []
         self._aborts: list[str] = []
         self._channels: dict[str, _Channel] = {}
@@ -142,13 +141,6 @@ class AsyncEngine:
     def failure(self) -> str | None:
         """Why the engine failed, when `state` is FAILED."""
         return self._failure
-
-    @property
-    def engine(self) -> LLMEngine:
-        """The loaded LLMEngine (its tokenizer and limits are safe to read from any thread)."""
-        if self._engine is None or self._state in (EngineState.LOADING, EngineState.WARMING_UP):
-            raise EngineNotReadyError("The model is still loading.")
-        return self._engine
 
     def stats(self) -> EngineStats | None:
         """The engine's statistics as of its last step (None before the model is loaded)."""
@@ -227,7 +219,6 @@ class AsyncEngine:
             if self._on_loaded is not None:
                 self._on_loaded(engine)
             self._stats = engine.stats()
-            self._engine = engine
             self._set_state(EngineState.WARMING_UP)
             self._warm_up(engine)
             self._stats = engine.stats()

@@ -62,7 +62,7 @@ class Generation:
     ) -> None:
         self._engine = engine
         self.request_id = request_id
-        self.tracker: RequestTracker = metrics.track()
+        self._tracker: RequestTracker = metrics.track()
         self._outputs = engine.generate(prompt, params, request_id)
         self._first: RequestOutput | None = None
         self.last: RequestOutput | None = None
@@ -106,7 +106,7 @@ class Generation:
             if completion.finish_reason is not None and completion.finish_reason not in CLIENT_FINISH_REASONS:
                 raise ServiceUnavailableError(f"The request was aborted ({completion.finish_reason}).")
         self.last = output
-        self.tracker.on_output(output)
+        self._tracker.on_output(output)
 
 
 async def start_all(generations: Sequence[Generation]) -> None:
