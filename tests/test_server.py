@@ -437,7 +437,7 @@ def test_unknown_route_is_openai_style_404(server: Server) -> None:
         assert_openai_error(http.get("/v1/nothing-here"), 404, "invalid_request_error")
 
 
-def test_overload_is_503_with_retry_after(server: Server) -> None:
+def test_concurrent_streams_batch_then_overload_is_503(server: Server) -> None:
     wait_idle(server)
 
     async def scenario() -> httpx.Response:
@@ -451,8 +451,10 @@ def test_overload_is_503_with_retry_after(server: Server) -> None:
             holders = [asyncio.create_task(hold()) for _ in range(CAPACITY)]
             try:
                 deadline = time.monotonic() + 60
-                while (await http.get("/v1/health")).json()["engine"]["requests_in_flight"] < CAPACITY:
-                    assert time.monotonic() < deadline, "the holding requests were never admitted"
+                # the streams run batched together: max_num_seqs running, the rest waiting
+                held = {"requests_in_flight": CAPACITY, "num_running": MAX_NUM_SEQS, "num_waiting": MAX_WAITING}
+                while {k: v for k, v in (await http.get("/v1/health")).json()["engine"].items() if k in held} != held:
+                    assert time.monotonic() < deadline, "the holding requests were never all admitted and batched"
                     await asyncio.sleep(0.05)
                 return await http.post("/v1/chat/completions", json={"model": SERVED, "messages": QUESTION})
             finally:
