@@ -65,21 +65,33 @@ def api_error_response(exc: APIError, retry_after_s: int) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
+def _location(error: dict[str, Any]) -> list[str]:
+    return [str(part) for part in error.get("loc", ()) if part != "body"]
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable message (and the offending parameter) from pydantic's error list."""
+    """One readable message, and the offending parameter, from pydantic's error list.
+
+    A value that matches no member of a union (say, message content that is neither a string
+    nor text parts) yields one error per member; the parameter is then their common location
+    and the message is the most specific (deepest) error's.
+    """
     errors = exc.errors()
     if not errors:
         return "Invalid request.", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
+    if errors[0].get("type") == "json_invalid":
         return "The request body is not valid JSON.", None
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    message = str(first.get("msg", "invalid value"))
+    locations = [_location(e) for e in errors]
+    common: list[str] = []
+    for parts in zip(*locations):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    param = ".".join(common) or None
+    deepest = max(range(len(errors)), key=lambda k: len(locations[k]))
+    message = str(errors[deepest].get("msg", "invalid value")).removeprefix("Value error, ")
     if param:
         message = f"Invalid value for '{param}': {message}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error(s))"
     return message, param
 
 
