@@ -39,11 +39,15 @@ def safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _eos_ids(tokenizer: PreTrainedTokenizerBase, model_dir: Path | None) -> set[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+def _as_set(ids: int | list[int] | None) -> set[int]:
+    return set(ids) if isinstance(ids, list) else {ids} if ids is not None else set()
+
+
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig, model_dir: Path | None) -> set[int]:
+    """End of generation: the tokenizer's eos, the config's (end-of-turn ids too), generation_config's."""
+    ids = _as_set(tokenizer.eos_token_id) | _as_set(getattr(hf_config, "eos_token_id", None))
     if model_dir is not None and (model_dir / "generation_config.json").exists():
-        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
-        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        ids |= _as_set(GenerationConfig.from_pretrained(str(model_dir)).eos_token_id)
     return ids
 
 
@@ -91,7 +95,7 @@ def load_model(path: str | None, tokenizer_path: str | None, device: torch.devic
         model=model,
         hf_config=hf_config,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_ids(tokenizer, model_dir),
+        eos_token_ids=_eos_ids(tokenizer, hf_config, model_dir),
         name=location.stem if location.is_file() else location.name,
         max_position_embeddings=hf_config.max_position_embeddings,
     )
