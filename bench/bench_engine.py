@@ -62,9 +62,11 @@ RUNNERS = (
 )
 
 
-def run_one(runner: Runner, work_path: Path, gguf: Path, timeout_s: float, dtype: str | None) -> dict[str, Any]:
+def run_one(runner: Runner, work_path: Path, gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Run one runner process; its result dict, or {"engine", "error"} when it failed."""
-    dtype_args = ["--dtype", dtype] if dtype and runner.hf_model else []
+    extra = ["--dtype", args.peer_dtype] if args.peer_dtype and runner.hf_model else []
+    if args.budget:
+        extra += ["--budget-s", str(args.budget)]
     why_not = runner.available()
     if why_not:
         return {"engine": runner.key, "error": why_not}
@@ -79,16 +81,16 @@ def run_one(runner: Runner, work_path: Path, gguf: Path, timeout_s: float, dtype
         str(gguf),
         "--hf-dir",
         str(wl.BENCH_DIR / "smollm2-bf16"),
-        *dtype_args,
+        *extra,
         "--t0",
         repr(time.time()),
     ]
     print(f"== {runner.key}: {' '.join(cmd)} (log {log})", file=sys.stderr, flush=True)
     with log.open("w") as err:
         try:
-            proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout_s)
+            proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            return {"engine": runner.key, "error": f"timed out after {timeout_s:.0f}s (log {log})"}
+            return {"engine": runner.key, "error": f"timed out after {args.timeout:.0f}s (log {log})"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(harness.RESULT_MARKER):
             return {**json.loads(line[len(harness.RESULT_MARKER) :]), "key": runner.key}
@@ -138,7 +140,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller counts (smoke run)")
     parser.add_argument("--only", default="", help="comma-separated runner keys: " + ",".join(r.key for r in RUNNERS))
     parser.add_argument("--skip", default="", help="comma-separated runner keys to leave out")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per runner")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per runner before it is killed")
+    parser.add_argument("--budget", type=float, help="seconds per runner after which it starts no new metric")
     parser.add_argument("--peer-dtype", help="dtype for the transformers/vLLM peers (default bfloat16)")
     parser.add_argument("--out", type=Path, help="results JSON (default bench/results/engine-<date>[-quick].json)")
     parser.add_argument("--report", type=Path, help="only print the table of an existing results JSON")
@@ -168,7 +171,7 @@ def main() -> None:
         }
     )
     for runner in chosen:
-        result = run_one(runner, work_path, gguf, args.timeout, args.peer_dtype)
+        result = run_one(runner, work_path, gguf, args)
         result["command"] = " ".join(sys.argv)
         result["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
         key = f"{runner.key}:{args.peer_dtype}" if args.peer_dtype and runner.hf_model else runner.key

@@ -252,7 +252,10 @@ def server_command(key: str, port: int) -> tuple[list[str], dict[str, str]]:
             str(wl.MODEL_CONTEXT),
             "--served-model-name",
             SERVED_NAME,
-        ], {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+        ], {
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{wl.THREADS - 1}",  # "auto" keeps one of the 2 cores back
+        }
     raise ValueError(f"unknown server {key!r}")
 
 

@@ -141,10 +141,12 @@ def decode_rate(engine: Engine, first: list[list[int]], full: list[list[int]], n
 class Suite:
     """Runs the workloads on one engine and fills the common result schema."""
 
-    def __init__(self, engine: Engine, work: wl.Workloads, metrics: set[str]) -> None:
+    def __init__(self, engine: Engine, work: wl.Workloads, metrics: set[str], budget_s: float | None) -> None:
         self.engine = engine
         self.work = work
         self.wanted = metrics
+        self.budget_s = budget_s
+        self.deadline = time.monotonic() + budget_s if budget_s else float("inf")
         self.result: dict[str, Any] = {m: None for m in METRICS}
         self.notes: dict[str, str] = dict(engine.notes)
         self.details: dict[str, Any] = {}
@@ -154,6 +156,9 @@ class Suite:
             self.notes.setdefault(metric, "not requested")
             return
         if metric in self.engine.unsupported:
+            return
+        if time.monotonic() > self.deadline:
+            self.notes[metric] = f"skipped: the runner's time budget ({self.budget_s:.0f} s) ran out"
             return
         print(f"[{self.engine.name}] {metric} ...", file=sys.stderr, flush=True)
         try:
@@ -214,6 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", help="weights/activations dtype (default: bfloat16 for peers, the engine's own for ours)"
     )
     parser.add_argument("--metrics", default=",".join(METRICS), help="comma-separated subset of metrics")
+    parser.add_argument("--budget-s", type=float, help="start no new metric after this many seconds of measuring")
     return parser.parse_args(argv)
 
 
@@ -230,7 +236,7 @@ def run_main(make_engine: Callable[[], Engine], argv: list[str] | None = None) -
         startup_latency, _ = timed(engine, [work.startup], 1)
         startup = time.time() - launch
         timed(engine, [work.warmup], 4)
-        suite = Suite(engine, work, set(args.metrics.split(",")))
+        suite = Suite(engine, work, set(args.metrics.split(",")), args.budget_s)
         suite.result["startup_s"] = round(startup, 3)
         suite.details["first_request_s"] = round(startup_latency, 3)
         suite.run()

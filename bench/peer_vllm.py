@@ -3,7 +3,8 @@
     $GLMSERVE_BENCH_DIR/vllm/bin/python bench/peer_vllm.py --workloads W.json --hf-dir DIR
 
 KV cache space comes from VLLM_CPU_KVCACHE_SPACE (GiB, default here 4); the engine core runs
-in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so timings and RSS cover one process.
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so timings and RSS cover one process; its OpenMP
+threads are bound to cores 0-1 (vLLM's "auto" binding reserves one of the 2 cores otherwise).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import workloads as wl
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("OMP_NUM_THREADS", str(wl.THREADS))
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{wl.THREADS - 1}")  # "auto" keeps a core back
 
 
 class VllmEngine(harness.Engine):

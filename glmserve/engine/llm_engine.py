@@ -185,14 +185,15 @@ class LLMEngine:
                 index=s.index,
                 text=s.detokenizer.visible_text(s.is_finished),
                 token_ids=s.output_token_ids,
-                logprobs=s.logprobs,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,  # a snapshot across threads
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
             )
             for s in request.seqs
         ]
         first = request.seqs[0]
-        return RequestOutput(request.request_id, request.prompt_token_ids, first.num_cached_tokens, outputs, finished)
+        return RequestOutput(request.request_id, request.prompt_token_ids, first.num_cached_tokens, outputs, finished,
+                             first.arrival_time, first.first_scheduled_time)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

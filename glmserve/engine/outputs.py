@@ -33,6 +33,8 @@ class RequestOutput:
     num_cached_tokens: int
     outputs: list[CompletionOutput]
     finished: bool
+    arrival_time: float = 0.0  # time.monotonic() when the request was added
+    first_scheduled_time: float | None = None  # when it left the waiting queue the first time
 
 
 @dataclass

@@ -10,6 +10,7 @@ the cache).
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 from glmserve.engine.sequence import Sequence, SequenceStatus
@@ -98,6 +99,8 @@ class Scheduler:
         allocated = self.blocks.allocate(seq, num_new)
         assert allocated
         seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
         bisect.insort(self.running, seq, key=lambda s: s.sort_key)
         scheduled.append(ScheduledSeq(seq, num_new))
         return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from enum import Enum, auto
 
 import torch
@@ -34,6 +35,8 @@ class Sequence:
         cache_salt: str | None = None,
     ):
         self.seq_id = next(_seq_counter)
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
         self.request_id = request_id
         self.index = index
         self.token_ids: list[int] = list(prompt_token_ids)
