@@ -14,7 +14,7 @@ import torch
 from glmserve.config import EngineConfig
 from glmserve.engine.detokenizer import IncrementalDetokenizer
 from glmserve.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from glmserve.engine.runner import ModelRunner, kv_bytes_per_token
+from glmserve.engine.runner import ModelRunner
 from glmserve.engine.sampling import SamplingParams
 from glmserve.engine.scheduler import Scheduler
 from glmserve.engine.sequence import Sequence
@@ -63,7 +63,7 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.model_name = config.served_model_name or loaded.name
         self.max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
-        bytes_per_block = config.block_size * kv_bytes_per_token(loaded.model, kv_dtype)
+        bytes_per_block = config.block_size * loaded.model.kv_bytes_per_token(kv_dtype)
         num_blocks = self._kv_budget() // bytes_per_block
         if num_blocks * config.block_size < self.max_model_len:
             raise InvalidRequestError(

@@ -13,23 +13,13 @@ from glmserve.layers.attention import AttentionMetadata, GroupMetadata
 from glmserve.layers.sampler import sample
 
 
-def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device):
         self.model = model
         self.block_size = block_size
         self.device = device
-        slots = num_blocks * block_size
-        # torch.empty: pages are only touched (and counted in RSS) once KV is written there
-        self.kv_cache = torch.empty(
-            (model.num_layers, 2, slots, model.num_kv_heads, model.head_dim), dtype=kv_dtype, device=device
-        )
-        for i, attn in enumerate(model.attention_modules()):
-            attn.kv_cache = self.kv_cache[i]
+        self.kv_cache = model.bind_kv_cache(num_blocks * block_size, kv_dtype, device)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
