@@ -71,7 +71,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     args = ["--port", "0", "--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN)]
     args += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING)]
-    args += ["--kv-cache-memory-bytes", str(256 << 20), "--shutdown-timeout", "20"]
+    args += ["--kv-cache-memory-bytes", str(256 << 20), "--shutdown-timeout", "20", "--num-threads", "1"]
     for alias, canonical in ALIASES.items():
         args += ["--alias", f"{alias}={canonical}"]
     with log_path.open("wb") as log_file:
