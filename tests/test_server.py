@@ -502,10 +502,15 @@ def test_disconnect_while_waiting_for_non_streaming_response(server: Server) -> 
 
 def test_metrics_move_as_requests_complete(server: Server) -> None:
     wait_idle(server)
+
+    def ask() -> Any:
+        return server.client().chat.completions.create(
+            model=SERVED, messages=QUESTION, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+        )
+
+    ask()  # the same prompt again below hits the prefix cache
     before = scrape(server)
-    response = server.client().chat.completions.create(
-        model=SERVED, messages=QUESTION, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
-    )
+    response = ask()
     after = scrape(server)
 
     def delta(sample: str, **labels: str) -> float:
@@ -515,9 +520,12 @@ def test_metrics_move_as_requests_complete(server: Server) -> None:
     assert delta("glmserve_request_finished_total", finish_reason="length") == 1
     assert delta("glmserve_generation_tokens_total") == 3
     assert delta("glmserve_prompt_tokens_total") == response.usage.prompt_tokens
+    assert response.usage.prompt_tokens_details.cached_tokens > 0
     assert delta("glmserve_cached_prompt_tokens_total") == response.usage.prompt_tokens_details.cached_tokens
     assert delta("glmserve_time_to_first_token_seconds_count") == 1
     assert delta("glmserve_e2e_request_latency_seconds_count") == 1
+    assert delta("glmserve_request_queue_time_seconds_count") == 1
+    assert 0 <= delta("glmserve_request_queue_time_seconds_sum") <= delta("glmserve_e2e_request_latency_seconds_sum")
     assert delta("glmserve_inter_token_latency_seconds_count") >= 1
     finished = {
         s.labels["finish_reason"]: s.value

@@ -90,10 +90,14 @@ class RequestTracker:
         self.arrival = time.monotonic()
         self._last: float | None = None
         self._tokens = 0
+        self._queued = True
         self._done = False
 
     def on_output(self, output: RequestOutput) -> None:
         now = time.monotonic()
+        if self._queued and output.first_scheduled_time is not None:
+            self._queued = False
+            self._m.queue_time.observe(output.first_scheduled_time - output.arrival_time)
         tokens = sum(len(c.token_ids) for c in output.outputs)
         if tokens > self._tokens:
             if self._last is None:
