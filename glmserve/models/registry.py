@@ -14,6 +14,8 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "glmserve.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "glmserve.models.qwen3:Qwen3ForCausalLM",
     "Glm4ForCausalLM": "glmserve.models.glm4:Glm4ForCausalLM",
+    "GlmMoeDsaForCausalLM": "glmserve.models.glm_moe_dsa:GlmMoeDsaForCausalLM",
+    "DeepseekV32ForCausalLM": "glmserve.models.glm_moe_dsa:DeepseekV32ForCausalLM",
 }
 
 
