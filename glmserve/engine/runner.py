@@ -73,8 +73,9 @@ class ModelRunner:
         key_pos = torch.arange(int(ctx.max()))
         kv_slots = tables[:, key_pos // bs] * bs + key_pos % bs
         if query_offsets is None:  # decode: one query per row
-            mask = (key_pos[None, :] < ctx[:, None])[:, None, None, :]
-            return GroupMetadata(kv_slots=kv_slots.to(dev), key_mask=mask.to(dev), num_tokens=num_tokens)
+            mask = (key_pos[None, :] < ctx[:, None])[:, None, :]  # [B, 1, L] against scores [Hkv, B, g, L]
+            return GroupMetadata(kv_slots=kv_slots.to(dev), key_mask=mask.to(dev), num_tokens=num_tokens,
+                                 context_lens=ctx.to(dev))
         qlen = int(lens.max())
         qi = torch.arange(qlen)
         query_pos = starts[:, None] + qi[None, :]  # [B, Q]

@@ -16,15 +16,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from glmserve.layers.cpu_kernels import paged_decode_op
+
 
 @dataclass
 class GroupMetadata:
     kv_slots: torch.Tensor  # [B, L] slot index of each key position (padding points at slot 0)
-    key_mask: torch.Tensor | None  # [B, 1, Q, L] bool, True = attend; None for the fresh causal case
+    key_mask: torch.Tensor | None  # bool, True = attend: [B, 1, L] decode, [B, 1, Q, L] prefill; None if fresh
     num_tokens: int  # flat tokens of this group
     query_index: torch.Tensor | None = None  # [B, Q] flat token index per padded query (prefill)
     valid_index: torch.Tensor | None = None  # [num_tokens] positions in the padded [B*Q] grid
     fresh_causal: bool = False  # one sequence, no cached context: causal attention on new K/V
+    context_lens: torch.Tensor | None = None  # [B] int64, decode group: keys per sequence
 
 
 @dataclass
@@ -35,7 +38,11 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    """Attention for one layer against its slice of the KV pool ([2, slots, kv_heads, head_dim])."""
+    """Attention for one layer against its slice of the KV pool ([2, kv_heads, slots, head_dim]).
+
+    Head-major layout: a gather by slot gives [kv_heads, B, L, D] whose leading dims merge, so the
+    batched matmuls of decode read it without another copy.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads = num_heads
@@ -48,8 +55,8 @@ class PagedAttention:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H*D]."""
         cache = self.kv_cache
         assert cache is not None, "KV cache not allocated"
-        cache[0].index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
-        cache[1].index_copy_(0, meta.slot_mapping, v.to(cache.dtype))
+        cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(cache.dtype))
+        cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(cache.dtype))
         outs = []
         offset = 0
         if meta.decode is not None:
@@ -62,23 +69,27 @@ class PagedAttention:
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, L] slots -> keys, values of shape [B, Hkv, L, D]."""
+        """[B, L] slots -> keys, values of shape [Hkv, B, L, D]."""
         b, length = slots.shape
         flat = slots.reshape(-1)
-        shape = (b, length, self.num_kv_heads, self.head_dim)
-        keys = self.kv_cache[0].index_select(0, flat).view(shape).to(dtype).transpose(1, 2)
-        values = self.kv_cache[1].index_select(0, flat).view(shape).to(dtype).transpose(1, 2)
+        shape = (self.num_kv_heads, b, length, self.head_dim)
+        keys = self.kv_cache[0].index_select(1, flat).view(shape).to(dtype)
+        values = self.kv_cache[1].index_select(1, flat).view(shape).to(dtype)
         return keys, values
 
     def _decode(self, q: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
+        kernel = paged_decode_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+        if kernel is not None:  # reads K/V in place from the pool: no gather copy
+            return kernel(q.contiguous(), self.kv_cache[0], self.kv_cache[1], g.kv_slots, g.context_lens, self.scale)
         b = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         keys, values = self._gather(g.kv_slots, q.dtype)
-        qg = q.view(b, self.num_kv_heads, group, self.head_dim)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [B, Hkv, g, L]
+        qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, g, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [Hkv, B, g, L]
         scores.masked_fill_(~g.key_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, values).reshape(b, self.num_heads, self.head_dim)
+        out = torch.matmul(probs, values)  # [Hkv, B, g, D]
+        return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         if g.fresh_causal:
@@ -91,7 +102,7 @@ class PagedAttention:
         b, qlen = g.query_index.shape
         qp = q[g.query_index.reshape(-1)].view(b, qlen, self.num_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            qp, keys, values, attn_mask=g.key_mask, scale=self.scale,
+            qp, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=g.key_mask, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, H, Q, D]
         out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)

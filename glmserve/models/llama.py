@@ -101,11 +101,11 @@ class DecoderOnlyLM(nn.Module):
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
     def bind_kv_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Allocates the KV pool ([layers, 2, slots, kv_heads, head_dim]) and hands each layer its slice.
+        """Allocates the KV pool ([layers, 2, kv_heads, slots, head_dim]) and hands each layer its slice.
 
         torch.empty: pages are only touched (and counted in RSS) once KV is written there.
         """
-        pool = torch.empty((self.num_layers, 2, num_slots, self.num_kv_heads, self.head_dim), dtype=dtype,
+        pool = torch.empty((self.num_layers, 2, self.num_kv_heads, num_slots, self.head_dim), dtype=dtype,
                            device=device)
         for i, layer in enumerate(self.layers):
             layer.self_attn.attn.kv_cache = pool[i]
