@@ -65,9 +65,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
         bytes_per_block = config.block_size * loaded.model.kv_bytes_per_token(kv_dtype)
         num_blocks = self._kv_budget() // bytes_per_block
-        if num_blocks * config.block_size < self.max_model_len:
+        if (num_blocks - 1) * config.block_size < self.max_model_len:
             raise InvalidRequestError(
-                f"KV cache budget holds {num_blocks * config.block_size} tokens, less than max_model_len "
+                f"KV cache budget holds {(num_blocks - 1) * config.block_size} tokens, less than max_model_len "
                 f"{self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
             )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -19,7 +19,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.kv_cache = model.bind_kv_cache(num_blocks * block_size, kv_dtype, device)
+        # block 0 is the null block: never allocated, zeroed, the target of padded slot indices
+        self.kv_cache = model.bind_kv_cache(num_blocks * block_size, kv_dtype, device, zero_slots=block_size)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int, TokenLogprob | None]]:

@@ -18,16 +18,20 @@ def block_hash(parent: int | None, token_ids: list[int] | tuple[int, ...], extra
     return hash((parent, tuple(token_ids), extra))
 
 
+NULL_BLOCK = 0  # never handed out: padded slot indices point at it, and its KV is zeros
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.num_blocks = num_blocks
+        """`num_blocks` counts the pool's blocks; block 0 is reserved, so num_blocks - 1 are usable."""
+        self.num_blocks = num_blocks - 1
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_to_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         # free blocks in eviction order: first = evicted first
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens found
 

@@ -465,13 +465,17 @@ class GlmMoeDsaForCausalLM(nn.Module):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return sum(self._cache_widths()) * torch.empty((), dtype=dtype).element_size()
 
-    def bind_kv_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def bind_kv_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device, zero_slots: int = 0
+                      ) -> torch.Tensor:
         """One pool: latent rows [layers, slots, kv_lora_rank + rope], then indexer keys [indexers, slots,
-        index_head_dim]. torch.empty: pages are only touched once written."""
+        index_head_dim]. torch.empty: pages are only touched once written; the first `zero_slots` slots
+        (the null block that padding points at) are zeroed."""
         latent_width, index_width = self._cache_widths()
         pool = torch.empty(num_slots * (latent_width + index_width), dtype=dtype, device=device)
         latent = pool[: num_slots * latent_width].view(self.num_layers, num_slots, -1)
         keys = pool[num_slots * latent_width:].view(-1, num_slots, self.config.index_head_dim)
+        latent[:, :zero_slots].zero_()
+        keys[:, :zero_slots].zero_()
         indexers = 0
         for i, layer in enumerate(self.layers):
             layer.self_attn.cache = latent[i]

@@ -100,13 +100,16 @@ class DecoderOnlyLM(nn.Module):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def bind_kv_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def bind_kv_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device, zero_slots: int = 0
+                      ) -> torch.Tensor:
         """Allocates the KV pool ([layers, 2, kv_heads, slots, head_dim]) and hands each layer its slice.
 
-        torch.empty: pages are only touched (and counted in RSS) once KV is written there.
+        torch.empty: pages are only touched (and counted in RSS) once KV is written there. The first
+        `zero_slots` slots (the null block that padding points at) are zeroed.
         """
         pool = torch.empty((self.num_layers, 2, self.num_kv_heads, num_slots, self.head_dim), dtype=dtype,
                            device=device)
+        pool[:, :, :, :zero_slots].zero_()
         for i, layer in enumerate(self.layers):
             layer.self_attn.attn.kv_cache = pool[i]
         return pool
