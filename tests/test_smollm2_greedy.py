@@ -32,17 +32,15 @@ def reference():
 
 
 def _reference_greedy(model, prompt_ids: list[int], eos: set[int]) -> tuple[list[int], torch.Tensor]:
-    ids = list(prompt_ids)
-    gaps = []
+    """transformers' own greedy generate (with its KV cache); returns tokens and top-2 logit gaps."""
     with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            top = logits.topk(2)
-            gaps.append(float(top.values[0] - top.values[1]))
-            ids.append(int(top.indices[0]))
-            if ids[-1] in eos:
-                break
-    return ids[len(prompt_ids):], torch.tensor(gaps)
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                             eos_token_id=sorted(eos), pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    top2 = torch.stack([step[0].topk(2).values for step in out.logits])
+    return tokens, top2[:, 0] - top2[:, 1]
 
 
 def _assert_same_or_near_tie(ours: list[int], ref: list[int], gaps: torch.Tensor) -> None:
