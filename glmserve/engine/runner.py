@@ -72,9 +72,12 @@ class ModelRunner:
         if query_offsets is not None and len(lens) == 1 and int(starts[0]) == 0:
             return GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=num_tokens, fresh_causal=True)
         key_pos = torch.arange(int(ctx.max()))
-        kv_slots = tables[:, key_pos // bs] * bs + key_pos % bs
+        in_context = key_pos[None, :] < ctx[:, None]
+        # positions past a sequence's context (padding, the unwritten tail of its last block) read the
+        # zeroed null block: masked scores times uninitialized values could otherwise give NaN
+        kv_slots = torch.where(in_context, tables[:, key_pos // bs] * bs + key_pos % bs, 0)
         if query_offsets is None:  # decode: one query per row
-            mask = (key_pos[None, :] < ctx[:, None])[:, None, :]  # [B, 1, L] against scores [Hkv, B, g, L]
+            mask = in_context[:, None, :]  # [B, 1, L] against scores [Hkv, B, g, L]
             return GroupMetadata(kv_slots=kv_slots.to(dev), key_mask=mask.to(dev), num_tokens=num_tokens,
                                  context_lens=ctx.to(dev))
         qlen = int(lens.max())
