@@ -120,7 +120,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         lines.append(f"| {metric}{arrow} | " + " | ".join(cells) + " |")
     notes = [f"- {k}: {m}: {n}" for k in keys for m, n in results[k].get("notes", {}).items() if n != "not requested"]
     errors = [f"- {k}: {results[k]['error']}" for k in results if "error" in results[k]]
-    versions = [f"- {k}: {results[k].get('version')}" for k in keys]
+    versions = [f"- {k}: {results[k].get('version')}; {_conditions(results[k])}" for k in keys]
     return "\n".join(
         lines
         + [
@@ -132,6 +132,14 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             *(["", "Notes:", *notes] if notes else []),
             *(["", "Failed:", *errors] if errors else []),
         ]
+    )
+
+
+def _conditions(result: dict[str, Any]) -> str:
+    details = result.get("details", {})
+    return (
+        f"{details.get('threads')} thread(s), {'quick' if details.get('quick') else 'full'}, "
+        f"load avg {details.get('loadavg_1m_start_end')}, {result.get('measured_at')}"
     )
 
 

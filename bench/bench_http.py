@@ -168,10 +168,15 @@ def _round(value: float | None) -> float | None:
 
 
 def make_prompts(quick: bool, levels: list[int]) -> dict[str, list[str]]:
-    """Per workload, enough distinct prompts for the largest level: 2 rounds of requests per client."""
+    """Per workload, distinct prompts for every level (no prefix-cache hits across levels)."""
     maker = wl.PromptMaker(wl.load_tokenizer(wl.embedded_gguf_path()), wl.SEED + 1)
-    count = max(levels) * (1 if quick else 2)
+    count = sum(levels) * rounds(quick)
     return {w.name: [maker.text(w.prompt_tokens) for _ in range(count)] for w in WORKLOADS}
+
+
+def rounds(quick: bool) -> int:
+    """Requests per client at each level."""
+    return 1 if quick else 2
 
 
 async def bench_url(base_url: str, prompts: dict[str, list[str]], levels: list[int], quick: bool) -> dict[str, Any]:
@@ -184,9 +189,12 @@ async def bench_url(base_url: str, prompts: dict[str, list[str]], levels: list[i
         raise RuntimeError(f"warm-up request failed: {warm.error}")
     cells = []
     for workload in WORKLOADS:
+        offset = 0
         for level in levels:
-            count = level * (1 if quick else 2)
-            cell = await run_cell(base_url, model, prompts[workload.name][:count], workload, level)
+            count = level * rounds(quick)
+            batch = prompts[workload.name][offset : offset + count]
+            offset += count
+            cell = await run_cell(base_url, model, batch, workload, level)
             print(
                 f"  {workload.name} c={level}: {cell.output_tok_s} tok/s, TTFT p50 {cell.ttft_p50_s}s "
                 f"p95 {cell.ttft_p95_s}s, {cell.errors} errors",
@@ -206,7 +214,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def server_command(key: str, port: int) -> tuple[list[str], dict[str, str]]:
+def server_command(key: str, port: int, peer_dtype: str) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment that start server `key` on 127.0.0.1:`port`."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if key == "ours":
@@ -247,7 +255,7 @@ def server_command(key: str, port: int) -> tuple[list[str], dict[str, str]]:
             str(wl.BENCH_DIR / "smollm2-bf16"),
             *host,
             "--dtype",
-            "bfloat16",
+            peer_dtype,
             "--max-model-len",
             str(wl.MODEL_CONTEXT),
             "--served-model-name",
@@ -278,10 +286,10 @@ def wait_ready(proc: subprocess.Popen[bytes], base_url: str, timeout_s: float) -
 
 
 @contextmanager
-def launched(key: str, log: Path) -> Iterator[tuple[str, float, str]]:
+def launched(key: str, log: Path, peer_dtype: str) -> Iterator[tuple[str, float, str]]:
     """Start server `key`, yield (base_url, startup seconds, command line); always stop it afterwards."""
     port = free_port()
-    cmd, extra_env = server_command(key, port)
+    cmd, extra_env = server_command(key, port, peer_dtype)
     print(f"== {key}: {' '.join(cmd)} (log {log})", file=sys.stderr, flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
@@ -340,6 +348,7 @@ def main() -> None:
     target.add_argument("--report", type=Path, help="only print the table of an existing results JSON")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     parser.add_argument("--quick", action="store_true", help="one round of requests per client instead of two")
+    parser.add_argument("--peer-dtype", default="bfloat16", help="dtype of the vLLM server (it runs the HF export)")
     parser.add_argument("--out", type=Path, help="results JSON (default bench/results/http-<date>[-quick].json)")
     args = parser.parse_args()
     if args.report:
@@ -367,7 +376,8 @@ def main() -> None:
             if args.base_url:
                 entry.update(asyncio.run(bench_url(args.base_url, prompts, levels, args.quick)))
             else:
-                with launched(key, wl.BENCH_DIR / "logs" / f"http-{key}.log") as (base_url, ready_s, cmd):
+                log = wl.BENCH_DIR / "logs" / f"http-{key}.log"
+                with launched(key, log, args.peer_dtype) as (base_url, ready_s, cmd):
                     entry["startup_s"] = round(ready_s, 2)
                     entry["server_command"] = cmd
                     entry.update(asyncio.run(bench_url(base_url, prompts, levels, args.quick)))
