@@ -53,10 +53,8 @@ class Engine(ABC):
     """What a runner provides: one engine, loaded once, generating greedily from token ids."""
 
     name: str = "engine"
-    #: metric -> note (a caveat, or the reason the metric is null when it is in `unsupported`)
+    #: metric -> caveat printed with the results (a metric that fails is null with its error here)
     notes: dict[str, str] = {}
-    #: metrics this engine cannot measure (reported as null with the note as reason)
-    unsupported: frozenset[str] = frozenset()
 
     @abstractmethod
     def load(self, args: argparse.Namespace) -> None:
@@ -155,8 +153,6 @@ class Suite:
         if metric not in self.wanted:
             self.notes.setdefault(metric, "not requested")
             return
-        if metric in self.engine.unsupported:
-            return
         if time.monotonic() > self.deadline:
             self.notes[metric] = f"skipped: the runner's time budget ({self.budget_s:.0f} s) ran out"
             return
@@ -243,8 +239,6 @@ def run_main(make_engine: Callable[[], Engine], argv: list[str] | None = None) -
         suite.details["first_request_s"] = round(startup_latency, 3)
         suite.run()
     suite.result["peak_rss_mb"] = round(max(_status_kb(os.getpid(), "VmHWM"), sampler.peak_kb) / 1024, 1)
-    for metric in engine.unsupported:
-        suite.result[metric] = None
     result = {
         "engine": engine.name,
         "version": engine.version(),
