@@ -66,3 +66,17 @@ def test_logits_match_transformers(arch, tiny_model_dir, attention_backend):
         _check(hf_model, prompt, out.outputs[0])
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_on_cpu_stays_close_to_float32_reference(arch, tiny_model_dir):
+    path = tiny_model_dir(arch)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(model=str(path), dtype="bfloat16", block_size=4, max_num_batched_tokens=24,
+              kv_cache_memory_bytes=4 << 20)
+    prompts = [list(range(5, 30)), list(range(40, 47))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1))
+    for prompt, out in zip(prompts, outs):
+        ref = _reference_logprobs(hf_model, prompt + out.outputs[0].token_ids)
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            assert abs(ref[len(prompt) - 1 + step, lp.token_id].item() - lp.logprob) < 0.05
