@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from glmserve.errors import InvalidRequestError
 
@@ -32,8 +32,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     num_threads: int | None = None  # CPU threads for torch; None: torch's default
-    seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()

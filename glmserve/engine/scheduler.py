@@ -51,9 +51,6 @@ class Scheduler:
         self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)

@@ -31,7 +31,7 @@ class BlockManager:
         self.block_to_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         # free blocks in eviction order: first = evicted first
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks) if b != NULL_BLOCK)
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens found
 
@@ -130,9 +130,3 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
-
-    def reset_prefix_cache(self) -> None:
-        for block, h in enumerate(self.block_to_hash):
-            if h is not None and self.ref_counts[block] == 0:
-                self.block_to_hash[block] = None
-        self.hash_to_block = {h: b for b, h in enumerate(self.block_to_hash) if h is not None}
