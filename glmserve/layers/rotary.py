@@ -34,8 +34,24 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.
     return inv_freq.float(), float(scaling), rotary_dim
 
 
-class RotaryEmbedding:
-    """Precomputed cos/sin tables; `cos_sin(positions)` once per step, `apply` in every layer."""
+class RopeTables:
+    """Precomputed cos/sin tables indexed by position; `cos_sin(positions)` runs once per step."""
+
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> RopeTables:
+        self.cos_table = self.cos_table.to(device=device, dtype=dtype)
+        self.sin_table = self.sin_table.to(device=device, dtype=dtype)
+        return self
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions -> cos, sin of shape [T, 1, table width] (broadcast over heads)."""
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+
+class RotaryEmbedding(RopeTables):
+    """Tables over the rotary dims (pairs duplicated as the layout wants); `apply` in every layer."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, interleaved: bool = False):
         with torch.device("cpu"):  # real tables even when the model is built on the meta device
@@ -48,15 +64,6 @@ class RotaryEmbedding:
         emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat([freqs, freqs], dim=-1)
         self.cos_table = emb.cos() * scaling
         self.sin_table = emb.sin() * scaling
-
-    def to(self, device: torch.device, dtype: torch.dtype) -> RotaryEmbedding:
-        self.cos_table = self.cos_table.to(device=device, dtype=dtype)
-        self.sin_table = self.sin_table.to(device=device, dtype=dtype)
-        return self
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, rotary_dim] (broadcast over heads)."""
-        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         if self.interleaved:

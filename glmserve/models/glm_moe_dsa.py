@@ -38,7 +38,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from glmserve.layers.attention import AttentionMetadata
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
-from glmserve.layers.rotary import rope_parameters
+from glmserve.layers.rotary import RopeTables, rope_parameters
 from glmserve.models.llama import GatedMLP
 
 TILE_ELEMENTS = 1 << 24  # bound on the elements of one score/gather tile (queries are processed in tiles)
@@ -77,7 +77,7 @@ def attention_scale(config: PretrainedConfig) -> float:
     return scale
 
 
-class MlaRotary:
+class MlaRotary(RopeTables):
     """cos/sin of each rotary pair's angle, [max_positions, qk_rope_head_dim / 2] (times the rope type's
     attention scaling, as the reference multiplies its cos/sin)."""
 
@@ -88,14 +88,6 @@ class MlaRotary:
             self.cos_table = angles.cos() * scaling
             self.sin_table = angles.sin() * scaling
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> MlaRotary:
-        self.cos_table = self.cos_table.to(device=device, dtype=dtype)
-        self.sin_table = self.sin_table.to(device=device, dtype=dtype)
-        return self
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] -> cos, sin of shape [T, 1, rope_dim / 2] (broadcast over heads)."""
-        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
