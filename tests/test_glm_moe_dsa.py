@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity import check_against_reference
 from tiny_models import tiny_tokenizer
 from transformers import AutoModelForCausalLM, DeepseekV32Config, GlmMoeDsaConfig
 
 from glmserve import LLM, SamplingParams
 
-TOL = 2e-4
 TOPK = 8
 
 COMMON = dict(
@@ -70,28 +70,6 @@ def tiny(request, tmp_path_factory):
     return path, hf_model
 
 
-def _reference_logprobs(hf_model, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([tokens])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
-
-
-def _check(hf_model, prompt: list[int], output) -> float:
-    full = prompt + output.token_ids
-    ref = _reference_logprobs(hf_model, full)
-    worst = 0.0
-    for step, lp in enumerate(output.logprobs):
-        row = ref[len(prompt) - 1 + step]
-        for token_id, value in lp.top:
-            err = abs(row[token_id].item() - value)
-            worst = max(worst, err)
-            assert err < TOL, (step, token_id, row[token_id].item(), value)
-        best = row.topk(2)
-        if best.values[0] - best.values[1] > TOL:  # greedy must agree unless it is a near-tie
-            assert lp.token_id == best.indices[0].item(), step
-    return worst
-
-
 def _prompts(vocab: int, lengths, gen: torch.Generator) -> list[list[int]]:
     return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
 
@@ -107,12 +85,12 @@ def test_logits_match_transformers(tiny):
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=5)
     for prompt, out in zip(first, llm.generate(first, params)):
         assert out.num_cached_tokens == 0
-        _check(hf_model, prompt, out.outputs[0])
+        check_against_reference(hf_model, prompt, out.outputs[0])
     # second wave: prompts that extend the shared prefix hit the prefix cache
     second = [shared + p for p in _prompts(vocab, (3, 11), gen)] + [shared]
     for prompt, out in zip(second, llm.generate(second, params)):
         assert out.num_cached_tokens >= 28, out.num_cached_tokens
-        _check(hf_model, prompt, out.outputs[0])
+        check_against_reference(hf_model, prompt, out.outputs[0])
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
 

@@ -6,30 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parity import check_against_reference, reference_logprobs
 from tiny_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
 from glmserve import LLM, SamplingParams
-
-TOL = 2e-4
-
-
-def _reference_logprobs(hf_model, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([tokens])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
-
-
-def _check(hf_model, prompt: list[int], output) -> None:
-    full = prompt + output.token_ids
-    ref = _reference_logprobs(hf_model, full)
-    for step, lp in enumerate(output.logprobs):
-        row = ref[len(prompt) - 1 + step]
-        for token_id, value in lp.top:
-            assert abs(row[token_id].item() - value) < TOL, (step, token_id, row[token_id].item(), value)
-        best = row.topk(2)
-        if best.values[0] - best.values[1] > TOL:  # greedy must agree unless it is a near-tie
-            assert lp.token_id == best.indices[0].item(), step
 
 
 @pytest.fixture(params=["cpp-kernel", "torch-only"])
@@ -57,13 +38,13 @@ def test_logits_match_transformers(arch, tiny_model_dir, attention_backend):
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=5)
     for prompt, out in zip(first, llm.generate(first, params)):
         assert out.num_cached_tokens == 0
-        _check(hf_model, prompt, out.outputs[0])
+        check_against_reference(hf_model, prompt, out.outputs[0])
     # second wave: prompts that extend the shared prefix hit the prefix cache
     second = [shared + torch.randint(2, vocab, (n,), generator=gen).tolist() for n in (3, 11)] + [shared]
     outs = llm.generate(second, params)
     for prompt, out in zip(second, outs):
         assert out.num_cached_tokens >= 28, out.num_cached_tokens
-        _check(hf_model, prompt, out.outputs[0])
+        check_against_reference(hf_model, prompt, out.outputs[0])
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
 
@@ -77,6 +58,6 @@ def test_bfloat16_on_cpu_stays_close_to_float32_reference(arch, tiny_model_dir):
     prompts = [list(range(5, 30)), list(range(40, 47))]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1))
     for prompt, out in zip(prompts, outs):
-        ref = _reference_logprobs(hf_model, prompt + out.outputs[0].token_ids)
+        ref = reference_logprobs(hf_model, prompt + out.outputs[0].token_ids)
         for step, lp in enumerate(out.outputs[0].logprobs):
             assert abs(ref[len(prompt) - 1 + step, lp.token_id].item() - lp.logprob) < 0.05
