@@ -96,7 +96,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         vocab = self.runner.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
+        if prompt and (min(prompt) < 0 or max(prompt) >= vocab):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         return list(prompt)
 

@@ -50,7 +50,8 @@ class ModelRunner:
         offsets = torch.arange(num_tokens) - torch.repeat_interleave(cu - lens, lens)
         positions = starts[row_of_token] + offsets
         slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
-        logits_index = torch.tensor([int(cu[i]) - 1 for i, s in enumerate(batch) if s.samples], dtype=torch.long)
+        samples = torch.tensor([s.samples for s in batch])
+        logits_index = (cu - 1)[samples]  # last token of each chunk that ends its sequence
 
         num_decode = int((lens == 1).sum())
         decode = prefill = None
