@@ -25,5 +25,9 @@ class UnsupportedModelError(GlmServeError, ValueError):
     """The checkpoint's architecture or format is not supported."""
 
 
+class IndexerMismatchError(GlmServeError, ValueError):
+    """A learned-indexer file is unreadable, of another format version, or was trained for another model."""
+
+
 class EngineOverloadedError(GlmServeError):
     """The waiting queue is full; the caller should retry later."""
