@@ -28,3 +28,29 @@ def check_against_reference(hf_model, prompt: list[int], output, tol: float = TO
         if best.values[0] - best.values[1] > tol:
             assert lp.token_id == best.indices[0].item(), step
     return worst
+
+
+def check_two_waves(llm, hf_model, first_lengths, tol: float = TOL, seed: int = 1) -> None:
+    """First wave: random prompts of `first_lengths` plus a shared 30-token prompt, batched; second wave:
+    prompts extending the shared one, which hit the prefix cache. Every step is checked against the
+    reference and no KV block leaks."""
+    from glmserve import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = hf_model.config.vocab_size
+
+    def prompts(lengths):
+        return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+    shared = prompts([30])[0]
+    first = prompts(first_lengths) + [shared]
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=5)
+    for prompt, out in zip(first, llm.generate(first, params)):
+        assert out.num_cached_tokens == 0
+        check_against_reference(hf_model, prompt, out.outputs[0], tol)
+    second = [shared + p for p in prompts((3, 11))] + [shared]
+    for prompt, out in zip(second, llm.generate(second, params)):
+        assert out.num_cached_tokens >= 28, out.num_cached_tokens
+        check_against_reference(hf_model, prompt, out.outputs[0], tol)
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0

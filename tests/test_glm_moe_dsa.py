@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from parity import check_against_reference
+from parity import check_two_waves
 from tiny_models import tiny_tokenizer
 from transformers import AutoModelForCausalLM, DeepseekV32Config, GlmMoeDsaConfig
 
@@ -78,21 +78,7 @@ def test_logits_match_transformers(tiny):
     path, hf_model = tiny
     llm = LLM(model=str(path), block_size=4, max_num_batched_tokens=24, max_num_seqs=8,
               kv_cache_memory_bytes=4 << 20)
-    gen = torch.Generator().manual_seed(1)
-    vocab = hf_model.config.vocab_size
-    shared = _prompts(vocab, [30], gen)[0]
-    first = _prompts(vocab, (5, 17, 41, 60), gen) + [shared]
-    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=5)
-    for prompt, out in zip(first, llm.generate(first, params)):
-        assert out.num_cached_tokens == 0
-        check_against_reference(hf_model, prompt, out.outputs[0])
-    # second wave: prompts that extend the shared prefix hit the prefix cache
-    second = [shared + p for p in _prompts(vocab, (3, 11), gen)] + [shared]
-    for prompt, out in zip(second, llm.generate(second, params)):
-        assert out.num_cached_tokens >= 28, out.num_cached_tokens
-        check_against_reference(hf_model, prompt, out.outputs[0])
-    stats = llm.engine.stats()
-    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+    check_two_waves(llm, hf_model, (5, 17, 41, 60))
 
 
 def _reference_selections(hf_model, tokens: list[int]) -> dict[int, torch.Tensor]:

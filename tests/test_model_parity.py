@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import check_against_reference, reference_logprobs
+from parity import check_two_waves, reference_logprobs
 from tiny_models import CONFIGS
 from transformers import AutoModelForCausalLM
 
@@ -31,22 +31,7 @@ def test_logits_match_transformers(arch, tiny_model_dir, attention_backend):
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(model=str(path), block_size=4, max_num_batched_tokens=24, max_num_seqs=8,
               kv_cache_memory_bytes=4 << 20)
-    gen = torch.Generator().manual_seed(1)
-    vocab = hf_model.config.vocab_size
-    shared = torch.randint(2, vocab, (30,), generator=gen).tolist()
-    first = [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in (5, 17, 40)] + [shared]
-    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=5)
-    for prompt, out in zip(first, llm.generate(first, params)):
-        assert out.num_cached_tokens == 0
-        check_against_reference(hf_model, prompt, out.outputs[0])
-    # second wave: prompts that extend the shared prefix hit the prefix cache
-    second = [shared + torch.randint(2, vocab, (n,), generator=gen).tolist() for n in (3, 11)] + [shared]
-    outs = llm.generate(second, params)
-    for prompt, out in zip(second, outs):
-        assert out.num_cached_tokens >= 28, out.num_cached_tokens
-        check_against_reference(hf_model, prompt, out.outputs[0])
-    stats = llm.engine.stats()
-    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+    check_two_waves(llm, hf_model, (5, 17, 40))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
