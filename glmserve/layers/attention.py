@@ -7,6 +7,11 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    grouped-query attention (no expansion of KV heads),
 3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V; otherwise
    the queries are padded per sequence and attend to their gathered context under a mask.
+
+Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
+non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
+`on_kv_written`) and the selection rule pick; both decode paths take those slots + lengths. Prefill
+stays dense.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from glmserve.errors import InvalidRequestError
 from glmserve.layers.cpu_kernels import paged_decode_op
+from glmserve.sparse.indexer import Indexer
+from glmserve.sparse.selection import SparseRows, compact, decode_keep_mask
 
 
 @dataclass
@@ -28,6 +36,8 @@ class GroupMetadata:
     valid_index: torch.Tensor | None = None  # [num_tokens] positions in the padded [B*Q] grid
     fresh_causal: bool = False  # one sequence, no cached context: causal attention on new K/V
     context_lens: torch.Tensor | None = None  # [B] int64, decode group: keys per sequence
+    block_tables: torch.Tensor | None = None  # [B, W] physical block ids, decode group
+    sparse: SparseRows | None = None  # decode group: per-row sparse settings; None = every row dense
 
 
 @dataclass
@@ -50,6 +60,7 @@ class PagedAttention:
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
+        self.indexers: dict[str, Indexer] = {}  # sparse mode -> this layer's scorer
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H*D]."""
@@ -57,6 +68,8 @@ class PagedAttention:
         assert cache is not None, "KV cache not allocated"
         cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(cache.dtype))
         cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(cache.dtype))
+        for indexer in self.indexers.values():
+            indexer.on_kv_written(meta.slot_mapping, k, cache)
         outs = []
         offset = 0
         if meta.decode is not None:
@@ -77,16 +90,32 @@ class PagedAttention:
         values = self.kv_cache[1].index_select(1, flat).view(shape).to(dtype)
         return keys, values
 
+    def select(self, q: torch.Tensor, g: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode queries q [B, H, D] -> (slots [B, L_sel], lengths [B]) each row attends to."""
+        rows = g.sparse
+        modes = rows.modes - {"dense"}
+        missing = modes - self.indexers.keys()
+        if missing:
+            raise InvalidRequestError(f"sparse attention mode(s) {sorted(missing)} have no scorer on this layer")
+        scores = {m: self.indexers[m].unit_scores(q, g) for m in modes}
+        units = {m: self.indexers[m].unit_size for m in modes}
+        keep = decode_keep_mask(scores, units, g.context_lens, rows, g.kv_slots.shape[1])
+        _, slots, lengths = compact(keep, g.kv_slots)
+        return slots, lengths
+
     def _decode(self, q: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
+        slots, lengths = (g.kv_slots, g.context_lens) if g.sparse is None else self.select(q, g)
         kernel = paged_decode_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
         if kernel is not None:  # reads K/V in place from the pool: no gather copy
-            return kernel(q.contiguous(), self.kv_cache[0], self.kv_cache[1], g.kv_slots, g.context_lens, self.scale)
+            return kernel(q.contiguous(), self.kv_cache[0], self.kv_cache[1], slots, lengths, self.scale)
         b = q.shape[0]
         group = self.num_heads // self.num_kv_heads
-        keys, values = self._gather(g.kv_slots, q.dtype)
+        keys, values = self._gather(slots, q.dtype)
         qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, g, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [Hkv, B, g, L]
-        scores.masked_fill_(~g.key_mask, float("-inf"))
+        mask = g.key_mask if g.sparse is None else (
+            torch.arange(slots.shape[1], device=q.device)[None, :] < lengths[:, None])[:, None, :]
+        scores.masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, values)  # [Hkv, B, g, D]
         return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)

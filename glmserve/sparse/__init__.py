@@ -1,0 +1,11 @@
+"""Sparse decode attention: settings, the scorer (indexer) contract, selection and the block indexer.
+
+- `settings`: `SparseAttentionParams` (per request) and `resolve_sparse_params` (request > server > mode default);
+- `indexer`: the `Indexer` protocol, `attach_indexers`, `available_modes`;
+- `selection`: per-row settings as tensors (`SparseRows`) and the batched selection of decode slots;
+- `block`: the Quest-style block indexer; `learned`: the distilled per-layer scorer.
+"""
+
+from glmserve.sparse.settings import DEFAULT_DSA_THRESHOLD, MODES, SparseAttentionParams, resolve_sparse_params
+
+__all__ = ["DEFAULT_DSA_THRESHOLD", "MODES", "SparseAttentionParams", "resolve_sparse_params"]

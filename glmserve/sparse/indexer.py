@@ -1,0 +1,76 @@
+"""The contract every sparse-attention scorer implements, and where scorers live on a model.
+
+A scorer ("indexer") belongs to one attention layer (one `PagedAttention`) and serves one mode
+("block", "learned"). Each layer keeps its scorers in `PagedAttention.indexers: dict[mode, Indexer]`.
+
+    class Indexer(Protocol):
+        unit_size: int
+        def on_kv_written(self, slot_mapping, k, cache) -> None: ...
+        def unit_scores(self, q, group) -> torch.Tensor: ...
+
+- `unit_size`: how many consecutive positions of a sequence one score covers. 16 (the KV block size)
+  for the block indexer, 1 (token level) for the learned and native indexers. Unit u of a row covers
+  positions [u * unit_size, (u + 1) * unit_size) of that sequence.
+- `on_kv_written(slot_mapping [T] int64, k [T, Hkv, D], cache [2, Hkv, slots, D])`: called by the
+  layer on every step (prefill and decode tokens), right after it wrote the new K/V at `slot_mapping`;
+  the scorer updates its own metadata (block bounds, its own key cache, ...) indexed by cache slot or
+  block id (= slot // block_size), so that prefix-cache hits (same physical blocks) find it ready.
+  Writes into a block always start at its offset 0 (a fresh or reused block), then run in order.
+- `unit_scores(q [B, H, D], group: GroupMetadata) -> [B, ceil(L / unit_size)]`: scores of the decode
+  group's queries (after rope, the model's dtype) for every unit of each row; `group.kv_slots` [B, L]
+  (slot of each key position, 0 past the context), `group.context_lens` [B], `group.block_tables`
+  [B, W] (physical block ids) describe the rows. Higher = more worth attending. Units past a row's
+  context may hold any finite value or -inf: selection never picks them.
+
+Selection (`glmserve.sparse.selection`) turns the scores plus each row's `SparseAttentionParams`
+into the attended slots; a scorer never selects by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from glmserve.layers.attention import GroupMetadata, PagedAttention
+
+
+@runtime_checkable
+class Indexer(Protocol):
+    unit_size: int
+
+    def on_kv_written(self, slot_mapping: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None: ...
+
+    def unit_scores(self, q: torch.Tensor, group: GroupMetadata) -> torch.Tensor: ...
+
+
+def paged_attention_layers(model: torch.nn.Module) -> list[PagedAttention]:
+    """The model's PagedAttention objects in layer order (empty for models with their own attention, MLA)."""
+    from glmserve.layers.attention import PagedAttention
+
+    layers = getattr(model, "layers", [])
+    found = [getattr(getattr(layer, "self_attn", None), "attn", None) for layer in layers]
+    return [a for a in found if isinstance(a, PagedAttention)]
+
+
+def attach_indexers(model: torch.nn.Module, mode: str, make: Callable[[int, PagedAttention], Indexer]) -> None:
+    """Gives every PagedAttention layer of `model` the scorer `make(layer_index, attn)` for `mode`."""
+    layers = paged_attention_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no paged attention layers to attach a {mode!r} indexer to")
+    for i, attn in enumerate(layers):
+        attn.indexers[mode] = make(i, attn)
+
+
+def available_modes(model: torch.nn.Module) -> tuple[str, ...]:
+    """Sparse modes this model can serve: dense always, native with a built-in indexer, and every mode
+    whose scorer is attached to all of its paged attention layers."""
+    modes = ["dense"]
+    if getattr(model, "native_sparse_attention", False):
+        modes.append("native")
+    layers = paged_attention_layers(model)
+    if layers:
+        modes += [m for m in ("block", "learned") if all(m in a.indexers for a in layers)]
+    return tuple(modes)

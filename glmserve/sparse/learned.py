@@ -1,0 +1,177 @@
+"""Learned token-level indexer for models trained without one: a small per-layer scorer distilled from the
+model's own dense attention (training: glmserve/sparse/distill.py, CLI `glmserve train-indexer`).
+
+Form: the lightning indexer of DeepSeek-V3.2 / GLM-5 DSA (DeepSeek-AI 2025, "DeepSeek-V3.2-Exp: Boosting
+Long-Context Efficiency with DeepSeek Sparse Attention", eq. 1; our native version is
+glmserve/models/glm_moe_dsa.py), read off the layer's own post-rope queries and keys instead of new
+projections of the hidden state, so it needs no change to the model:
+
+    index key   k'_j = W_k · k_j                  k_j: the token's keys of all kv heads, flattened
+    index query q'_h = W_q,h · q, w = W_w · q     q: the query token's queries of all heads, flattened
+    score       s_j  = sum_h w_h * relu(q'_h · k'_j) / sqrt(d)
+
+Index keys (d floats per token and layer, ~1/12 of SmolLM2's KV) live in their own paged pool at the same
+slots as the KV, so prefix-cache hits share them; the engine allocates that pool only when an indexer file
+is loaded. The weights of all layers are stacked ([layers, in, out]) so that training scores every layer
+in one batched matmul; `scores` works for any leading dims.
+
+File format: safetensors with `wq`, `wk`, `ww` and string metadata: format/version, the model's identity
+(architecture, layers, heads, kv heads, head dim, a fingerprint of its q/k/v weights) and the index dims.
+The default place is beside the model (`default_indexer_path`); loading checks the identity against the
+model and raises `IndexerMismatchError` with what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from glmserve.errors import IndexerMismatchError
+
+FORMAT_NAME = "glmserve-learned-indexer"
+FORMAT_VERSION = 1
+FILE_SUFFIX = "glmserve-indexer.safetensors"
+FINGERPRINT_SAMPLES = 4096  # strided q/k/v weight elements hashed per layer
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What an indexer file must match: the attention shapes and the weights that produce q and k."""
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    fingerprint: str
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelIdentity:
+        attn = [layer.self_attn for layer in model.layers]
+        archs = getattr(model.config, "architectures", None) or [type(model).__name__]
+        return cls(archs[0], len(attn), attn[0].num_heads, attn[0].num_kv_heads, attn[0].head_dim,
+                   weights_fingerprint(model))
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """sha256 (16 hex digits) of a strided sample of every layer's q/k/v projection, rounded to bfloat16 so
+    that the same checkpoint loaded as float32 or bfloat16 has the same fingerprint."""
+    digest = hashlib.sha256()
+    for layer in model.layers:
+        flat = layer.self_attn.qkv_proj.weight.detach().reshape(-1)
+        step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+        sample = flat[::step][:FINGERPRINT_SAMPLES].to(device="cpu", dtype=torch.bfloat16)
+        digest.update(sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class IndexerSpec:
+    identity: ModelIdentity
+    index_dim: int  # d: size of an index key and of each index query head
+    index_heads: int  # Hi: index query heads
+
+    def to_metadata(self) -> dict[str, str]:
+        meta = {k: str(v) for k, v in asdict(self.identity).items()}
+        meta.update(format=FORMAT_NAME, version=str(FORMAT_VERSION), index_dim=str(self.index_dim),
+                    index_heads=str(self.index_heads))
+        return meta
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str], path: Path) -> IndexerSpec:
+        if meta.get("format") != FORMAT_NAME:
+            raise IndexerMismatchError(f"{path} is not a glmserve learned-indexer file")
+        if meta.get("version") != str(FORMAT_VERSION):
+            raise IndexerMismatchError(f"{path} has format version {meta.get('version')}, this glmserve reads "
+                                       f"version {FORMAT_VERSION}; train it again with `glmserve train-indexer`")
+        values = {}
+        for f in fields(ModelIdentity):
+            values[f.name] = int(meta[f.name]) if f.type in (int, "int") else meta[f.name]
+        return cls(ModelIdentity(**values), int(meta["index_dim"]), int(meta["index_heads"]))
+
+
+class LearnedIndexerWeights(nn.Module):
+    """The scorers of all layers, stacked: wq [layers, H*D, Hi*d], wk [layers, Hkv*D, d], ww [layers, H*D, Hi]."""
+
+    def __init__(self, spec: IndexerSpec):
+        super().__init__()
+        self.spec = spec
+        ident = spec.identity
+        q_in, k_in = ident.num_heads * ident.head_dim, ident.num_kv_heads * ident.head_dim
+        n, d, hi = ident.num_layers, spec.index_dim, spec.index_heads
+        self.wq = nn.Parameter(torch.randn(n, q_in, hi * d) * q_in**-0.5)
+        self.wk = nn.Parameter(torch.randn(n, k_in, d) * k_in**-0.5)
+        self.ww = nn.Parameter(torch.randn(n, q_in, hi) * q_in**-0.5)
+        self.scale = d**-0.5
+
+    def index_keys(self, k: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Post-rope keys [..., T, Hkv, D] -> index keys [..., T, d] (layer None: leading dim is the layer)."""
+        wk = self.wk if layer is None else self.wk[layer]
+        return torch.matmul(k.flatten(-2).to(wk.dtype), wk)
+
+    def index_queries(self, q: torch.Tensor, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-rope queries [..., Q, H, D] -> index queries [..., Q, Hi, d] and head weights [..., Q, Hi]."""
+        wq, ww = (self.wq, self.ww) if layer is None else (self.wq[layer], self.ww[layer])
+        flat = q.flatten(-2).to(wq.dtype)
+        qi = torch.matmul(flat, wq).unflatten(-1, (self.spec.index_heads, self.spec.index_dim))
+        return qi, torch.matmul(flat, ww)
+
+    def scores(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """qi [..., Hi, d], w [..., Hi], keys [..., L, d] (broadcast over leading dims) -> scores [..., L]."""
+        dots = torch.relu(torch.matmul(qi, keys.transpose(-1, -2)) * self.scale)  # [..., Hi, L]
+        return torch.matmul(w.unsqueeze(-2), dots).squeeze(-2)
+
+    def save(self, path: Path, extra_metadata: dict[str, str] | None = None) -> None:
+        """Atomic write (temp file + rename): a crash never leaves a half-written indexer behind."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {name: p.detach().to("cpu", torch.float32).contiguous() for name, p in self.named_parameters()}
+        meta = {**(extra_metadata or {}), **self.spec.to_metadata()}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path, expected: ModelIdentity | None = None) -> LearnedIndexerWeights:
+        """Reads an indexer file; with `expected`, a file made for another model is an IndexerMismatchError."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except (OSError, ValueError) as e:  # missing file, or not safetensors at all
+            raise IndexerMismatchError(f"cannot read learned indexer {path}: {e}") from e
+        spec = IndexerSpec.from_metadata(meta, path)
+        if expected is not None and spec.identity != expected:
+            diffs = [f"{f.name} {getattr(spec.identity, f.name)!r} (model: {getattr(expected, f.name)!r})"
+                     for f in fields(ModelIdentity) if getattr(spec.identity, f.name) != getattr(expected, f.name)]
+            raise IndexerMismatchError(f"learned indexer {path} was trained for another model: " + ", ".join(diffs))
+        weights = cls(spec)
+        with torch.no_grad():
+            for name, p in weights.named_parameters():
+                if name not in tensors or tensors[name].shape != p.shape:
+                    raise IndexerMismatchError(f"learned indexer {path}: tensor {name!r} missing or of wrong shape")
+                p.copy_(tensors[name])
+        return weights.requires_grad_(False)
+
+
+def default_indexer_path(model_path: str | Path, fingerprint: str) -> Path:
+    """Beside the model: `<dir>/glmserve-indexer.safetensors` for a model directory, `<file>.glmserve-indexer.
+    safetensors` beside a single-file model; `~/.cache/glmserve/indexers/<fingerprint>.safetensors` when the
+    model's directory is not writable (the embedded GGUF lives in site-packages)."""
+    location = Path(model_path)
+    beside = location / FILE_SUFFIX if location.is_dir() else location.with_name(f"{location.name}.{FILE_SUFFIX}")
+    if beside.exists() or os.access(beside.parent, os.W_OK):
+        return beside
+    return Path.home() / ".cache" / "glmserve" / "indexers" / f"{fingerprint}.safetensors"

@@ -1,0 +1,132 @@
+"""From unit scores and per-row settings to the key slots each decode query attends (batched, no
+Python loop per row, unit or token).
+
+The rule is the one documented in `glmserve.sparse.settings`: sinks and the local window always,
+then the best units by budget (top-k mode) or by min-max normalized score (threshold mode). Rows in
+different modes share one batch: each mode's keep mask is computed on that mode's scores and the
+rows take the mask of their own mode (`SparseRows.mode_ids`), dense rows keep their whole context.
+
+Public functions (callable on their own, e.g. by benchmarks):
+- `SparseRows.from_params(params, device)`: per-row settings as tensors;
+- `keep_mask(scores, unit_size, context_lens, rows, length) -> [B, length] bool`;
+- `decode_keep_mask(scores_by_mode, unit_sizes, context_lens, rows, length)`: mixed modes;
+- `compact(keep, kv_slots) -> (positions [B, L_sel], slots [B, L_sel], lengths [B])`, ascending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from glmserve.sparse.settings import MODES, SparseAttentionParams
+
+NONE = -1  # top_k / threshold not set
+
+
+@dataclass
+class SparseRows:
+    """Per-row sparse settings of one decode group, as tensors on the compute device."""
+
+    mode_ids: torch.Tensor  # [B] int64, index into MODES
+    top_k: torch.Tensor  # [B] int64, NONE = not set
+    threshold: torch.Tensor  # [B] float32, NONE = not set
+    sink_tokens: torch.Tensor  # [B] int64
+    local_tokens: torch.Tensor  # [B] int64
+    modes: frozenset[str]  # modes present in the group
+    model_default_only: bool  # every row is "native" without overrides (the model's own indexer as trained)
+
+    @classmethod
+    def from_params(cls, params: list[SparseAttentionParams], device: torch.device) -> SparseRows:
+        table = torch.tensor([
+            (MODES.index(p.mode), NONE if p.top_k is None else p.top_k, p.sink_tokens, p.local_tokens)
+            for p in params
+        ], dtype=torch.long).view(len(params), 4)
+        threshold = torch.tensor([NONE if p.threshold is None else p.threshold for p in params], dtype=torch.float32)
+        cols = table.to(device).unbind(1)
+        return cls(cols[0], cols[1], threshold.to(device), cols[2], cols[3], frozenset(p.mode for p in params),
+                   all(p.is_model_default for p in params))
+
+    def rows_in(self, mode: str) -> torch.Tensor:
+        return self.mode_ids == MODES.index(mode)
+
+
+def always_kept(context_lens: torch.Tensor, rows: SparseRows, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(in_context [B, length], kept [B, length]): positions inside the context, and sinks + local window."""
+    pos = torch.arange(length, device=context_lens.device)[None, :]
+    ctx = context_lens[:, None]
+    in_context = pos < ctx
+    kept = in_context & ((pos < rows.sink_tokens[:, None]) | (pos >= ctx - rows.local_tokens[:, None]))
+    return in_context, kept
+
+
+def keep_mask(scores: torch.Tensor, unit_size: int, context_lens: torch.Tensor, rows: SparseRows,
+              length: int) -> torch.Tensor:
+    """scores [B, U] (U >= ceil(length / unit_size)) -> keep [B, length] bool, every row under this scorer."""
+    b = scores.shape[0]
+    dev = scores.device
+    in_context, kept = always_kept(context_lens, rows, length)
+    num_units = -(-length // unit_size)
+    scores = scores[:, :num_units].float()
+    unit_start = torch.arange(num_units, device=dev)[None, :] * unit_size
+    ctx, sink, local = context_lens[:, None], rows.sink_tokens[:, None], rows.local_tokens[:, None]
+    # a candidate unit holds at least one in-context position that is not always kept
+    unit_end = torch.minimum(unit_start + unit_size, ctx)  # exclusive
+    covered = (unit_end <= sink) | (unit_start >= ctx - local)
+    candidate = (unit_start < ctx) & ~covered
+    masked = scores.masked_fill(~candidate, float("-inf"))
+
+    has_budget = rows.top_k >= 0
+    always = torch.minimum(context_lens, rows.sink_tokens + rows.local_tokens)
+    budget_units = torch.where(has_budget, (rows.top_k - always).clamp(min=0) // unit_size, 0)
+    kmax = int(budget_units.max().clamp(max=num_units)) if b else 0
+    by_budget = torch.zeros((b, num_units), dtype=torch.bool, device=dev)
+    if kmax > 0:
+        top = masked.topk(kmax, dim=-1)
+        chosen = (torch.arange(kmax, device=dev)[None, :] < budget_units[:, None]) & torch.isfinite(top.values)
+        by_budget.scatter_(1, top.indices, chosen)
+    by_budget |= ~has_budget[:, None]  # no budget (threshold only): the threshold alone decides
+
+    # threshold: min-max normalize over the candidates; all equal -> every candidate scores 1
+    lo = masked.masked_fill(~candidate, float("inf")).amin(-1, keepdim=True)
+    hi = masked.amax(-1, keepdim=True)
+    span = hi - lo
+    normalized = torch.where(span > 0, (masked - lo) / span.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+    has_threshold = rows.threshold >= 0
+    by_threshold = candidate & (normalized >= rows.threshold[:, None])
+
+    unit_keep = torch.where(has_threshold[:, None], by_threshold & by_budget, by_budget)
+    # top-k mode with the whole context inside the budget: dense
+    whole = ~has_threshold & has_budget & (context_lens <= rows.top_k)
+    token_keep = unit_keep.repeat_interleave(unit_size, dim=1)[:, :length]
+    return in_context & (kept | token_keep | whole[:, None])
+
+
+def decode_keep_mask(scores_by_mode: dict[str, torch.Tensor], unit_sizes: dict[str, int],
+                     context_lens: torch.Tensor, rows: SparseRows, length: int) -> torch.Tensor:
+    """Keep mask [B, length] of a group whose rows may use different modes: dense rows keep their whole
+    context, each other row the mask of its own mode's scores (`scores_by_mode[mode]`, every row)."""
+    pos = torch.arange(length, device=context_lens.device)[None, :]
+    keep = pos < context_lens[:, None]
+    for mode, scores in scores_by_mode.items():
+        mode_keep = keep_mask(scores, unit_sizes[mode], context_lens, rows, length)
+        keep = torch.where(rows.rows_in(mode)[:, None], mode_keep, keep)
+    return keep
+
+
+def compact(keep: torch.Tensor, kv_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keep [B, L] bool, kv_slots [B, L] -> (positions [B, L_sel], slots [B, L_sel], lengths [B]): the kept
+    positions of each row in ascending order, padded with position 0 / slot 0 (the null block) past its length."""
+    b, length = keep.shape
+    lengths = keep.sum(1)
+    width = max(int(lengths.max()), 1) if b else 1
+    rank = torch.cumsum(keep, 1) - 1
+    target = torch.where(keep, rank, width)  # dropped positions go to a spill column
+    pos = torch.arange(length, device=keep.device).expand(b, length)
+    positions = torch.zeros((b, width + 1), dtype=torch.long, device=keep.device)
+    positions.scatter_(1, target, pos)
+    positions = positions[:, :width]
+    valid = torch.arange(width, device=keep.device)[None, :] < lengths[:, None]
+    positions = torch.where(valid, positions, 0)
+    slots = torch.where(valid, kv_slots.gather(1, positions), 0)
+    return positions, slots, lengths
