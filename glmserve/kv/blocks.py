@@ -2,20 +2,36 @@
 
 A block holds `block_size` tokens of KV for every layer. Full blocks get a chained hash
 (parent hash, token ids, extra keys such as a cache salt); a later sequence whose prompt
-starts with the same blocks reuses them. Freed blocks keep their hash and go to an LRU
-free list, so they can still be hit until the allocator needs them for something else
-(the scheme of vLLM's automatic prefix caching; nano-vllm's BlockManager is a small example).
+starts with the same blocks reuses them. The hash is a 128-bit blake2b digest (an int), stable
+across processes and machines, so that it can name KV that leaves the process (tiers, sessions).
+Freed blocks keep their hash and go to an LRU free list, so they can still be hit until the
+allocator needs them for something else (the scheme of vLLM's automatic prefix caching;
+nano-vllm's BlockManager is a small example).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from glmserve.engine.sequence import Sequence
 
+HASH_BYTES = 16
+
 
 def block_hash(parent: int | None, token_ids: list[int] | tuple[int, ...], extra: str | None) -> int:
-    return hash((parent, tuple(token_ids), extra))
+    """Chained block hash: blake2b-128 of (parent digest, token ids as int64, extra key), as an int.
+
+    Stable across restarts (unlike `hash()` of a str); `None` parent and `None` extra are encoded apart
+    from any real digest or string.
+    """
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    h.update(b"\x00" * (HASH_BYTES + 1) if parent is None else b"\x01" + parent.to_bytes(HASH_BYTES, "little"))
+    h.update(array("q", token_ids).tobytes())
+    if extra is not None:
+        h.update(b"\x01" + extra.encode())
+    return int.from_bytes(h.digest(), "little")
 
 
 NULL_BLOCK = 0  # never handed out: padded slot indices point at it, and its KV is zeros

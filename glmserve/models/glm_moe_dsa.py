@@ -19,10 +19,16 @@ Per query, the indexer scores every past token with `sum_h w_h * relu(q_h . k)` 
 `index_topk`; attention then gathers only those latent rows from the paged cache. When no context in the
 group is longer than `index_topk`, every query sees all of its keys (the reference does the same: its
 top-k then covers the whole causal context), and attention is dense over the gathered context.
+
+Per-request sparse settings (glmserve/sparse/settings.py) reach the decode group: rows in "native" mode
+without overrides keep the exact top-`index_topk` rule above; a row with its own `top_k` or `threshold`
+(or in "dense" mode) is selected by the generic rule of glmserve/sparse/selection.py on the indexer's
+token scores (unit size 1). Prefill always runs the model's own indexer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -40,6 +46,7 @@ from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.rotary import RopeTables, rope_parameters
 from glmserve.models.llama import GatedMLP
+from glmserve.sparse.selection import SparseRows, compact, keep_mask
 
 TILE_ELEMENTS = 1 << 24  # bound on the elements of one score/gather tile (queries are processed in tiles)
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not config.rms_norm_eps
@@ -117,6 +124,8 @@ class GroupView:
     query_pos: torch.Tensor  # [B, Q] position of each padded query (its keys are positions 0..pos)
     token_pos: torch.Tensor  # [Tg] position of each token of the group
     token_row: torch.Tensor  # [Tg] row of kv_slots each token reads
+    context_lens: torch.Tensor | None = None  # [B] decode group: keys per row
+    sparse: SparseRows | None = None  # decode group: per-row sparse settings (None: the model's own rule)
 
 
 def group_views(positions: torch.Tensor, meta: AttentionMetadata) -> list[GroupView]:
@@ -137,7 +146,7 @@ def group_views(positions: torch.Tensor, meta: AttentionMetadata) -> list[GroupV
         else:
             kv_slots, query_index, valid_index = g.kv_slots, g.query_index, g.valid_index
         views.append(GroupView(tokens, kv_slots, query_index, valid_index, pos[query_index], pos,
-                               valid_index // query_index.shape[1]))
+                               valid_index // query_index.shape[1], g.context_lens, g.sparse))
         start += n
     return views
 
@@ -196,6 +205,8 @@ class LightningIndexer(nn.Module):
         return torch.matmul(weights.unsqueeze(-2), dots).squeeze(-2)
 
     def _select(self, q: torch.Tensor, weights: torch.Tensor, g: GroupView) -> Selection:
+        if g.sparse is not None and not g.sparse.model_default_only:
+            return self._select_rows(q, weights, g)
         b, qlen = g.query_index.shape
         length = g.kv_slots.shape[1]
         if length <= self.topk:  # no context longer than top-k: every query keeps all of its keys
@@ -210,6 +221,22 @@ class LightningIndexer(nn.Module):
             top[:, rows] = s.topk(self.topk, dim=-1).indices
         top = top.view(b * qlen, self.topk)[g.valid_index]
         return Selection(positions=top, valid=top <= g.token_pos[:, None])
+
+    def _select_rows(self, q: torch.Tensor, weights: torch.Tensor, g: GroupView) -> Selection:
+        """Decode group with per-row settings: the indexer's token scores through the generic selection;
+        "native" rows without a budget or threshold keep the model's `index_topk`."""
+        b, length = g.kv_slots.shape
+        keys = self.cache.index_select(0, g.kv_slots.reshape(-1)).view(b, length, self.head_dim).float()
+        qi = g.query_index  # [B, 1]
+        scores = self.scores(q[qi], weights[qi], keys)[:, 0]  # [B, L]
+        rows = g.sparse
+        plain = rows.rows_in("native") & (rows.top_k < 0) & (rows.threshold < 0)
+        rows = dataclasses.replace(rows, top_k=torch.where(plain, self.topk, rows.top_k))
+        keep = keep_mask(scores, 1, g.context_lens, rows, length)
+        keep |= rows.rows_in("dense")[:, None] & (torch.arange(length, device=q.device) < g.context_lens[:, None])
+        positions, _, lengths = compact(keep, g.kv_slots)
+        valid = torch.arange(positions.shape[1], device=q.device)[None, :] < lengths[:, None]
+        return Selection(positions=positions, valid=valid)
 
 
 # -- MLA attention ----------------------------------------------------------------------------------------------
@@ -423,6 +450,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
     also write indexer keys and select, "shared" layers reuse the previous full layer's selection."""
 
     indexer_rope = staticmethod(rope_interleaved)
+    native_sparse_attention = True  # the engine offers the "native" sparse mode
 
     def __init__(self, config: PretrainedConfig, max_positions: int):
         super().__init__()
@@ -475,6 +503,13 @@ class GlmMoeDsaForCausalLM(nn.Module):
                 layer.self_attn.indexer.cache = keys[indexers]
                 indexers += 1
         return pool
+
+    def kv_slot_views(self, pool: torch.Tensor) -> list[torch.Tensor]:
+        """The pool of `bind_kv_cache` as [groups, slots, width] views (latent rows, indexer keys), for KV I/O."""
+        latent_width, _ = self._cache_widths()
+        num_slots = pool.numel() // sum(self._cache_widths())
+        return [pool[: num_slots * latent_width].view(self.num_layers, num_slots, -1),
+                pool[num_slots * latent_width:].view(-1, num_slots, self.config.index_head_dim)]
 
     # -- forward ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
