@@ -8,6 +8,7 @@ import sys
 from glmserve.config import EngineConfig
 from glmserve.errors import GlmServeError
 from glmserve.server.config import add_server_args, server_config_from_args
+from glmserve.sparse.settings import DEFAULT_DSA_THRESHOLD, MODES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--num-threads", type=int, default=None)
+    s = parser.add_argument_group("sparse decode attention (defaults per mode: glmserve/sparse/settings.py)")
+    s.add_argument("--sparse-attention", default=None, choices=list(MODES),
+                   help="default mode (default: native for models with their own indexer, else dense)")
+    s.add_argument("--sparse-top-k", type=int, default=None, help="token budget per decode query")
+    s.add_argument("--dsa-threshold", type=float, nargs="?", const=DEFAULT_DSA_THRESHOLD, default=None,
+                   help=f"threshold mode on min-max normalized scores (no value: {DEFAULT_DSA_THRESHOLD})")
+    s.add_argument("--sparse-sink-tokens", type=int, default=None, help="first tokens always attended")
+    s.add_argument("--sparse-local-tokens", type=int, default=None, help="most recent tokens always attended")
+    s.add_argument("--no-sparse-block-bounds", dest="sparse_block_bounds", action="store_false",
+                   help="do not keep the block indexer's key bounds (saves 2/block_size of KV memory; no block mode)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

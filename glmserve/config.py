@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, fields
 
 from glmserve.errors import InvalidRequestError
+from glmserve.sparse.settings import resolve_sparse_params
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -32,6 +33,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     num_threads: int | None = None  # CPU threads for torch; None: torch's default
+    # sparse decode attention (glmserve/sparse/): the default mode (None: "native" for models with their own
+    # indexer, else "dense"); unset values fall back to each mode's defaults (glmserve/sparse/settings.py)
+    sparse_attention: str | None = None
+    sparse_top_k: int | None = None  # token budget per decode query
+    dsa_threshold: float | None = None  # threshold mode on min-max normalized scores (seeds: 0.35)
+    sparse_sink_tokens: int | None = None
+    sparse_local_tokens: int | None = None
+    sparse_block_bounds: bool = True  # keep the block indexer's key bounds (2/block_size of K/V memory)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -46,12 +55,18 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        resolve_sparse_params(self.sparse_attention or "block", server=self.sparse_flags())
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise InvalidRequestError("kv_cache_memory_bytes must be positive")
         if self.model is not None and not os.path.exists(self.model):
             raise InvalidRequestError(
                 f"model {self.model!r} is neither a local directory nor a file; glmserve never downloads weights"
             )
+
+    def sparse_flags(self) -> dict[str, int | float | None]:
+        """The server-wide sparse settings given explicitly (None = the mode's default)."""
+        return {"top_k": self.sparse_top_k, "threshold": self.dsa_threshold,
+                "sink_tokens": self.sparse_sink_tokens, "local_tokens": self.sparse_local_tokens}
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -28,6 +28,7 @@ from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.outputs import EngineStats, RequestOutput
 from glmserve.engine.sampling import SamplingParams
 from glmserve.errors import EngineOverloadedError, GlmServeError
+from glmserve.sparse.settings import SparseAttentionParams
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class _NewRequest:
     prompt: str | list[int]
     params: SamplingParams
     channel: _Channel
+    sparse: SparseAttentionParams | dict | None = None
 
 
 class AsyncEngine:
@@ -154,7 +156,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ requests
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self, prompt: str | list[int], params: SamplingParams, request_id: str,
+        sparse: SparseAttentionParams | dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its cumulative outputs until it finishes.
 
@@ -162,7 +165,7 @@ class AsyncEngine:
         first `__anext__`. Closing or cancelling the iterator early aborts the request.
         """
         channel = _Channel(asyncio.get_running_loop())
-        self._admit(_NewRequest(request_id, prompt, params, channel))
+        self._admit(_NewRequest(request_id, prompt, params, channel, sparse))
         finished = False
         try:
             while True:
@@ -255,7 +258,7 @@ class AsyncEngine:
                 aborts, self._aborts = self._aborts, []
             for request in incoming:
                 try:
-                    engine.add_request(request.request_id, request.prompt, request.params)
+                    engine.add_request(request.request_id, request.prompt, request.params, sparse=request.sparse)
                 except Exception as exc:  # invalid request: only this request fails
                     request.channel.send(exc)
             for request_id in aborts:

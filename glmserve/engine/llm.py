@@ -8,6 +8,7 @@ from glmserve.config import EngineConfig
 from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.outputs import RequestOutput
 from glmserve.engine.sampling import SamplingParams
+from glmserve.sparse.settings import SparseAttentionParams
 
 
 class LLM:
@@ -23,8 +24,10 @@ class LLM:
         self,
         prompts: str | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        sparse: SparseAttentionParams | dict | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion, batched by the scheduler; outputs in prompt order."""
+        """Runs every prompt to completion, batched by the scheduler; outputs in prompt order.
+        `sparse`: decode attention settings for every prompt (None: the engine's default)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -35,7 +38,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params_list):
                 ids.append(str(next(self._ids)))
-                self.engine.add_request(ids[-1], prompt, p)
+                self.engine.add_request(ids[-1], prompt, p, sparse=sparse)
             finished: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -51,6 +54,7 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        sparse: SparseAttentionParams | dict | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.engine.apply_chat_template(c) for c in conversations], params)
+        return self.generate([self.engine.apply_chat_template(c) for c in conversations], params, sparse)

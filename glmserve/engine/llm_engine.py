@@ -21,6 +21,9 @@ from glmserve.engine.sequence import Sequence
 from glmserve.errors import InvalidRequestError, PromptTooLongError
 from glmserve.kv.blocks import BlockManager
 from glmserve.models.loader import load_model
+from glmserve.sparse.block import attach_block_indexers, block_bounds_bytes
+from glmserve.sparse.indexer import available_modes
+from glmserve.sparse.settings import SparseAttentionParams, resolve_sparse_params
 
 CPU_KV_CACHE_CAP = 4 << 30
 
@@ -64,6 +67,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or loaded.name
         self.max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
         bytes_per_block = config.block_size * loaded.model.kv_bytes_per_token(kv_dtype)
+        if config.sparse_block_bounds:
+            bytes_per_block += block_bounds_bytes(loaded.model, kv_dtype)
         num_blocks = self._kv_budget() // bytes_per_block
         if (num_blocks - 1) * config.block_size < self.max_model_len:
             raise InvalidRequestError(
@@ -73,6 +78,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
+        if config.sparse_block_bounds and block_bounds_bytes(loaded.model, kv_dtype):
+            attach_block_indexers(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
+        default_mode = config.sparse_attention or ("native" if "native" in self.sparse_modes else "dense")
+        self.default_sparse = self.resolve_sparse({"mode": default_mode})
         self.requests: dict[str, Request] = {}
 
     def _kv_budget(self) -> int:
@@ -82,6 +91,32 @@ class LLMEngine:
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.8)
         return min(CPU_KV_CACHE_CAP, int(psutil.virtual_memory().available * 0.3))
+
+    # -- sparse attention -------------------------------------------------------------------------
+    @property
+    def sparse_modes(self) -> tuple[str, ...]:
+        """Sparse attention modes this engine can serve now (a learned indexer may be attached later)."""
+        return available_modes(self.runner.model)
+
+    def resolve_sparse(self, sparse: SparseAttentionParams | dict | None) -> SparseAttentionParams:
+        """A request's sparse settings: None = the server default; a dict overrides the server's flags
+        field by field ({"mode": "block", "top_k": 1024}); raises InvalidRequestError if unavailable."""
+        if sparse is None:
+            return self.default_sparse
+        if isinstance(sparse, dict):
+            request = {k: v for k, v in sparse.items() if k != "mode"}
+            mode = sparse.get("mode") or self.default_sparse.mode
+            sparse = resolve_sparse_params(mode, request, self.config.sparse_flags())
+        if sparse.mode not in self.sparse_modes:
+            reason = {
+                "native": "this model has no built-in sparse indexer (only GLM-5.x / DeepSeek-V3.2 do)",
+                "learned": "no learned indexer is loaded for this model",
+                "block": "the block indexer's key bounds are off (sparse_block_bounds) or the model has none",
+            }.get(sparse.mode, "")
+            raise InvalidRequestError(
+                f"sparse attention mode {sparse.mode!r} is not available: {reason}; available: {self.sparse_modes}"
+            )
+        return sparse
 
     # -- requests ---------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -101,9 +136,11 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None,
+                    sparse: SparseAttentionParams | dict | None = None) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        sparse = self.resolve_sparse(sparse)
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -112,7 +149,7 @@ class LLMEngine:
         seqs = [
             Sequence(request_id, i, token_ids, params,
                      IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens),
-                     priority, cache_salt)
+                     priority, cache_salt, sparse)
             for i in range(params.n)
         ]
         request = Request(request_id, token_ids, params, seqs, pending_samples=seqs[1:])

@@ -11,6 +11,7 @@ from glmserve.engine.scheduler import ScheduledSeq
 from glmserve.engine.sequence import Sequence
 from glmserve.layers.attention import AttentionMetadata, GroupMetadata
 from glmserve.layers.sampler import sample
+from glmserve.sparse.selection import SparseRows
 
 
 class ModelRunner:
@@ -21,6 +22,7 @@ class ModelRunner:
         self.device = device
         # block 0 is the null block: never allocated, zeroed, the target of padded slot indices
         self.kv_cache = model.bind_kv_cache(num_blocks * block_size, kv_dtype, device, zero_slots=block_size)
+        self.native_sparse = bool(getattr(model, "native_sparse_attention", False))
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
@@ -58,6 +60,11 @@ class ModelRunner:
         if num_decode:
             rows = slice(0, num_decode)
             decode = self._group(tables[rows], starts[rows], lens[rows], query_offsets=None)
+            params = [s.seq.sparse for s in batch[rows]]
+            # rows all dense on a model without its own indexer: the dense fast path
+            if self.native_sparse or any(p.mode != "dense" for p in params):
+                decode.sparse = SparseRows.from_params(params, dev)
+                decode.block_tables = tables[rows].to(dev)
         if num_decode < len(batch):
             rows = slice(num_decode, len(batch))
             first_token = (cu - lens)[rows]

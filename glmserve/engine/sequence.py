@@ -11,6 +11,7 @@ import torch
 from glmserve.engine.detokenizer import IncrementalDetokenizer
 from glmserve.engine.outputs import TokenLogprob
 from glmserve.engine.sampling import SamplingParams
+from glmserve.sparse.settings import SparseAttentionParams
 
 _seq_counter = itertools.count()
 
@@ -33,6 +34,7 @@ class Sequence:
         detokenizer: IncrementalDetokenizer,
         priority: int = 0,
         cache_salt: str | None = None,
+        sparse: SparseAttentionParams | None = None,
     ):
         self.seq_id = next(_seq_counter)
         self.arrival_time = time.monotonic()
@@ -44,6 +46,7 @@ class Sequence:
         self.params = params
         self.priority = priority
         self.cache_salt = cache_salt
+        self.sparse = sparse or SparseAttentionParams()  # decode attention: dense or a sparse mode
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at the first admission

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -59,11 +59,12 @@ class Generation:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str,
+        sparse: dict[str, Any] | None = None,
     ) -> None:
         self._engine = engine
         self.request_id = request_id
         self._tracker: RequestTracker = metrics.track()
-        self._outputs = engine.generate(prompt, params, request_id)
+        self._outputs = engine.generate(prompt, params, request_id, sparse=sparse)
         self._first: RequestOutput | None = None
         self.last: RequestOutput | None = None
 

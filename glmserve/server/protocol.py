@@ -52,6 +52,19 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
 
+class SparseAttentionRequest(BaseModel):
+    """glmserve extra: this request's sparse decode attention (glmserve/sparse/settings.py); unset fields
+    keep the server's defaults, the engine validates the values (400 with the reason)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["dense", "block", "learned", "native"] | None = None
+    top_k: int | None = None
+    threshold: float | None = None
+    sink_tokens: int | None = None
+    local_tokens: int | None = None
+
+
 class SamplingRequest(_Request):
     """Fields shared by chat and text completions."""
 
@@ -74,6 +87,7 @@ class SamplingRequest(_Request):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    sparse_attention: SparseAttentionRequest | None = None  # glmserve extra
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
@@ -84,6 +98,10 @@ class SamplingRequest(_Request):
         if self.top_k is not None and self.top_k < -1:
             raise ValueError("top_k must be -1 or 0 (disabled) or a positive integer")
         return self
+
+    def sparse_overrides(self) -> dict[str, Any] | None:
+        """The sparse settings the client gave (None: the server's default)."""
+        return None if self.sparse_attention is None else self.sparse_attention.model_dump(exclude_none=True)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

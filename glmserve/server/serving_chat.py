@@ -31,7 +31,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     model_id = model.aliases.resolve(body.model)
     prompt_ids = model.chat_prompt(body.messages)
     params = sampling_params(body, len(prompt_ids), model.max_model_len)
-    generation = Generation(ctx.engine, ctx.metrics, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}")
+    generation = Generation(ctx.engine, ctx.metrics, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}",
+                            sparse=body.sparse_overrides())
     await cancel_on_disconnect(raw, start_all([generation]))
     if body.stream:
         return SSEResponse(_stream(body, generation, model, model_id), on_close=generation.abort)

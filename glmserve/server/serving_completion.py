@@ -38,6 +38,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
             ids,
             sampling_params(body, len(ids), model.max_model_len),
             f"{request_id}-{i}",
+            sparse=body.sparse_overrides(),
         )
         for i, ids in enumerate(prompts)
     ]

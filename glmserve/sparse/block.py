@@ -39,10 +39,6 @@ class BlockIndexer:
         self.bounds[0].fill_(float("inf"))
         self.bounds[1].fill_(float("-inf"))
 
-    @staticmethod
-    def bytes_per_block(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
     def on_kv_written(self, slot_mapping: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
         """k [T, Hkv, D] was written at slot_mapping [T]: reset blocks written from offset 0, fold keys in."""
         blocks = slot_mapping // self.unit_size
@@ -70,6 +66,14 @@ class BlockIndexer:
         bound = torch.matmul(qg.clamp(min=0), hi.transpose(-1, -2))
         bound += torch.matmul(qg.clamp(max=0), lo.transpose(-1, -2))  # [Hkv, B, g, W]
         return bound.amax(dim=(0, 2)) * self.scale  # [B, W]
+
+
+def block_bounds_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of key bounds per KV block over all of the model's paged attention layers."""
+    from glmserve.sparse.indexer import paged_attention_layers
+
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * a.num_kv_heads * a.head_dim * size for a in paged_attention_layers(model))
 
 
 def attach_block_indexers(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
