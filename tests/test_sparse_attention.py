@@ -1,0 +1,358 @@
+"""Sparse decode attention (glmserve/sparse/): settings, selection, the block indexer, engine integration.
+
+- selection against a per-row brute-force reference of the documented rule (sinks, local window, budget,
+  threshold on min-max normalized scores), mixed modes in one batch;
+- block indexer bounds: exact per-block key min/max after chunked writes, block reuse and prefix-cache
+  hits, and a real upper bound of q.k for every key of the block;
+- the engine on a tiny random Llama: a budget covering the context equals dense (both attention
+  backends); a small budget attends fewer tokens and picks the top blocks of a brute-force reference;
+  mixed dense/sparse rows in one batch equal each row run alone; invalid settings fail clearly;
+- GLM-5 native indexer: per-request top_k / threshold through the generic selection match the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from test_glm_moe_dsa import TOPK, _reference_selections
+from test_glm_moe_dsa import make_model as make_dsa_model
+from transformers import AutoModelForCausalLM
+
+from glmserve import LLM, SamplingParams
+from glmserve.config import EngineConfig
+from glmserve.errors import InvalidRequestError
+from glmserve.layers import attention
+from glmserve.layers.attention import GroupMetadata, PagedAttention
+from glmserve.sparse import SparseAttentionParams, resolve_sparse_params
+from glmserve.sparse.block import BlockIndexer
+from glmserve.sparse.indexer import paged_attention_layers
+from glmserve.sparse.selection import SparseRows, compact, decode_keep_mask, keep_mask
+
+BLOCK = 16
+
+
+# -- settings ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "sparse"}, "mode must be one of"),
+    ({"mode": "block", "top_k": 0}, "top_k must be an integer >= 1"),
+    ({"mode": "block", "threshold": 0.0}, "threshold must be in (0, 1]"),
+    ({"mode": "block", "threshold": 1.5}, "threshold must be in (0, 1]"),
+    ({"mode": "block", "threshold": float("nan")}, "threshold must be in (0, 1]"),
+    ({"mode": "block", "top_k": 64, "sink_tokens": -1}, "sink_tokens must be an integer >= 0"),
+    ({"mode": "block"}, "needs top_k or threshold"),
+    ({"mode": "learned", "top_k": 32, "sink_tokens": 16, "local_tokens": 32}, "at least sink_tokens + local_tokens"),
+])
+def test_invalid_params_raise_clear_errors(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        SparseAttentionParams(**kwargs)
+
+
+def test_resolve_request_over_server_over_mode_defaults():
+    p = resolve_sparse_params("block", {"top_k": 1024}, {"top_k": 512, "local_tokens": 128, "threshold": None})
+    assert (p.mode, p.top_k, p.threshold, p.sink_tokens, p.local_tokens) == ("block", 1024, None, 16, 128)
+    native = resolve_sparse_params("native")
+    assert native.is_model_default and not resolve_sparse_params("native", {"threshold": 0.35}).is_model_default
+    with pytest.raises(InvalidRequestError, match="unknown sparse attention field"):
+        resolve_sparse_params("block", {"topk": 5})
+    with pytest.raises(InvalidRequestError, match="must be at least"):
+        EngineConfig(sparse_attention="block", sparse_top_k=100)
+
+
+# -- selection ---------------------------------------------------------------------------------------------------
+
+def reference_keep(scores: torch.Tensor, unit: int, ctx: int, p: SparseAttentionParams, length: int) -> set[int]:
+    """The documented rule, one row at a time."""
+    if p.mode == "dense" or (p.threshold is None and p.top_k is not None and ctx <= p.top_k):
+        return set(range(ctx))
+    kept = {j for j in range(ctx) if j < p.sink_tokens or j >= ctx - p.local_tokens}
+    cand = [u for u in range(math.ceil(length / unit))
+            if u * unit < ctx and not (min((u + 1) * unit, ctx) <= p.sink_tokens or u * unit >= ctx - p.local_tokens)]
+    ranked = sorted(cand, key=lambda u: -float(scores[u]))
+    if p.threshold is not None and cand:
+        s = scores[cand].float()
+        lo, hi = s.min(), s.max()
+        norm = {u: float((scores[u] - lo) / (hi - lo)) if hi > lo else 1.0 for u in cand}
+        ranked = [u for u in ranked if norm[u] >= p.threshold]
+    if p.top_k is not None:
+        ranked = ranked[: max(0, p.top_k - min(ctx, p.sink_tokens + p.local_tokens)) // unit]
+    for u in ranked:
+        kept |= {j for j in range(u * unit, (u + 1) * unit) if j < ctx}
+    return kept
+
+
+def random_params(gen: torch.Generator, mode: str) -> SparseAttentionParams:
+    r = lambda n: int(torch.randint(0, n, (1,), generator=gen))  # noqa: E731
+    sink, local = r(6), r(40)
+    kind = r(3)
+    top_k = sink + local + r(120) + 1 if kind != 1 else None
+    threshold = round(0.05 + 0.9 * float(torch.rand(1, generator=gen)), 3) if kind != 0 else None
+    return SparseAttentionParams(mode, top_k=top_k, threshold=threshold, sink_tokens=sink, local_tokens=local)
+
+
+@pytest.mark.parametrize("unit", [1, 4, BLOCK])
+def test_selection_matches_reference_rule(unit):
+    gen = torch.Generator().manual_seed(unit)
+    b, length = 24, 300
+    ctx = torch.randint(1, length + 1, (b,), generator=gen)
+    ctx[0] = length
+    params = [random_params(gen, "block") for _ in range(b)]
+    params[1] = SparseAttentionParams("dense")
+    rows = SparseRows.from_params(params, torch.device("cpu"))
+    scores = torch.randn(b, math.ceil(length / unit), generator=gen)
+    keep = decode_keep_mask({"block": scores}, {"block": unit}, ctx, rows, length)
+    kv_slots = torch.where(torch.arange(length) < ctx[:, None], torch.randint(1, 10_000, (b, length)), 0)
+    positions, slots, lengths = compact(keep, kv_slots)
+    for i, p in enumerate(params):
+        n = int(ctx[i])
+        expected = reference_keep(scores[i], unit, n, p, length)
+        got = positions[i, : int(lengths[i])].tolist()
+        assert got == sorted(expected), (i, p, n)
+        assert slots[i, : int(lengths[i])].tolist() == kv_slots[i, got].tolist()
+        assert (positions[i, int(lengths[i]):] == 0).all() and (slots[i, int(lengths[i]):] == 0).all()
+        assert set(range(min(p.sink_tokens, n))) | set(range(max(0, n - p.local_tokens), n)) <= set(got)
+        if p.top_k is not None and p.mode != "dense":
+            assert len(got) <= max(p.top_k, min(n, p.sink_tokens + p.local_tokens))
+
+
+def test_threshold_semantics():
+    scores = torch.arange(10, dtype=torch.float32)[None]  # normalized j / 9
+    ctx = torch.tensor([10])
+
+    def kept(**kw) -> list[int]:
+        rows = SparseRows.from_params([SparseAttentionParams("learned", **kw)], torch.device("cpu"))
+        return keep_mask(scores, 1, ctx, rows, 10)[0].nonzero()[:, 0].tolist()
+
+    assert kept(threshold=0.5) == [5, 6, 7, 8, 9]  # 5/9 >= 0.5 > 4/9
+    assert kept(threshold=0.5, top_k=3) == [7, 8, 9]  # the budget caps the units above the threshold
+    assert kept(threshold=1.0, sink_tokens=1) == [0, 9]
+    assert kept(threshold=0.5, local_tokens=3) == [3, 4, 5, 6, 7, 8, 9]  # candidates 0..6 normalize to j / 6
+    flat = torch.zeros(1, 10)
+    rows = SparseRows.from_params([SparseAttentionParams("learned", threshold=0.9)], torch.device("cpu"))
+    assert keep_mask(flat, 1, ctx, rows, 10).all()  # all equal: every candidate normalizes to 1
+
+
+# -- block indexer -----------------------------------------------------------------------------------------------
+
+def check_bounds(indexer: BlockIndexer, keys: torch.Tensor, block: int, count: int) -> None:
+    """The bounds of `block` are the exact min/max of its first `count` keys (keys: [Hkv, slots, D])."""
+    written = keys[:, block * indexer.unit_size: block * indexer.unit_size + count]
+    torch.testing.assert_close(indexer.bounds[0][:, block], written.amin(1), rtol=0, atol=0)
+    torch.testing.assert_close(indexer.bounds[1][:, block], written.amax(1), rtol=0, atol=0)
+
+
+def test_block_bounds_are_exact_and_bound_every_key():
+    gen = torch.Generator().manual_seed(0)
+    hkv, h, d, unit, num_blocks = 2, 6, 8, 4, 12
+    ix = BlockIndexer(hkv, d, num_blocks, unit, scale=d**-0.5, dtype=torch.float32, device=torch.device("cpu"))
+    keys = torch.zeros(hkv, num_blocks * unit, d)
+    table = torch.tensor([5, 2, 9, 7])  # a sequence of 14 tokens: 3 full blocks and half of block 7
+    for chunk in (range(0, 3), range(3, 10), range(10, 13), range(13, 14)):  # chunked prefill, then decode
+        pos = torch.tensor(list(chunk))
+        slots = table[pos // unit] * unit + pos % unit
+        k = torch.randn(len(pos), hkv, d, generator=gen) * 3
+        keys[:, slots] = k.transpose(0, 1)
+        ix.on_kv_written(slots, k, torch.empty(0))
+    for i, block in enumerate(table.tolist()):
+        check_bounds(ix, keys, block, min(unit, 14 - i * unit))
+    q = torch.randn(3, h, d, generator=gen)
+    g = GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=3, block_tables=table.expand(3, -1))
+    ub = ix.unit_scores(q, g)  # [3, 4]
+    qg = q.view(3, hkv, h // hkv, d)
+    for i, block in enumerate(table.tolist()):
+        n = min(unit, 14 - i * unit)
+        blk = keys[:, block * unit: block * unit + n]  # [Hkv, n, D]
+        logits = torch.einsum("bhgd,hnd->bhgn", qg, blk) * d**-0.5
+        exact = logits.amax(dim=(1, 2, 3))
+        assert (ub[:, i] >= exact - 1e-5).all()
+        assert (ub[:, i] <= exact.abs().max() * 10 + 50).all()  # finite, not +-inf
+    # block 2 is reused for other tokens: written again from offset 0, only the new keys count
+    k = torch.randn(2, hkv, d, generator=gen) * 0.01
+    slots = torch.tensor([2 * unit, 2 * unit + 1])
+    keys[:, slots] = k.transpose(0, 1)
+    ix.on_kv_written(slots, k, torch.empty(0))
+    check_bounds(ix, keys, 2, 2)
+
+
+# -- engine (tiny random Llama) ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir("llama")), max_model_len=512, max_num_batched_tokens=512,
+               kv_cache_memory_bytes=40 * (BLOCK * 512 + 512))  # 40 blocks of KV + bounds: blocks get reused
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def backend(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(attention, "paged_decode_op", lambda: None)
+    elif attention.paged_decode_op() is None:
+        pytest.skip("C++ decode kernel unavailable")
+    return request.param
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=4, ignore_eos=True)
+
+
+def top_logprobs(out) -> list[list[tuple[int, float]]]:
+    return [lp.top for lp in out.outputs[0].logprobs]
+
+
+def assert_same(a, b, atol: float = 0.0) -> None:
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for x, y in zip(top_logprobs(a), top_logprobs(b)):
+        assert [t for t, _ in x] == [t for t, _ in y]
+        assert max(abs(p - q) for (_, p), (_, q) in zip(x, y)) <= atol
+
+
+def test_budget_covering_context_equals_dense(llm, backend):
+    p = prompt(1, 200)
+    dense = llm.generate([p], GREEDY)[0]
+    for sparse in (SparseAttentionParams("block", top_k=256, sink_tokens=4, local_tokens=16),
+                   {"mode": "block"}):  # the mode's default budget, 2048 tokens
+        assert_same(llm.generate([p], GREEDY, sparse=sparse)[0], dense)
+
+
+def test_small_budget_attends_fewer_tokens_and_changes_output(llm, monkeypatch):
+    lengths: list[torch.Tensor] = []
+    select = PagedAttention.select
+
+    def recording(self, q, g):
+        slots, n = select(self, q, g)
+        lengths.append(n.clone())
+        return slots, n
+
+    monkeypatch.setattr(PagedAttention, "select", recording)
+    p = prompt(2, 300)
+    sparse = llm.generate([p], GREEDY, sparse={"mode": "block", "top_k": 64, "sink_tokens": 4, "local_tokens": 16})[0]
+    dense = llm.generate([p], GREEDY)[0]
+    assert len(lengths) == 2 * 5  # 2 layers x 5 decode steps (the first token comes from the prefill)
+    assert all(int(n.max()) <= 64 for n in lengths)
+    assert top_logprobs(sparse) != top_logprobs(dense)
+
+
+def test_block_selection_picks_the_top_blocks_of_brute_force_bounds(llm):
+    engine = llm.engine
+    p = prompt(3, 250)
+    engine.add_request("top-blocks", p, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    seq = engine.requests["top-blocks"].seqs[0]
+    while seq.num_computed_tokens < len(p):
+        engine.step()
+    table = torch.tensor(seq.block_table)
+    ctx = len(p)
+    attn = paged_attention_layers(engine.runner.model)[1]
+    pos = torch.arange(ctx)
+    g = GroupMetadata(kv_slots=(table[pos // BLOCK] * BLOCK + pos % BLOCK)[None], key_mask=None, num_tokens=1,
+                      context_lens=torch.tensor([ctx]), block_tables=table[None])
+    params = SparseAttentionParams("block", top_k=4 + 16 + 5 * BLOCK, sink_tokens=4, local_tokens=16)
+    g.sparse = SparseRows.from_params([params], torch.device("cpu"))
+    q = torch.randn(1, attn.num_heads, attn.head_dim, generator=torch.Generator().manual_seed(0))
+    slots, lengths = attn.select(q, g)
+    engine.abort_request("top-blocks")
+    # brute force: bounds from the keys in the pool, the rule on them
+    keys = attn.kv_cache[0][:, g.kv_slots[0]]  # [Hkv, ctx, D]
+    qg = q.view(attn.num_kv_heads, -1, attn.head_dim)
+    ub = []
+    for u in range(math.ceil(ctx / BLOCK)):
+        blk = keys[:, u * BLOCK: (u + 1) * BLOCK]
+        lo, hi = blk.amin(1, keepdim=True), blk.amax(1, keepdim=True)  # [Hkv, 1, D]
+        ub.append(float(torch.maximum(qg * lo, qg * hi).sum(-1).max()) * attn.scale)
+    expected = reference_keep(torch.tensor(ub), BLOCK, ctx, params, ctx)
+    got = g.kv_slots[0].tolist()
+    assert slots[0, : int(lengths[0])].tolist() == [got[j] for j in sorted(expected)]
+    assert int(lengths[0]) < ctx
+
+
+def test_bounds_exact_after_prefix_hits_and_block_reuse(llm):
+    engine = llm.engine
+    sparse = {"mode": "block", "top_k": 96, "sink_tokens": 4, "local_tokens": 16}
+    first = llm.generate([prompt(10, 180)], GREEDY, sparse=sparse)[0]
+    for seed in range(11, 15):  # 4 x 12 blocks through a 39-block pool: freed cached blocks get reused
+        llm.generate([prompt(seed, 180)], GREEDY, sparse=sparse)
+    recomputed = llm.generate([prompt(10, 180)], GREEDY, sparse=sparse)[0]  # its blocks were evicted
+    assert recomputed.num_cached_tokens == 0
+    hit = llm.generate([prompt(10, 180)], GREEDY, sparse=sparse)[0]
+    assert hit.num_cached_tokens >= 160
+    assert_same(hit, first, atol=1e-5)
+    bm = engine.block_manager
+    blocks = [b for b, h in enumerate(bm.block_to_hash) if h is not None]
+    assert len(blocks) > 10
+    for attn in paged_attention_layers(engine.runner.model):
+        keys = attn.kv_cache[0]
+        for block in blocks:
+            check_bounds(attn.indexers["block"], keys, block, BLOCK)
+
+
+def test_mixed_rows_in_one_batch_equal_each_row_alone(llm, backend):
+    prompts = [prompt(20, 150), prompt(21, 220), prompt(22, 90), prompt(23, 260)]
+    settings = [None, {"mode": "block", "top_k": 48, "sink_tokens": 4, "local_tokens": 16},
+                {"mode": "block", "threshold": 0.5, "sink_tokens": 0, "local_tokens": 8},
+                {"mode": "block", "top_k": 128, "threshold": 0.2, "sink_tokens": 16, "local_tokens": 32}]
+    alone = [llm.generate([p], GREEDY, sparse=s)[0] for p, s in zip(prompts, settings)]
+    engine = llm.engine
+    for i, (p, s) in enumerate(zip(prompts, settings)):
+        engine.add_request(f"mixed-{i}", p, GREEDY, sparse=s)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, single in enumerate(alone):
+        assert_same(done[f"mixed-{i}"], single, atol=1e-4)
+
+
+def test_unavailable_modes_fail_clearly_and_enqueue_nothing(llm, tiny_model_dir):
+    engine = llm.engine
+    assert engine.sparse_modes == ("dense", "block")
+    for sparse, message in [({"mode": "native"}, "no built-in sparse indexer"),
+                            ({"mode": "learned", "top_k": 512}, "no learned indexer is loaded"),
+                            ({"mode": "block", "top_k": 8}, "at least sink_tokens"),
+                            ({"mode": "block", "budget": 8}, "unknown sparse attention field")]:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request("bad", prompt(0, 20), GREEDY, sparse=sparse)
+        assert not engine.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError, match="'native' is not available"):
+        LLM(model=str(tiny_model_dir("llama")), max_model_len=256, kv_cache_memory_bytes=8 << 20,
+            sparse_attention="native")
+    off = LLM(model=str(tiny_model_dir("llama")), max_model_len=256, kv_cache_memory_bytes=8 << 20,
+              sparse_block_bounds=False)
+    assert off.engine.sparse_modes == ("dense",)
+
+
+# -- GLM-5 native indexer ----------------------------------------------------------------------------------------
+
+def test_native_top_k_and_threshold_per_request(tmp_path):
+    path = make_dsa_model("glm_moe_dsa", tmp_path / "glm")
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(model=str(path), block_size=4, max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20)
+    assert llm.engine.sparse_modes == ("dense", "native") and llm.engine.default_sparse.mode == "native"
+    model = llm.engine.runner.model
+    records = []
+    model.selection_observer = lambda layer, pos, sel: records.append((layer, pos.clone(), sel))
+    p = prompt(5, 40)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    default = llm.generate([p], params)[0]
+    # the generic path with the model's own budget selects the same sets in every layer; threshold 1.0 keeps
+    # only the best-scoring token (checked in layer 0, whose input does not depend on earlier selections)
+    for sparse, expect in [({"top_k": TOPK}, lambda layer, pos, ref: set(ref[:TOPK])),
+                           ({"threshold": 1.0}, lambda layer, pos, ref: {ref[0]} if layer == 0 else None),
+                           ({"mode": "dense"}, lambda layer, pos, ref: set(range(pos + 1)))]:
+        records.clear()
+        out = llm.generate([p], params, sparse=sparse)[0]
+        full = p + out.outputs[0].token_ids
+        ref = _reference_selections(hf_model, full[:-1])
+        decode = [(layer, positions, sel) for layer, positions, sel in records if len(positions) == 1
+                  and int(positions[0]) >= len(p)]
+        assert len(decode) == 2 * 3  # 2 indexer layers x 3 decode steps
+        for layer, positions, sel in decode:
+            pos = int(positions[0])
+            ours = set(sel.positions[0][sel.valid[0]].tolist())
+            wanted = expect(layer, pos, ref[layer][pos].tolist())
+            assert ours == wanted if wanted is not None else len(ours) == 1, (sparse, layer, pos)
+        if sparse == {"top_k": TOPK}:
+            assert out.outputs[0].token_ids == default.outputs[0].token_ids
