@@ -31,10 +31,11 @@ SMOLLM2_SHAPE = dict(
 )
 
 
-def make_model(out: Path) -> Path:
-    """Random bf16 weights plus a word-level tokenizer covering the whole vocabulary."""
+def make_model(out: Path, **overrides) -> Path:
+    """Random bf16 weights plus a word-level tokenizer covering the whole vocabulary; `overrides` change
+    config fields (e.g. max_position_embeddings)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_SHAPE), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**SMOLLM2_SHAPE, **overrides}), dtype=torch.bfloat16)
     model.save_pretrained(out)
     vocab = {f"w{i}": i for i in range(SMOLLM2_SHAPE["vocab_size"])}
     backend = Tokenizer(WordLevel(vocab, unk_token="w0"))
