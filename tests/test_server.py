@@ -411,6 +411,32 @@ def test_invalid_values_through_openai_client(server: Server) -> None:
         client.completions.create(model=SERVED, prompt="hi", max_tokens=-5)
 
 
+def test_sparse_attention_field_reaches_the_engine(server: Server) -> None:
+    client = server.client()
+    request = dict(model=SERVED, prompt="The three laws of robotics are", max_tokens=6, temperature=0)
+    dense = client.completions.create(**request)
+    # the block mode's default budget (2,048 tokens) covers this context: the same tokens as dense
+    block = client.completions.create(**request, extra_body={"sparse_attention": {"mode": "block"}})
+    assert block.choices[0].text == dense.choices[0].text
+    chat = client.chat.completions.create(model=SERVED, messages=QUESTION, max_tokens=3, extra_body={
+        "sparse_attention": {"mode": "block", "top_k": 64, "sink_tokens": 4, "local_tokens": 16}})
+    assert chat.usage.completion_tokens == 3
+    with server.http() as http:
+        for sparse, message in [({"mode": "native"}, "no built-in sparse indexer"),
+                                ({"mode": "learned", "top_k": 512}, "no learned indexer is loaded"),
+                                ({"mode": "block", "top_k": 8}, "must be at least sink_tokens + local_tokens"),
+                                ({"mode": "block", "threshold": 2}, "threshold must be in (0, 1]")]:
+            response = http.post("/v1/chat/completions", json={"model": SERVED, "messages": QUESTION,
+                                                               "sparse_attention": sparse})
+            assert_openai_error(response, 400, "invalid_request_error")
+            assert message in response.json()["error"]["message"]
+        for sparse, param in [({"mode": "blocky"}, "sparse_attention.mode"),
+                              ({"budget": 5}, "sparse_attention.budget")]:
+            response = http.post("/v1/completions", json={"model": SERVED, "prompt": "hi", "sparse_attention": sparse})
+            assert_openai_error(response, 400, "invalid_request_error")
+            assert response.json()["error"]["param"] == param
+
+
 def test_malformed_json_is_400(server: Server) -> None:
     with server.http() as http:
         response = http.post(
