@@ -25,6 +25,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--kv-chunk-tokens", type=int, default=2048, help="tokens per KV chunk moved between tiers")
+    g.add_argument("--kv-host-memory-bytes", type=int, default=None,
+                   help="host-RAM KV tier (default: 25%% of free RAM on CUDA, off on CPU)")
+    g.add_argument("--kv-disk-dir", default=None, help="disk KV tier directory (default: off)")
+    g.add_argument("--kv-disk-bytes", type=int, default=16 << 30, help="disk KV tier budget")
     s = parser.add_argument_group("sparse decode attention (defaults per mode: glmserve/sparse/settings.py)")
     s.add_argument("--sparse-attention", default=None, choices=list(MODES),
                    help="default mode (default: native for models with their own indexer, else dense)")

@@ -33,6 +33,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     num_threads: int | None = None  # CPU threads for torch; None: torch's default
+    # KV tiers below the device pool (glmserve/kv/tiers.py): prefix chunks evicted from the pool are kept
+    # there and loaded back instead of recomputed
+    kv_chunk_tokens: int = 2048  # tokens per chunk moved between tiers (a multiple of block_size)
+    kv_host_memory_bytes: int | None = None  # host-RAM tier; None: 25% of free RAM (<= 32 GiB) on CUDA, off on CPU
+    kv_disk_dir: str | None = None  # disk tier directory; None: off (it writes GBs: the user chooses where)
+    kv_disk_bytes: int = 16 << 30  # disk tier budget
     # sparse decode attention (glmserve/sparse/): the default mode (None: "native" for models with their own
     # indexer, else "dense"); unset values fall back to each mode's defaults (glmserve/sparse/settings.py)
     sparse_attention: str | None = None
@@ -58,6 +64,11 @@ class EngineConfig:
         resolve_sparse_params(self.sparse_attention or "block", server=self.sparse_flags())
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise InvalidRequestError("kv_cache_memory_bytes must be positive")
+        if self.kv_chunk_tokens < self.block_size or self.kv_chunk_tokens % self.block_size:
+            raise InvalidRequestError(f"kv_chunk_tokens must be a positive multiple of block_size "
+                                      f"{self.block_size}, got {self.kv_chunk_tokens}")
+        if (self.kv_host_memory_bytes or 0) < 0 or self.kv_disk_bytes <= 0:
+            raise InvalidRequestError("kv_host_memory_bytes must be >= 0 and kv_disk_bytes positive")
         if self.model is not None and not os.path.exists(self.model):
             raise InvalidRequestError(
                 f"model {self.model!r} is neither a local directory nor a file; glmserve never downloads weights"

@@ -169,3 +169,81 @@ def test_kv_io_roundtrip_any_layout(make, dtype):
     ids = {kv_identity("m", torch.float32, dtype, bs, io.layout), kv_identity("m", torch.float32, dtype, 8, io.layout),
            kv_identity("other", torch.float32, dtype, bs, io.layout)}
     assert len(ids) == 3
+
+
+# -- engine: the prefix cache spans device, host and disk --------------------------------------------------
+
+BS, CHUNK = 4, 16  # 4 blocks per chunk
+
+
+def _chunk_hashes(tokens: list[int]) -> list[int]:
+    hashes, parent = [], None
+    for start in range(0, len(tokens) - BS + 1, BS):
+        parent = block_hash(parent, tokens[start:start + BS], None)
+        hashes.append(parent)
+    return hashes[CHUNK // BS - 1::CHUNK // BS]
+
+
+def _device_prefix_blocks(llm, tokens: list[int]) -> int:
+    parent, n = None, 0
+    for start in range(0, len(tokens) - BS + 1, BS):
+        parent = block_hash(parent, tokens[start:start + BS], None)
+        if parent not in llm.engine.block_manager.hash_to_block:
+            break
+        n += 1
+    return n
+
+
+def _same_output(out, ref) -> None:
+    got, want = out.outputs[0], ref.outputs[0]
+    assert got.token_ids == want.token_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+@pytest.mark.parametrize("host_bytes", [None, 2 * CHUNK * 512], ids=["disk", "host+disk"])
+def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, host_bytes):
+    from glmserve import LLM, SamplingParams
+
+    path = str(tiny_model_dir("llama"))
+    common = dict(model=path, block_size=BS, max_model_len=128, max_num_batched_tokens=64)
+    # 512 B of KV per token: a pool of ~36-45 blocks (with or without block-indexer bounds), so the second
+    # prompt evicts most of the first
+    llm = LLM(**common, kv_cache_memory_bytes=36 * 2560, kv_chunk_tokens=CHUNK, kv_disk_dir=str(tmp_path / "kv"),
+              kv_host_memory_bytes=host_bytes)
+    cold = LLM(**common, enable_prefix_caching=False)
+    rng = torch.Generator().manual_seed(0)
+    a = torch.randint(2, 300, (100,), generator=rng).tolist()
+    b = torch.randint(2, 300, (124,), generator=rng).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    ref = cold.generate([a], params)[0]
+    tiers = llm.engine.kv_tiers
+
+    first = llm.generate([a], params)[0]
+    assert first.num_cached_tokens == 0
+    _same_output(first, ref)
+    llm.generate([b], params)  # evicts the tail of a first: its chunks go down
+    assert tiers.stats.saved_chunks >= 3 and _device_prefix_blocks(llm, a) < 24
+    assert len(list((tmp_path / "kv").iterdir())) == tiers.stats.saved_chunks - (host_bytes or 0) // (CHUNK * 512)
+
+    second = llm.generate([a], params)[0]
+    assert second.num_cached_tokens == 96  # 6 whole chunks: device hits + chunks loaded back
+    assert tiers.stats.loaded_chunks >= 3 and tiers.stats.failed_loads == 0
+    _same_output(second, ref)
+
+    # corrupt the first chunk the next run needs from disk: it is recomputed and its file removed
+    llm.generate([b], params)
+    if host_bytes:
+        tiers.host.chunks.clear()
+        tiers.host.index = type(tiers.host.index)()
+    on_device = _device_prefix_blocks(llm, a)
+    needed = _chunk_hashes(a)[on_device // (CHUNK // BS)]
+    chunk_file = tiers.disk._path(tiers.key(needed))
+    raw = bytearray(chunk_file.read_bytes())
+    raw[len(raw) // 2] ^= 0x55
+    chunk_file.write_bytes(bytes(raw))
+    third = llm.generate([a], params)[0]
+    assert third.num_cached_tokens == on_device * BS and tiers.stats.failed_loads == 1
+    assert not chunk_file.exists()
+    _same_output(third, ref)

@@ -20,6 +20,8 @@ from glmserve.engine.scheduler import Scheduler
 from glmserve.engine.sequence import Sequence
 from glmserve.errors import InvalidRequestError, PromptTooLongError
 from glmserve.kv.blocks import BlockManager
+from glmserve.kv.kv_io import KVBlockIO, kv_identity
+from glmserve.kv.tiers import build_tiers
 from glmserve.models.loader import load_model
 from glmserve.sparse.block import attach_block_indexers, block_bounds_bytes
 from glmserve.sparse.indexer import available_modes
@@ -82,6 +84,13 @@ class LLMEngine:
             attach_block_indexers(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
         default_mode = config.sparse_attention or ("native" if "native" in self.sparse_modes else "dense")
         self.default_sparse = self.resolve_sparse({"mode": default_mode})
+        self.kv_io = KVBlockIO(loaded.model, self.runner.kv_cache, config.block_size, num_blocks * config.block_size)
+        self.kv_identity = kv_identity(config.model or f"embedded:{loaded.name}", self.dtype, kv_dtype,
+                                       config.block_size, self.kv_io.layout)
+        self.kv_tiers = build_tiers(self.kv_io, self.kv_identity, config.kv_chunk_tokens, config.kv_host_memory_bytes,
+                                    config.kv_disk_dir, config.kv_disk_bytes)
+        if self.kv_tiers is not None:
+            self.block_manager.attach_tiers(self.kv_tiers)
         self.requests: dict[str, Request] = {}
 
     def _kv_budget(self) -> int:

@@ -7,6 +7,12 @@ across processes and machines, so that it can name KV that leaves the process (t
 Freed blocks keep their hash and go to an LRU free list, so they can still be hit until the
 allocator needs them for something else (the scheme of vLLM's automatic prefix caching;
 nano-vllm's BlockManager is a small example).
+
+With KV tiers attached (`attach_tiers`, glmserve/kv/tiers.py), the prefix cache spans them: every
+`chunk_blocks` full blocks from the start of a sequence form a chunk named by its last block's hash; when
+the first of a chunk's blocks is evicted, the whole chunk is handed to the tiers (its blocks still hold
+their KV then), and `match_prefix` continues a prompt past its device-resident prefix by loading chunks
+back from the tiers into free blocks, which become ordinary cached blocks.
 """
 
 from __future__ import annotations
@@ -14,8 +20,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from glmserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from glmserve.kv.tiers import KVTiers
 
 HASH_BYTES = 16
 
@@ -50,6 +60,14 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks) if b != NULL_BLOCK)
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens found
+        self.tiers: KVTiers | None = None
+        self.chunk_members: dict[int, tuple[int, ...]] = {}  # chunk (its last block's hash) -> block hashes
+        self.block_chunk: list[int | None] = [None] * num_blocks  # the chunk a cached block belongs to
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Spill evicted chunks to `tiers` and load prefixes back from them (needs prefix caching)."""
+        if self.enable_prefix_caching:
+            self.tiers = tiers
 
     # -- capacity ---------------------------------------------------------------------------
     @property
@@ -72,13 +90,84 @@ class BlockManager:
         """Cached blocks that cover the start of the sequence's tokens (not yet referenced)."""
         if not self.enable_prefix_caching:
             return []
+        hashes = self._prompt_block_hashes(seq)
         hits = []
-        for h in self._prompt_block_hashes(seq):
+        for h in hashes:
             block = self.hash_to_block.get(h)
             if block is None:
                 break
             hits.append(block)
+        if self.tiers is not None and len(hits) < len(hashes):
+            hits += self._load_from_tiers(hashes, hits)
         return hits
+
+    def _load_from_tiers(self, hashes: list[int], hits: list[int]) -> list[int]:
+        """Loads the chunks that continue the device hits from the tiers; returns the blocks they fill."""
+        assert self.tiers is not None
+        cb = self.tiers.chunk_blocks
+        free_hits = [b for b in hits if self.ref_counts[b] == 0]
+        for b in free_hits:  # out of reach of the blocks taken below (they come from the front)
+            self.free_blocks.move_to_end(b)
+        room = len(self.free_blocks) - len(free_hits)
+        start, loaded = len(hits), []
+        for c in range(start // cb, len(hashes) // cb):
+            first = start - c * cb
+            last = hashes[(c + 1) * cb - 1]
+            if cb - first > room or not self.tiers.contains(last):
+                break
+            blocks = [self._take_free_block() for _ in range(cb - first)]
+            if not self.tiers.load(last, blocks, first):
+                for b in blocks:
+                    self._release(b)
+                break
+            self.cache_blocks(blocks, hashes[start:start + len(blocks)])
+            self._register_chunk(hashes[c * cb:(c + 1) * cb])
+            loaded += blocks
+            room -= len(blocks)
+            start += len(blocks)
+        return loaded
+
+    def cache_blocks(self, blocks: list[int], hashes: list[int]) -> None:
+        """Blocks taken with `_take_free_block` and filled with the KV of `hashes` become cached and free
+        (most recently used), as if computed and freed; a hash cached in another block moves here."""
+        for block, h in zip(blocks, hashes):
+            old = self.hash_to_block.get(h)
+            if old is not None:
+                self.block_to_hash[old] = None
+            self.hash_to_block[h] = block
+            self.block_to_hash[block] = h
+            self.ref_counts[block] = 0
+            self.free_blocks[block] = None
+
+    def _release(self, block: int) -> None:
+        """A block taken but not filled goes back to the front of the free list."""
+        self.ref_counts[block] = 0
+        self.free_blocks[block] = None
+        self.free_blocks.move_to_end(block, last=False)
+
+    def _register_chunk(self, member_hashes: list[int]) -> None:
+        last = member_hashes[-1]
+        if last in self.chunk_members:
+            return
+        self.chunk_members[last] = tuple(member_hashes)
+        for h in member_hashes:
+            block = self.hash_to_block.get(h)
+            if block is not None:
+                self.block_chunk[block] = last
+
+    def _spill(self, block: int) -> None:
+        """`block` is about to be reused: hand its whole chunk to the tiers if all its blocks hold their KV."""
+        assert self.tiers is not None
+        last, self.block_chunk[block] = self.block_chunk[block], None
+        members = self.chunk_members.pop(last, None) if last is not None else None
+        if members is None:
+            return
+        blocks = [self.hash_to_block.get(h) for h in members]
+        for b in blocks:
+            if b is not None:
+                self.block_chunk[b] = None
+        if None not in blocks:
+            self.tiers.save(last, blocks)  # type: ignore[arg-type]
 
     def admit(self, seq: Sequence, hit_blocks: list[int]) -> None:
         """Give a waiting sequence its cached prefix blocks and set its computed-token count."""
@@ -106,6 +195,8 @@ class BlockManager:
         block, _ = self.free_blocks.popitem(last=False)
         old = self.block_to_hash[block]
         if old is not None:
+            if self.tiers is not None:
+                self._spill(block)
             if self.hash_to_block.get(old) == block:
                 del self.hash_to_block[old]
             self.block_to_hash[block] = None
@@ -134,6 +225,8 @@ class BlockManager:
             if self.block_to_hash[block] is None and parent not in self.hash_to_block:
                 self.block_to_hash[block] = parent
                 self.hash_to_block[parent] = block
+            if self.tiers is not None and (i + 1) % self.tiers.chunk_blocks == 0:
+                self._register_chunk(seq.block_hashes[i + 1 - self.tiers.chunk_blocks:])
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks at the end of a sequence are evicted first."""

@@ -10,6 +10,7 @@ Interface (stable; the session store and the KV tiers build on it):
   then nothing of the new entry is left behind and the old entry under that key, if any, is gone.
 - `get(key) -> bytes | None`: the payload, or None when missing, truncated or corrupt (a checksum is
   verified on every read; a bad entry is deleted). A hit makes the entry most recently used.
+- `touch(key) -> bool`: makes an entry most recently used without reading it (False when absent).
 - `delete(key)`, `key in store`, `keys()` (LRU order, oldest first), `nbytes` (bytes used, headers
   included), `budget` (bytes allowed).
 
@@ -117,6 +118,15 @@ class ChunkStore(ABC):
             self.index.touch(key)
             self._touched(key)
             return data
+
+    def touch(self, key: str) -> bool:
+        """Makes the entry most recently used without reading it; False when it is not stored."""
+        with self.lock:
+            if key not in self.index.sizes:
+                return False
+            self.index.touch(key)
+            self._touched(key)
+            return True
 
     def delete(self, key: str) -> None:
         with self.lock:

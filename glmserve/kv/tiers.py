@@ -1,0 +1,164 @@
+"""KV chunks below the device pool: a host-RAM tier and a disk tier, each with its own byte budget.
+
+A chunk is `chunk_tokens` tokens (default 2,048: 128 blocks of 16) of one prompt's prefix, aligned to the
+start of the sequence, and is named by the chained hash of its last block (which covers the whole prefix up
+to it, cache salt included) plus `kv_identity` (model, dtypes, block size, pool layout): KV of another model
+can never be found. The block manager hands a chunk down when the first of its blocks is evicted from the
+device pool (all its blocks still hold their KV at that moment), and asks for it when a prompt continues
+past the device-resident prefix.
+
+Save on eviction, not write-back at the end of every sequence: only chunks that really leave the device pay
+the copy (a prefix that stays resident costs nothing), and the copy happens at most once per chunk while it
+stays in a lower tier (a chunk loaded back and evicted again is only touched). The cost is paid inside the
+scheduler step that needs the blocks: `KVTiers.stats` records the seconds spent saving and loading, and
+bench/bench_tiers.py reports them per chunk.
+
+Host tier: gathered chunks kept as tensors (pinned on CUDA, so device↔host copies run at full speed); its
+LRU chunks go down to the disk tier when it is full. On a CPU-only machine the device pool is already host
+memory, so the host tier is off unless a budget is given. Disk tier: a `ChunkStore` (atomic, checksummed
+files); a missing, truncated or corrupt chunk reads as None and the prefix from there on is recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore, LruIndex
+from glmserve.kv.kv_io import KVBlockIO
+
+HOST_TIER_CAP = 32 << 30  # default host tier on CUDA: 25% of available RAM, at most this
+
+
+@dataclass
+class TierStats:
+    saved_chunks: int = 0  # chunks copied out of the device pool
+    loaded_chunks: int = 0  # chunks copied back into the device pool
+    loaded_tokens: int = 0
+    failed_loads: int = 0  # missing or corrupt in the tier that listed them: recomputed
+    demoted_chunks: int = 0  # host tier → disk tier
+    save_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+
+class HostTier:
+    """Gathered chunks as tensors (pinned when the pool is on CUDA) under an LRU byte budget."""
+
+    def __init__(self, budget: int, pin: bool):
+        self.budget = budget
+        self.pin = pin
+        self.index = LruIndex()
+        self.chunks: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.chunks
+
+    def put(self, key: str, data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Stores a copy of `data`; returns the LRU chunks pushed out to make room (for the tier below)."""
+        size = data.numel() * data.element_size()
+        if size > self.budget:
+            return [(key, data)]
+        evicted = []
+        while self.index.nbytes + size > self.budget:
+            old = self.index.oldest()
+            evicted.append((old, self.chunks.pop(old)))
+            self.index.discard(old)
+        if data.device.type == "cpu" and not self.pin:
+            host = data  # a fresh tensor from gather: no second copy
+        else:
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=self.pin)
+            host.copy_(data, non_blocking=self.pin)
+        self.chunks[key] = host
+        self.index.add(key, size)
+        return evicted
+
+    def get(self, key: str) -> torch.Tensor | None:
+        data = self.chunks.get(key)
+        if data is not None:
+            self.index.touch(key)
+        return data
+
+
+class KVTiers:
+    """Moves whole chunks between the device pool (through `KVBlockIO`) and the host and disk tiers."""
+
+    def __init__(self, io: KVBlockIO, identity: str, chunk_blocks: int, host: HostTier | None,
+                 disk: ChunkStore | None):
+        self.io = io
+        self.identity = identity
+        self.chunk_blocks = chunk_blocks
+        self.host = host
+        self.disk = disk
+        self.stats = TierStats()
+
+    def key(self, chunk_hash: int) -> str:
+        return f"kv-{self.identity}-{chunk_hash:032x}"
+
+    def contains(self, chunk_hash: int) -> bool:
+        key = self.key(chunk_hash)
+        return (self.host is not None and key in self.host) or (self.disk is not None and key in self.disk)
+
+    def save(self, chunk_hash: int, blocks: list[int]) -> None:
+        """Copies a full chunk out of the device pool into the highest tier with room (once per chunk)."""
+        key = self.key(chunk_hash)
+        if self.host is not None and self.host.get(key) is not None:
+            return
+        if self.disk is not None and self.disk.touch(key):
+            return
+        start = time.perf_counter()
+        data = self.io.gather(torch.tensor(blocks, dtype=torch.long))
+        if self.host is not None:
+            for old_key, old in self.host.put(key, data):
+                self._to_disk(old_key, old)
+        else:
+            self._to_disk(key, data)
+        self.stats.saved_chunks += 1
+        self.stats.save_seconds += time.perf_counter() - start
+
+    def _to_disk(self, key: str, data: torch.Tensor) -> None:
+        if self.disk is not None and key not in self.disk:
+            self.disk.put(key, self.io.to_bytes(data))
+            self.stats.demoted_chunks += self.host is not None
+
+    def load(self, chunk_hash: int, blocks: list[int], first: int) -> bool:
+        """Writes blocks `first:` of the chunk into `blocks`; False (nothing usable) when it is gone or corrupt."""
+        start = time.perf_counter()
+        key = self.key(chunk_hash)
+        data = self.host.get(key) if self.host is not None else None
+        if data is None and self.disk is not None:
+            raw = self.disk.get(key)
+            data = self.io.from_bytes(raw) if raw is not None else None
+            if data is not None and data.numel() != self.chunk_blocks * self.io.elems_per_block:
+                self.disk.delete(key)
+                data = None
+        if data is None:
+            self.stats.failed_loads += 1
+            return False
+        self.io.scatter(torch.tensor(blocks, dtype=torch.long), data, first)
+        self.stats.loaded_chunks += 1
+        self.stats.loaded_tokens += len(blocks) * self.io.block_size
+        self.stats.load_seconds += time.perf_counter() - start
+        return True
+
+
+def host_tier_budget(requested: int | None, device: torch.device) -> int:
+    """The host tier's bytes: as configured; by default 25% of available RAM (capped) on CUDA, 0 on CPU."""
+    if requested is not None:
+        return requested
+    if device.type != "cuda":
+        return 0
+    return min(HOST_TIER_CAP, int(psutil.virtual_memory().available * 0.25))
+
+
+def build_tiers(io: KVBlockIO, identity: str, chunk_tokens: int, host_bytes: int | None,
+                disk_dir: str | None, disk_bytes: int) -> KVTiers | None:
+    """The tiers an engine config asks for, or None when neither a host budget nor a disk dir is set."""
+    host_budget = host_tier_budget(host_bytes, io.device)
+    host = HostTier(host_budget, pin=io.device.type == "cuda") if host_budget > 0 else None
+    disk = DiskChunkStore(disk_dir, disk_bytes) if disk_dir else None
+    if host is None and disk is None:
+        return None
+    return KVTiers(io, identity, chunk_tokens // io.block_size, host, disk)
