@@ -40,6 +40,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--sparse-local-tokens", type=int, default=None, help="most recent tokens always attended")
     s.add_argument("--no-sparse-block-bounds", dest="sparse_block_bounds", action="store_false",
                    help="do not keep the block indexer's key bounds (saves 2/block_size of KV memory; no block mode)")
+    k = parser.add_argument_group("sessions (requests with a session_id keep their KV between turns)")
+    k.add_argument("--session-store", default=None, metavar="DIR|redis://...|off",
+                   help="where session KV is kept (default: ~/.cache/glmserve/sessions; a redis:// URL for replicas)")
+    k.add_argument("--session-ttl", dest="session_ttl_s", type=float, default=86400.0,
+                   help="seconds an unused session is kept")
+    k.add_argument("--session-max-bytes", type=int, default=8 << 30,
+                   help="size cap of the session store; the least recently used sessions are dropped first")
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

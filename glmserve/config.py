@@ -47,6 +47,11 @@ class EngineConfig:
     sparse_sink_tokens: int | None = None
     sparse_local_tokens: int | None = None
     sparse_block_bounds: bool = True  # keep the block indexer's key bounds (2/block_size of K/V memory)
+    # session KV persistence (glmserve/kv/sessions.py): a directory (None: ~/.cache/glmserve/sessions),
+    # a redis:// URL shared by replicas, or "off"
+    session_store: str | None = None
+    session_ttl_s: float = 86400.0  # a session unused this long is dropped
+    session_max_bytes: int = 8 << 30  # over this, the least recently used sessions are dropped whole
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,6 +66,8 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.session_ttl_s <= 0 or self.session_max_bytes <= 0:
+            raise InvalidRequestError("session_ttl_s and session_max_bytes must be positive")
         resolve_sparse_params(self.sparse_attention or "block", server=self.sparse_flags())
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise InvalidRequestError("kv_cache_memory_bytes must be positive")

@@ -87,6 +87,7 @@ class _NewRequest:
     params: SamplingParams
     channel: _Channel
     sparse: SparseAttentionParams | dict | None = None
+    session_id: str | None = None
 
 
 class AsyncEngine:
@@ -157,7 +158,7 @@ class AsyncEngine:
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str,
-        sparse: SparseAttentionParams | dict | None = None,
+        sparse: SparseAttentionParams | dict | None = None, session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its cumulative outputs until it finishes.
 
@@ -165,7 +166,7 @@ class AsyncEngine:
         first `__anext__`. Closing or cancelling the iterator early aborts the request.
         """
         channel = _Channel(asyncio.get_running_loop())
-        self._admit(_NewRequest(request_id, prompt, params, channel, sparse))
+        self._admit(_NewRequest(request_id, prompt, params, channel, sparse, session_id))
         finished = False
         try:
             while True:
@@ -227,6 +228,7 @@ class AsyncEngine:
             self._stats = engine.stats()
             self._set_state(EngineState.READY)
             self._loop(engine)
+            engine.close()
         except GlmServeError as exc:  # a deliberate, explained error (bad option, unsupported model)
             self._fail(f"The engine failed: {exc}")
         except Exception as exc:  # anything else is a bug: clients get 503, the log gets the trace
@@ -258,7 +260,8 @@ class AsyncEngine:
                 aborts, self._aborts = self._aborts, []
             for request in incoming:
                 try:
-                    engine.add_request(request.request_id, request.prompt, request.params, sparse=request.sparse)
+                    engine.add_request(request.request_id, request.prompt, request.params, sparse=request.sparse,
+                                       session_id=request.session_id)
                 except Exception as exc:  # invalid request: only this request fails
                     request.channel.send(exc)
             for request_id in aborts:

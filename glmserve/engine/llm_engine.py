@@ -21,6 +21,7 @@ from glmserve.engine.sequence import Sequence
 from glmserve.errors import InvalidRequestError, PromptTooLongError
 from glmserve.kv.blocks import BlockManager
 from glmserve.kv.kv_io import KVBlockIO, kv_identity
+from glmserve.kv.session_kv import SessionKV, open_session_kv
 from glmserve.kv.tiers import build_tiers
 from glmserve.models.loader import load_model
 from glmserve.sparse.block import attach_block_indexers, block_bounds_bytes
@@ -37,6 +38,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     pending_samples: list[Sequence] = field(default_factory=list)  # admitted once the prompt is computed
+    session_id: str | None = None  # its KV is saved to the session store when sample 0 finishes
 
     @property
     def finished(self) -> bool:
@@ -87,6 +89,7 @@ class LLMEngine:
         self.kv_io = KVBlockIO(loaded.model, self.runner.kv_cache, config.block_size, num_blocks * config.block_size)
         self.kv_identity = kv_identity(config.model or f"embedded:{loaded.name}", self.dtype, kv_dtype,
                                        config.block_size, self.kv_io.layout)
+        self.sessions: SessionKV | None = open_session_kv(config, self.block_manager, self.kv_io, self.kv_identity)
         self.kv_tiers = build_tiers(self.kv_io, self.kv_identity, config.kv_chunk_tokens, config.kv_host_memory_bytes,
                                     config.kv_disk_dir, config.kv_disk_bytes)
         if self.kv_tiers is not None:
@@ -146,7 +149,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    sparse: SparseAttentionParams | dict | None = None) -> None:
+                    sparse: SparseAttentionParams | dict | None = None, session_id: str | None = None) -> None:
+        """`session_id`: load the session's stored KV for the prompt's prefix, save the turn's KV at its end."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         sparse = self.resolve_sparse(sparse)
@@ -155,13 +159,17 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(token_ids), self.max_model_len)
+        if session_id is not None:
+            if self.sessions is None:
+                raise InvalidRequestError("sessions are off on this server (session_store 'off')")
+            self.sessions.restore(session_id, token_ids, cache_salt)
         seqs = [
             Sequence(request_id, i, token_ids, params,
                      IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens),
                      priority, cache_salt, sparse)
             for i in range(params.n)
         ]
-        request = Request(request_id, token_ids, params, seqs, pending_samples=seqs[1:])
+        request = Request(request_id, token_ids, params, seqs, pending_samples=seqs[1:], session_id=session_id)
         self.requests[request_id] = request
         self.scheduler.add(seqs[0])
 
@@ -195,10 +203,21 @@ class LLMEngine:
             seq.append_token(token, logprob)
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
+                self._save_session(seq)
                 self.scheduler.remove(seq)
         for request in touched.values():
             self._admit_pending_samples(request)
         return [self._output(r) for r in touched.values()]
+
+    def _save_session(self, seq: Sequence) -> None:
+        session_id = self.requests[seq.request_id].session_id
+        if session_id is not None and seq.index == 0 and self.sessions is not None:
+            self.sessions.save(session_id, seq.token_ids, seq.block_table, seq.num_computed_tokens)
+
+    def close(self) -> None:
+        """Finish background work (session writes); the engine must not be used afterwards."""
+        if self.sessions is not None:
+            self.sessions.close()
 
     def _admit_pending_samples(self, request: Request) -> None:
         for seq in request.pending_samples:

@@ -23,6 +23,10 @@ class ServerConfig:
     # on SIGTERM: how long in-flight requests may run before they are aborted
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
+    # session anchoring (server/anchoring.py): a conversation longer than this many prompt tokens has its
+    # earlier turns replaced by a summary; the last `session_summary_keep` messages stay verbatim
+    session_summary_threshold: int = 4096
+    session_summary_keep: int = 4
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -31,6 +35,8 @@ class ServerConfig:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.session_summary_threshold < 1 or self.session_summary_keep < 1:
+            raise ValueError("session_summary_threshold and session_summary_keep must be >= 1")
         for alias, canonical in self.aliases.items():
             if not alias or not canonical:
                 raise ValueError(f"alias entries need a non-empty id and target, got {alias!r}={canonical!r}")
@@ -73,6 +79,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds in-flight requests may still run before they are aborted",
     )
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--session-summary-threshold", type=int, default=4096,
+                   help="prompt tokens above which a session_summary request has its earlier turns summarized")
+    g.add_argument("--session-summary-keep", type=int, default=4,
+                   help="most recent messages kept verbatim when earlier turns are summarized")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -83,4 +93,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         retry_after_s=args.retry_after_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
         log_level=args.log_level,
+        session_summary_threshold=args.session_summary_threshold,
+        session_summary_keep=args.session_summary_keep,
     )

@@ -60,11 +60,12 @@ class Generation:
         params: SamplingParams,
         request_id: str,
         sparse: dict[str, Any] | None = None,
+        session_id: str | None = None,
     ) -> None:
         self._engine = engine
         self.request_id = request_id
         self._tracker: RequestTracker = metrics.track()
-        self._outputs = engine.generate(prompt, params, request_id, sparse=sparse)
+        self._outputs = engine.generate(prompt, params, request_id, sparse=sparse, session_id=session_id)
         self._first: RequestOutput | None = None
         self.last: RequestOutput | None = None
 

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 MAX_TOP_LOGPROBS = 20
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
 
 
 class _Request(BaseModel):
@@ -88,6 +89,8 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     sparse_attention: SparseAttentionRequest | None = None  # glmserve extra
+    # session KV persistence (glmserve/kv/sessions.py); the X-Session-Id header is the alternative
+    session_id: Annotated[str, Field(pattern=SESSION_ID_PATTERN)] | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
@@ -120,6 +123,8 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # with a session: replace earlier turns by a summary the model writes (glmserve/server/anchoring.py)
+    session_summary: bool = False
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from glmserve.server.anchoring import anchor_messages
+from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation, cancel_on_disconnect, start_all
 from glmserve.server.logprobs import chat_logprobs
 from glmserve.server.params import sampling_params
@@ -22,6 +24,7 @@ from glmserve.server.protocol import (
     ChoiceDelta,
 )
 from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
+from glmserve.server.sessions_api import request_session_id
 from glmserve.server.state import LoadedModel, ServingContext
 from glmserve.server.usage import usage_of
 
@@ -29,10 +32,17 @@ from glmserve.server.usage import usage_of
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServingContext) -> Response:
     model = ctx.loaded()
     model_id = model.aliases.resolve(body.model)
-    prompt_ids = model.chat_prompt(body.messages)
+    session_id = request_session_id(body.session_id, raw)
+    messages = body.messages
+    if body.session_summary:
+        if session_id is None:
+            raise BadRequestError("session_summary needs a session_id (or an X-Session-Id header)",
+                                  param="session_summary")
+        messages = await anchor_messages(messages, session_id, model, ctx)
+    prompt_ids = model.chat_prompt(messages)
     params = sampling_params(body, len(prompt_ids), model.max_model_len)
     generation = Generation(ctx.engine, ctx.metrics, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}",
-                            sparse=body.sparse_overrides())
+                            sparse=body.sparse_overrides(), session_id=session_id)
     await cancel_on_disconnect(raw, start_all([generation]))
     if body.stream:
         return SSEResponse(_stream(body, generation, model, model_id), on_close=generation.abort)

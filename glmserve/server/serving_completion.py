@@ -20,6 +20,7 @@ from glmserve.server.logprobs import completion_logprobs
 from glmserve.server.params import sampling_params
 from glmserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
+from glmserve.server.sessions_api import request_session_id
 from glmserve.server.state import LoadedModel, ServingContext
 from glmserve.server.usage import usage_of
 
@@ -30,6 +31,9 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     if body.echo and body.logprobs is not None:
         raise BadRequestError("echo together with logprobs is not supported by this server", param="echo")
     prompts = [model.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+    session_id = request_session_id(body.session_id, raw)
+    if session_id is not None and len(prompts) > 1:
+        raise BadRequestError("a request with a session_id takes one prompt", param="prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generations = [
         Generation(
@@ -39,6 +43,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
             sampling_params(body, len(ids), model.max_model_len),
             f"{request_id}-{i}",
             sparse=body.sparse_overrides(),
+            session_id=session_id,
         )
         for i, ids in enumerate(prompts)
     ]
