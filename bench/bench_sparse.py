@@ -184,24 +184,28 @@ def retrieval(llm: LLM, modes: dict[str, dict], lengths: list[int], depths: list
 
 
 def agreement(llm: LLM, modes: dict[str, dict], sentences: list[str], positions: list[int]) -> dict:
+    """Second generated token at each position: its logits come from the last decode step of the request."""
     tokens = llm.tokenizer.encode(" ".join(sentences[len(sentences) // 3:]), add_special_tokens=False)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     out: dict[str, dict[str, float]] = {}
-    dense_logits: list[torch.Tensor] = []
+    reference: tuple[torch.Tensor, list[int]] | None = None
     for mode, sparse in modes.items():
         recorder = Recorder()
+        rows, first_tokens = [], []
         with recorder.active(llm.engine.runner.model):
             for p in positions:
-                llm.generate([tokens[:p]], params, sparse=sparse)
-        logits = torch.cat(recorder.decode_logits)  # one decode step per position
-        if mode == "dense":
-            dense_logits = [logits]
-        ref = dense_logits[0]
+                first_tokens.append(llm.generate([tokens[:p]], params, sparse=sparse)[0].outputs[0].token_ids[0])
+                rows.append(recorder.decode_logits[-1][0])
+        logits = torch.stack(rows)
+        if reference is None:  # the first mode is dense
+            reference = (logits, first_tokens)
+        ref, ref_first = reference
         ref_logp, logp = torch.log_softmax(ref, -1), torch.log_softmax(logits, -1)
         kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
         out[mode] = {
             "top1_agreement": float((ref.argmax(-1) == logits.argmax(-1)).float().mean()),
             "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "first_token_differs": sum(a != b for a, b in zip(first_tokens, ref_first)),
             "dropped_mass_mean": float(torch.tensor(recorder.dropped).mean()) if recorder.dropped else 0.0,
             "attended_share_mean": float(torch.tensor(recorder.attended).mean()) if recorder.attended else 1.0,
         }
