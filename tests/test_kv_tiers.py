@@ -202,16 +202,18 @@ def _same_output(out, ref) -> None:
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-@pytest.mark.parametrize("host_bytes", [None, 2 * CHUNK * 512], ids=["disk", "host+disk"])
-def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, host_bytes):
+@pytest.mark.parametrize(("host_chunks", "disk"), [(0, True), (2, True), (7, False)], ids=["disk", "host+disk", "host"])
+def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, host_chunks, disk):
+    """host: 7 chunks of room; loading the prefix's 6 back spills the other prompt's chunks, which push the
+    prefix's own out of the host tier while it loads (held copies keep them usable)."""
     from glmserve import LLM, SamplingParams
 
     path = str(tiny_model_dir("llama"))
     common = dict(model=path, block_size=BS, max_model_len=128, max_num_batched_tokens=64)
     # 512 B of KV per token: a pool of ~36-45 blocks (with or without block-indexer bounds), so the second
     # prompt evicts most of the first
-    llm = LLM(**common, kv_cache_memory_bytes=36 * 2560, kv_chunk_tokens=CHUNK, kv_disk_dir=str(tmp_path / "kv"),
-              kv_host_memory_bytes=host_bytes)
+    llm = LLM(**common, kv_cache_memory_bytes=36 * 2560, kv_chunk_tokens=CHUNK,
+              kv_disk_dir=str(tmp_path / "kv") if disk else None, kv_host_memory_bytes=host_chunks * CHUNK * 512)
     cold = LLM(**common, enable_prefix_caching=False)
     rng = torch.Generator().manual_seed(0)
     a = torch.randint(2, 300, (100,), generator=rng).tolist()
@@ -225,16 +227,19 @@ def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, ho
     _same_output(first, ref)
     llm.generate([b], params)  # evicts the tail of a first: its chunks go down
     assert tiers.stats.saved_chunks >= 3 and _device_prefix_blocks(llm, a) < 24
-    assert len(list((tmp_path / "kv").iterdir())) == tiers.stats.saved_chunks - (host_bytes or 0) // (CHUNK * 512)
+    if disk:
+        assert len(list((tmp_path / "kv").iterdir())) == tiers.stats.saved_chunks - host_chunks
 
     second = llm.generate([a], params)[0]
     assert second.num_cached_tokens == 96  # 6 whole chunks: device hits + chunks loaded back
     assert tiers.stats.loaded_chunks >= 3 and tiers.stats.failed_loads == 0
     _same_output(second, ref)
+    if not disk:
+        return
 
     # corrupt the first chunk the next run needs from disk: it is recomputed and its file removed
     llm.generate([b], params)
-    if host_bytes:
+    if host_chunks:
         tiers.host.chunks.clear()
         tiers.host.index = type(tiers.host.index)()
     on_device = _device_prefix_blocks(llm, a)

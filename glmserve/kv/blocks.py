@@ -110,13 +110,15 @@ class BlockManager:
             self.free_blocks.move_to_end(b)
         room = len(self.free_blocks) - len(free_hits)
         start, loaded = len(hits), []
-        for c in range(start // cb, len(hashes) // cb):
+        first_chunk = start // cb
+        found = self.tiers.find(hashes[(first_chunk + 1) * cb - 1::cb])
+        for c, held in enumerate(found, first_chunk):
             first = start - c * cb
             last = hashes[(c + 1) * cb - 1]
-            if cb - first > room or not self.tiers.contains(last):
+            if cb - first > room:
                 break
             blocks = [self._take_free_block() for _ in range(cb - first)]
-            if not self.tiers.load(last, blocks, first):
+            if not self.tiers.load(last, held, blocks, first):
                 for b in blocks:
                     self._release(b)
                 break

@@ -97,9 +97,18 @@ class KVTiers:
     def key(self, chunk_hash: int) -> str:
         return f"kv-{self.identity}-{chunk_hash:032x}"
 
-    def contains(self, chunk_hash: int) -> bool:
-        key = self.key(chunk_hash)
-        return (self.host is not None and key in self.host) or (self.disk is not None and key in self.disk)
+    def find(self, chunk_hashes: list[int]) -> list[torch.Tensor | None]:
+        """One entry per leading chunk present in a tier: its host copy, held from now on (blocks taken
+        while loading spill other chunks, which may push it out of the host tier), or None when it is on
+        disk (read when loaded)."""
+        found: list[torch.Tensor | None] = []
+        for chunk_hash in chunk_hashes:
+            key = self.key(chunk_hash)
+            held = self.host.get(key) if self.host is not None else None
+            if held is None and (self.disk is None or key not in self.disk):
+                break
+            found.append(held)
+        return found
 
     def save(self, chunk_hash: int, blocks: list[int]) -> None:
         """Copies a full chunk out of the device pool into the highest tier with room (once per chunk)."""
@@ -123,11 +132,12 @@ class KVTiers:
             self.disk.put(key, self.io.to_bytes(data))
             self.stats.demoted_chunks += self.host is not None
 
-    def load(self, chunk_hash: int, blocks: list[int], first: int) -> bool:
-        """Writes blocks `first:` of the chunk into `blocks`; False (nothing usable) when it is gone or corrupt."""
+    def load(self, chunk_hash: int, held: torch.Tensor | None, blocks: list[int], first: int) -> bool:
+        """Writes blocks `first:` of the chunk (`held`: its host copy from `find`, else read from disk) into
+        `blocks`; False (nothing usable) when it is gone or corrupt."""
         start = time.perf_counter()
         key = self.key(chunk_hash)
-        data = self.host.get(key) if self.host is not None else None
+        data = held
         if data is None and self.disk is not None:
             raw = self.disk.get(key)
             data = self.io.from_bytes(raw) if raw is not None else None
