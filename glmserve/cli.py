@@ -40,6 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--sparse-local-tokens", type=int, default=None, help="most recent tokens always attended")
     s.add_argument("--no-sparse-block-bounds", dest="sparse_block_bounds", action="store_false",
                    help="do not keep the block indexer's key bounds (saves 2/block_size of KV memory; no block mode)")
+    s.add_argument("--learned-indexer", default=None, metavar="PATH|none",
+                   help="learned indexer file for mode 'learned' (default: the one beside the model, if trained)")
     k = parser.add_argument_group("sessions (requests with a session_id keep their KV between turns)")
     k.add_argument("--session-store", default=None, metavar="DIR|redis://...|off",
                    help="where session KV is kept (default: ~/.cache/glmserve/sessions; a redis:// URL for replicas)")
@@ -131,6 +133,46 @@ def cmd_serve(args: argparse.Namespace) -> None:
     sys.exit(run_server(engine_config_from_args(args), server_config_from_args(args)))
 
 
+def cmd_train_indexer(args: argparse.Namespace) -> None:
+    from glmserve.sparse.distill import DistillConfig, train_and_save
+
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    cfg = DistillConfig(**{name: getattr(args, name) for name in TRAIN_INDEXER_OPTIONS if hasattr(args, name)})
+    path, report = train_and_save(None if args.model == "default" else args.model, args.text, args.out, cfg,
+                                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"train KL {report.train_kl_before:.3f} -> {report.train_kl:.3f}, held-out KL "
+          f"{report.heldout_kl_before:.3f} -> {report.heldout_kl:.3f} ({report.train_seconds:.0f} s training, "
+          f"{report.teacher_seconds:.0f} s teacher)")
+    print(f"attention mass in {cfg.budget} tokens (layer mean): "
+          + ", ".join(f"{name} {value:.3f}" for name, value in report.recall.items()))
+    print(f"saved {path}")
+
+
+# DistillConfig fields settable from the command line (unset ones keep DistillConfig's defaults)
+TRAIN_INDEXER_OPTIONS = {
+    "steps": (int, "optimizer steps"), "window": (int, "tokens per teacher window"),
+    "dim": (int, "index key / index query head size"), "heads": (int, "index query heads"),
+    "lr": (float, "Adam learning rate"), "max_windows": (int, "windows of text used"),
+    "heldout_windows": (int, "last windows kept out of training (held-out KL and recall)"),
+    "budget": (int, "token budget of the reported attention-mass recall"),
+}
+
+
+def add_train_indexer_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="HF model directory, .gguf file, or 'default' "
+                        "(the embedded SmolLM2)")
+    parser.add_argument("--text", nargs="+", required=True, metavar="FILE", help="training text file(s)")
+    parser.add_argument("--out", default=None, help="output file (default: beside the model, where the "
+                        "engine finds it; ~/.cache/glmserve/indexers/ if that directory is read-only)")
+    for name, (kind, text) in TRAIN_INDEXER_OPTIONS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS,
+                            help=f"{text} (default: glmserve/sparse/distill.py DistillConfig)")
+    parser.add_argument("--num-threads", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(handler=cmd_serve)
+    train = sub.add_parser("train-indexer", help="distill a learned sparse-attention indexer from the model's "
+                           "dense attention (CPU, float32)")
+    add_train_indexer_args(train)
+    train.set_defaults(handler=cmd_train_indexer)
     return parser
 
 

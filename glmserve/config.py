@@ -47,6 +47,9 @@ class EngineConfig:
     sparse_sink_tokens: int | None = None
     sparse_local_tokens: int | None = None
     sparse_block_bounds: bool = True  # keep the block indexer's key bounds (2/block_size of K/V memory)
+    # learned indexer file (`glmserve train-indexer`) for mode "learned": None = the default file beside the
+    # model if there is one (glmserve/sparse/learned.py default_indexer_path), "none" = never load one
+    learned_indexer: str | None = None
     # session KV persistence (glmserve/kv/sessions.py): a directory (None: ~/.cache/glmserve/sessions),
     # a redis:// URL shared by replicas, or "off"
     session_store: str | None = None
@@ -76,6 +79,8 @@ class EngineConfig:
                                       f"{self.block_size}, got {self.kv_chunk_tokens}")
         if (self.kv_host_memory_bytes or 0) < 0 or self.kv_disk_bytes <= 0:
             raise InvalidRequestError("kv_host_memory_bytes must be >= 0 and kv_disk_bytes positive")
+        if self.learned_indexer not in (None, "none") and not os.path.isfile(self.learned_indexer):
+            raise InvalidRequestError(f"learned_indexer {self.learned_indexer!r} is not a file")
         if self.model is not None and not os.path.exists(self.model):
             raise InvalidRequestError(
                 f"model {self.model!r} is neither a local directory nor a file; glmserve never downloads weights"

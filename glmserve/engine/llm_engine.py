@@ -26,6 +26,7 @@ from glmserve.kv.tiers import build_tiers
 from glmserve.models.loader import load_model
 from glmserve.sparse.block import attach_block_indexers, block_bounds_bytes
 from glmserve.sparse.indexer import available_modes
+from glmserve.sparse.learned import attach_learned_indexers, find_learned_indexer, index_key_bytes_per_token
 from glmserve.sparse.settings import SparseAttentionParams, resolve_sparse_params
 
 CPU_KV_CACHE_CAP = 4 << 30
@@ -73,6 +74,9 @@ class LLMEngine:
         bytes_per_block = config.block_size * loaded.model.kv_bytes_per_token(kv_dtype)
         if config.sparse_block_bounds:
             bytes_per_block += block_bounds_bytes(loaded.model, kv_dtype)
+        self.learned_indexer = find_learned_indexer(config.learned_indexer, config.model, loaded.model)
+        if self.learned_indexer is not None:
+            bytes_per_block += config.block_size * index_key_bytes_per_token(self.learned_indexer, kv_dtype)
         num_blocks = self._kv_budget() // bytes_per_block
         if (num_blocks - 1) * config.block_size < self.max_model_len:
             raise InvalidRequestError(
@@ -84,6 +88,9 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
         if config.sparse_block_bounds and block_bounds_bytes(loaded.model, kv_dtype):
             attach_block_indexers(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
+        if self.learned_indexer is not None:
+            attach_learned_indexers(loaded.model, self.learned_indexer, num_blocks * config.block_size, kv_dtype,
+                                    self.device, zero_slots=config.block_size)
         default_mode = config.sparse_attention or ("native" if "native" in self.sparse_modes else "dense")
         self.default_sparse = self.resolve_sparse({"mode": default_mode})
         self.kv_io = KVBlockIO(loaded.model, self.runner.kv_cache, config.block_size, num_blocks * config.block_size)

@@ -14,18 +14,20 @@ random (expected share k / context), and by the target itself (the best any k-to
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from glmserve.errors import InvalidRequestError
-from glmserve.sparse.learned import IndexerSpec, LearnedIndexerWeights, ModelIdentity
+from glmserve.sparse.learned import IndexerSpec, LearnedIndexerWeights, ModelIdentity, default_indexer_path
 
 SINK_TOKENS = 4  # the sinks + recency baseline keeps this many first tokens
 
@@ -125,7 +127,7 @@ def scores_of(weights: LearnedIndexerWeights, w: TeacherWindow) -> torch.Tensor:
     """Indexer scores of every sampled query against the window's keys, future masked: [layers, Q, T]."""
     keys = weights.index_keys(w.k)  # [layers, T, d]
     qi, hw = weights.index_queries(w.q)  # [layers, Q, Hi, d], [layers, Q, Hi]
-    s = weights.scores(qi, hw, keys.unsqueeze(1))
+    s = weights.scores(qi, hw, keys)
     future = torch.arange(w.k.shape[1])[None, :] > w.query_pos[:, None]
     return s.masked_fill(future, float("-inf"))
 
@@ -258,3 +260,38 @@ def distill(model: nn.Module, token_ids: list[int], cfg: DistillConfig,
     report.recall, report.recall_per_layer = recall.mean(), {k: v for k, v in vars(recall).items()
                                                              if isinstance(v, list)}
     return weights, report
+
+
+def read_texts(paths: list[str]) -> str:
+    """The training text: the files' contents, one after another."""
+    parts = []
+    for p in paths:
+        try:
+            parts.append(Path(p).read_text(encoding="utf-8", errors="replace"))
+        except OSError as e:
+            raise InvalidRequestError(f"cannot read training text {p}: {e.strerror or e}") from e
+    return "\n\n".join(parts)
+
+
+def train_and_save(model_path: str | None, text_paths: list[str], out: str | None, cfg: DistillConfig,
+                   log: Callable[[str], None] = lambda _: None) -> tuple[Path, DistillReport]:
+    """`glmserve train-indexer`: distills an indexer for a model (None = the embedded SmolLM2) on CPU in
+    float32 and saves it, by default where the engine finds it (`default_indexer_path`)."""
+    from glmserve.models.loader import load_model
+
+    cfg.validate()
+    text = read_texts(text_paths)
+    loaded = load_model(model_path, None, torch.device("cpu"), torch.float32)
+    if cfg.window > loaded.max_position_embeddings:
+        raise InvalidRequestError(f"window {cfg.window} is longer than the model's context "
+                                  f"{loaded.max_position_embeddings}")
+    token_ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    log(f"{len(token_ids)} tokens of text; teacher: {loaded.name}, {len(loaded.model.layers)} layers; {cfg}")
+    weights, report = distill(loaded.model, token_ids, cfg, log)
+    if model_path is None:
+        from glmserve.models.gguf_loader import embedded_default_gguf
+
+        model_path = str(embedded_default_gguf())
+    path = Path(out) if out else default_indexer_path(model_path, weights.spec.identity.fingerprint)
+    weights.save(path, {"model_path": str(Path(model_path).resolve()), "report": json.dumps(asdict(report))})
+    return path, report

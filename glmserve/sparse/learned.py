@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -125,9 +125,13 @@ class LearnedIndexerWeights(nn.Module):
         return qi, torch.matmul(flat, ww)
 
     def scores(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """qi [..., Hi, d], w [..., Hi], keys [..., L, d] (broadcast over leading dims) -> scores [..., L]."""
-        dots = torch.relu(torch.matmul(qi, keys.transpose(-1, -2)) * self.scale)  # [..., Hi, L]
-        return torch.matmul(w.unsqueeze(-2), dots).squeeze(-2)
+        """qi [..., R, Hi, d], w [..., R, Hi]: R query rows sharing keys [..., L, d] -> scores [..., R, L].
+
+        The R rows and Hi heads fold into one matmul against the shared keys (no broadcast copy of them).
+        """
+        r, hi = qi.shape[-3], qi.shape[-2]
+        dots = torch.matmul(qi.flatten(-3, -2), keys.transpose(-1, -2)).unflatten(-2, (r, hi))  # [..., R, Hi, L]
+        return torch.matmul((w * self.scale).unsqueeze(-2), torch.relu(dots)).squeeze(-2)  # relu(x)*c = relu(x*c)
 
     def save(self, path: Path, extra_metadata: dict[str, str] | None = None) -> None:
         """Atomic write (temp file + rename): a crash never leaves a half-written indexer behind."""
@@ -150,7 +154,7 @@ class LearnedIndexerWeights(nn.Module):
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except (OSError, ValueError) as e:  # missing file, or not safetensors at all
+        except (OSError, ValueError, SafetensorError) as e:  # missing file, or not safetensors at all
             raise IndexerMismatchError(f"cannot read learned indexer {path}: {e}") from e
         spec = IndexerSpec.from_metadata(meta, path)
         if expected is not None and spec.identity != expected:
@@ -175,3 +179,70 @@ def default_indexer_path(model_path: str | Path, fingerprint: str) -> Path:
     if beside.exists() or os.access(beside.parent, os.W_OK):
         return beside
     return Path.home() / ".cache" / "glmserve" / "indexers" / f"{fingerprint}.safetensors"
+
+
+class LearnedIndexer:
+    """One layer's learned scorer over its paged pool of index keys; implements
+    `glmserve.sparse.indexer.Indexer` at token level (unit_size 1)."""
+
+    unit_size = 1
+
+    def __init__(self, weights: LearnedIndexerWeights, layer: int, keys: torch.Tensor):
+        self.weights = weights
+        self.layer = layer
+        self.keys = keys  # [slots, d]: this layer's index key of the token at each cache slot
+
+    def on_kv_written(self, slot_mapping: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
+        self.keys.index_copy_(0, slot_mapping, self.weights.index_keys(k, self.layer).to(self.keys.dtype))
+
+    def unit_scores(self, q: torch.Tensor, group) -> torch.Tensor:
+        """q [B, H, D] -> [B, L] score of every key position of each row (-inf past its context)."""
+        qi, w = self.weights.index_queries(q.unsqueeze(1), self.layer)  # [B, 1, Hi, d], [B, 1, Hi]
+        keys = self.keys[group.kv_slots].to(qi.dtype)  # [B, L, d]
+        scores = self.weights.scores(qi, w, keys).squeeze(1)
+        past_context = torch.arange(scores.shape[1], device=scores.device)[None, :] >= group.context_lens[:, None]
+        return scores.masked_fill(past_context, float("-inf"))
+
+
+def index_key_bytes_per_token(weights: LearnedIndexerWeights, dtype: torch.dtype) -> int:
+    """Bytes of index keys per token over all layers (the extra paged pool)."""
+    return weights.spec.identity.num_layers * weights.spec.index_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def attach_learned_indexers(model: nn.Module, weights: LearnedIndexerWeights, num_slots: int, dtype: torch.dtype,
+                            device: torch.device, zero_slots: int) -> torch.Tensor:
+    """Allocates the index-key pool [layers, slots, d] (the first `zero_slots`, the null block, zeroed) and
+    gives every paged attention layer its LearnedIndexer (mode "learned"); returns the pool."""
+    from glmserve.sparse.indexer import attach_indexers
+
+    weights.to(device)
+    pool = torch.empty((weights.spec.identity.num_layers, num_slots, weights.spec.index_dim), dtype=dtype,
+                       device=device)
+    pool[:, :zero_slots].zero_()
+    attach_indexers(model, "learned", lambda i, attn: LearnedIndexer(weights, i, pool[i]))
+    return pool
+
+
+def find_learned_indexer(option: str | None, model_path: str | None, model: nn.Module
+                         ) -> LearnedIndexerWeights | None:
+    """The engine's learned indexer: `option` a file path (must exist and match), "none" (off), or None:
+    the default file beside the model (`default_indexer_path`; model_path None = the embedded model) when
+    there is one. Models without paged attention layers (MLA) take none."""
+    from glmserve.sparse.indexer import paged_attention_layers
+
+    if option == "none" or (option is None and not paged_attention_layers(model)):
+        return None
+    if not paged_attention_layers(model):
+        raise IndexerMismatchError(f"{type(model).__name__} has no paged attention layers for a learned indexer")
+    identity = ModelIdentity.of(model)
+    if option is None:
+        if model_path is None:
+            from glmserve.models.gguf_loader import embedded_default_gguf
+
+            model_path = embedded_default_gguf()
+        path = default_indexer_path(model_path, identity.fingerprint)
+        if not path.exists():
+            return None
+    else:
+        path = Path(option)
+    return LearnedIndexerWeights.load(path, expected=identity)
