@@ -202,30 +202,36 @@ def _same_output(out, ref) -> None:
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-@pytest.mark.parametrize(("host_chunks", "disk"), [(0, True), (2, True), (7, False)], ids=["disk", "host+disk", "host"])
-def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, host_chunks, disk):
-    """host: 7 chunks of room; loading the prefix's 6 back spills the other prompt's chunks, which push the
-    prefix's own out of the host tier while it loads (held copies keep them usable)."""
+def _setup(tiny_model_dir, **tiers):
+    """An engine with a tiny device pool and the given tiers, the cold reference output of prompt a, and
+    prompt b that evicts most of a."""
     from glmserve import LLM, SamplingParams
 
-    path = str(tiny_model_dir("llama"))
-    common = dict(model=path, block_size=BS, max_model_len=128, max_num_batched_tokens=64)
+    common = dict(model=str(tiny_model_dir("llama")), block_size=BS, max_model_len=128, max_num_batched_tokens=64)
     # 512 B of KV per token: a pool of ~36-45 blocks (with or without block-indexer bounds), so the second
     # prompt evicts most of the first
-    llm = LLM(**common, kv_cache_memory_bytes=36 * 2560, kv_chunk_tokens=CHUNK,
-              kv_disk_dir=str(tmp_path / "kv") if disk else None, kv_host_memory_bytes=host_chunks * CHUNK * 512)
+    llm = LLM(**common, kv_cache_memory_bytes=36 * 2560, kv_chunk_tokens=CHUNK, **tiers)
     cold = LLM(**common, enable_prefix_caching=False)
     rng = torch.Generator().manual_seed(0)
     a = torch.randint(2, 300, (100,), generator=rng).tolist()
     b = torch.randint(2, 300, (124,), generator=rng).tolist()
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
-    ref = cold.generate([a], params)[0]
+    return llm, cold.generate([a], params)[0], a, b, params
+
+
+@pytest.mark.parametrize(("host_chunks", "disk"), [(0, True), (2, True), (7, False)], ids=["disk", "host+disk", "host"])
+def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, host_chunks, disk):
+    """host: 7 chunks of room; loading the prefix's 6 back spills the other prompt's chunks, which push the
+    prefix's own out of the host tier while it loads (held copies keep them usable)."""
+    llm, ref, a, b, params = _setup(tiny_model_dir, kv_disk_dir=str(tmp_path / "kv") if disk else None,
+                                    kv_host_memory_bytes=host_chunks * CHUNK * 512)
     tiers = llm.engine.kv_tiers
 
     first = llm.generate([a], params)[0]
     assert first.num_cached_tokens == 0
     _same_output(first, ref)
     llm.generate([b], params)  # evicts the tail of a first: its chunks go down
+    tiers.wait()  # the disk writer thread
     assert tiers.stats.saved_chunks >= 3 and _device_prefix_blocks(llm, a) < 24
     if disk:
         assert len(list((tmp_path / "kv").iterdir())) == tiers.stats.saved_chunks - host_chunks
@@ -239,6 +245,7 @@ def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, ho
 
     # corrupt the first chunk the next run needs from disk: it is recomputed and its file removed
     llm.generate([b], params)
+    tiers.wait()
     if host_chunks:
         tiers.host.chunks.clear()
         tiers.host.index = type(tiers.host.index)()
@@ -252,3 +259,18 @@ def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, ho
     assert third.num_cached_tokens == on_device * BS and tiers.stats.failed_loads == 1
     assert not chunk_file.exists()
     _same_output(third, ref)
+
+
+def test_full_disk_tier_still_answers(tiny_model_dir, tmp_path):
+    """A disk budget smaller than one chunk: every write is refused, nothing is left in the directory, and
+    the requests answer as a cold run does (the evicted prefix is recomputed)."""
+    llm, ref, a, b, params = _setup(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_bytes=CHUNK * 512)
+    tiers = llm.engine.kv_tiers
+    _same_output(llm.generate([a], params)[0], ref)
+    llm.generate([b], params)
+    tiers.wait()
+    assert tiers.stats.saved_chunks >= 3 and list(tmp_path.iterdir()) == []
+    on_device = _device_prefix_blocks(llm, a)
+    again = llm.generate([a], params)[0]
+    assert again.num_cached_tokens == on_device * BS < 96 and tiers.stats.loaded_chunks == 0
+    _same_output(again, ref)

@@ -16,12 +16,18 @@ bench/bench_tiers.py reports them per chunk.
 Host tier: gathered chunks kept as tensors (pinned on CUDA, so device↔host copies run at full speed); its
 LRU chunks go down to the disk tier when it is full. On a CPU-only machine the device pool is already host
 memory, so the host tier is off unless a budget is given. Disk tier: a `ChunkStore` (atomic, checksummed
-files); a missing, truncated or corrupt chunk reads as None and the prefix from there on is recomputed.
+files) written by one background thread (`DiskWriter`: the step pays only the gather; chunks waiting for the
+writer stay readable); a missing, truncated or corrupt chunk reads as None and the prefix from there on is
+recomputed.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import psutil
@@ -31,6 +37,9 @@ from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore, LruIndex
 from glmserve.kv.kv_io import KVBlockIO
 
 HOST_TIER_CAP = 32 << 30  # default host tier on CUDA: 25% of available RAM, at most this
+MAX_PENDING_WRITES = 4  # chunks waiting for the disk writer before a spill waits for it
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,7 +49,8 @@ class TierStats:
     loaded_tokens: int = 0
     failed_loads: int = 0  # missing or corrupt in the tier that listed them: recomputed
     demoted_chunks: int = 0  # host tier → disk tier
-    save_seconds: float = 0.0
+    save_seconds: float = 0.0  # in the engine step: gather (+ host copy)
+    write_seconds: float = 0.0  # in the disk writer thread: to bytes, checksum, write, fsync
     load_seconds: float = 0.0
 
 
@@ -82,6 +92,52 @@ class HostTier:
         return data
 
 
+class DiskWriter:
+    """Writes chunks to the disk tier in one background thread, so that a spill costs the engine step only
+    its gather; a chunk waiting to be written stays readable (`get`). At most `max_pending` writes wait:
+    beyond that a spill waits for the oldest (the disk sets the pace, memory stays bounded)."""
+
+    def __init__(self, disk: ChunkStore, io: KVBlockIO, stats: TierStats, max_pending: int = MAX_PENDING_WRITES):
+        self.disk = disk
+        self.io = io
+        self.stats = stats
+        self.max_pending = max_pending
+        self.pending: dict[str, torch.Tensor] = {}
+        self.futures: deque[Future] = deque()
+        self.lock = threading.Lock()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glmserve-kv-disk")
+
+    def submit(self, key: str, data: torch.Tensor) -> None:
+        with self.lock:
+            if key in self.pending:
+                return
+            self.pending[key] = data
+        while len(self.futures) >= self.max_pending:
+            self.futures.popleft().result()
+        self.futures.append(self.executor.submit(self._write, key, data))
+
+    def _write(self, key: str, data: torch.Tensor) -> None:
+        start = time.perf_counter()
+        try:
+            if not self.disk.put(key, self.io.to_bytes(data)):
+                logger.warning("KV disk tier: no room for a chunk (budget or disk full); it will be recomputed")
+        except Exception:  # a lost chunk costs a recompute later, never a request
+            logger.exception("KV disk tier: writing a chunk failed")
+        finally:
+            with self.lock:
+                self.pending.pop(key, None)
+            self.stats.write_seconds += time.perf_counter() - start
+
+    def get(self, key: str) -> torch.Tensor | None:
+        with self.lock:
+            return self.pending.get(key)
+
+    def wait(self) -> None:
+        """Blocks until every submitted write is done."""
+        while self.futures:
+            self.futures.popleft().result()
+
+
 class KVTiers:
     """Moves whole chunks between the device pool (through `KVBlockIO`) and the host and disk tiers."""
 
@@ -93,6 +149,7 @@ class KVTiers:
         self.host = host
         self.disk = disk
         self.stats = TierStats()
+        self.writer = DiskWriter(disk, io, self.stats) if disk is not None else None
 
     def key(self, chunk_hash: int) -> str:
         return f"kv-{self.identity}-{chunk_hash:032x}"
@@ -104,18 +161,23 @@ class KVTiers:
         found: list[torch.Tensor | None] = []
         for chunk_hash in chunk_hashes:
             key = self.key(chunk_hash)
-            held = self.host.get(key) if self.host is not None else None
+            held = self._held(key)
             if held is None and (self.disk is None or key not in self.disk):
                 break
             found.append(held)
         return found
 
+    def _held(self, key: str) -> torch.Tensor | None:
+        """The chunk's copy in memory: in the host tier or waiting for the disk writer."""
+        held = self.host.get(key) if self.host is not None else None
+        if held is None and self.writer is not None:
+            held = self.writer.get(key)
+        return held
+
     def save(self, chunk_hash: int, blocks: list[int]) -> None:
         """Copies a full chunk out of the device pool into the highest tier with room (once per chunk)."""
         key = self.key(chunk_hash)
-        if self.host is not None and self.host.get(key) is not None:
-            return
-        if self.disk is not None and self.disk.touch(key):
+        if self._held(key) is not None or (self.disk is not None and self.disk.touch(key)):
             return
         start = time.perf_counter()
         data = self.io.gather(torch.tensor(blocks, dtype=torch.long))
@@ -128,9 +190,14 @@ class KVTiers:
         self.stats.save_seconds += time.perf_counter() - start
 
     def _to_disk(self, key: str, data: torch.Tensor) -> None:
-        if self.disk is not None and key not in self.disk:
-            self.disk.put(key, self.io.to_bytes(data))
+        if self.writer is not None and self.disk is not None and key not in self.disk:
+            self.writer.submit(key, data)
             self.stats.demoted_chunks += self.host is not None
+
+    def wait(self) -> None:
+        """Blocks until every chunk handed to the disk tier is written (tests, benchmarks, shutdown)."""
+        if self.writer is not None:
+            self.writer.wait()
 
     def load(self, chunk_hash: int, held: torch.Tensor | None, blocks: list[int], first: int) -> bool:
         """Writes blocks `first:` of the chunk (`held`: its host copy from `find`, else read from disk) into
