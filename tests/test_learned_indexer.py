@@ -88,7 +88,8 @@ def test_kl_is_zero_only_for_the_target_itself(llama, trained):
     # brute force for one query of layer 0: KL(target || softmax(scores over its past tokens))
     keys = weights.index_keys(window.k[0], 0)
     qi, w = weights.index_queries(window.q[0, 3:4], 0)
-    logp = torch.log_softmax(weights.scores(qi, w, keys[:28])[0], -1)
+    scores = weights.scores(qi, w, keys[:28]) + weights.position_bias(torch.tensor([[27]]), torch.arange(28), 0)
+    logp = torch.log_softmax(scores[0], -1)
     target = window.target[0, 3, :28]
     brute = (target * (target.log() - logp)).sum()
     single = window.subset(torch.tensor([3]))
@@ -99,6 +100,8 @@ def test_save_load_round_trip_gives_identical_scores(llama, trained):
     weights, _, path = trained
     loaded = LearnedIndexerWeights.load(path, expected=ModelIdentity.of(llama.model))
     assert loaded.spec == weights.spec
+    for (name, a), (_, b) in zip(weights.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(a, b), name
     ids = torch.randint(2, 320, (64,), generator=torch.Generator().manual_seed(3))
     window = teacher_window(llama.model, ids, torch.arange(32, 64))
     for layer in range(weights.spec.identity.num_layers):
@@ -153,8 +156,10 @@ class RecordingIndexer:
         self.inner = inner
         self.unit_size = inner.unit_size
         self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.written: list[torch.Tensor] = []
 
     def on_kv_written(self, slot_mapping, k, cache) -> None:
+        self.written.append(slot_mapping.clone())
         self.inner.on_kv_written(slot_mapping, k, cache)
 
     def unit_scores(self, q, group) -> torch.Tensor:
@@ -217,10 +222,31 @@ def test_decode_scores_equal_brute_force_after_prefix_hits(llama, trained, tiny_
                 torch.testing.assert_close(cached_k[:prompt_len], teacher[prompt_len][layer], atol=1e-5, rtol=1e-4)
                 qi, w = weights.index_queries(q[row:row + 1].unsqueeze(0), layer)
                 expected = weights.scores(qi, w, weights.index_keys(cached_k, layer))[0, 0]
+                expected += weights.position_bias(torch.tensor([[c - 1]]), torch.arange(c), layer)[0]
                 torch.testing.assert_close(scores[row, :c], expected, atol=1e-5, rtol=1e-4)
                 assert torch.all(scores[row, c:] == float("-inf"))
                 checked += 1
     assert checked == len(layers) * (2 * 5)  # 2 sequences x 5 decode steps (the 1st token comes from prefill)
+
+
+def test_index_keys_follow_kv_loaded_into_the_pool(trained, tiny_model_dir):
+    """KV restored by the tiers or the session store (KVBlockIO.scatter) gets its index keys recomputed."""
+    _, _, path = trained
+    engine = _engine(tiny_model_dir("llama"), path)
+    attn = engine.runner.model.layers[0].self_attn.attn
+    recorder = RecordingIndexer(attn.indexers["learned"])
+    attn.indexers["learned"] = recorder
+    prompt = torch.randint(2, 320, (64,), generator=torch.Generator().manual_seed(7)).tolist()
+    _run(engine, {"r": prompt}, {"mode": "dense"}, max_tokens=1)
+    used = torch.cat(recorder.written).div(16, rounding_mode="floor").unique()
+    assert len(used) == 4
+    keys = engine.index_keys.keys
+    before = keys.clone()
+    targets = torch.arange(engine.block_manager.num_blocks - 3, engine.block_manager.num_blocks + 1)
+    engine.kv_io.scatter(targets, engine.kv_io.gather(used))
+    slots_of = lambda blocks: (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)  # noqa: E731
+    torch.testing.assert_close(keys[:, slots_of(targets)], before[:, slots_of(used)], atol=1e-6, rtol=1e-5)
+    assert not torch.equal(before[:, slots_of(targets)], before[:, slots_of(used)])
 
 
 def test_learned_mode_covering_budget_equals_dense(trained, tiny_model_dir):

@@ -88,12 +88,13 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
         if config.sparse_block_bounds and block_bounds_bytes(loaded.model, kv_dtype):
             attach_block_indexers(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
-        if self.learned_indexer is not None:
-            attach_learned_indexers(loaded.model, self.learned_indexer, num_blocks * config.block_size, kv_dtype,
-                                    self.device, zero_slots=config.block_size)
+        self.index_keys = None if self.learned_indexer is None else attach_learned_indexers(
+            loaded.model, self.learned_indexer, self.runner.kv_cache, config.block_size, kv_dtype)
         default_mode = config.sparse_attention or ("native" if "native" in self.sparse_modes else "dense")
         self.default_sparse = self.resolve_sparse({"mode": default_mode})
         self.kv_io = KVBlockIO(loaded.model, self.runner.kv_cache, config.block_size, num_blocks * config.block_size)
+        if self.index_keys is not None:
+            self.kv_io.add_load_listener(self.index_keys.refresh)
         self.kv_identity = kv_identity(config.model or f"embedded:{loaded.name}", self.dtype, kv_dtype,
                                        config.block_size, self.kv_io.layout)
         self.sessions: SessionKV | None = open_session_kv(config, self.block_manager, self.kv_io, self.kv_identity)

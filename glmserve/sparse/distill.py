@@ -53,6 +53,8 @@ class DistillConfig:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.window < 8:
             raise InvalidRequestError(f"window must be >= 8 tokens, got {self.window}")
+        if self.budget < 2 * SINK_TOKENS:
+            raise InvalidRequestError(f"budget must be >= {2 * SINK_TOKENS} tokens, got {self.budget}")
         if not 0 <= self.heldout_windows < self.max_windows:
             raise InvalidRequestError("heldout_windows must be >= 0 and below max_windows")
 
@@ -127,9 +129,9 @@ def scores_of(weights: LearnedIndexerWeights, w: TeacherWindow) -> torch.Tensor:
     """Indexer scores of every sampled query against the window's keys, future masked: [layers, Q, T]."""
     keys = weights.index_keys(w.k)  # [layers, T, d]
     qi, hw = weights.index_queries(w.q)  # [layers, Q, Hi, d], [layers, Q, Hi]
-    s = weights.scores(qi, hw, keys)
-    future = torch.arange(w.k.shape[1])[None, :] > w.query_pos[:, None]
-    return s.masked_fill(future, float("-inf"))
+    key_pos = torch.arange(w.k.shape[1])
+    s = weights.scores(qi, hw, keys) + weights.position_bias(w.query_pos[:, None], key_pos)
+    return s.masked_fill(key_pos[None, :] > w.query_pos[:, None], float("-inf"))
 
 
 def kl_per_layer(weights: LearnedIndexerWeights, w: TeacherWindow) -> torch.Tensor:
@@ -148,6 +150,7 @@ class RecallReport:
     budget: int
     num_queries: int  # queries per window with more past tokens than the budget
     indexer: list[float]
+    indexer_in_window: list[float]  # the engine's rule: 4 sinks + the last budget/4 kept, the indexer the rest
     oracle: list[float]
     recency: list[float]
     sinks_recency: list[float]
@@ -172,8 +175,13 @@ def recall_at_budget(weights: LearnedIndexerWeights, windows: list[TeacherWindow
         recent = key_pos[None, :] > sub.query_pos[:, None] - budget  # last `budget` past tokens (future has 0)
         sinks = key_pos[None, :] < SINK_TOKENS
         sinks_recent = sinks | (key_pos[None, :] > sub.query_pos[:, None] - (budget - SINK_TOKENS))
+        scores = scores_of(weights, sub)
+        local = budget // 4
+        window = sinks | (key_pos[None, :] > sub.query_pos[:, None] - local)  # kept anyway; future has 0
+        fill = scores.masked_fill(window, float("-inf")).topk(budget - SINK_TOKENS - local, dim=-1).indices
         got = {
-            "indexer": t.gather(-1, scores_of(weights, sub).topk(budget, dim=-1).indices).sum(-1),
+            "indexer": t.gather(-1, scores.topk(budget, dim=-1).indices).sum(-1),
+            "indexer_in_window": (t * window).sum(-1) + t.gather(-1, fill).sum(-1),
             "oracle": t.topk(budget, dim=-1).values.sum(-1),
             "recency": (t * recent).sum(-1),
             "sinks_recency": (t * sinks_recent).sum(-1),

@@ -40,6 +40,15 @@ FORMAT_NAME = "glmserve-learned-indexer"
 FORMAT_VERSION = 1
 FILE_SUFFIX = "glmserve-indexer.safetensors"
 FINGERPRINT_SAMPLES = 4096  # strided q/k/v weight elements hashed per layer
+DISTANCE_BUCKETS = 32  # distance buckets of the position bias: 0..7 exact, then half octaves (last: >= 23,170)
+SINK_BIAS_TOKENS = 4  # first positions with a bias of their own (attention sinks)
+
+
+def distance_bucket(distance: torch.Tensor) -> torch.Tensor:
+    """Bucket of a query-key distance (>= 0): exact below 8, then two buckets per octave, the last one open."""
+    d = distance.clamp(min=0)
+    log_bucket = 8 + (2 * torch.log2(d.clamp(min=8).float() / 8)).long()
+    return torch.where(d < 8, d, log_bucket).clamp(max=DISTANCE_BUCKETS - 1)
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,8 @@ class LearnedIndexerWeights(nn.Module):
         self.wq = nn.Parameter(torch.randn(n, q_in, hi * d) * q_in**-0.5)
         self.wk = nn.Parameter(torch.randn(n, k_in, d) * k_in**-0.5)
         self.ww = nn.Parameter(torch.randn(n, q_in, hi) * q_in**-0.5)
+        self.distance_bias = nn.Parameter(torch.zeros(n, DISTANCE_BUCKETS))
+        self.sink_bias = nn.Parameter(torch.zeros(n, SINK_BIAS_TOKENS))
         self.scale = d**-0.5
 
     def index_keys(self, k: torch.Tensor, layer: int | None = None) -> torch.Tensor:
@@ -132,6 +143,16 @@ class LearnedIndexerWeights(nn.Module):
         r, hi = qi.shape[-3], qi.shape[-2]
         dots = torch.matmul(qi.flatten(-3, -2), keys.transpose(-1, -2)).unflatten(-2, (r, hi))  # [..., R, Hi, L]
         return torch.matmul((w * self.scale).unsqueeze(-2), torch.relu(dots)).squeeze(-2)  # relu(x)*c = relu(x*c)
+
+    def position_bias(self, query_pos: torch.Tensor, key_pos: torch.Tensor, layer: int | None = None
+                      ) -> torch.Tensor:
+        """Learned bias by query-key distance bucket and for the first SINK_BIAS_TOKENS positions:
+        query_pos [..., R, 1] against key_pos [L] -> [..., R, L] (layer None: a leading layer dim first)."""
+        db, sb = (self.distance_bias, self.sink_bias) if layer is None else (self.distance_bias[layer],
+                                                                             self.sink_bias[layer])
+        bias = db[..., distance_bucket(query_pos - key_pos)]
+        sink = key_pos < SINK_BIAS_TOKENS
+        return bias + (sb[..., key_pos.clamp(max=SINK_BIAS_TOKENS - 1)] * sink).unsqueeze(-2)
 
     def save(self, path: Path, extra_metadata: dict[str, str] | None = None) -> None:
         """Atomic write (temp file + rename): a crash never leaves a half-written indexer behind."""
@@ -199,8 +220,10 @@ class LearnedIndexer:
         """q [B, H, D] -> [B, L] score of every key position of each row (-inf past its context)."""
         qi, w = self.weights.index_queries(q.unsqueeze(1), self.layer)  # [B, 1, Hi, d], [B, 1, Hi]
         keys = self.keys[group.kv_slots].to(qi.dtype)  # [B, L, d]
+        key_pos = torch.arange(keys.shape[1], device=keys.device)
         scores = self.weights.scores(qi, w, keys).squeeze(1)
-        past_context = torch.arange(scores.shape[1], device=scores.device)[None, :] >= group.context_lens[:, None]
+        scores = scores + self.weights.position_bias((group.context_lens - 1)[:, None], key_pos, self.layer)
+        past_context = key_pos[None, :] >= group.context_lens[:, None]
         return scores.masked_fill(past_context, float("-inf"))
 
 
@@ -209,17 +232,37 @@ def index_key_bytes_per_token(weights: LearnedIndexerWeights, dtype: torch.dtype
     return weights.spec.identity.num_layers * weights.spec.index_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def attach_learned_indexers(model: nn.Module, weights: LearnedIndexerWeights, num_slots: int, dtype: torch.dtype,
-                            device: torch.device, zero_slots: int) -> torch.Tensor:
-    """Allocates the index-key pool [layers, slots, d] (the first `zero_slots`, the null block, zeroed) and
-    gives every paged attention layer its LearnedIndexer (mode "learned"); returns the pool."""
+class IndexKeyPool:
+    """The paged pool of index keys ([layers, slots, d]) beside a model's KV pool."""
+
+    def __init__(self, weights: LearnedIndexerWeights, kv_cache: torch.Tensor, block_size: int, dtype: torch.dtype):
+        self.weights = weights
+        self.kv_cache = kv_cache  # [layers, 2, kv_heads, slots, head_dim]
+        self.block_size = block_size
+        num_slots = kv_cache.shape[3]
+        self.keys = torch.empty((weights.spec.identity.num_layers, num_slots, weights.spec.index_dim), dtype=dtype,
+                                device=kv_cache.device)
+        self.keys[:, :block_size].zero_()  # the null block that padded slot indices point at
+
+    @torch.no_grad()
+    def refresh(self, blocks: torch.Tensor) -> None:
+        """Recomputes the index keys of `blocks` from their K in the KV pool, for KV loaded into the pool
+        without passing through attention (tiers, sessions: `KVBlockIO.add_load_listener`)."""
+        offsets = torch.arange(self.block_size, device=self.kv_cache.device)
+        slots = (blocks.to(self.kv_cache.device)[:, None] * self.block_size + offsets).reshape(-1)
+        k = self.kv_cache[:, 0].index_select(2, slots).transpose(1, 2)  # [layers, n, kv_heads, head_dim]
+        self.keys.index_copy_(1, slots, self.weights.index_keys(k.float()).to(self.keys.dtype))
+
+
+def attach_learned_indexers(model: nn.Module, weights: LearnedIndexerWeights, kv_cache: torch.Tensor,
+                            block_size: int, dtype: torch.dtype) -> IndexKeyPool:
+    """Allocates the index-key pool beside `kv_cache` and gives every paged attention layer of `model` its
+    LearnedIndexer (mode "learned")."""
     from glmserve.sparse.indexer import attach_indexers
 
-    weights.to(device)
-    pool = torch.empty((weights.spec.identity.num_layers, num_slots, weights.spec.index_dim), dtype=dtype,
-                       device=device)
-    pool[:, :zero_slots].zero_()
-    attach_indexers(model, "learned", lambda i, attn: LearnedIndexer(weights, i, pool[i]))
+    weights.to(kv_cache.device)
+    pool = IndexKeyPool(weights, kv_cache, block_size, dtype)
+    attach_indexers(model, "learned", lambda i, attn: LearnedIndexer(weights, i, pool.keys[i]))
     return pool
 
 
