@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,22 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def engine_device():
+    """Engines built with device "auto" run on GLMSERVE_TEST_DEVICE (default cpu), in float32 when that is a
+    GPU, so that one suite with one set of tolerances checks the CUDA path too (the GPU check run sets
+    GLMSERVE_TEST_DEVICE=cuda). Tests that name a device or dtype are unaffected."""
+    from glmserve.engine import llm_engine
+
+    device = os.environ.get("GLMSERVE_TEST_DEVICE", "cpu")
+    resolve_device, resolve_dtype = llm_engine.resolve_device, llm_engine.resolve_dtype
+    llm_engine.resolve_device = lambda name: resolve_device(device if name == "auto" else name)
+    if device != "cpu":
+        llm_engine.resolve_dtype = lambda name, dev: resolve_dtype("float32" if name == "auto" else name, dev)
+    yield device
+    llm_engine.resolve_device, llm_engine.resolve_dtype = resolve_device, resolve_dtype
 
 
 @pytest.fixture(scope="session")

@@ -38,9 +38,10 @@ def test_sparse_mla_architectures_match_transformers(arch, tmp_path):
     check_two_waves(llm, _reference(path), (5, 17, 41, 60), tol=TOLERANCE["float32"])
 
 
-def test_cuda_defaults_and_seeded_sampling(tiny_model_dir):
-    llm = LLM(model=str(tiny_model_dir("llama")), kv_cache_memory_bytes=4 << 20)
-    assert llm.engine.device.type == "cuda" and llm.engine.dtype == torch.bfloat16
+def test_cuda_defaults_and_seeded_sampling(tiny_model_dir, engine_device):
+    llm = LLM(model=str(tiny_model_dir("llama")), device="cuda", kv_cache_memory_bytes=4 << 20)
+    if engine_device == "cpu":  # not forced to float32 by GLMSERVE_TEST_DEVICE: the CUDA default dtype
+        assert llm.engine.dtype == torch.bfloat16
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True, n=2)
     first, second = (llm.generate([list(range(3, 20))], params)[0] for _ in range(2))
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
