@@ -27,11 +27,23 @@ from glmserve.errors import InvalidRequestError
 from glmserve.layers import attention
 from glmserve.layers.attention import GroupMetadata, PagedAttention
 from glmserve.sparse import SparseAttentionParams, resolve_sparse_params
+from glmserve.sparse import block as block_module
 from glmserve.sparse.block import BlockIndexer
 from glmserve.sparse.indexer import paged_attention_layers
 from glmserve.sparse.selection import SparseRows, compact, decode_keep_mask, keep_mask
 
 BLOCK = 16
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def backend(request, monkeypatch):
+    """The C++ kernels (decode attention, block scores) or the pure PyTorch paths."""
+    if request.param == "torch":
+        monkeypatch.setattr(attention, "paged_decode_op", lambda: None)
+        monkeypatch.setattr(block_module, "block_scores_op", lambda: None)
+    elif attention.paged_decode_op() is None or block_module.block_scores_op() is None:
+        pytest.skip("C++ kernels unavailable")
+    return request.param
 
 
 # -- settings ----------------------------------------------------------------------------------------------------
@@ -140,11 +152,11 @@ def test_threshold_semantics():
 def check_bounds(indexer: BlockIndexer, keys: torch.Tensor, block: int, count: int) -> None:
     """The bounds of `block` are the exact min/max of its first `count` keys (keys: [Hkv, slots, D])."""
     written = keys[:, block * indexer.unit_size: block * indexer.unit_size + count]
-    torch.testing.assert_close(indexer.bounds[0][:, block], written.amin(1), rtol=0, atol=0)
-    torch.testing.assert_close(indexer.bounds[1][:, block], written.amax(1), rtol=0, atol=0)
+    torch.testing.assert_close(indexer.lo[block], written.amin(1), rtol=0, atol=0)
+    torch.testing.assert_close(indexer.hi[block], written.amax(1), rtol=0, atol=0)
 
 
-def test_block_bounds_are_exact_and_bound_every_key():
+def test_block_bounds_are_exact_and_bound_every_key(backend):
     gen = torch.Generator().manual_seed(0)
     hkv, h, d, unit, num_blocks = 2, 6, 8, 4, 12
     ix = BlockIndexer(hkv, d, num_blocks, unit, scale=d**-0.5, dtype=torch.float32, device=torch.device("cpu"))
@@ -159,7 +171,8 @@ def test_block_bounds_are_exact_and_bound_every_key():
     for i, block in enumerate(table.tolist()):
         check_bounds(ix, keys, block, min(unit, 14 - i * unit))
     q = torch.randn(3, h, d, generator=gen)
-    g = GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=3, block_tables=table.expand(3, -1))
+    g = GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=3, block_tables=table.expand(3, -1),
+                      context_lens=torch.tensor([14, 14, 14]))
     ub = ix.unit_scores(q, g)  # [3, 4]
     qg = q.view(3, hkv, h // hkv, d)
     for i, block in enumerate(table.tolist()):
@@ -183,15 +196,6 @@ def test_block_bounds_are_exact_and_bound_every_key():
 def llm(tiny_model_dir):
     return LLM(model=str(tiny_model_dir("llama")), max_model_len=512, max_num_batched_tokens=512,
                kv_cache_memory_bytes=40 * (BLOCK * 512 + 512))  # 40 blocks of KV + bounds: blocks get reused
-
-
-@pytest.fixture(params=["kernel", "torch"])
-def backend(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(attention, "paged_decode_op", lambda: None)
-    elif attention.paged_decode_op() is None:
-        pytest.skip("C++ decode kernel unavailable")
-    return request.param
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -238,7 +242,7 @@ def test_small_budget_attends_fewer_tokens_and_changes_output(llm, monkeypatch):
     assert top_logprobs(sparse) != top_logprobs(dense)
 
 
-def test_block_selection_picks_the_top_blocks_of_brute_force_bounds(llm):
+def test_block_selection_picks_the_top_blocks_of_brute_force_bounds(llm, backend):
     engine = llm.engine
     p = prompt(3, 250)
     engine.add_request("top-blocks", p, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))

@@ -6,12 +6,17 @@ its keys; for a query q the largest q.k any key of the block can reach is
     sum_d max(q_d * min_d, q_d * max_d) = relu(q) . max + min(q, 0) . min,
 computed as two matmuls. Our own implementation on glmserve's paged pool:
 
-- bounds live beside the KV pool, indexed by the same physical block ids: one tensor
-  [2, Hkv, num_blocks, D] per layer (min, max) — 2 / block_size of the K/V pool's size;
-- they are maintained on every write (`on_kv_written`): a write at offset 0 of a block resets its
-  bounds (a fresh or reused block always starts there), then the new keys are folded in with a
-  scatter min/max. A prefix-cache hit reuses the same physical block, whose bounds still describe
-  exactly the tokens it holds; a partial last block is bounded by the keys written so far;
+- bounds live beside the KV pool, indexed by the same physical block ids: one block-major tensor
+  `bounds` [num_blocks, 2, Hkv, D] per layer (min, max; one block's bounds are contiguous, so the
+  gather of a row's blocks copies whole rows) — 2 / block_size of the K/V pool's size;
+- they are maintained on every write (`on_kv_written`): a write at offset 0 of a block restarts its
+  bounds from that key (a fresh or reused block always starts there), then the new keys are folded in
+  with a scatter min/max. No infinities are ever stored, so blocks never written (the null block,
+  padding) score 0 without NaN. A prefix-cache hit reuses the same physical block, whose bounds still
+  describe exactly the tokens it holds; a partial last block is bounded by the keys written so far;
+- on CPU in float32 the scores come from our C++ kernel (glmserve/layers/csrc/block_scores.cpp), which
+  reads each row's bounds in place by block table; elsewhere a gather and one GEMM against a
+  block-diagonal query matrix compute the same numbers;
 - one score per block and decode row: the maximum over the query heads of the scaled upper bound
   (selection is per row for all heads, since our decode kernel takes one slot list per row, so a
   block is worth keeping when any head could give it a large logit; summing would let many heads
@@ -24,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from glmserve.layers.cpu_kernels import block_scores_op
+
 if TYPE_CHECKING:
     from glmserve.layers.attention import GroupMetadata
 
@@ -35,37 +42,47 @@ class BlockIndexer:
                  dtype: torch.dtype, device: torch.device):
         self.unit_size = block_size
         self.scale = scale
-        self.bounds = torch.empty((2, num_kv_heads, num_blocks, head_dim), dtype=dtype, device=device)
-        self.bounds[0].fill_(float("inf"))
-        self.bounds[1].fill_(float("-inf"))
+        self.bounds = torch.zeros((num_blocks, 2, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+    @property
+    def lo(self) -> torch.Tensor:
+        return self.bounds[:, 0]
+
+    @property
+    def hi(self) -> torch.Tensor:
+        return self.bounds[:, 1]
 
     def on_kv_written(self, slot_mapping: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
-        """k [T, Hkv, D] was written at slot_mapping [T]: reset blocks written from offset 0, fold keys in."""
+        """k [T, Hkv, D] was written at slot_mapping [T]: blocks written from offset 0 restart from that key,
+        then every new key is folded in."""
         blocks = slot_mapping // self.unit_size
-        fresh = blocks[slot_mapping % self.unit_size == 0]
-        lo, hi = self.bounds[0], self.bounds[1]
-        lo.index_fill_(1, fresh, float("inf"))
-        hi.index_fill_(1, fresh, float("-inf"))
-        keys = k.transpose(0, 1).to(self.bounds.dtype)  # [Hkv, T, D]
-        index = blocks.view(1, -1, 1).expand_as(keys)
-        lo.scatter_reduce_(1, index, keys, reduce="amin")
-        hi.scatter_reduce_(1, index, keys, reduce="amax")
+        keys = k.to(self.bounds.dtype)
+        starts = (slot_mapping % self.unit_size == 0).nonzero()[:, 0]
+        self.bounds.index_copy_(0, blocks[starts], keys[starts, None].expand(-1, 2, -1, -1))
+        index = blocks.view(-1, 1, 1).expand_as(keys)
+        self.lo.scatter_reduce_(0, index, keys, reduce="amin")
+        self.hi.scatter_reduce_(0, index, keys, reduce="amax")
 
     def unit_scores(self, q: torch.Tensor, group: GroupMetadata) -> torch.Tensor:
         """q [B, H, D] -> [B, W] upper bound of the scaled logit per logical block (max over heads)."""
         tables = group.block_tables  # [B, W]
+        kernel = block_scores_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+        if kernel is not None:  # reads the bounds in place: no gather copy
+            units = -(-group.context_lens // self.unit_size)
+            return kernel(q.contiguous(), self.bounds, tables.contiguous(), units.contiguous(), self.scale)
         b, w = tables.shape
-        hkv, d = self.bounds.shape[1], self.bounds.shape[3]
-        flat = tables.reshape(-1)
-        lo = self.bounds[0].index_select(1, flat).view(hkv, b, w, d).float()
-        hi = self.bounds[1].index_select(1, flat).view(hkv, b, w, d).float()
-        # unwritten blocks (padding, the null block) hold +-inf bounds: give them zeros instead of NaN
-        lo = torch.nan_to_num(lo, posinf=0.0, neginf=0.0)
-        hi = torch.nan_to_num(hi, posinf=0.0, neginf=0.0)
-        qg = q.float().view(b, hkv, -1, d).transpose(0, 1)  # [Hkv, B, g, D]
-        bound = torch.matmul(qg.clamp(min=0), hi.transpose(-1, -2))
-        bound += torch.matmul(qg.clamp(max=0), lo.transpose(-1, -2))  # [Hkv, B, g, W]
-        return bound.amax(dim=(0, 2)) * self.scale  # [B, W]
+        nb, _, hkv, d = self.bounds.shape
+        h = q.shape[1]
+        rows = self.bounds.view(nb, -1).index_select(0, tables.reshape(-1)).view(b, w, -1)  # [B, W, 2 * Hkv * D]
+        # block-diagonal query matrix: column (head) h holds min(q_h, 0) against its kv head's min row part and
+        # max(q_h, 0) against its max part, zeros elsewhere; one GEMM on the gathered rows, no relayout
+        qg = q.view(b, hkv, h // hkv, d).to(self.bounds.dtype)
+        eye = torch.eye(hkv, dtype=qg.dtype, device=q.device)[None, None, :, :, None, None]
+        parts = torch.stack([qg.clamp(max=0), qg.clamp(min=0)], dim=1)  # [B, 2, Hkv, g, D]
+        qbd = parts.unsqueeze(3) * eye  # [B, 2, query's kv head, row's kv head, g, D]: zero off the diagonal
+        qbd = qbd.permute(0, 1, 3, 5, 2, 4).reshape(b, 2 * hkv * d, h)  # rows (min|max, kv head, d), cols heads
+        bound = torch.bmm(rows, qbd)  # [B, W, H]
+        return bound.amax(dim=2).float() * self.scale  # [B, W]
 
 
 def block_bounds_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -22,6 +22,17 @@ import torch
 from glmserve.sparse.settings import MODES, SparseAttentionParams
 
 NONE = -1  # top_k / threshold not set
+_ARANGE: dict[torch.device, torch.Tensor] = {}
+
+
+def positions_upto(length: int, device: torch.device) -> torch.Tensor:
+    """arange(length) as a view of one cached tensor per device: a fresh long arange per layer and step
+    costs more (allocation, page faults) than the comparisons that use it."""
+    cached = _ARANGE.get(device)
+    if cached is None or cached.shape[0] < length:
+        cached = _ARANGE[device] = torch.arange(max(length, 2 * (0 if cached is None else cached.shape[0])),
+                                                device=device)
+    return cached[:length]
 
 
 @dataclass
@@ -51,21 +62,11 @@ class SparseRows:
         return self.mode_ids == MODES.index(mode)
 
 
-def always_kept(context_lens: torch.Tensor, rows: SparseRows, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(in_context [B, length], kept [B, length]): positions inside the context, and sinks + local window."""
-    pos = torch.arange(length, device=context_lens.device)[None, :]
-    ctx = context_lens[:, None]
-    in_context = pos < ctx
-    kept = in_context & ((pos < rows.sink_tokens[:, None]) | (pos >= ctx - rows.local_tokens[:, None]))
-    return in_context, kept
-
-
 def keep_mask(scores: torch.Tensor, unit_size: int, context_lens: torch.Tensor, rows: SparseRows,
               length: int) -> torch.Tensor:
     """scores [B, U] (U >= ceil(length / unit_size)) -> keep [B, length] bool, every row under this scorer."""
     b = scores.shape[0]
     dev = scores.device
-    in_context, kept = always_kept(context_lens, rows, length)
     num_units = -(-length // unit_size)
     scores = scores[:, :num_units].float()
     unit_start = torch.arange(num_units, device=dev)[None, :] * unit_size
@@ -97,17 +98,24 @@ def keep_mask(scores: torch.Tensor, unit_size: int, context_lens: torch.Tensor, 
 
     unit_keep = torch.where(has_threshold[:, None], by_threshold & by_budget, by_budget)
     # top-k mode with the whole context inside the budget: dense
-    whole = ~has_threshold & has_budget & (context_lens <= rows.top_k)
-    token_keep = unit_keep.repeat_interleave(unit_size, dim=1)[:, :length]
-    return in_context & (kept | token_keep | whole[:, None])
+    unit_keep |= (~has_threshold & has_budget & (context_lens <= rows.top_k))[:, None]
+    # to tokens (few [B, length] ops: this is the part that grows with the context)
+    keep = unit_keep[:, :, None].expand(b, num_units, unit_size).reshape(b, -1)[:, :length]
+    pos = positions_upto(length, dev)[None, :]
+    keep |= pos < sink  # sinks
+    keep |= pos >= ctx - local  # local window
+    keep &= pos < ctx
+    return keep
 
 
 def decode_keep_mask(scores_by_mode: dict[str, torch.Tensor], unit_sizes: dict[str, int],
                      context_lens: torch.Tensor, rows: SparseRows, length: int) -> torch.Tensor:
     """Keep mask [B, length] of a group whose rows may use different modes: dense rows keep their whole
     context, each other row the mask of its own mode's scores (`scores_by_mode[mode]`, every row)."""
-    pos = torch.arange(length, device=context_lens.device)[None, :]
-    keep = pos < context_lens[:, None]
+    if len(scores_by_mode) == 1 and "dense" not in rows.modes:  # one mode for every row
+        (mode, scores), = scores_by_mode.items()
+        return keep_mask(scores, unit_sizes[mode], context_lens, rows, length)
+    keep = positions_upto(length, context_lens.device)[None, :] < context_lens[:, None]
     for mode, scores in scores_by_mode.items():
         mode_keep = keep_mask(scores, unit_sizes[mode], context_lens, rows, length)
         keep = torch.where(rows.rows_in(mode)[:, None], mode_keep, keep)
@@ -116,17 +124,15 @@ def decode_keep_mask(scores_by_mode: dict[str, torch.Tensor], unit_sizes: dict[s
 
 def compact(keep: torch.Tensor, kv_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """keep [B, L] bool, kv_slots [B, L] -> (positions [B, L_sel], slots [B, L_sel], lengths [B]): the kept
-    positions of each row in ascending order, padded with position 0 / slot 0 (the null block) past its length."""
-    b, length = keep.shape
-    lengths = keep.sum(1)
+    positions of each row in ascending order, padded with position 0 / slot 0 (the null block) past its length.
+    One pass over [B, L] (nonzero, row-major hence ascending per row); the rest works on the kept entries."""
+    b = keep.shape[0]
+    rows, cols = keep.nonzero(as_tuple=True)
+    lengths = torch.bincount(rows, minlength=b)
     width = max(int(lengths.max()), 1) if b else 1
-    rank = torch.cumsum(keep, 1) - 1
-    target = torch.where(keep, rank, width)  # dropped positions go to a spill column
-    pos = torch.arange(length, device=keep.device).expand(b, length)
-    positions = torch.zeros((b, width + 1), dtype=torch.long, device=keep.device)
-    positions.scatter_(1, target, pos)
-    positions = positions[:, :width]
-    valid = torch.arange(width, device=keep.device)[None, :] < lengths[:, None]
-    positions = torch.where(valid, positions, 0)
-    slots = torch.where(valid, kv_slots.gather(1, positions), 0)
+    rank = positions_upto(rows.shape[0], keep.device) - (torch.cumsum(lengths, 0) - lengths)[rows]
+    positions = torch.zeros((b, width), dtype=torch.long, device=keep.device)
+    slots = torch.zeros((b, width), dtype=kv_slots.dtype, device=keep.device)
+    positions[rows, rank] = cols
+    slots[rows, rank] = kv_slots[rows, cols]
     return positions, slots, lengths
