@@ -7,13 +7,17 @@ when the binary is missing; `.ci/run` installs it.
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
@@ -220,3 +224,240 @@ def test_session_store_delete_frees_everything(chunk_store: ChunkStore) -> None:
     assert sessions.info("a") is None
     assert all(not k.startswith(session_key("a")) for k in chunk_store.keys())
     assert chunk_store.nbytes < before and sessions.info("b") is not None
+
+
+# -- the engine: a session's KV across engines (a restart, another replica) ---------------------------------
+BS = 4
+CHUNK = 16  # session chunks of 4 blocks: a turn spans several
+ENGINE = dict(block_size=BS, max_model_len=256, max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20,
+              kv_chunk_tokens=CHUNK, num_threads=1)
+
+
+def _run(engine, prompt: list[int], session_id: str | None = None, salt: str | None = None):
+    from glmserve.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    engine.add_request(f"r{next(_prefixes)}", prompt, params, cache_salt=salt, session_id=session_id)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    return final
+
+
+def _same_output(got, want) -> None:
+    a, b = got.outputs[0], want.outputs[0]
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert abs(x.logprob - y.logprob) < 1e-4
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    import torch
+
+    return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(params=["disk", "redis"])
+def two_engines(request: pytest.FixtureRequest, tiny_model_dir, tmp_path: Path):
+    """Two engines on one session store: a restarted server (disk) or two replicas (Redis)."""
+    from glmserve.config import EngineConfig
+    from glmserve.engine.llm_engine import LLMEngine
+
+    if request.param == "disk":
+        store = str(tmp_path / "sessions")
+    else:
+        if REDIS_BIN is None:
+            pytest.skip("redis-server is not installed (.ci/run installs it)")
+        store = request.getfixturevalue("redis_url")
+        RedisChunkStore(store, 1).redis.flushdb()
+    engines = [LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), session_store=store, **ENGINE))
+               for _ in range(2)]
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+def test_next_turn_loads_the_session_in_another_engine(two_engines) -> None:
+    first, second = two_engines
+    turn1 = _prompt(1, 50)
+    out1 = _run(first, turn1, session_id="conv-1")
+    assert out1.num_cached_tokens == 0
+    first.sessions.wait("conv-1")
+    stored = first.sessions.info("conv-1")
+    # the whole sequence's full blocks: 50 prompt + 5 generated tokens with KV (the 6th has none yet)
+    assert stored["turns"] == 1 and stored["num_tokens"] == 52 and stored["num_chunks"] == 4
+    turn2 = turn1 + out1.outputs[0].token_ids + _prompt(2, 30)
+    cold = _run(second, turn2, salt="cold")  # a salt keeps it away from every cached block
+    resumed = _run(second, turn2, session_id="conv-1")
+    assert resumed.num_cached_tokens == 52  # loaded from the session store, not computed
+    _same_output(resumed, cold)
+    second.sessions.wait("conv-1")
+    assert second.sessions.info("conv-1")["turns"] == 2
+    # a session's KV is only used for the tokens it was computed for
+    other = _prompt(3, 60)
+    assert _run(second, other, session_id="conv-1").num_cached_tokens == 0
+
+
+def test_corrupt_session_chunk_is_recomputed(tiny_model_dir, tmp_path: Path) -> None:
+    from glmserve.config import EngineConfig
+    from glmserve.engine.llm_engine import LLMEngine
+
+    engines = [LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), session_store=str(tmp_path), **ENGINE))
+               for _ in range(2)]
+    first, second = engines
+    turn1 = _prompt(4, 70)
+    out1 = _run(first, turn1, session_id="c")
+    first.close()
+    sessions = second.sessions.sessions
+    key = sessions.record("c").chunk_keys()[2]
+    path = sessions.store._path(key)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    turn2 = turn1 + out1.outputs[0].token_ids + _prompt(5, 10)
+    cold = _run(second, turn2, salt="cold")
+    resumed = _run(second, turn2, session_id="c")
+    assert resumed.num_cached_tokens == 2 * CHUNK  # chunks 0 and 1; chunk 2 failed its checksum
+    _same_output(resumed, cold)
+    assert not path.exists() and key not in sessions.store
+    second.close()
+
+
+def test_sessions_off(tiny_model_dir) -> None:
+    from glmserve.config import EngineConfig
+    from glmserve.engine.llm_engine import LLMEngine
+    from glmserve.engine.sampling import SamplingParams
+    from glmserve.errors import InvalidRequestError
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), session_store="off", **ENGINE))
+    with pytest.raises(InvalidRequestError, match="sessions are off"):
+        engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=2), session_id="s")
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError, match="cannot reach Redis"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")),
+                               session_store=f"redis://127.0.0.1:{_free_port()}/0", **ENGINE))
+
+
+# -- the HTTP API: a real `glmserve serve` on the embedded SmolLM2 ----------------------------------------
+SUMMARY_THRESHOLD = 150  # prompt tokens above which session_summary summarizes earlier turns
+
+
+@contextmanager
+def serve(store: str, log_path: Path) -> Iterator[httpx.Client]:
+    """A `glmserve serve` process with its session store at `store`; stopped with SIGTERM on exit."""
+    from test_server import STARTUP_TIMEOUT_S, _wait_for
+
+    args = ["--port", "0", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(128 << 20),
+            "--num-threads", "1", "--session-store", store,
+            "--session-summary-threshold", str(SUMMARY_THRESHOLD), "--session-summary-keep", "1"]
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "glmserve.cli", "serve", *args], stdout=log_file,
+                                stderr=subprocess.STDOUT)
+
+    def log() -> str:
+        return log_path.read_text(errors="replace")
+
+    def port() -> int | None:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log()[-4000:]}")
+        match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log())
+        return int(match.group(1)) if match else None
+
+    try:
+        base_url = f"http://127.0.0.1:{_wait_for(port, STARTUP_TIMEOUT_S, 'the server to listen', log)}"
+        with httpx.Client(base_url=base_url, timeout=300) as http:
+            _wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", log)
+            yield http
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, log()[-4000:]
+
+
+def _chat(http: httpx.Client, messages: list[dict], max_tokens: int = 8, **extra) -> dict:
+    headers = extra.pop("headers", None)
+    response = http.post("/v1/chat/completions", headers=headers,
+                         json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+HISTORY = [
+    {"role": "user", "content": "My name is Alice, I live in Lyon and my favourite number is 42. " * 3},
+    {"role": "assistant", "content": "Nice to meet you, Alice from Lyon! 42 is a great number. " * 3},
+    {"role": "user", "content": "I am planning a trip to Rome next spring with my brother Bob. " * 3},
+    {"role": "assistant", "content": "Rome in spring is lovely; Bob and you will enjoy the sights. " * 3},
+    {"role": "user", "content": "What should we eat there?"},
+]
+
+
+def test_http_sessions_api_and_anchoring(tmp_path: Path) -> None:
+    with serve(str(tmp_path / "store"), tmp_path / "server.log") as http:
+        # turn 1 with the field, turn 2 with the header
+        first = [{"role": "user", "content": "Tell me three facts about the Moon. " * 8}]
+        reply = _chat(http, first, session_id="moon")
+        second = first + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                          {"role": "user", "content": "And about Mars?"}]
+        usage = _chat(http, second, headers={"X-Session-Id": "moon"})["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 64
+        info = http.get("/v1/sessions/moon").json()
+        assert info["id"] == "moon" and info["turns"] == 2 and info["bytes"] > 0
+        assert usage["prompt_tokens"] <= info["num_tokens"] + 16
+
+        # bad ids and a summary without a session are 400; unknown sessions 404
+        bad = http.post("/v1/chat/completions", json={"messages": first, "session_id": "no spaces"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_id"
+        bad = http.post("/v1/chat/completions", headers={"X-Session-Id": "x" * 200}, json={"messages": first})
+        assert bad.status_code == 400
+        bad = http.post("/v1/chat/completions", json={"messages": first, "session_summary": True})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_summary"
+        assert http.get("/v1/sessions/nobody").json()["error"]["code"] == "session_not_found"
+
+        # anchoring: the long conversation reaches the engine as summary + the last turns
+        full = _chat(http, HISTORY, max_tokens=1)["usage"]["prompt_tokens"]
+        assert full > SUMMARY_THRESHOLD
+        anchored = _chat(http, HISTORY, session_id="trip", session_summary=True)
+        summary = http.get("/v1/sessions/trip").json()["summary"]
+        assert summary["text"] and 0 < summary["num_tokens"] <= min(512, SUMMARY_THRESHOLD // 2)
+        assert summary["num_messages"] == 4  # keep 1: only the last (user) message stays verbatim
+        expected = [{"role": "system", "content": f"Summary of the earlier conversation: {summary['text']}"},
+                    HISTORY[-1]]
+        assert anchored["usage"]["prompt_tokens"] == _chat(http, expected, max_tokens=1)["usage"]["prompt_tokens"]
+        assert anchored["usage"]["prompt_tokens"] < full
+        # the next turn reuses the stored summary (same system prefix: its KV is cached)
+        longer = HISTORY + [{"role": "assistant", "content": anchored["choices"][0]["message"]["content"]},
+                            {"role": "user", "content": "Thanks!"}]
+        again = _chat(http, longer, session_id="trip", session_summary=True)
+        assert http.get("/v1/sessions/trip").json()["summary"] == summary
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+        # delete frees the session; a second delete is a 404
+        deleted = http.delete("/v1/sessions/moon")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        assert http.get("/v1/sessions/moon").status_code == 404
+        assert http.delete("/v1/sessions/moon").status_code == 404
+
+
+@pytest.mark.slow
+def test_http_session_survives_a_server_restart(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    first = [{"role": "user", "content": "Describe the water cycle in detail. " * 12}]
+    with serve(store, tmp_path / "first.log") as http:
+        reply = _chat(http, first, session_id="water")
+        stored = http.get("/v1/sessions/water").json()["num_tokens"]
+        anchored = _chat(http, HISTORY, session_id="trip", session_summary=True)
+        summary = http.get("/v1/sessions/trip").json()["summary"]
+    second = first + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "Shorter, please."}]
+    with serve(store, tmp_path / "second.log") as http:  # a fresh process: nothing is cached on the device
+        usage = _chat(http, second, session_id="water")["usage"]
+        # loaded from the session directory: the stored full blocks the new prompt starts with
+        assert 96 <= usage["prompt_tokens_details"]["cached_tokens"] <= stored
+        assert http.get("/v1/sessions/water").json()["turns"] == 2
+        assert http.get("/v1/sessions/trip").json()["summary"] == summary  # the summary persisted
+        longer = HISTORY + [{"role": "assistant", "content": anchored["choices"][0]["message"]["content"]},
+                            {"role": "user", "content": "Thanks!"}]
+        again = _chat(http, longer, session_id="trip", session_summary=True)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert http.get("/v1/sessions/trip").json()["summary"] == summary

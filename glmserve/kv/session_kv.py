@@ -37,7 +37,6 @@ from glmserve.kv.sessions import SessionStore
 logger = logging.getLogger(__name__)
 
 DEFAULT_SESSION_DIR = Path.home() / ".cache" / "glmserve" / "sessions"
-DEFAULT_CHUNK_TOKENS = 2048  # the seeds' chunk size
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
@@ -61,7 +60,7 @@ def open_session_kv(config: EngineConfig, blocks: BlockManager, io: KVBlockIO, i
     spec = config.session_store
     if spec == "off":
         return None
-    chunk_tokens = max(blocks.block_size, DEFAULT_CHUNK_TOKENS // blocks.block_size * blocks.block_size)
+    chunk_tokens = config.kv_chunk_tokens  # the tiers' chunk size (a multiple of the block size)
 
     def open_store() -> SessionStore:
         store = open_chunk_store(spec, config.session_max_bytes, config.session_ttl_s)
@@ -171,23 +170,11 @@ class SessionKV:
             wanted = hashes[start + skip:start + total]
             if len(wanted) != total - skip:  # a chunk longer than the prompt's full blocks: never stored so
                 break
-            new_blocks = self._cache_blocks(wanted)
+            new_blocks = [self.blocks._take_free_block() for _ in wanted]
             self.io.scatter(torch.tensor(new_blocks, dtype=torch.long), data, first=skip)
+            self.blocks.cache_blocks(new_blocks, wanted)
             loaded += len(new_blocks) * bs
         return loaded
-
-    def _cache_blocks(self, hashes: list[int]) -> list[int]:
-        """Take free blocks for `hashes` and leave them free but cached, most recently used."""
-        bm = self.blocks
-        taken = []
-        for h in hashes:
-            block = bm._take_free_block()
-            bm.block_to_hash[block] = h
-            bm.hash_to_block[h] = block
-            bm.ref_counts[block] = 0
-            bm.free_blocks[block] = None
-            taken.append(block)
-        return taken
 
     # -- the HTTP API ---------------------------------------------------------------------------------
     def info(self, session_id: str) -> dict | None:
