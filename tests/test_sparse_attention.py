@@ -249,15 +249,16 @@ def test_block_selection_picks_the_top_blocks_of_brute_force_bounds(llm, backend
     seq = engine.requests["top-blocks"].seqs[0]
     while seq.num_computed_tokens < len(p):
         engine.step()
-    table = torch.tensor(seq.block_table)
-    ctx = len(p)
     attn = paged_attention_layers(engine.runner.model)[1]
-    pos = torch.arange(ctx)
+    dev = attn.kv_cache.device
+    table = torch.tensor(seq.block_table, device=dev)
+    ctx = len(p)
+    pos = torch.arange(ctx, device=dev)
     g = GroupMetadata(kv_slots=(table[pos // BLOCK] * BLOCK + pos % BLOCK)[None], key_mask=None, num_tokens=1,
-                      context_lens=torch.tensor([ctx]), block_tables=table[None])
+                      context_lens=torch.tensor([ctx], device=dev), block_tables=table[None])
     params = SparseAttentionParams("block", top_k=4 + 16 + 5 * BLOCK, sink_tokens=4, local_tokens=16)
-    g.sparse = SparseRows.from_params([params], torch.device("cpu"))
-    q = torch.randn(1, attn.num_heads, attn.head_dim, generator=torch.Generator().manual_seed(0))
+    g.sparse = SparseRows.from_params([params], dev)
+    q = torch.randn(1, attn.num_heads, attn.head_dim, generator=torch.Generator().manual_seed(0)).to(dev)
     slots, lengths = attn.select(q, g)
     engine.abort_request("top-blocks")
     # brute force: bounds from the keys in the pool, the rule on them
