@@ -165,8 +165,8 @@ def add_train_indexer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="HF model directory, .gguf file, or 'default' "
                         "(the embedded SmolLM2)")
     parser.add_argument("--text", nargs="+", required=True, metavar="FILE", help="training text file(s)")
-    parser.add_argument("--out", default=None, help="output file (default: beside the model, where the "
-                        "engine finds it; ~/.cache/glmserve/indexers/ if that directory is read-only)")
+    parser.add_argument("--out", default=None, help="output file (default: where the engine finds it: beside "
+                        "the model, or ~/.cache/glmserve/indexers/ for the embedded model or a read-only directory)")
     for name, (kind, text) in TRAIN_INDEXER_OPTIONS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS,
                             help=f"{text} (default: glmserve/sparse/distill.py DistillConfig)")

@@ -132,10 +132,13 @@ def test_mismatched_or_broken_files_are_rejected(trained, tiny_model_dir, tmp_pa
         EngineConfig(learned_indexer=str(tmp_path / "missing.safetensors"))
 
 
-def test_default_path_is_beside_the_model_and_auto_found(llama, trained, tiny_model_dir, tmp_path):
+def test_default_path_is_beside_the_model_and_auto_found(llama, trained, tiny_model_dir, tmp_path, monkeypatch):
     weights, _, _ = trained
     model_dir = tiny_model_dir("llama")
     fingerprint = weights.spec.identity.fingerprint
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cached = tmp_path / ".cache" / "glmserve" / "indexers" / f"{fingerprint}.safetensors"
+    assert default_indexer_path(None, fingerprint) == cached  # the embedded model (its GGUF is pip's)
     assert default_indexer_path(model_dir, fingerprint) == model_dir / "glmserve-indexer.safetensors"
     gguf = tmp_path / "m.gguf"
     assert default_indexer_path(gguf, fingerprint) == tmp_path / "m.gguf.glmserve-indexer.safetensors"

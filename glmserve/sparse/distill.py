@@ -296,10 +296,7 @@ def train_and_save(model_path: str | None, text_paths: list[str], out: str | Non
     token_ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     log(f"{len(token_ids)} tokens of text; teacher: {loaded.name}, {len(loaded.model.layers)} layers; {cfg}")
     weights, report = distill(loaded.model, token_ids, cfg, log)
-    if model_path is None:
-        from glmserve.models.gguf_loader import embedded_default_gguf
-
-        model_path = str(embedded_default_gguf())
     path = Path(out) if out else default_indexer_path(model_path, weights.spec.identity.fingerprint)
-    weights.save(path, {"model_path": str(Path(model_path).resolve()), "report": json.dumps(asdict(report))})
+    source = str(Path(model_path).resolve()) if model_path else f"embedded:{loaded.name}"
+    weights.save(path, {"model": source, "report": json.dumps(asdict(report))})
     return path, report

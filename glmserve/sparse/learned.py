@@ -191,15 +191,17 @@ class LearnedIndexerWeights(nn.Module):
         return weights.requires_grad_(False)
 
 
-def default_indexer_path(model_path: str | Path, fingerprint: str) -> Path:
+def default_indexer_path(model_path: str | Path | None, fingerprint: str) -> Path:
     """Beside the model: `<dir>/glmserve-indexer.safetensors` for a model directory, `<file>.glmserve-indexer.
-    safetensors` beside a single-file model; `~/.cache/glmserve/indexers/<fingerprint>.safetensors` when the
-    model's directory is not writable (the embedded GGUF lives in site-packages)."""
+    safetensors` beside a single-file model; `~/.cache/glmserve/indexers/<fingerprint>.safetensors` for the
+    embedded model (None: its GGUF lives in site-packages, which pip owns) or when the model's directory
+    is not writable."""
+    cache = Path.home() / ".cache" / "glmserve" / "indexers" / f"{fingerprint}.safetensors"
+    if model_path is None:
+        return cache
     location = Path(model_path)
     beside = location / FILE_SUFFIX if location.is_dir() else location.with_name(f"{location.name}.{FILE_SUFFIX}")
-    if beside.exists() or os.access(beside.parent, os.W_OK):
-        return beside
-    return Path.home() / ".cache" / "glmserve" / "indexers" / f"{fingerprint}.safetensors"
+    return beside if beside.exists() or os.access(beside.parent, os.W_OK) else cache
 
 
 class LearnedIndexer:
@@ -269,7 +271,7 @@ def attach_learned_indexers(model: nn.Module, weights: LearnedIndexerWeights, kv
 def find_learned_indexer(option: str | None, model_path: str | None, model: nn.Module
                          ) -> LearnedIndexerWeights | None:
     """The engine's learned indexer: `option` a file path (must exist and match), "none" (off), or None:
-    the default file beside the model (`default_indexer_path`; model_path None = the embedded model) when
+    the default file of the model (`default_indexer_path`; model_path None = the embedded model) when
     there is one. Models without paged attention layers (MLA) take none."""
     from glmserve.sparse.indexer import paged_attention_layers
 
@@ -279,10 +281,6 @@ def find_learned_indexer(option: str | None, model_path: str | None, model: nn.M
         raise IndexerMismatchError(f"{type(model).__name__} has no paged attention layers for a learned indexer")
     identity = ModelIdentity.of(model)
     if option is None:
-        if model_path is None:
-            from glmserve.models.gguf_loader import embedded_default_gguf
-
-            model_path = embedded_default_gguf()
         path = default_indexer_path(model_path, identity.fingerprint)
         if not path.exists():
             return None
