@@ -39,7 +39,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--sparse-sink-tokens", type=int, default=None, help="first tokens always attended")
     s.add_argument("--sparse-local-tokens", type=int, default=None, help="most recent tokens always attended")
     s.add_argument("--no-sparse-block-bounds", dest="sparse_block_bounds", action="store_false",
-                   help="do not keep the block indexer's key bounds (saves 2/block_size of KV memory; no block mode)")
+                   help="do not keep the block indexer's key bounds (saves 1/block_size of KV memory; no block mode)")
     s.add_argument("--learned-indexer", default=None, metavar="PATH|none",
                    help="learned indexer file for mode 'learned' (default: the one beside the model, if trained)")
     k = parser.add_argument_group("sessions (requests with a session_id keep their KV between turns)")

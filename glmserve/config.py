@@ -46,7 +46,7 @@ class EngineConfig:
     dsa_threshold: float | None = None  # threshold mode on min-max normalized scores (seeds: 0.35)
     sparse_sink_tokens: int | None = None
     sparse_local_tokens: int | None = None
-    sparse_block_bounds: bool = True  # keep the block indexer's key bounds (2/block_size of K/V memory)
+    sparse_block_bounds: bool = True  # keep the block indexer's key bounds (1/block_size of K/V memory)
     # learned indexer file (`glmserve train-indexer`) for mode "learned": None = the default file beside the
     # model if there is one (glmserve/sparse/learned.py default_indexer_path), "none" = never load one
     learned_indexer: str | None = None

@@ -72,9 +72,10 @@ def test_freed_blocks_stay_cached_until_reused_lru():
 def test_random_requests_with_aborts_and_preemption_leak_nothing(tiny_model_dir):
     path = tiny_model_dir("llama")
     roomy = LLM(model=str(path), block_size=4, max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20)
-    # 2 layers * 2 * 2 heads * 16 dims * 4 bytes = 512 B/token; 40 blocks of 4 tokens
+    # 2 layers * 2 * 2 heads * 16 dims * 4 bytes = 512 B/token, plus the block indexer's key bounds
+    # (2 layers * 2 * 2 heads * 16 dims * 4 bytes = 512 B/block); 40 blocks of 4 tokens
     tight = LLM(model=str(path), block_size=4, max_num_batched_tokens=32, max_num_seqs=12, max_model_len=128,
-                kv_cache_memory_bytes=41 * 4 * 512)
+                kv_cache_memory_bytes=41 * (4 * 512 + 512))
     rng = random.Random(0)
     shared = [rng.randrange(2, 300) for _ in range(24)]
     prompts = []

@@ -8,7 +8,8 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
 
 - bounds live beside the KV pool, indexed by the same physical block ids: one block-major tensor
   `bounds` [num_blocks, 2, Hkv, D] per layer (min, max; one block's bounds are contiguous, so the
-  gather of a row's blocks copies whole rows) — 2 / block_size of the K/V pool's size;
+  gather of a row's blocks copies whole rows) — 1 / block_size of the K/V pool's size (min and max
+  of the keys per block, against keys and values per token);
 - they are maintained on every write (`on_kv_written`): a write at offset 0 of a block restarts its
   bounds from that key (a fresh or reused block always starts there), then the new keys are folded in
   with a scatter min/max. No infinities are ever stored, so blocks never written (the null block,
