@@ -207,7 +207,8 @@ def _setup(tiny_model_dir, **tiers):
     prompt b that evicts most of a."""
     from glmserve import LLM, SamplingParams
 
-    common = dict(model=str(tiny_model_dir("llama")), block_size=BS, max_model_len=128, max_num_batched_tokens=64)
+    common = dict(model=str(tiny_model_dir("llama")), dtype="float32", block_size=BS, max_model_len=128,
+                  max_num_batched_tokens=64)
     # 512 B of KV per token: a pool of ~36-45 blocks (with or without block-indexer bounds), so the second
     # prompt evicts most of the first
     llm = LLM(**common, kv_cache_memory_bytes=36 * 2560, kv_chunk_tokens=CHUNK, **tiers)

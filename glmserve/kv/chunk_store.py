@@ -26,6 +26,7 @@ import os
 import struct
 import threading
 import time
+import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
@@ -65,7 +66,8 @@ class ChunkStore(ABC):
             raise InvalidRequestError(f"chunk store budget must be positive, got {budget}")
         self.budget = budget
         self.index = LruIndex()
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # guards the index; file I/O runs outside it
+        self.writing: set[str] = set()  # keys whose entry is being written (in the index, not yet readable)
 
     # -- backend ------------------------------------------------------------------------------------------
     @abstractmethod
@@ -94,24 +96,41 @@ class ChunkStore(ABC):
         return self.index.nbytes
 
     def put(self, key: str, data: bytes) -> bool:
+        """Room is reserved under the lock, the write runs outside it (readers of other keys never wait for a
+        write); an entry deleted or evicted while it was being written is removed once written."""
         size = self.entry_size(key, data)
         with self.lock:
+            if key in self.writing:  # a concurrent put of the same key wins
+                return False
             self.delete(key)
             if size > self.budget:
                 return False
             while self.index.nbytes + size > self.budget:
                 self.delete(self.index.oldest())
+            self.index.add(key, size)
+            self.writing.add(key)
+        written = None
+        try:
             written = self._write(key, data)
-            if written is None:
-                return False
-            self.index.add(key, written)
-            return True
+        finally:
+            with self.lock:
+                self.writing.discard(key)
+                if written is None:
+                    self.index.discard(key)
+                elif key not in self.index.sizes:
+                    self._remove(key)
+                    written = None
+                else:
+                    self.index.add(key, written)
+        return written is not None
 
     def get(self, key: str) -> bytes | None:
+        if key not in self:
+            return None
+        data = self._read(key)
         with self.lock:
-            if key not in self.index.sizes:
+            if key in self.writing or key not in self.index.sizes:  # replaced or deleted meanwhile
                 return None
-            data = self._read(key)
             if data is None:
                 self.delete(key)
                 return None
@@ -122,7 +141,7 @@ class ChunkStore(ABC):
     def touch(self, key: str) -> bool:
         """Makes the entry most recently used without reading it; False when it is not stored."""
         with self.lock:
-            if key not in self.index.sizes:
+            if key not in self:
                 return False
             self.index.touch(key)
             self._touched(key)
@@ -135,26 +154,26 @@ class ChunkStore(ABC):
                 self.index.discard(key)
 
     def __contains__(self, key: object) -> bool:
+        """True for a complete entry (not one still being written)."""
         with self.lock:
-            return key in self.index.sizes
+            return key in self.index.sizes and key not in self.writing
 
     def keys(self) -> list[str]:
         with self.lock:
-            return list(self.index.sizes)
+            return [k for k in self.index.sizes if k not in self.writing]
 
 
 MAGIC = b"GLMKVCH\x00"
-VERSION = 1
-# magic, version, key length, payload length, blake2b-128 of key + payload
-_HEADER = struct.Struct("<8sIIQ16s")
+VERSION = 2
+# magic, version, key length, payload length, crc32 of key + payload (corruption, not tampering: crc32 runs
+# ~5x faster than blake2b here, and a 47 MB chunk is checked on every read)
+_HEADER = struct.Struct("<8sIIQI")
 SUFFIX = ".chunk"
 TEMP_SUFFIX = ".tmp"
 
 
-def _checksum(key: bytes, payload: bytes) -> bytes:
-    h = hashlib.blake2b(key, digest_size=16)
-    h.update(payload)
-    return h.digest()
+def _checksum(key: bytes, payload: bytes) -> int:
+    return zlib.crc32(payload, zlib.crc32(key))
 
 
 class DiskChunkStore(ChunkStore):

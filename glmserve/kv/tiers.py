@@ -37,7 +37,8 @@ from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore, LruIndex
 from glmserve.kv.kv_io import KVBlockIO
 
 HOST_TIER_CAP = 32 << 30  # default host tier on CUDA: 25% of available RAM, at most this
-MAX_PENDING_WRITES = 4  # chunks waiting for the disk writer before a spill waits for it
+MAX_PENDING_BYTES = 1 << 30  # chunks waiting for the disk writer before a spill waits for it
+PREFETCH_CHUNKS = 4  # disk chunks read ahead (in reader threads) while earlier ones are copied in
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class HostTier:
             host = data  # a fresh tensor from gather: no second copy
         else:
             host = torch.empty(data.shape, dtype=data.dtype, pin_memory=self.pin)
-            host.copy_(data, non_blocking=self.pin)
+            host.copy_(data)  # synchronous: the disk writer may read it on the CPU at once
         self.chunks[key] = host
         self.index.add(key, size)
         return evicted
@@ -94,16 +95,17 @@ class HostTier:
 
 class DiskWriter:
     """Writes chunks to the disk tier in one background thread, so that a spill costs the engine step only
-    its gather; a chunk waiting to be written stays readable (`get`). At most `max_pending` writes wait:
-    beyond that a spill waits for the oldest (the disk sets the pace, memory stays bounded)."""
+    its gather; a chunk waiting to be written stays readable (`get`). At most `max_pending_bytes` wait:
+    beyond that a spill waits for the oldest writes (the disk sets the pace, memory stays bounded)."""
 
-    def __init__(self, disk: ChunkStore, io: KVBlockIO, stats: TierStats, max_pending: int = MAX_PENDING_WRITES):
+    def __init__(self, disk: ChunkStore, io: KVBlockIO, stats: TierStats, max_pending_bytes: int = MAX_PENDING_BYTES):
         self.disk = disk
         self.io = io
         self.stats = stats
-        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
         self.pending: dict[str, torch.Tensor] = {}
-        self.futures: deque[Future] = deque()
+        self.futures: deque[tuple[Future, int]] = deque()
+        self.queued_bytes = 0
         self.lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glmserve-kv-disk")
 
@@ -112,9 +114,16 @@ class DiskWriter:
             if key in self.pending:
                 return
             self.pending[key] = data
-        while len(self.futures) >= self.max_pending:
-            self.futures.popleft().result()
-        self.futures.append(self.executor.submit(self._write, key, data))
+        size = data.numel() * data.element_size()
+        while self.futures and self.queued_bytes + size > self.max_pending_bytes:
+            self._wait_oldest()
+        self.queued_bytes += size
+        self.futures.append((self.executor.submit(self._write, key, data), size))
+
+    def _wait_oldest(self) -> None:
+        future, size = self.futures.popleft()
+        future.result()
+        self.queued_bytes -= size
 
     def _write(self, key: str, data: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -135,7 +144,7 @@ class DiskWriter:
     def wait(self) -> None:
         """Blocks until every submitted write is done."""
         while self.futures:
-            self.futures.popleft().result()
+            self._wait_oldest()
 
 
 class KVTiers:
@@ -150,6 +159,9 @@ class KVTiers:
         self.disk = disk
         self.stats = TierStats()
         self.writer = DiskWriter(disk, io, self.stats) if disk is not None else None
+        self.reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="glmserve-kv-read") if disk else None
+        self.reads: dict[str, Future] = {}  # disk chunks being read ahead of their load
+        self.upcoming: deque[str] = deque()  # disk chunks of the current prompt not yet read
 
     def key(self, chunk_hash: int) -> str:
         return f"kv-{self.identity}-{chunk_hash:032x}"
@@ -158,14 +170,30 @@ class KVTiers:
         """One entry per leading chunk present in a tier: its host copy, held from now on (blocks taken
         while loading spill other chunks, which may push it out of the host tier), or None when it is on
         disk (read when loaded)."""
+        self._drop_reads()
         found: list[torch.Tensor | None] = []
         for chunk_hash in chunk_hashes:
             key = self.key(chunk_hash)
             held = self._held(key)
-            if held is None and (self.disk is None or key not in self.disk):
-                break
+            if held is None:
+                if self.disk is None or key not in self.disk:
+                    break
+                self.upcoming.append(key)
             found.append(held)
+        self._read_ahead()
         return found
+
+    def _read_ahead(self) -> None:
+        while self.upcoming and len(self.reads) < PREFETCH_CHUNKS:
+            key = self.upcoming.popleft()
+            self.reads[key] = self.reader.submit(self.disk.get, key)  # type: ignore[union-attr]
+
+    def _drop_reads(self) -> None:
+        """Forgets the read-ahead of an earlier prompt (its loads stopped early)."""
+        for future in self.reads.values():
+            future.cancel()
+        self.reads.clear()
+        self.upcoming.clear()
 
     def _held(self, key: str) -> torch.Tensor | None:
         """The chunk's copy in memory: in the host tier or waiting for the disk writer."""
@@ -206,7 +234,9 @@ class KVTiers:
         key = self.key(chunk_hash)
         data = held
         if data is None and self.disk is not None:
-            raw = self.disk.get(key)
+            future = self.reads.pop(key, None)
+            raw = future.result() if future is not None else self.disk.get(key)
+            self._read_ahead()
             data = self.io.from_bytes(raw) if raw is not None else None
             if data is not None and data.numel() != self.chunk_blocks * self.io.elems_per_block:
                 self.disk.delete(key)
