@@ -223,9 +223,11 @@ class LLMEngine:
             self.sessions.save(session_id, seq.token_ids, seq.block_table, seq.num_computed_tokens)
 
     def close(self) -> None:
-        """Finish background work (session writes); the engine must not be used afterwards."""
+        """Finish background work (session writes, KV tier disk writes); the engine must not be used afterwards."""
         if self.sessions is not None:
             self.sessions.close()
+        if self.kv_tiers is not None:
+            self.kv_tiers.wait()
 
     def _admit_pending_samples(self, request: Request) -> None:
         for seq in request.pending_samples:
