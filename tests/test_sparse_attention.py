@@ -221,7 +221,7 @@ def test_budget_covering_context_equals_dense(llm, backend):
     dense = llm.generate([p], GREEDY)[0]
     for sparse in (SparseAttentionParams("block", top_k=256, sink_tokens=4, local_tokens=16),
                    {"mode": "block"}):  # the mode's default budget, 2048 tokens
-        assert_same(llm.generate([p], GREEDY, sparse=sparse)[0], dense)
+        assert_same(llm.generate([p], GREEDY, sparse=sparse)[0], dense, atol=0 if backend == "kernel" else 1e-5)
 
 
 def test_small_budget_attends_fewer_tokens_and_changes_output(llm, monkeypatch):
