@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 
 from glmserve.errors import UnsupportedModelError
 from glmserve.models.registry import model_class
+from glmserve.sparse.learned import FILE_SUFFIX as INDEXER_FILE_SUFFIX
 
 
 @dataclass
@@ -30,7 +31,8 @@ def safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+        # every safetensors file but our own learned-indexer file, which is kept beside the model
+        files = sorted(p.name for p in model_dir.glob("*.safetensors") if not p.name.endswith(INDEXER_FILE_SUFFIX))
     if not files:
         raise UnsupportedModelError(f"no .safetensors files in {model_dir}")
     for file in files:
