@@ -28,9 +28,10 @@ from glmserve.layers import attention
 from glmserve.layers.attention import GroupMetadata, PagedAttention
 from glmserve.sparse import SparseAttentionParams, resolve_sparse_params
 from glmserve.sparse import block as block_module
+from glmserve.sparse import selection as selection_module
 from glmserve.sparse.block import BlockIndexer
 from glmserve.sparse.indexer import paged_attention_layers
-from glmserve.sparse.selection import SparseRows, compact, decode_keep_mask, keep_mask
+from glmserve.sparse.selection import SparseRows, compact, decode_keep_mask, keep_mask, select_slots
 
 BLOCK = 16
 
@@ -40,8 +41,9 @@ def backend(request, monkeypatch):
     """The C++ kernels (decode attention, block scores) or the pure PyTorch paths."""
     if request.param == "torch":
         monkeypatch.setattr(attention, "paged_decode_op", lambda: None)
-        monkeypatch.setattr(block_module, "block_scores_op", lambda: None)
-    elif attention.paged_decode_op() is None or block_module.block_scores_op() is None:
+        monkeypatch.setattr(block_module, "sparse_ops", lambda: None)
+        monkeypatch.setattr(selection_module, "sparse_ops", lambda: None)
+    elif attention.paged_decode_op() is None or block_module.sparse_ops() is None:
         pytest.skip("C++ kernels unavailable")
     return request.param
 
@@ -106,7 +108,7 @@ def random_params(gen: torch.Generator, mode: str) -> SparseAttentionParams:
 
 
 @pytest.mark.parametrize("unit", [1, 4, BLOCK])
-def test_selection_matches_reference_rule(unit):
+def test_selection_matches_reference_rule(unit, backend):
     gen = torch.Generator().manual_seed(unit)
     b, length = 24, 300
     ctx = torch.randint(1, length + 1, (b,), generator=gen)
@@ -118,6 +120,8 @@ def test_selection_matches_reference_rule(unit):
     keep = decode_keep_mask({"block": scores}, {"block": unit}, ctx, rows, length)
     kv_slots = torch.where(torch.arange(length) < ctx[:, None], torch.randint(1, 10_000, (b, length)), 0)
     positions, slots, lengths = compact(keep, kv_slots)
+    fast_slots, fast_lengths = select_slots({"block": scores}, {"block": unit}, ctx, rows, kv_slots)
+    assert torch.equal(fast_lengths, lengths) and torch.equal(fast_slots, slots)  # the C++ kernel or this path
     for i, p in enumerate(params):
         n = int(ctx[i])
         expected = reference_keep(scores[i], unit, n, p, length)

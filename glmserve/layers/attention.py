@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from glmserve.errors import InvalidRequestError
 from glmserve.layers.cpu_kernels import paged_decode_op
 from glmserve.sparse.indexer import Indexer
-from glmserve.sparse.selection import SparseRows, compact, decode_keep_mask
+from glmserve.sparse.selection import SparseRows, select_slots
 
 
 @dataclass
@@ -99,9 +99,7 @@ class PagedAttention:
             raise InvalidRequestError(f"sparse attention mode(s) {sorted(missing)} have no scorer on this layer")
         scores = {m: self.indexers[m].unit_scores(q, g) for m in modes}
         units = {m: self.indexers[m].unit_size for m in modes}
-        keep = decode_keep_mask(scores, units, g.context_lens, rows, g.kv_slots.shape[1])
-        _, slots, lengths = compact(keep, g.kv_slots)
-        return slots, lengths
+        return select_slots(scores, units, g.context_lens, rows, g.kv_slots)
 
     def _decode(self, q: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         slots, lengths = (g.kv_slots, g.context_lens) if g.sparse is None else self.select(q, g)

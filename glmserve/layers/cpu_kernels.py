@@ -10,14 +10,16 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 log = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "csrc"
 
 
-def _load(name: str, source: str, function: str) -> Callable | None:
-    """`function` of the extension `name` built from csrc/`source`, or None (torch-only or no compiler)."""
+@functools.cache
+def _load(name: str, source: str) -> ModuleType | None:
+    """The extension `name` built from csrc/`source`, or None (torch-only or no compiler)."""
     if os.environ.get("GLMSERVE_TORCH_ONLY") == "1":
         return None
     try:
@@ -32,21 +34,25 @@ def _load(name: str, source: str, function: str) -> Callable | None:
     except Exception as e:  # no compiler, no ninja, unsupported platform: use the torch path
         log.warning("C++ CPU kernel %s unavailable (%s); using the PyTorch path", name, e)
         return None
-    return getattr(module, function)
+    return module
 
 
 @functools.cache
 def paged_decode_op() -> Callable | None:
     """paged_decode(q [B,H,D] f32, k_cache [Hkv,S,D], v_cache, slots [B,L] i64, ctx_lens [B] i64, scale)."""
-    return _load("glmserve_paged_decode", "paged_decode.cpp", "paged_decode")
+    module = _load("glmserve_paged_decode", "paged_decode.cpp")
+    return None if module is None else module.paged_decode
 
 
-@functools.cache
-def block_scores_op() -> Callable | None:
-    """block_scores(q [B,H,D] f32, bounds [blocks,2,Hkv,D], tables [B,W] i64, num_units [B] i64, scale) -> [B,W]."""
-    return _load("glmserve_block_scores", "block_scores.cpp", "block_scores")
+def sparse_ops() -> ModuleType | None:
+    """Sparse decode attention's kernels (csrc/sparse.cpp), or None:
+    bounds_update(slots [T] i64, keys [T,Hkv,D] f32, bounds [blocks,2,Hkv,D], block_size) (in place);
+    block_scores(q [B,H,D] f32, bounds [blocks,2,Hkv,D], tables [B,W] i64, num_units [B] i64, scale) -> [B,W];
+    select_slots(scores [B,U] f32, unit_size, ctx [B], top_k [B], threshold [B] f32, sink [B], local [B],
+                 kv_slots [B,L]) -> [slots [B,W], lengths [B]]."""
+    return _load("glmserve_sparse", "sparse.cpp")
 
 
 if __name__ == "__main__":  # `python -m glmserve.layers.cpu_kernels` builds the cache ahead of time
     print("paged_decode:", "built" if paged_decode_op() else "unavailable")
-    print("block_scores:", "built" if block_scores_op() else "unavailable")
+    print("sparse:", "built" if sparse_ops() else "unavailable")

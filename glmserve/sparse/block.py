@@ -15,9 +15,10 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
   with a scatter min/max. No infinities are ever stored, so blocks never written (the null block,
   padding) score 0 without NaN. A prefix-cache hit reuses the same physical block, whose bounds still
   describe exactly the tokens it holds; a partial last block is bounded by the keys written so far;
-- on CPU in float32 the scores come from our C++ kernel (glmserve/layers/csrc/block_scores.cpp), which
-  reads each row's bounds in place by block table; elsewhere a gather and one GEMM against a
-  block-diagonal query matrix compute the same numbers;
+- on CPU in float32 both the bounds update and the scores run in our C++ kernels
+  (glmserve/layers/csrc/sparse.cpp; the scores read each row's bounds in place by block table);
+  elsewhere scatter min/max and a gather + one GEMM against a block-diagonal query matrix compute the
+  same numbers;
 - one score per block and decode row: the maximum over the query heads of the scaled upper bound
   (selection is per row for all heads, since our decode kernel takes one slot list per row, so a
   block is worth keeping when any head could give it a large logit; summing would let many heads
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from glmserve.layers.cpu_kernels import block_scores_op
+from glmserve.layers.cpu_kernels import sparse_ops
 
 if TYPE_CHECKING:
     from glmserve.layers.attention import GroupMetadata
@@ -56,6 +57,10 @@ class BlockIndexer:
     def on_kv_written(self, slot_mapping: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
         """k [T, Hkv, D] was written at slot_mapping [T]: blocks written from offset 0 restart from that key,
         then every new key is folded in."""
+        kernels = sparse_ops() if k.device.type == "cpu" and k.dtype == torch.float32 else None
+        if kernels is not None:  # one sequential pass in C++: a few microseconds per decode token
+            kernels.bounds_update(slot_mapping.contiguous(), k.contiguous(), self.bounds, self.unit_size)
+            return
         blocks = slot_mapping // self.unit_size
         keys = k.to(self.bounds.dtype)
         starts = (slot_mapping % self.unit_size == 0).nonzero()[:, 0]
@@ -67,10 +72,10 @@ class BlockIndexer:
     def unit_scores(self, q: torch.Tensor, group: GroupMetadata) -> torch.Tensor:
         """q [B, H, D] -> [B, W] upper bound of the scaled logit per logical block (max over heads)."""
         tables = group.block_tables  # [B, W]
-        kernel = block_scores_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
-        if kernel is not None:  # reads the bounds in place: no gather copy
-            units = -(-group.context_lens // self.unit_size)
-            return kernel(q.contiguous(), self.bounds, tables.contiguous(), units.contiguous(), self.scale)
+        kernels = sparse_ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+        if kernels is not None:  # reads the bounds in place: no gather copy
+            units = (-(-group.context_lens // self.unit_size)).contiguous()
+            return kernels.block_scores(q.contiguous(), self.bounds, tables.contiguous(), units, self.scale)
         b, w = tables.shape
         nb, _, hkv, d = self.bounds.shape
         h = q.shape[1]

@@ -10,7 +10,10 @@ Public functions (callable on their own, e.g. by benchmarks):
 - `SparseRows.from_params(params, device)`: per-row settings as tensors;
 - `keep_mask(scores, unit_size, context_lens, rows, length) -> [B, length] bool`;
 - `decode_keep_mask(scores_by_mode, unit_sizes, context_lens, rows, length)`: mixed modes;
-- `compact(keep, kv_slots) -> (positions [B, L_sel], slots [B, L_sel], lengths [B])`, ascending.
+- `compact(keep, kv_slots) -> (positions [B, L_sel], slots [B, L_sel], lengths [B])`, ascending;
+- `select_slots(scores_by_mode, unit_sizes, context_lens, rows, kv_slots) -> (slots, lengths)`: what decode
+  attention uses; on CPU with one scorer in the group, our C++ kernel (glmserve/layers/csrc/sparse.cpp)
+  applies the same rule per row without the [B, L] masks, else `decode_keep_mask` + `compact`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glmserve.layers.cpu_kernels import sparse_ops
 from glmserve.sparse.settings import MODES, SparseAttentionParams
 
 NONE = -1  # top_k / threshold not set
@@ -136,3 +140,21 @@ def compact(keep: torch.Tensor, kv_slots: torch.Tensor) -> tuple[torch.Tensor, t
     positions[rows, rank] = cols
     slots[rows, rank] = kv_slots[rows, cols]
     return positions, slots, lengths
+
+
+def select_slots(scores_by_mode: dict[str, torch.Tensor], unit_sizes: dict[str, int], context_lens: torch.Tensor,
+                 rows: SparseRows, kv_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots [B, L_sel] (ascending positions, slot 0 past each length) and lengths [B] each decode row
+    attends to; `scores_by_mode` as in `decode_keep_mask`."""
+    ops = sparse_ops() if kv_slots.device.type == "cpu" else None
+    if ops is not None and len(scores_by_mode) == 1:  # one scorer: its rows and dense rows (no budget: whole)
+        (mode, scores), = scores_by_mode.items()
+        mine = rows.rows_in(mode)
+        slots, lengths = ops.select_slots(
+            scores.float().contiguous(), unit_sizes[mode], context_lens.contiguous(),
+            torch.where(mine, rows.top_k, NONE), torch.where(mine, rows.threshold, NONE),
+            rows.sink_tokens.contiguous(), rows.local_tokens.contiguous(), kv_slots.contiguous())
+        return slots, lengths
+    keep = decode_keep_mask(scores_by_mode, unit_sizes, context_lens, rows, kv_slots.shape[1])
+    _, slots, lengths = compact(keep, kv_slots)
+    return slots, lengths
