@@ -79,6 +79,8 @@ def test_redis_store_round_trip_and_sharing(redis_url: str) -> None:
     assert a.put("k1", b"x" * 100) and a.put("k2", b"")
     assert b.get("k1") == b"x" * 100 and b.get("k2") == b""
     assert "k1" in b and "nope" not in b
+    assert b.touch("k1") and not b.touch("nope")
+    assert a.keys() == ["k2", "k1"]  # LRU order, oldest first, shared by the replicas
     assert sorted(b.keys()) == ["k1", "k2"]
     assert a.nbytes == b.nbytes == a.entry_size("k1", b"x" * 100) + a.entry_size("k2", b"")
     b.delete("k1")

@@ -120,6 +120,8 @@ class RedisChunkStore(ChunkStore):
             return sum(int(v) for v in self.redis.hvals(self._sizes))
 
     def put(self, key: str, data: bytes) -> bool:
+        """Room is made under this process's lock (other replicas may evict concurrently: the budget is kept
+        approximately across replicas); the upload itself runs outside it."""
         size = self.entry_size(key, data)
         with self.lock:
             self.delete(key)
@@ -133,23 +135,28 @@ class RedisChunkStore(ChunkStore):
                 victim = oldest[0].decode()
                 used -= int(self.redis.hget(self._sizes, victim) or 0)
                 self.delete(victim)
-            written = self._write(key, data)
-            if written is None:
-                return False
-            self.redis.pipeline().zadd(self._lru, {key: time.time()}).hset(self._sizes, key, written).execute()
-            return True
+        written = self._write(key, data)
+        if written is None:
+            return False
+        self.redis.pipeline().zadd(self._lru, {key: time.time()}).hset(self._sizes, key, written).execute()
+        return True
 
     def get(self, key: str) -> bytes | None:
-        with self.lock:
-            data = self._read(key)
-            if data is None:
-                self.delete(key)
-                return None
-            pipe = self.redis.pipeline().zadd(self._lru, {key: time.time()}, xx=True)
-            if self.ttl_ms is not None:
-                pipe.pexpire(self._entry(key), self.ttl_ms)
-            pipe.execute()
-            return data
+        data = self._read(key)
+        if data is None:
+            self.delete(key)
+            return None
+        self.touch(key)
+        return data
+
+    def touch(self, key: str) -> bool:
+        """Most recently used (and, with a TTL, alive for another TTL) without reading it; False when absent."""
+        pipe = self.redis.pipeline().zadd(self._lru, {key: time.time()}, xx=True)
+        if self.ttl_ms is not None:
+            pipe.pexpire(self._entry(key), self.ttl_ms)
+        else:
+            pipe.exists(self._entry(key))
+        return bool(pipe.execute()[1])
 
     def delete(self, key: str) -> None:
         with self.lock:

@@ -221,15 +221,15 @@ class SessionStore:
     def commit(self, plan: SavePlan, payloads: list[bytes]) -> bool:
         """Write the plan's new chunks (one payload each, in order), then the record; False if the store
         refused a chunk (it keeps the chunks written before it, and the record covers only those)."""
+        record = plan.record
+        keys = record.chunk_keys()
+        written = len(record.chunk_tokens)
+        for i, data in zip(plan.new_chunks, payloads):  # outside the lock: other sessions' reads go on
+            if not self.store.put(keys[i], data):
+                written = i
+                break
+            record.chunk_bytes[i] = len(data)
         with self._lock:
-            record = plan.record
-            keys = record.chunk_keys()
-            written = len(record.chunk_tokens)
-            for i, data in zip(plan.new_chunks, payloads):
-                if not self.store.put(keys[i], data):
-                    written = i
-                    break
-                record.chunk_bytes[i] = len(data)
             for key in plan.stale_keys + keys[written:]:
                 self.store.delete(key)
             for name in ("chunk_tokens", "chunk_hashes", "chunk_bytes"):
