@@ -151,6 +151,14 @@ def test_threshold_semantics():
     assert keep_mask(flat, 1, ctx, rows, 10).all()  # all equal: every candidate normalizes to 1
 
 
+def test_equal_scores_go_to_the_earlier_unit(backend):
+    scores = torch.tensor([[0.0, 1.0, 0.5, 1.0, 1.0, 0.5, 1.0, 0.0, 0.0, 0.0]])
+    rows = SparseRows.from_params([SparseAttentionParams("learned", top_k=3, local_tokens=1)], torch.device("cpu"))
+    slots, lengths = select_slots({"learned": scores}, {"learned": 1}, torch.tensor([10]), rows,
+                                  torch.arange(10)[None] + 100)
+    assert slots[0, : int(lengths[0])].tolist() == [101, 103, 109]  # 1 and 3 of the four 1.0 ties, and local 9
+
+
 # -- block indexer -----------------------------------------------------------------------------------------------
 
 def check_bounds(indexer: BlockIndexer, keys: torch.Tensor, block: int, count: int) -> None:

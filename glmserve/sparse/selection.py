@@ -87,9 +87,11 @@ def keep_mask(scores: torch.Tensor, unit_size: int, context_lens: torch.Tensor, 
     kmax = int(budget_units.max().clamp(max=num_units)) if b else 0
     by_budget = torch.zeros((b, num_units), dtype=torch.bool, device=dev)
     if kmax > 0:
-        top = masked.topk(kmax, dim=-1)
-        chosen = (torch.arange(kmax, device=dev)[None, :] < budget_units[:, None]) & torch.isfinite(top.values)
-        by_budget.scatter_(1, top.indices, chosen)
+        # a stable sort, not topk: equal scores go to the earlier unit, as in the C++ kernel
+        values, indices = torch.sort(masked, dim=-1, descending=True, stable=True)
+        values, indices = values[:, :kmax], indices[:, :kmax]
+        chosen = (torch.arange(kmax, device=dev)[None, :] < budget_units[:, None]) & torch.isfinite(values)
+        by_budget.scatter_(1, indices, chosen)
     by_budget |= ~has_budget[:, None]  # no budget (threshold only): the threshold alone decides
 
     # threshold: min-max normalize over the candidates; all equal -> every candidate scores 1

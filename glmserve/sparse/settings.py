@@ -9,7 +9,7 @@ in `glmserve.sparse.selection`, per decode query):
 - top-k mode (`threshold` None): `top_k` is the token budget of the whole selection. A context of at
   most `top_k` tokens is attended densely; otherwise the best-scoring units (blocks or tokens) that are
   not already kept fill the rest of the budget: floor((top_k - kept) / unit_size) units, so the
-  selection never exceeds `top_k` tokens;
+  selection never exceeds `top_k` tokens; among equal scores the earlier unit wins;
 - threshold mode (`threshold` set): the candidate units' scores are min-max normalized to [0, 1] per
   query (all equal -> all 1) and every unit with normalized score >= `threshold` is kept; when `top_k`
   is given too, at most the budget of units above is kept (the best-scoring ones).

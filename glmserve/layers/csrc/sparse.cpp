@@ -112,8 +112,9 @@ void select_row(const float* scores, int64_t U, int64_t n, int64_t top_k, float 
   if (top_k >= 0) {  // the budget left after sinks and local window, in whole units: the best ones
     const int64_t budget = std::max<int64_t>(0, top_k - std::min(n, sink + local)) / U;
     if (static_cast<int64_t>(cand.size()) > budget) {
-      std::nth_element(cand.begin(), cand.begin() + budget, cand.end(),
-                       [](const auto& a, const auto& b) { return a.first > b.first; });
+      std::nth_element(cand.begin(), cand.begin() + budget, cand.end(), [](const auto& a, const auto& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);  // ties: the earlier unit
+      });
       cand.resize(budget);
     }
   }
