@@ -423,7 +423,6 @@ def test_sparse_attention_field_reaches_the_engine(server: Server) -> None:
     assert chat.usage.completion_tokens == 3
     with server.http() as http:
         for sparse, message in [({"mode": "native"}, "no built-in sparse indexer"),
-                                ({"mode": "learned", "top_k": 512}, "no learned indexer is loaded"),
                                 ({"mode": "block", "top_k": 8}, "must be at least sink_tokens + local_tokens"),
                                 ({"mode": "block", "threshold": 2}, "threshold must be in (0, 1]")]:
             response = http.post("/v1/chat/completions", json={"model": SERVED, "messages": QUESTION,
