@@ -24,10 +24,12 @@ from glmserve.models.loader import load_model
 from glmserve.sparse.distill import DistillConfig, distill, kl_per_layer, teacher_window
 from glmserve.sparse.indexer import Indexer
 from glmserve.sparse.learned import (
+    DISTANCE_BUCKETS,
     LearnedIndexer,
     LearnedIndexerWeights,
     ModelIdentity,
     default_indexer_path,
+    distance_bucket,
     find_learned_indexer,
 )
 
@@ -68,6 +70,15 @@ def test_teacher_target_is_head_mean_of_transformers_attention(llama, tiny_model
     expected = torch.stack([a[0].mean(0)[query_pos] for a in attn])
     torch.testing.assert_close(window.target, expected, atol=1e-5, rtol=1e-4)
     assert torch.all(window.target[:, 0, 6:] == 0)  # nothing past the query
+
+
+def test_distance_buckets():
+    d = torch.arange(0, 200_000)
+    b = distance_bucket(d)
+    assert torch.equal(b[:8], d[:8]) and b[8] == 8
+    assert torch.all(b[1:] >= b[:-1]) and int(b.max()) == DISTANCE_BUCKETS - 1
+    assert int(b[23_000]) < DISTANCE_BUCKETS - 1 <= int(b[23_200])  # half octaves: 8 * 2^((31 - 8) / 2) = 23,170
+    assert torch.equal(distance_bucket(torch.tensor([-3])), torch.tensor([0]))
 
 
 def test_distillation_lowers_kl_and_beats_random(trained):
