@@ -307,6 +307,22 @@ def test_bounds_exact_after_prefix_hits_and_block_reuse(llm):
             check_bounds(attn.indexers["block"], keys, block, BLOCK)
 
 
+def test_bounds_follow_kv_loaded_straight_into_the_pool(llm):
+    """KV tiers and sessions write K/V through KVBlockIO.scatter, not through attention."""
+    engine = llm.engine
+    engine.add_request("loaded", prompt(30, 100), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    seq = engine.requests["loaded"].seqs[0]
+    while seq.num_computed_tokens < 100:
+        engine.step()
+    source = torch.tensor(seq.block_table[:6])
+    targets = torch.tensor(sorted(engine.block_manager.free_blocks)[-6:])  # free, bounds of other tokens (or none)
+    engine.kv_io.scatter(targets, engine.kv_io.gather(source))
+    engine.abort_request("loaded")
+    for attn in paged_attention_layers(engine.runner.model):
+        for block in targets.tolist():
+            check_bounds(attn.indexers["block"], attn.kv_cache[0], block, BLOCK)
+
+
 def test_mixed_rows_in_one_batch_equal_each_row_alone(llm, backend):
     prompts = [prompt(20, 150), prompt(21, 220), prompt(22, 90), prompt(23, 260)]
     settings = [None, {"mode": "block", "top_k": 48, "sink_tokens": 4, "local_tokens": 16},

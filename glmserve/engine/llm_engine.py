@@ -6,6 +6,7 @@ samples are admitted and share the prompt's KV blocks through the prefix cache.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import psutil
@@ -24,7 +25,7 @@ from glmserve.kv.kv_io import KVBlockIO, kv_identity
 from glmserve.kv.session_kv import SessionKV, open_session_kv
 from glmserve.kv.tiers import build_tiers
 from glmserve.models.loader import load_model
-from glmserve.sparse.block import attach_block_indexers, block_bounds_bytes
+from glmserve.sparse.block import attach_block_indexers, block_bounds_bytes, refresh_block_bounds
 from glmserve.sparse.indexer import available_modes
 from glmserve.sparse.learned import attach_learned_indexers, find_learned_indexer, index_key_bytes_per_token
 from glmserve.sparse.settings import SparseAttentionParams, resolve_sparse_params
@@ -95,6 +96,8 @@ class LLMEngine:
         self.kv_io = KVBlockIO(loaded.model, self.runner.kv_cache, config.block_size, num_blocks * config.block_size)
         if self.index_keys is not None:
             self.kv_io.add_load_listener(self.index_keys.refresh)
+        if "block" in self.sparse_modes:  # loaded K/V never passes through attention: recompute its bounds
+            self.kv_io.add_load_listener(functools.partial(refresh_block_bounds, loaded.model))
         self.kv_identity = kv_identity(config.model or f"embedded:{loaded.name}", self.dtype, kv_dtype,
                                        config.block_size, self.kv_io.layout)
         self.sessions: SessionKV | None = open_session_kv(config, self.block_manager, self.kv_io, self.kv_identity)

@@ -15,6 +15,8 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
   with a scatter min/max. No infinities are ever stored, so blocks never written (the null block,
   padding) score 0 without NaN. A prefix-cache hit reuses the same physical block, whose bounds still
   describe exactly the tokens it holds; a partial last block is bounded by the keys written so far;
+  blocks whose K/V is loaded straight into the pool (KV tiers, sessions) are recomputed from the pool
+  (`refresh`, a `KVBlockIO` load listener);
 - on CPU in float32 both the bounds update and the scores run in our C++ kernels
   (glmserve/layers/csrc/sparse.cpp; the scores read each row's bounds in place by block table);
   elsewhere scatter min/max and a gather + one GEMM against a block-diagonal query matrix compute the
@@ -69,6 +71,16 @@ class BlockIndexer:
         self.lo.scatter_reduce_(0, index, keys, reduce="amin")
         self.hi.scatter_reduce_(0, index, keys, reduce="amax")
 
+    def refresh(self, blocks: torch.Tensor, cache: torch.Tensor) -> None:
+        """Recomputes the bounds of whole `blocks` from the pool (cache [2, Hkv, slots, D]): for K/V loaded into
+        the pool without passing through attention (KV tiers, sessions)."""
+        blocks = blocks.to(self.bounds.device)
+        u = self.unit_size
+        slots = (blocks[:, None] * u + torch.arange(u, device=blocks.device)).reshape(-1)
+        keys = cache[0].index_select(1, slots).view(cache.shape[1], len(blocks), u, -1)  # [Hkv, n, U, D]
+        both = torch.stack([keys.amin(2), keys.amax(2)]).permute(2, 0, 1, 3)  # [n, 2, Hkv, D]
+        self.bounds.index_copy_(0, blocks, both.to(self.bounds.dtype))
+
     def unit_scores(self, q: torch.Tensor, group: GroupMetadata) -> torch.Tensor:
         """q [B, H, D] -> [B, W] upper bound of the scaled logit per logical block (max over heads)."""
         tables = group.block_tables  # [B, W]
@@ -97,6 +109,16 @@ def block_bounds_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
     size = torch.empty((), dtype=dtype).element_size()
     return sum(2 * a.num_kv_heads * a.head_dim * size for a in paged_attention_layers(model))
+
+
+def refresh_block_bounds(model: torch.nn.Module, blocks: torch.Tensor) -> None:
+    """After K/V of `blocks` was loaded straight into the pool (`KVBlockIO` load listener): every layer's
+    block indexer recomputes their bounds."""
+    from glmserve.sparse.indexer import paged_attention_layers
+
+    for attn in paged_attention_layers(model):
+        if "block" in attn.indexers:
+            attn.indexers["block"].refresh(blocks, attn.kv_cache)
 
 
 def attach_block_indexers(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
