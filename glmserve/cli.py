@@ -34,8 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--sparse-attention", default=None, choices=list(MODES),
                    help="default mode (default: native for models with their own indexer, else dense)")
     s.add_argument("--sparse-top-k", type=int, default=None, help="token budget per decode query")
-    s.add_argument("--dsa-threshold", type=float, nargs="?", const=DEFAULT_DSA_THRESHOLD, default=None,
-                   help=f"threshold mode on min-max normalized scores (no value: {DEFAULT_DSA_THRESHOLD})")
+    s.add_argument("--dsa-threshold", type=float, default=None,
+                   help=f"threshold mode on min-max normalized scores, in (0, 1] (seeds: {DEFAULT_DSA_THRESHOLD})")
     s.add_argument("--sparse-sink-tokens", type=int, default=None, help="first tokens always attended")
     s.add_argument("--sparse-local-tokens", type=int, default=None, help="most recent tokens always attended")
     s.add_argument("--no-sparse-block-bounds", dest="sparse_block_bounds", action="store_false",

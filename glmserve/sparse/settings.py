@@ -28,7 +28,7 @@ from typing import Any
 from glmserve.errors import InvalidRequestError
 
 MODES = ("dense", "block", "learned", "native")
-DEFAULT_DSA_THRESHOLD = 0.35  # the seeds' dsa_threshold, used by `--dsa-threshold` without a value
+DEFAULT_DSA_THRESHOLD = 0.35  # the seeds' dsa_threshold (named in the CLI help and docs)
 
 # per mode, what an unset field becomes (request value first, then the server's flag, then this)
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
