@@ -120,8 +120,10 @@ def run(args: argparse.Namespace, model_dir: Path, disk_dir: Path) -> dict:
     ttft(llm, other + ask[2])
     result["host_hit_s"], result["host_hit_cached"] = ttft(llm, prefix + ask[5])
     result["host"] = tier_stats(llm)
+    # the fastest of the three cold prefills (the first one in a process also pays one-time costs)
+    result["cold_best_s"] = min(result["cold_s"], result["evict_cold_s"], result["host_cold_s"])
     for key in ("device_hit_s", "host_hit_s", "disk_hit_s", "disk_hit_after_restart_s"):
-        result[key[:-2] + "_over_cold"] = result[key] / result["cold_s"]
+        result[key[:-2] + "_over_cold"] = result[key] / result["cold_best_s"]
     return result
 
 

@@ -3,9 +3,11 @@
 A model's pool is whatever its `bind_kv_cache` returned. KV I/O sees it as a few `[groups, slots, width]`
 views: the model's `kv_slot_views(pool)` when it has one (MLA: latent rows + indexer keys in one flat
 pool), else the pool itself reshaped around its slot dimension (Llama family: `[layers, 2, kv_heads,
-slots, head_dim]` → `[layers * 2 * kv_heads, slots, head_dim]`). A run of blocks is gathered in one
-`index_select` per view into one flat tensor (view by view, `[groups, blocks, block_size, width]` each),
-and written back with one `index_copy_` per view; no loop per block or layer.
+slots, head_dim]` → `[layers * 2 * kv_heads, slots, head_dim]`). Copies index whole blocks (each view
+seen as `[groups, blocks, block_size * width]`, so every row copied is a block's contiguous run): a run
+of blocks is gathered with one `index_select` per view into one flat tensor (view by view,
+`[groups, blocks, block_size, width]` each), and written back with one `index_copy_` per view; no loop
+per block or layer.
 
 Interface (stable; the tiers and the session store build on it):
 - `KVBlockIO(model, pool, block_size)`; `gather(blocks) -> Tensor` (flat, the pool's dtype and device);
@@ -55,6 +57,8 @@ class KVBlockIO:
         self.device = pool.device
         self.dtype = pool.dtype
         self.layout = [(v.shape[0], v.shape[2]) for v in self.views]  # (groups, width) per view
+        self.block_views = [v.view(g, num_slots // block_size, block_size * w) for v, (g, w) in
+                            zip(self.views, self.layout)]
         self.elems_per_block = sum(g * w for g, w in self.layout) * block_size
         self.bytes_per_block = self.elems_per_block * pool.element_size()
         self.load_listeners: list[Callable[[torch.Tensor], None]] = []
@@ -62,26 +66,27 @@ class KVBlockIO:
     def add_load_listener(self, fn: Callable[[torch.Tensor], None]) -> None:
         self.load_listeners.append(fn)
 
-    def _slots(self, blocks: torch.Tensor) -> torch.Tensor:
-        offsets = torch.arange(self.block_size, device=self.device)
-        return (blocks.to(self.device)[:, None] * self.block_size + offsets).reshape(-1)
-
     def gather(self, blocks: torch.Tensor) -> torch.Tensor:
         """KV of `blocks` (LongTensor [n]) as one flat tensor of n * elems_per_block elements."""
-        slots = self._slots(blocks)
-        return torch.cat([v.index_select(1, slots).reshape(-1) for v in self.views])
+        blocks = blocks.to(self.device)
+        out = torch.empty(len(blocks) * self.elems_per_block, dtype=self.dtype, device=self.device)
+        offset = 0
+        for v in self.block_views:
+            size = v.shape[0] * len(blocks) * v.shape[2]
+            torch.index_select(v, 1, blocks, out=out[offset:offset + size].view(v.shape[0], len(blocks), -1))
+            offset += size
+        return out
 
     def scatter(self, blocks: torch.Tensor, data: torch.Tensor, first: int = 0) -> None:
         """Writes blocks `first:` of the gathered run `data` into pool blocks `blocks`, then runs listeners."""
         total = data.numel() // self.elems_per_block
         assert data.numel() == total * self.elems_per_block and len(blocks) == total - first
         data = data.to(self.device, non_blocking=True)
-        slots = self._slots(blocks)
+        blocks = blocks.to(self.device)
         offset = 0
-        for v, (groups, width) in zip(self.views, self.layout):
-            size = groups * total * self.block_size * width
-            part = data[offset:offset + size].view(groups, total, self.block_size, width)[:, first:]
-            v.index_copy_(1, slots, part.reshape(groups, -1, width))
+        for v in self.block_views:
+            size = v.shape[0] * total * v.shape[2]
+            v.index_copy_(1, blocks, data[offset:offset + size].view(v.shape[0], total, -1)[:, first:])
             offset += size
         for fn in self.load_listeners:
             fn(blocks)

@@ -213,7 +213,7 @@ class KVTiers:
             for old_key, old in self.host.put(key, data):
                 self._to_disk(old_key, old)
         else:
-            self._to_disk(key, data)
+            self._to_disk(key, data.cpu())  # waits for the writer in host RAM, never in device memory
         self.stats.saved_chunks += 1
         self.stats.save_seconds += time.perf_counter() - start
 
