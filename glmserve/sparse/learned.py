@@ -125,7 +125,9 @@ class LearnedIndexerWeights(nn.Module):
         n, d, hi = ident.num_layers, spec.index_dim, spec.index_heads
         self.wq = nn.Parameter(torch.randn(n, q_in, hi * d) * q_in**-0.5)
         self.wk = nn.Parameter(torch.randn(n, k_in, d) * k_in**-0.5)
-        self.ww = nn.Parameter(torch.randn(n, q_in, hi) * q_in**-0.5)
+        # w starts at 0: scores start flat (the uniform distribution) instead of random and peaked, whose huge
+        # first gradients push most relu units negative for good ("dead" content scores in half the layers)
+        self.ww = nn.Parameter(torch.zeros(n, q_in, hi))
         self.distance_bias = nn.Parameter(torch.zeros(n, DISTANCE_BUCKETS))
         self.sink_bias = nn.Parameter(torch.zeros(n, SINK_BIAS_TOKENS))
         self.scale = d**-0.5
