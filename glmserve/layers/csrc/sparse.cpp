@@ -7,10 +7,10 @@
 // contiguous), so one sequential pass is exact; a few microseconds per decode token and layer.
 //
 // block_scores:
-// For each decode row b and each of its logical blocks w (physical block tables[b, w]), the upper bound
-// of the scaled logit any query head can reach on a key of that block:
-//   max over heads h of  scale * sum_d max(q[b,h,d] * lo[blk,kv(h),d], q[b,h,d] * hi[blk,kv(h),d])
-// = scale * max_h (relu(q_h) . hi + min(q_h, 0) . lo)   (Tang et al., 2024, "Quest", arXiv:2406.10774).
+// For each decode row b and each of its logical blocks w (physical block tables[b, w]), the sum over the
+// query heads of the upper bound of each head's scaled logit on a key of that block:
+//   sum over heads h of  scale * sum_d max(q[b,h,d] * lo[blk,kv(h),d], q[b,h,d] * hi[blk,kv(h),d])
+// = scale * sum_h (relu(q_h) . hi + min(q_h, 0) . lo)   (Tang et al., 2024, "Quest", arXiv:2406.10774).
 // Bounds are read in place ([num_blocks, 2, Hkv, D], float32 or bfloat16), one contiguous row per
 // block, so the cost is one pass over the row's bounds (1/block_size of its keys and values); no
 // gather copy and no skinny GEMM. Work is split over (row, block range) with at::parallel_for.
@@ -48,7 +48,7 @@ void scores_kernel(const float* q, const bound_t* bounds, const int64_t* tables,
         continue;
       }
       const bound_t* blk = bounds + tables[task] * 2 * Hkv * D;
-      float best = -std::numeric_limits<float>::infinity();
+      float total = 0.f;
       for (int64_t k = 0; k < Hkv; ++k) {
         const bound_t* lo = blk + k * D;
         const bound_t* hi = blk + (Hkv + k) * D;
@@ -58,10 +58,10 @@ void scores_kernel(const float* q, const bound_t* bounds, const int64_t* tables,
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < D; ++d) s += qp[d] * to_float(hi[d]) + qn[d] * to_float(lo[d]);
-          best = std::max(best, s);
+          total += s;
         }
       }
-      out[task] = best * scale;
+      out[task] = total * scale;
     }
   });
 }
