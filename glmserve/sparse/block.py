@@ -19,8 +19,7 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
   (`refresh`, a `KVBlockIO` load listener);
 - on CPU in float32 both the bounds update and the scores run in our C++ kernels
   (glmserve/layers/csrc/sparse.cpp; the scores read each row's bounds in place by block table);
-  elsewhere scatter min/max and a gather + one GEMM against a block-diagonal query matrix compute the
-  same numbers;
+  elsewhere scatter min/max and a gather + one matrix-vector product compute the same numbers;
 - one score per block and decode row: the sum over the query heads of their scaled upper bounds
   (selection is per row for all heads, since our decode kernel takes one slot list per row). We first
   took the maximum over heads (keep a block if any head could want it); on SmolLM2 passkey retrieval
@@ -92,17 +91,13 @@ class BlockIndexer:
             return kernels.block_scores(q.contiguous(), self.bounds, tables.contiguous(), units, self.scale)
         b, w = tables.shape
         nb, _, hkv, d = self.bounds.shape
-        h = q.shape[1]
         rows = self.bounds.view(nb, -1).index_select(0, tables.reshape(-1)).view(b, w, -1)  # [B, W, 2 * Hkv * D]
-        # block-diagonal query matrix: column (head) h holds min(q_h, 0) against its kv head's min row part and
-        # max(q_h, 0) against its max part, zeros elsewhere; one GEMM on the gathered rows, no relayout
-        qg = q.view(b, hkv, h // hkv, d).to(self.bounds.dtype)
-        eye = torch.eye(hkv, dtype=qg.dtype, device=q.device)[None, None, :, :, None, None]
-        parts = torch.stack([qg.clamp(max=0), qg.clamp(min=0)], dim=1)  # [B, 2, Hkv, g, D]
-        qbd = parts.unsqueeze(3) * eye  # [B, 2, query's kv head, row's kv head, g, D]: zero off the diagonal
-        qbd = qbd.permute(0, 1, 3, 5, 2, 4).reshape(b, 2 * hkv * d, h)  # rows (min|max, kv head, d), cols heads
-        bound = torch.bmm(rows, qbd)  # [B, W, H]
-        return bound.sum(dim=2).float() * self.scale  # [B, W]
+        # the sum over heads is linear in the bounds: the negative parts of a kv head's query heads, summed,
+        # meet its min row part, the positive parts its max part; one matrix-vector product per row
+        qg = q.view(b, hkv, -1, d).float()
+        vec = torch.stack([qg.clamp(max=0).sum(2), qg.clamp(min=0).sum(2)], dim=1)  # [B, 2, Hkv, D]
+        bound = torch.bmm(rows.to(vec.dtype), vec.view(b, -1, 1))  # [B, W, 1]
+        return bound[..., 0] * self.scale  # [B, W]
 
 
 def block_bounds_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:

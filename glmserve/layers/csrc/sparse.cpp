@@ -34,12 +34,18 @@ template <typename bound_t>
 void scores_kernel(const float* q, const bound_t* bounds, const int64_t* tables, const int64_t* num_units,
                    float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t W, float scale) {
   const int64_t group = H / Hkv;
-  // split each head's query into its positive and negative parts once per row
-  std::vector<float> pos(B * H * D), neg(B * H * D);
-  for (int64_t i = 0; i < B * H * D; ++i) {
-    pos[i] = std::max(q[i], 0.f);
-    neg[i] = std::min(q[i], 0.f);
-  }
+  // the sum over heads is linear in the bounds: per row and kv head, sum the positive parts of its query
+  // heads (they meet the max bound) and the negative parts (they meet the min bound) once
+  std::vector<float> pos(B * Hkv * D, 0.f), neg(B * Hkv * D, 0.f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = q[(b * H + h) * D + d];
+        float* p = pos.data() + (b * Hkv + h / group) * D + d;
+        float* n = neg.data() + (b * Hkv + h / group) * D + d;
+        *p += std::max(x, 0.f);
+        *n += std::min(x, 0.f);
+      }
   at::parallel_for(0, B * W, 64, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / W, w = task % W;
@@ -47,20 +53,13 @@ void scores_kernel(const float* q, const bound_t* bounds, const int64_t* tables,
         out[task] = -std::numeric_limits<float>::infinity();
         continue;
       }
-      const bound_t* blk = bounds + tables[task] * 2 * Hkv * D;
+      const bound_t* lo = bounds + tables[task] * 2 * Hkv * D;  // [Hkv, D] min, then [Hkv, D] max
+      const bound_t* hi = lo + Hkv * D;
+      const float* qp = pos.data() + b * Hkv * D;
+      const float* qn = neg.data() + b * Hkv * D;
       float total = 0.f;
-      for (int64_t k = 0; k < Hkv; ++k) {
-        const bound_t* lo = blk + k * D;
-        const bound_t* hi = blk + (Hkv + k) * D;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qp = pos.data() + (b * H + k * group + g) * D;
-          const float* qn = neg.data() + (b * H + k * group + g) * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qp[d] * to_float(hi[d]) + qn[d] * to_float(lo[d]);
-          total += s;
-        }
-      }
+#pragma omp simd reduction(+ : total)
+      for (int64_t i = 0; i < Hkv * D; ++i) total += qp[i] * to_float(hi[i]) + qn[i] * to_float(lo[i]);
       out[task] = total * scale;
     }
   });
