@@ -275,3 +275,27 @@ def test_full_disk_tier_still_answers(tiny_model_dir, tmp_path):
     again = llm.generate([a], params)[0]
     assert again.num_cached_tokens == on_device * BS < 96 and tiers.stats.loaded_chunks == 0
     _same_output(again, ref)
+
+
+def test_tier_options_from_cli_and_bad_values(tmp_path):
+    from glmserve.cli import build_parser, engine_config_from_args
+    from glmserve.config import EngineConfig
+    from glmserve.errors import InvalidRequestError
+    from glmserve.kv.tiers import build_tiers
+
+    args = build_parser().parse_args(["generate", "--kv-disk-dir", str(tmp_path), "--kv-disk-bytes", "1000000",
+                                      "--kv-host-memory-bytes", "0", "--kv-chunk-tokens", "64", "hi"])
+    config = engine_config_from_args(args)
+    assert (config.kv_disk_dir, config.kv_disk_bytes, config.kv_host_memory_bytes, config.kv_chunk_tokens) == (
+        str(tmp_path), 1000000, 0, 64)
+    with pytest.raises(InvalidRequestError, match="kv_chunk_tokens"):
+        EngineConfig(kv_chunk_tokens=24)  # not a multiple of block_size 16
+    with pytest.raises(InvalidRequestError, match="kv_disk_bytes"):
+        EngineConfig(kv_disk_bytes=0)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    model = _llama()
+    io = KVBlockIO(model, model.bind_kv_cache(64, torch.float32, torch.device("cpu")), 4, 64)
+    with pytest.raises(InvalidRequestError, match="kv_disk_dir"):
+        build_tiers(io, "id", 16, 0, str(a_file / "sub"), 1 << 20)
+    assert build_tiers(io, "id", 16, 0, None, 1 << 20) is None  # no tier asked for (CPU: no host tier)

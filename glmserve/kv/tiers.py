@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from glmserve.errors import InvalidRequestError
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore, LruIndex
 from glmserve.kv.kv_io import KVBlockIO
 
@@ -265,7 +266,10 @@ def build_tiers(io: KVBlockIO, identity: str, chunk_tokens: int, host_bytes: int
     """The tiers an engine config asks for, or None when neither a host budget nor a disk dir is set."""
     host_budget = host_tier_budget(host_bytes, io.device)
     host = HostTier(host_budget, pin=io.device.type == "cuda") if host_budget > 0 else None
-    disk = DiskChunkStore(disk_dir, disk_bytes) if disk_dir else None
+    try:
+        disk = DiskChunkStore(disk_dir, disk_bytes) if disk_dir else None
+    except OSError as e:
+        raise InvalidRequestError(f"kv_disk_dir {disk_dir!r} cannot hold the disk KV tier: {e}") from e
     if host is None and disk is None:
         return None
     return KVTiers(io, identity, chunk_tokens // io.block_size, host, disk)
