@@ -202,15 +202,15 @@ def _same_output(out, ref) -> None:
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-def _setup(tiny_model_dir, **tiers):
+def _setup(tiny_model_dir, model_dir=None, **tiers):
     """An engine with a tiny device pool and the given tiers, the cold reference output of prompt a, and
     prompt b that evicts most of a."""
     from glmserve import LLM, SamplingParams
 
-    common = dict(model=str(tiny_model_dir("llama")), dtype="float32", block_size=BS, max_model_len=128,
+    common = dict(model=str(model_dir or tiny_model_dir("llama")), dtype="float32", block_size=BS, max_model_len=128,
                   max_num_batched_tokens=64)
-    # 512 B of KV per token: a pool of ~36-45 blocks (with or without block-indexer bounds), so the second
-    # prompt evicts most of the first
+    # 512 B of KV per token (the tiny GLM-5: 608): a pool of ~36-45 blocks (with or without block-indexer
+    # bounds), so the second prompt evicts most of the first
     llm = LLM(**common, kv_cache_memory_bytes=36 * 2560, kv_chunk_tokens=CHUNK, **tiers)
     cold = LLM(**common, enable_prefix_caching=False)
     rng = torch.Generator().manual_seed(0)
@@ -299,3 +299,18 @@ def test_tier_options_from_cli_and_bad_values(tmp_path):
     with pytest.raises(InvalidRequestError, match="kv_disk_dir"):
         build_tiers(io, "id", 16, 0, str(a_file / "sub"), 1 << 20)
     assert build_tiers(io, "id", 16, 0, None, 1 << 20) is None  # no tier asked for (CPU: no host tier)
+
+
+def test_mla_prefix_comes_back_from_disk(tiny_model_dir, tmp_path):
+    """GLM-5 (MLA latent rows + DSA indexer keys in one flat pool): the same round trip through the disk."""
+    from test_glm_moe_dsa import make_model
+
+    model_dir = make_model("glm_moe_dsa", tmp_path / "model")
+    llm, ref, a, b, params = _setup(tiny_model_dir, model_dir, kv_disk_dir=str(tmp_path / "kv"))
+    tiers = llm.engine.kv_tiers
+    llm.generate([a], params)
+    llm.generate([b], params)
+    tiers.wait()
+    again = llm.generate([a], params)[0]
+    assert again.num_cached_tokens == 96 and tiers.stats.loaded_chunks >= 3
+    _same_output(again, ref)
