@@ -111,6 +111,7 @@ def test_save_load_round_trip_gives_identical_scores(llama, trained):
     weights, _, path = trained
     loaded = LearnedIndexerWeights.load(path, expected=ModelIdentity.of(llama.model))
     assert loaded.spec == weights.spec
+    assert path.stat().st_mode & 0o777 == 0o644 and not list(path.parent.glob(".tmp-*"))
     for (name, a), (_, b) in zip(weights.named_parameters(), loaded.named_parameters()):
         assert torch.equal(a, b), name
     ids = torch.randint(2, 320, (64,), generator=torch.Generator().manual_seed(3))

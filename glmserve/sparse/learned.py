@@ -170,9 +170,9 @@ class LearnedIndexerWeights(nn.Module):
         meta = {**(extra_metadata or {}), **self.spec.to_metadata()}
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
         os.close(fd)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; an indexer is as shareable as the model beside it
         try:
             save_file(tensors, tmp, metadata=meta)
+            os.chmod(tmp, 0o644)  # mkstemp's file is private; an indexer is as shareable as the model beside it
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
