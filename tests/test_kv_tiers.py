@@ -165,6 +165,8 @@ def test_kv_io_roundtrip_any_layout(make, dtype):
         assert torch.equal(blk[:, 9], ref[:, 1]) and torch.equal(blk[:, 10], ref[:, 7])
         untouched = [b for b in range(num_blocks) if b not in (9, 10)]
         assert torch.equal(blk[:, untouched], ref[:, untouched])
+    io.scatter(dst[:0], data, first=3)  # nothing left to load: no copy, no listener call
+    assert loaded == [[9, 10]]
     assert io.from_bytes(b"\0" * (io.bytes_per_block + 1)) is None
     ids = {kv_identity("m", torch.float32, dtype, bs, io.layout), kv_identity("m", torch.float32, dtype, 8, io.layout),
            kv_identity("other", torch.float32, dtype, bs, io.layout)}

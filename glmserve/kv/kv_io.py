@@ -78,9 +78,12 @@ class KVBlockIO:
         return out
 
     def scatter(self, blocks: torch.Tensor, data: torch.Tensor, first: int = 0) -> None:
-        """Writes blocks `first:` of the gathered run `data` into pool blocks `blocks`, then runs listeners."""
+        """Writes blocks `first:` of the gathered run `data` into pool blocks `blocks`, then runs listeners
+        (not when `blocks` is empty)."""
         total = data.numel() // self.elems_per_block
         assert data.numel() == total * self.elems_per_block and len(blocks) == total - first
+        if not len(blocks):  # nothing to load: no copy, no listener call
+            return
         data = data.to(self.device, non_blocking=True)
         blocks = blocks.to(self.device)
         offset = 0
