@@ -11,10 +11,9 @@ projections of the hidden state, so it needs no change to the model:
     score       s_j  = sum_h w_h * relu(q'_h · k'_j) / sqrt(d) + b_dist[bucket(i - j)] + b_sink[j]
 
 The last two terms are ours: a learned bias per distance bucket (exact up to 8, then half octaves, as the
-log buckets of T5's relative attention bias) and per sink position (j < 4). A low-rank projection of
-post-rope keys cannot express rope's distance decay or the attention sinks well; on SmolLM2 (2K windows
-of the repo's text, 150 steps) the bias raised the held-out attention mass on the indexer's top-256 from
-0.56 to 0.87 (sinks + recency: 0.76); numbers and commands in docs/LEARNED_INDEXER.md.
+log buckets of T5's relative attention bias) and per sink position (j < 4), a cheap floor for positional
+patterns (rope's decay with distance, attention sinks) that a low-rank projection of post-rope keys
+expresses poorly. W_w starts at zero (flat first scores); measurements in docs/LEARNED_INDEXER.md.
 
 Index keys (d floats per token and layer, ~1/12 of SmolLM2's KV) live in their own paged pool at the same
 slots as the KV (`IndexKeyPool`), so prefix-cache hits share them; KV that the tiers or the session store
@@ -22,10 +21,10 @@ load into the pool gets its index keys recomputed from the loaded K (`IndexKeyPo
 allocates the pool only when an indexer file is loaded. The weights of all layers are stacked
 ([layers, in, out]) so that training scores every layer in one batched matmul.
 
-File format: safetensors with `wq`, `wk`, `ww` and string metadata: format/version, the model's identity
-(architecture, layers, heads, kv heads, head dim, a fingerprint of its q/k/v weights) and the index dims.
-The default place is beside the model (`default_indexer_path`); loading checks the identity against the
-model and raises `IndexerMismatchError` with what differs.
+File format: safetensors with `wq`, `wk`, `ww`, `distance_bias`, `sink_bias` and string metadata:
+format/version, the model's identity (architecture, layers, heads, kv heads, head dim, a fingerprint of
+its q/k/v weights) and the index dims. The default place is beside the model (`default_indexer_path`);
+loading checks the identity against the model and raises `IndexerMismatchError` with what differs.
 """
 
 from __future__ import annotations
