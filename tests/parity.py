@@ -54,3 +54,12 @@ def check_two_waves(llm, hf_model, first_lengths, tol: float = TOL, seed: int = 
         check_against_reference(hf_model, prompt, out.outputs[0], tol)
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def assert_same_output(got, want, tol: float = 1e-4) -> None:
+    """Two runs of one request: the same tokens, logprobs within `tol`, the same top-token lists."""
+    a, b = got.outputs[0], want.outputs[0]
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert abs(x.logprob - y.logprob) < tol
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]

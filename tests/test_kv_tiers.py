@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from parity import assert_same_output
 from transformers import GlmMoeDsaConfig, LlamaConfig
 
 from glmserve.kv.blocks import block_hash
@@ -196,14 +197,6 @@ def _device_prefix_blocks(llm, tokens: list[int]) -> int:
     return n
 
 
-def _same_output(out, ref) -> None:
-    got, want = out.outputs[0], ref.outputs[0]
-    assert got.token_ids == want.token_ids
-    for a, b in zip(got.logprobs, want.logprobs):
-        assert abs(a.logprob - b.logprob) < 1e-4
-        assert [t for t, _ in a.top] == [t for t, _ in b.top]
-
-
 def _setup(tiny_model_dir, model_dir=None, **tiers):
     """An engine with a tiny device pool and the given tiers, the cold reference output of prompt a, and
     prompt b that evicts most of a."""
@@ -232,7 +225,7 @@ def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, ho
 
     first = llm.generate([a], params)[0]
     assert first.num_cached_tokens == 0
-    _same_output(first, ref)
+    assert_same_output(first, ref)
     llm.generate([b], params)  # evicts the tail of a first: its chunks go down
     tiers.wait()  # the disk writer thread
     assert tiers.stats.saved_chunks >= 3 and _device_prefix_blocks(llm, a) < 24
@@ -242,7 +235,7 @@ def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, ho
     second = llm.generate([a], params)[0]
     assert second.num_cached_tokens == 96  # 6 whole chunks: device hits + chunks loaded back
     assert tiers.stats.loaded_chunks >= 3 and tiers.stats.failed_loads == 0
-    _same_output(second, ref)
+    assert_same_output(second, ref)
     if not disk:
         return
 
@@ -261,7 +254,7 @@ def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, ho
     third = llm.generate([a], params)[0]
     assert third.num_cached_tokens == on_device * BS and tiers.stats.failed_loads == 1
     assert not chunk_file.exists()
-    _same_output(third, ref)
+    assert_same_output(third, ref)
 
 
 def test_full_disk_tier_still_answers(tiny_model_dir, tmp_path):
@@ -269,14 +262,14 @@ def test_full_disk_tier_still_answers(tiny_model_dir, tmp_path):
     the requests answer as a cold run does (the evicted prefix is recomputed)."""
     llm, ref, a, b, params = _setup(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_bytes=CHUNK * 512)
     tiers = llm.engine.kv_tiers
-    _same_output(llm.generate([a], params)[0], ref)
+    assert_same_output(llm.generate([a], params)[0], ref)
     llm.generate([b], params)
     tiers.wait()
     assert tiers.stats.saved_chunks >= 3 and list(tmp_path.iterdir()) == []
     on_device = _device_prefix_blocks(llm, a)
     again = llm.generate([a], params)[0]
     assert again.num_cached_tokens == on_device * BS < 96 and tiers.stats.loaded_chunks == 0
-    _same_output(again, ref)
+    assert_same_output(again, ref)
 
 
 def test_tier_options_from_cli_and_bad_values(tmp_path):
@@ -315,4 +308,4 @@ def test_mla_prefix_comes_back_from_disk(tiny_model_dir, tmp_path):
     tiers.wait()
     again = llm.generate([a], params)[0]
     assert again.num_cached_tokens == 96 and tiers.stats.loaded_chunks >= 3
-    _same_output(again, ref)
+    assert_same_output(again, ref)

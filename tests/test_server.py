@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
 
 SERVED = "smollm2"
 ALIASES = {"gpt-4o-mini": SERVED, "openrouter/smollm2-135m": SERVED}
@@ -31,7 +31,6 @@ MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 2
 MAX_WAITING = 1
 CAPACITY = MAX_NUM_SEQS + MAX_WAITING
-STARTUP_TIMEOUT_S = 180
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # a request that runs until it is aborted (ignore_eos, the whole context as budget)
 ENDLESS = {"model": SERVED, "messages": QUESTION, "max_tokens": MAX_MODEL_LEN, "ignore_eos": True}
@@ -56,54 +55,24 @@ class Server:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _wait_for(condition: Callable[[], Any], timeout_s: float, what: str, log: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}; server log:\n{log()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    args = ["--port", "0", "--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN)]
+    args = ["--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN)]
     args += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING)]
     args += ["--kv-cache-memory-bytes", str(256 << 20), "--shutdown-timeout", "20", "--num-threads", "1"]
     for alias, canonical in ALIASES.items():
         args += ["--alias", f"{alias}={canonical}"]
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "glmserve.cli", "serve", *args], stdout=log_file, stderr=subprocess.STDOUT
-        )
+    with glmserve_process(args, log_path) as process, httpx.Client(base_url=process.base_url, timeout=30) as http:
+        early_readiness = http.get("/v1/health")
+        early_chat = http.post("/v1/chat/completions", json={"model": SERVED, "messages": QUESTION})
 
-    def log() -> str:
-        return log_path.read_text(errors="replace")
+        def ready() -> httpx.Response | None:
+            response = http.get("/v1/health")
+            return response if response.status_code == 200 else None
 
-    def port() -> int | None:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log()[-4000:]}")
-        match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log())
-        return int(match.group(1)) if match else None
-
-    try:
-        base_url = f"http://127.0.0.1:{_wait_for(port, STARTUP_TIMEOUT_S, 'the server to listen', log)}"
-        with httpx.Client(base_url=base_url, timeout=30) as http:
-            early_readiness = http.get("/v1/health")
-            early_chat = http.post("/v1/chat/completions", json={"model": SERVED, "messages": QUESTION})
-
-            def ready() -> httpx.Response | None:
-                response = http.get("/v1/health")
-                return response if response.status_code == 200 else None
-
-            ready_readiness = _wait_for(ready, STARTUP_TIMEOUT_S, "readiness", log)
-        yield Server(proc, base_url, log_path, early_readiness, early_chat, ready_readiness)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=60)
+        ready_readiness = wait_for(ready, STARTUP_TIMEOUT_S, "readiness", process.log)
+        yield Server(process.proc, process.base_url, log_path, early_readiness, early_chat, ready_readiness)
 
 
 def engine_state(server: Server) -> dict[str, Any]:
@@ -119,7 +88,7 @@ def wait_idle(server: Server, timeout_s: float = 20) -> dict[str, Any]:
         pool_full = state["num_free_blocks"] == state["num_total_blocks"]
         return state if state["requests_in_flight"] == 0 and state["num_running"] == 0 and pool_full else None
 
-    return _wait_for(idle, timeout_s, "the engine to go idle with all KV blocks free", server.log)
+    return wait_for(idle, timeout_s, "the engine to go idle with all KV blocks free", server.log)
 
 
 def scrape(server: Server) -> str:
@@ -596,7 +565,7 @@ def test_sigterm_finishes_in_flight_request_and_exits_zero(server: Server) -> No
                 return True
             return False
 
-        _wait_for(refused, 10, "the server to stop accepting connections", server.log)
+        wait_for(refused, 10, "the server to stop accepting connections", server.log)
         rest = [line for line in lines if line]  # ... while the in-flight stream runs to its end
     assert rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2][len("data: ") :])["usage"]["completion_tokens"] == max_tokens

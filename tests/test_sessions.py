@@ -7,11 +7,9 @@ when the binary is missing; `.ci/run` installs it.
 
 from __future__ import annotations
 
-import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from parity import assert_same_output
+from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
 
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
 from glmserve.kv.redis_store import RedisChunkStore
@@ -247,14 +247,6 @@ def _run(engine, prompt: list[int], session_id: str | None = None, salt: str | N
     return final
 
 
-def _same_output(got, want) -> None:
-    a, b = got.outputs[0], want.outputs[0]
-    assert a.token_ids == b.token_ids
-    for x, y in zip(a.logprobs, b.logprobs):
-        assert abs(x.logprob - y.logprob) < 1e-4
-        assert [t for t, _ in x.top] == [t for t, _ in y.top]
-
-
 def _prompt(seed: int, n: int) -> list[int]:
     import torch
 
@@ -294,7 +286,7 @@ def test_next_turn_loads_the_session_in_another_engine(two_engines) -> None:
     cold = _run(second, turn2, salt="cold")  # a salt keeps it away from every cached block
     resumed = _run(second, turn2, session_id="conv-1")
     assert resumed.num_cached_tokens == 52  # loaded from the session store, not computed
-    _same_output(resumed, cold)
+    assert_same_output(resumed, cold)
     second.sessions.wait("conv-1")
     assert second.sessions.info("conv-1")["turns"] == 2
     # a session's KV is only used for the tokens it was computed for
@@ -322,7 +314,7 @@ def test_corrupt_session_chunk_is_recomputed(tiny_model_dir, tmp_path: Path) -> 
     cold = _run(second, turn2, salt="cold")
     resumed = _run(second, turn2, session_id="c")
     assert resumed.num_cached_tokens == 2 * CHUNK  # chunks 0 and 1; chunk 2 failed its checksum
-    _same_output(resumed, cold)
+    assert_same_output(resumed, cold)
     assert not path.exists() and key not in sessions.store
     second.close()
 
@@ -349,32 +341,12 @@ SUMMARY_THRESHOLD = 150  # prompt tokens above which session_summary summarizes 
 @contextmanager
 def serve(store: str, log_path: Path) -> Iterator[httpx.Client]:
     """A `glmserve serve` process with its session store at `store`; stopped with SIGTERM on exit."""
-    from test_server import STARTUP_TIMEOUT_S, _wait_for
-
-    args = ["--port", "0", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(128 << 20),
+    args = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(128 << 20),
             "--num-threads", "1", "--session-store", store,
             "--session-summary-threshold", str(SUMMARY_THRESHOLD), "--session-summary-keep", "1"]
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "glmserve.cli", "serve", *args], stdout=log_file,
-                                stderr=subprocess.STDOUT)
-
-    def log() -> str:
-        return log_path.read_text(errors="replace")
-
-    def port() -> int | None:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log()[-4000:]}")
-        match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", log())
-        return int(match.group(1)) if match else None
-
-    try:
-        base_url = f"http://127.0.0.1:{_wait_for(port, STARTUP_TIMEOUT_S, 'the server to listen', log)}"
-        with httpx.Client(base_url=base_url, timeout=300) as http:
-            _wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", log)
-            yield http
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=60) == 0, log()[-4000:]
+    with glmserve_process(args, log_path) as process, httpx.Client(base_url=process.base_url, timeout=300) as http:
+        wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", process.log)
+        yield http
 
 
 def _chat(http: httpx.Client, messages: list[dict], max_tokens: int = 8, **extra) -> dict:
