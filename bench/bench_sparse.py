@@ -55,7 +55,10 @@ QUALITY_MODES = {
     "block-t0.35": {"mode": "block", "threshold": 0.35},
     "learned-k512": {"mode": "learned", "top_k": 512},
     "learned-t0.35": {"mode": "learned", "threshold": 0.35},
+    "block-k2048": {"mode": "block", "top_k": 2048},
+    "learned-k2048": {"mode": "learned", "top_k": 2048},
 }
+DEFAULT_QUALITY_MODES = "dense,block-k512,block-t0.35,learned-k512,learned-t0.35"
 SPEED_MODES = {
     "dense": {"mode": "dense"},
     "block-k2048": {"mode": "block", "top_k": 2048},
@@ -220,8 +223,9 @@ def agreement(llm: LLM, modes: dict[str, dict], sentences: list[str], positions:
 def quality(args: argparse.Namespace) -> dict:
     llm = LLM(model=None, dtype="float32", max_model_len=8192, max_num_batched_tokens=2048,
               kv_cache_memory_bytes=1536 << 20)
-    modes = {m: s for m, s in QUALITY_MODES.items() if s["mode"] in llm.engine.sparse_modes}
-    skipped = sorted(set(QUALITY_MODES) - set(modes))
+    asked = ["dense"] + [m for m in args.modes.split(",") if m != "dense"]  # dense first: the reference
+    modes = {m: QUALITY_MODES[m] for m in asked if QUALITY_MODES[m]["mode"] in llm.engine.sparse_modes}
+    skipped = sorted(set(asked) - set(modes))
     sentences = prose()
     lengths = [2048, 4096] if args.quick else [2048, 4096, 7800]
     depths = [0.5] if args.quick else [0.2, 0.5, 0.8]
@@ -366,6 +370,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     q = sub.add_parser("quality")
     q.add_argument("--quick", action="store_true")
+    q.add_argument("--modes", default=DEFAULT_QUALITY_MODES, help="comma-separated: " + ",".join(QUALITY_MODES))
     s = sub.add_parser("speed")
     s.add_argument("--contexts", default="8192,32768,131072")
     s.add_argument("--device", default="cpu")
