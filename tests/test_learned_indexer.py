@@ -20,11 +20,15 @@ from glmserve.config import EngineConfig
 from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.sampling import SamplingParams
 from glmserve.errors import IndexerMismatchError, InvalidRequestError
+from glmserve.layers.attention import GroupMetadata
+from glmserve.layers.cpu_kernels import sparse_ops
 from glmserve.models.loader import load_model
+from glmserve.sparse import learned
 from glmserve.sparse.distill import DistillConfig, distill, kl_per_layer, teacher_window
 from glmserve.sparse.indexer import Indexer
 from glmserve.sparse.learned import (
     DISTANCE_BUCKETS,
+    IndexerSpec,
     LearnedIndexer,
     LearnedIndexerWeights,
     ModelIdentity,
@@ -79,6 +83,67 @@ def test_distance_buckets():
     assert torch.all(b[1:] >= b[:-1]) and int(b.max()) == DISTANCE_BUCKETS - 1
     assert int(b[23_000]) < DISTANCE_BUCKETS - 1 <= int(b[23_200])  # half octaves: 8 * 2^((31 - 8) / 2) = 23,170
     assert torch.equal(distance_bucket(torch.tensor([-3])), torch.tensor([0]))
+
+
+def _paged_rows(context_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator) -> GroupMetadata:
+    """A decode group whose rows hold shuffled physical blocks (0, the null block, pads the tables)."""
+    per_row = [-(-n // block_size) for n in context_lens]
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    starts = torch.tensor([0, *per_row]).cumsum(0)
+    tables = torch.zeros((len(per_row), max(per_row)), dtype=torch.long)
+    for row, (start, count) in enumerate(zip(starts.tolist(), per_row)):
+        tables[row, :count] = perm[start:start + count]
+    ctx = torch.tensor(context_lens)
+    pos = torch.arange(int(ctx.max()))
+    slots = torch.where(pos[None, :] < ctx[:, None], tables[:, pos // block_size] * block_size + pos % block_size, 0)
+    return GroupMetadata(kv_slots=slots, key_mask=None, num_tokens=len(per_row), context_lens=ctx, block_tables=tables)
+
+
+def _scorer(dim: int, heads: int, num_slots: int, key_dtype: torch.dtype, gen: torch.Generator) -> LearnedIndexer:
+    weights = LearnedIndexerWeights(IndexerSpec(ModelIdentity("x", 1, 9, 3, 64, "f"), dim, heads))
+    with torch.no_grad():
+        weights.ww.copy_(torch.randn(weights.ww.shape, generator=gen) * weights.ww.shape[1] ** -0.5)  # w ~ N(0, 1)
+        for p in (weights.distance_bias, weights.sink_bias):
+            p.copy_(torch.randn(p.shape, generator=gen))
+    keys = torch.randn((num_slots, dim), generator=gen).to(key_dtype)
+    keys[:16] = 0  # the null block
+    return LearnedIndexer(weights.requires_grad_(False), 0, keys, block_size=16)
+
+
+@pytest.mark.skipif(sparse_ops() is None, reason="C++ CPU kernels unavailable")
+@pytest.mark.parametrize("dim,heads,key_dtype", [(32, 4, torch.float32), (8, 2, torch.float32),
+                                                  (32, 4, torch.bfloat16)])
+def test_cpu_kernel_scores_equal_torch_path(dim, heads, key_dtype, monkeypatch):
+    """learned_scores (csrc/sparse.cpp) reads the index keys in place through shuffled block tables; rows of
+    contexts around the exact/log and the last distance buckets, the sink positions and a partial last block."""
+    gen = torch.Generator().manual_seed(11)
+    contexts = [1, 4, 8, 9, 16, 17, 181, 2_000, 24_001]
+    num_blocks = sum(-(-n // 16) for n in contexts) + 7
+    indexer = _scorer(dim, heads, num_blocks * 16, key_dtype, gen)
+    group = _paged_rows(contexts, 16, num_blocks, gen)
+    q = torch.randn((len(contexts), 9, 64), generator=gen)
+    fast = indexer.unit_scores(q, group)
+    monkeypatch.setattr(learned, "sparse_ops", lambda: None)
+    reference = indexer.unit_scores(q, group)
+    assert fast.shape == reference.shape == group.kv_slots.shape
+    past = torch.arange(group.kv_slots.shape[1])[None, :] >= group.context_lens[:, None]
+    assert torch.all(fast[past] == float("-inf")) and torch.all(torch.isfinite(fast[~past]))
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(sparse_ops() is None, reason="C++ CPU kernels unavailable")
+def test_cpu_kernel_distance_buckets_are_exact():
+    """With no content score and bias = bucket index, the kernel's integer buckets equal distance_bucket for
+    every distance below 100,000 (the half-octave edges included)."""
+    gen = torch.Generator().manual_seed(3)
+    indexer = _scorer(32, 4, 100_016, torch.float32, gen)
+    with torch.no_grad():
+        indexer.weights.ww.zero_()
+        indexer.weights.sink_bias.zero_()
+        indexer.weights.distance_bias.copy_(torch.arange(DISTANCE_BUCKETS, dtype=torch.float32))
+    group = _paged_rows([100_000], 16, 6_251, gen)
+    scores = indexer.unit_scores(torch.randn((1, 9, 64), generator=gen), group)[0]
+    assert torch.equal(scores.flip(0).long(), distance_bucket(torch.arange(100_000)))
 
 
 def test_distillation_lowers_kl_and_beats_random(trained):
@@ -286,14 +351,15 @@ def test_small_budget_attends_the_learned_top_tokens(trained, tiny_model_dir):
     sparse = {"mode": "learned", "top_k": 20, "sink_tokens": 2, "local_tokens": 6}
     _run(engine, {"s": prompt}, sparse, max_tokens=4)
     assert len(recorder.calls) == 3
-    from glmserve.layers.attention import GroupMetadata
     from glmserve.sparse.selection import SparseRows
     from glmserve.sparse.settings import SparseAttentionParams
 
     rows = SparseRows.from_params([SparseAttentionParams(**sparse)], CPU)
     for q, slots, ctx, scores in list(recorder.calls):
         c = int(ctx[0])
-        group = GroupMetadata(kv_slots=slots, key_mask=None, num_tokens=1, context_lens=ctx, sparse=rows)
+        bs = engine.config.block_size  # the block tables, read back off the slots of each block's first position
+        group = GroupMetadata(kv_slots=slots, key_mask=None, num_tokens=1, context_lens=ctx,
+                              block_tables=slots[:, ::bs] // bs, sparse=rows)
         chosen_slots, lengths = attn.select(q, group)
         assert int(lengths[0]) == 20
         kept = set(range(2)) | set(range(c - 6, c))

@@ -41,6 +41,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from glmserve.errors import IndexerMismatchError
+from glmserve.layers.cpu_kernels import sparse_ops
+from glmserve.sparse.selection import positions_upto
 
 FORMAT_NAME = "glmserve-learned-indexer"
 FORMAT_VERSION = 1
@@ -215,27 +217,40 @@ def default_indexer_path(model_path: str | Path | None, fingerprint: str) -> Pat
 
 class LearnedIndexer:
     """One layer's learned scorer over its paged pool of index keys; implements
-    `glmserve.sparse.indexer.Indexer` at token level (unit_size 1)."""
+    `glmserve.sparse.indexer.Indexer` at token level (unit_size 1).
+
+    On CPU in float32 the decode scores come from our C++ kernel (glmserve/layers/csrc/sparse.cpp,
+    `learned_scores`), which reads the index keys in place through the block tables; elsewhere one gather of
+    the rows' keys and two matmuls compute the same numbers."""
 
     unit_size = 1
 
-    def __init__(self, weights: LearnedIndexerWeights, layer: int, keys: torch.Tensor):
+    def __init__(self, weights: LearnedIndexerWeights, layer: int, keys: torch.Tensor, block_size: int):
         self.weights = weights
         self.layer = layer
         self.keys = keys  # [slots, d]: this layer's index key of the token at each cache slot
+        self.block_size = block_size
 
     def on_kv_written(self, slot_mapping: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
         self.keys.index_copy_(0, slot_mapping, self.weights.index_keys(k, self.layer).to(self.keys.dtype))
 
     def unit_scores(self, q: torch.Tensor, group) -> torch.Tensor:
         """q [B, H, D] -> [B, L] score of every key position of each row (-inf past its context)."""
-        qi, w = self.weights.index_queries(q.unsqueeze(1), self.layer)  # [B, 1, Hi, d], [B, 1, Hi]
-        keys = self.keys[group.kv_slots].to(qi.dtype)  # [B, L, d]
-        key_pos = torch.arange(keys.shape[1], device=keys.device)
-        scores = self.weights.scores(qi, w, keys).squeeze(1)
-        scores = scores + self.weights.position_bias((group.context_lens - 1)[:, None], key_pos, self.layer)
+        qi, w = self.weights.index_queries(q, self.layer)  # [B, Hi, d], [B, Hi]
+        length = group.kv_slots.shape[1]
+        kernels = sparse_ops() if self.keys.device.type == "cpu" and qi.dtype == torch.float32 else None
+        if kernels is not None:  # reads the index keys in place: no [B, L, d] gather copy
+            return kernels.learned_scores(
+                qi.contiguous(), (w * self.weights.scale).contiguous(), self.keys, group.block_tables.contiguous(),
+                self.block_size, length, group.context_lens.contiguous(),
+                self.weights.distance_bias[self.layer].float().contiguous(),
+                self.weights.sink_bias[self.layer].float().contiguous())
+        keys = self.keys[group.kv_slots].to(qi.dtype)  # [B, L, d] (index_select measured no faster on CPU)
+        key_pos = positions_upto(length, keys.device)
+        scores = self.weights.scores(qi.unsqueeze(1), w.unsqueeze(1), keys).squeeze(1)
+        scores += self.weights.position_bias((group.context_lens - 1)[:, None], key_pos, self.layer)
         past_context = key_pos[None, :] >= group.context_lens[:, None]
-        return scores.masked_fill(past_context, float("-inf"))
+        return scores.masked_fill_(past_context, float("-inf"))
 
 
 def index_key_bytes_per_token(weights: LearnedIndexerWeights, dtype: torch.dtype) -> int:
@@ -273,7 +288,7 @@ def attach_learned_indexers(model: nn.Module, weights: LearnedIndexerWeights, kv
 
     weights.to(kv_cache.device)
     pool = IndexKeyPool(weights, kv_cache, block_size, dtype)
-    attach_indexers(model, "learned", lambda i, attn: LearnedIndexer(weights, i, pool.keys[i]))
+    attach_indexers(model, "learned", lambda i, attn: LearnedIndexer(weights, i, pool.keys[i], block_size))
     return pool
 
 
