@@ -152,84 +152,106 @@ void update_kernel(const int64_t* slots, const float* keys, bound_t* bounds, int
   }
 }
 
-// Order-preserving integer key of a float: a larger float has a larger key (-inf and +inf included).
+// Order-preserving integer key of a float: a larger float has a larger key (-inf and +inf included; -0 is
+// +0), and back.
 inline uint32_t order_key(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
+  if (u == 0x80000000u) u = 0;
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// The k-th largest of vals (1 <= k <= size) and how many of them are larger than it; vals is reordered.
-// A histogram of the keys' top 16 bits (sign, exponent, 7 mantissa bits) finds the bin the k-th largest
-// lies in, then nth_element runs on that bin's values only: two branch-light passes instead of nth_element's
-// mispredicted compares over every candidate (a 128K-token context's decode row: ~2 ms -> a few 0.1 ms).
-std::pair<float, int64_t> kth_largest(std::vector<float>& vals, int64_t k, std::vector<int64_t>& hist) {
-  hist.assign(int64_t{1} << 16, 0);
-  for (const float x : vals) ++hist[order_key(x) >> 16];
-  int64_t above = 0, bin = (int64_t{1} << 16) - 1;
-  while (above + hist[bin] < k) above += hist[bin--];
-  int64_t m = 0;
-  for (const float x : vals)
-    if (static_cast<int64_t>(order_key(x) >> 16) == bin) vals[m++] = x;
-  const int64_t r = k - above;  // the k-th largest is the r-th largest of the bin
-  std::nth_element(vals.begin(), vals.begin() + (r - 1), vals.begin() + m, std::greater<float>());
-  const float cut = vals[r - 1];
-  return {cut, above + std::count_if(vals.begin(), vals.begin() + (r - 1), [&](float x) { return x > cut; })};
+inline float from_order_key(uint32_t key) {
+  const uint32_t u = (key & 0x80000000u) ? (key & 0x7fffffffu) : ~key;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
 }
 
-// The selection rule of glmserve/sparse/settings.py for one row; kept positions, ascending. The budget's
-// cut is found on a copy of the candidates' scores (nth_element on floats): the kept units are those above
-// the cut value plus, of those equal to it, the earliest ones (ties go to the earlier unit); one more pass in
-// unit order then emits the positions, so no (score, unit) pairs and no per-unit flags are built.
+// The min-max normalized score test of threshold mode (all candidates equal: all pass).
+struct ThresholdTest {
+  bool on;  // a threshold is set and the candidates' scores span a range
+  float lo, span, threshold;
+  bool passes(float x) const { return !on || (x - lo) / span >= threshold; }
+};
+
+// The k-th largest (1 <= k) of the m values of x that pass `test`, given that at least k pass, and how
+// many of those are larger than it: a radix select on the order keys, a histogram of their top 16 bits
+// finding the bin of the k-th largest, then one of the low 16 bits of that bin's values. Two branch-light
+// passes instead of nth_element's mispredicted compares (a 128K-token decode row: ~2 ms -> a few 0.1 ms),
+// as fast when many scores are equal.
+std::pair<float, int64_t> kth_largest(const float* x, int64_t m, int64_t k, const ThresholdTest& test,
+                                      std::vector<int32_t>& hist) {
+  uint32_t prefix = 0;
+  int64_t above = 0;  // passing values above the bins left
+  for (int shift : {16, 0}) {
+    hist.assign(int64_t{1} << 16, 0);
+    for (int64_t i = 0; i < m; ++i) {
+      const uint32_t key = order_key(x[i]);
+      if ((shift == 0 ? key >> 16 == prefix >> 16 : true) && test.passes(x[i])) ++hist[(key >> shift) & 0xffffu];
+    }
+    uint32_t bin = (1u << 16) - 1;
+    while (above + hist[bin] < k) above += hist[bin--];
+    prefix |= bin << shift;
+  }
+  return {from_order_key(prefix), above};
+}
+
+// The selection rule of glmserve/sparse/settings.py for one row; kept positions, ascending. Candidates
+// (units not wholly kept anyway) are a contiguous range of units; the budget's cut is the budget-th largest
+// passing candidate score (kth_largest): the kept candidates are those above it plus, of those equal to it,
+// the earliest ones (ties go to the earlier unit); one pass in unit order then writes the positions.
 void select_row(const float* scores, int64_t U, int64_t n, int64_t top_k, float threshold, int64_t sink,
-                int64_t local, std::vector<int64_t>& out, std::vector<float>& vals, std::vector<int64_t>& hist) {
-  out.clear();
+                int64_t local, std::vector<int64_t>& out, std::vector<int32_t>& hist) {
   const bool whole = threshold < 0 && (top_k < 0 || n <= top_k);
   if (whole) {
-    for (int64_t j = 0; j < n; ++j) out.push_back(j);
+    out.resize(n);
+    for (int64_t j = 0; j < n; ++j) out[j] = j;
     return;
   }
   const int64_t local_start = n - local;  // positions >= local_start are the local window
   const int64_t units = (n + U - 1) / U;
-  // candidates: units not wholly kept anyway, a contiguous range [u_begin, u_end)
   int64_t u_begin = 0, u_end = units;
   while (u_begin < units && std::min((u_begin + 1) * U, n) <= sink) ++u_begin;
   while (u_end > u_begin && (u_end - 1) * U >= local_start) --u_end;
-  float lo = std::numeric_limits<float>::infinity(), span = 0.f;
-  if (threshold >= 0 && u_end > u_begin) {  // min-max normalized score >= threshold (all equal: all 1)
-    float hi = -lo;
+  ThresholdTest test{false, 0.f, 0.f, threshold};
+  if (threshold >= 0 && u_end > u_begin) {
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
     for (int64_t u = u_begin; u < u_end; ++u) lo = std::min(lo, scores[u]), hi = std::max(hi, scores[u]);
-    span = hi - lo;
+    test = {hi - lo > 0, lo, hi - lo, threshold};
   }
-  auto passes = [&](float x) { return threshold < 0 || !(span > 0) || (x - lo) / span >= threshold; };
-  vals.clear();
-  for (int64_t u = u_begin; u < u_end; ++u)
-    if (passes(scores[u])) vals.push_back(scores[u]);
   // the budget left after sinks and local window, in whole units: the best ones
   const int64_t budget = top_k < 0 ? -1 : std::max<int64_t>(0, top_k - std::min(n, sink + local)) / U;
-  float cut = -std::numeric_limits<float>::infinity();
-  int64_t ties = std::numeric_limits<int64_t>::max();  // units equal to the cut still to keep
-  const bool capped = budget >= 0 && static_cast<int64_t>(vals.size()) > budget;
-  if (capped && budget > 0) {
-    int64_t larger;
-    std::tie(cut, larger) = kth_largest(vals, budget, hist);
-    ties = budget - larger;
-  }
-  auto chosen = [&](int64_t u) {
-    if (u < u_begin || u >= u_end || !passes(scores[u])) return false;
-    if (!capped) return true;
-    if (budget == 0 || scores[u] < cut) return false;
-    return scores[u] > cut || ties-- > 0;
-  };
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t start = u * U, end = std::min(start + U, n);
-    if (u >= u_begin && u < u_end && !chosen(u)) {  // a candidate left out: only its sinks / local positions
-      for (int64_t j = start; j < end; ++j)
-        if (j < sink || j >= local_start) out.push_back(j);
-      continue;
+  bool capped = false;  // more candidates pass than the budget takes
+  float cut = 0.f;
+  int64_t ties = 0;  // candidates equal to the cut still to keep
+  if (budget >= 0 && u_end - u_begin > budget) {
+    int64_t passing = u_end - u_begin;
+    if (test.on) {
+      passing = 0;
+      for (int64_t u = u_begin; u < u_end; ++u) passing += test.passes(scores[u]);
     }
-    for (int64_t j = start; j < end; ++j) out.push_back(j);
+    capped = passing > budget;
+    if (capped && budget > 0) {
+      int64_t larger;
+      std::tie(cut, larger) = kth_largest(scores + u_begin, u_end - u_begin, budget, test, hist);
+      ties = budget - larger;
+    }
   }
+  out.resize(capped ? std::min(n, sink + local + (budget + 2) * U) : n);  // room for every kept position
+  int64_t* o = out.data();
+  int64_t count = 0;
+  for (int64_t j = 0; j < std::min(n, u_begin * U); ++j) o[count++] = j;
+  for (int64_t u = u_begin; u < u_end; ++u) {
+    const float x = scores[u];
+    bool keep = test.passes(x);
+    if (keep && capped) keep = budget > 0 && (x > cut || (x == cut && ties-- > 0));
+    const int64_t start = u * U, end = std::min(start + U, n);
+    for (int64_t j = start; j < end; ++j)
+      if (keep || j < sink || j >= local_start) o[count++] = j;
+  }
+  for (int64_t j = u_end * U; j < n; ++j) o[count++] = j;
+  out.resize(count);
 }
 
 }  // namespace
@@ -247,12 +269,11 @@ std::vector<at::Tensor> select_slots(const at::Tensor& scores, int64_t unit_size
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(n[b] <= L && (n[b] + unit_size - 1) / unit_size <= NU, "context");
   std::vector<std::vector<int64_t>> rows(B);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> vals;
-    std::vector<int64_t> hist;
+    std::vector<int32_t> hist;
     for (int64_t b = begin; b < end; ++b)
       select_row(scores.data_ptr<float>() + b * NU, unit_size, n[b], top_k.data_ptr<int64_t>()[b],
                  threshold.data_ptr<float>()[b], sink.data_ptr<int64_t>()[b], local.data_ptr<int64_t>()[b], rows[b],
-                 vals, hist);
+                 hist);
   });
   int64_t width = 1;
   for (const auto& r : rows) width = std::max<int64_t>(width, r.size());
