@@ -26,12 +26,17 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -86,6 +91,47 @@ inline int64_t distance_bucket(int64_t dist, int64_t buckets) {
   return std::min(8 + 2 * (m - 3) + half, buckets - 1);
 }
 
+// sum_h w[h] * relu(q[h] . k) of one key k [d] against the index queries q [Hi, d]
+template <typename key_t>
+inline float key_score(const float* q, const float* w, const key_t* k, int64_t Hi, int64_t d) {
+  float total = 0.f;
+  for (int64_t h = 0; h < Hi; ++h) {
+    const float* qh = q + h * d;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < d; ++i) dot += qh[i] * to_float(k[i]);
+    total += w[h] * std::max(dot, 0.f);
+  }
+  return total;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same for float keys of d = 32 and heads in fours (the default indexer: 4 heads of 32): the four
+// heads' dot products are reduced together by three horizontal adds instead of one horizontal sum each,
+// the cost that dominated the compiler's version of the loop above.
+inline float key_score_d32(const float* q, const float* w, const float* k, int64_t Hi) {
+  const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8), k2 = _mm256_loadu_ps(k + 16),
+               k3 = _mm256_loadu_ps(k + 24);
+  __m128 total = _mm_setzero_ps();
+  for (int64_t h0 = 0; h0 < Hi; h0 += 4) {
+    __m256 acc[4];
+    for (int64_t j = 0; j < 4; ++j) {
+      const float* qh = q + (h0 + j) * 32;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), k0);
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), k1, a);
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16), k2, a);
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 24), k3, a);
+    }
+    // [h0 0..3 sums, h1, h2, h3 | the same of lanes 4..7], then the two halves added: the four dots
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m128 dots = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    total = _mm_fmadd_ps(_mm_loadu_ps(w + h0), _mm_max_ps(dots, _mm_setzero_ps()), total);
+  }
+  const __m128 pair = _mm_add_ps(total, _mm_movehl_ps(total, total));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+}
+#endif
+
 // kD: the index dim when known at compile time (the common 32: the dot products unroll into a few vector
 // FMAs), 0 = d at run time
 template <typename key_t, int64_t kD>
@@ -115,14 +161,13 @@ void learned_kernel(const float* qi, const float* w, const key_t* keys, const in
         }
         for (int64_t o = 0; o < len; ++o) {
           const key_t* k = kb + o * d;
-          float total = 0.f;
-          for (int64_t h = 0; h < Hi; ++h) {
-            const float* qh = q + h * d;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < d; ++i) dot += qh[i] * to_float(k[i]);
-            total += wb[h] * std::max(dot, 0.f);
-          }
+          float total;
+#if defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<key_t, float> && kD == 32)
+            total = Hi % 4 == 0 ? key_score_d32(q, wb, k, Hi) : key_score(q, wb, k, Hi, d);
+          else
+#endif
+            total = key_score(q, wb, k, Hi, d);
           const int64_t j = j0 + o;
           total += dist_bias[distance_bucket(n - 1 - j, NB)];
           if (j < S) total += sink_bias[j];
