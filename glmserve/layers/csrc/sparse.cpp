@@ -12,7 +12,8 @@
 // (w already carries the 1/sqrt(d) scale), -inf past the context. The index keys are read in place from the
 // layer's pool, one block (bs contiguous rows of d) at a time: no [B, L, d] gather copy. The distance bucket
 // is computed in integers (exact below 8, then two per octave: 8 + floor(2 log2(dist / 8)), the last one
-// open), which is the exact value of learned.distance_bucket's float formula for every integer distance.
+// open): the value of learned.distance_bucket's float formula (tests compare all distances below 100,000).
+// Work is split over (row, range of 64 blocks) with at::parallel_for.
 //
 // block_scores:
 // For each decode row b and each of its logical blocks w (physical block tables[b, w]), the sum over the
@@ -33,7 +34,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <tuple>
 #include <type_traits>
