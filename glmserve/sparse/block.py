@@ -27,11 +27,7 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
   vs 3/6 at budget 512), but on SmolLM2 needle-in-a-haystack (bench/bench_sparse.py quality) it found
   3/9 needles at top_k=512 where dense found 9/9: answers copied the first digits and lost the rest, the
   few retrieval heads' signal diluted in the sum over all heads. Per kv head, each group's blocks are
-  ranked by what its own query heads want. Measured on the same 18 prompts (`bench_sparse.py quality`,
-  per row -> per kv head): NIAH 3/9 -> 3/9 (top_k 512),
-  6/9 -> 7/9 (threshold 0.35), 6/9 -> 7/9 (top_k 2048), but passkey 8/9 -> 2/9, 9/9 -> 8/9, 9/9 -> 8/9,
-  and the mean KL to dense grew (e.g. 0.0075 -> 0.0084 at 512): per head, a head's 15 blocks at top_k 512
-  often split a multi-token key across heads (answers keep its first 3-4 digits).
+  ranked by what its own query heads want.
 """
 
 from __future__ import annotations
