@@ -139,18 +139,16 @@ class Recorder:
         modes = g.sparse.modes - {"dense"}
         scores = {m: layer.indexers[m].unit_scores(q, g) for m in modes}
         units = {m: layer.indexers[m].unit_size for m in modes}
-        # [B, Hkv, L]: per kv head (block mode), or the row's one mask for every head
-        keep = selection.head_keep_mask(scores, units, g.context_lens, g.sparse, g.kv_slots.shape[1],
-                                        layer.num_kv_heads)
+        keep = selection.decode_keep_mask(scores, units, g.context_lens, g.sparse, g.kv_slots.shape[1])
         keys, _ = layer._gather(g.kv_slots, q.dtype)  # [Hkv, B, L, D]
         b = q.shape[0]
         qg = q.view(b, layer.num_kv_heads, -1, layer.head_dim).transpose(0, 1)
         logits = torch.matmul(qg, keys.transpose(-1, -2)) * layer.scale  # [Hkv, B, g, L]
         logits.masked_fill_(~g.key_mask, float("-inf"))
         probs = torch.softmax(logits.float(), dim=-1)
-        kept_mass = (probs * keep.transpose(0, 1)[:, :, None, :]).sum(-1).mean(dim=(0, 2))  # [B]
+        kept_mass = (probs * keep[None, :, None, :]).sum(-1).mean(dim=(0, 2))  # [B]
         self.dropped.extend((1 - kept_mass).tolist())
-        self.attended.extend((keep.sum(-1).float().mean(1) / g.context_lens).tolist())
+        self.attended.extend((keep.sum(1) / g.context_lens).tolist())
 
 
 # -- quality ------------------------------------------------------------------------------------------------

@@ -39,8 +39,7 @@ def _load(name: str, source: str) -> ModuleType | None:
 
 @functools.cache
 def paged_decode_op() -> Callable | None:
-    """paged_decode(q [B,H,D] f32, k_cache [Hkv,S,D], v_cache, slots [B,L] i64, ctx_lens [B] i64, scale); or
-    per kv head slots [B,Hkv,L], ctx_lens [B,Hkv]."""
+    """paged_decode(q [B,H,D] f32, k_cache [Hkv,S,D], v_cache, slots [B,L] i64, ctx_lens [B] i64, scale)."""
     module = _load("glmserve_paged_decode", "paged_decode.cpp")
     return None if module is None else module.paged_decode
 
@@ -48,12 +47,11 @@ def paged_decode_op() -> Callable | None:
 def sparse_ops() -> ModuleType | None:
     """Sparse decode attention's kernels (csrc/sparse.cpp), or None:
     bounds_update(slots [T] i64, keys [T,Hkv,D] f32, bounds [blocks,2,Hkv,D], block_size) (in place);
-    block_scores(q [B,H,D] f32, bounds [blocks,2,Hkv,D], tables [B,W] i64, num_units [B] i64, scale) -> [B,Hkv,W];
+    block_scores(q [B,H,D] f32, bounds [blocks,2,Hkv,D], tables [B,W] i64, num_units [B] i64, scale) -> [B,W];
     learned_scores(qi [B,Hi,d] f32, w [B,Hi] f32 (times the scale), keys [slots,d], tables [B,W] i64, block_size,
                    length, ctx [B] i64, distance_bias [NB] f32, sink_bias [S] f32) -> [B,length];
     select_slots(scores [B,U] f32, unit_size, ctx [B], top_k [B], threshold [B] f32, sink [B], local [B],
-                 kv_slots [B,L]) -> [slots [B,W], lengths [B]]
-                 (scores [B,Hkv,U]: per kv head -> [slots [B,Hkv,W], lengths [B,Hkv]])."""
+                 kv_slots [B,L]) -> [slots [B,W], lengths [B]]."""
     return _load("glmserve_sparse", "sparse.cpp")
 
 

@@ -19,7 +19,7 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
   (`refresh`, a `KVBlockIO` load listener);
 - on CPU in float32 both the bounds update and the scores run in our C++ kernels
   (glmserve/layers/csrc/sparse.cpp; the scores read each row's bounds in place by block table);
-  elsewhere scatter min/max and a gather + one batched product per row compute the same numbers;
+  elsewhere scatter min/max and a gather + one matrix-vector product compute the same numbers;
 - one score per block, decode row and kv head: the sum over that kv head's query heads of their scaled
   upper bounds, and selection per (row, kv head), as Quest selects per head; the decode kernels take one
   slot list per (row, kv head). History: one score per row (the sum over all query heads, since the

@@ -16,13 +16,11 @@ A scorer ("indexer") belongs to one attention layer (one `PagedAttention`) and s
   the scorer updates its own metadata (block bounds, its own key cache, ...) indexed by cache slot or
   block id (= slot // block_size), so that prefix-cache hits (same physical blocks) find it ready.
   Writes into a block always start at its offset 0 (a fresh or reused block), then run in order.
-- `unit_scores(q [B, H, D], group: GroupMetadata) -> [B, ceil(L / unit_size)]` (one selection per row,
-  shared by its kv heads) or `[B, Hkv, ceil(L / unit_size)]` (one selection per row and kv head: the block
-  indexer, as in Quest): scores of the decode group's queries (after rope, the model's dtype) for every
-  unit of each row; `group.kv_slots` [B, L] (slot of each key position, 0 past the context),
-  `group.context_lens` [B], `group.block_tables` [B, W] (physical block ids) describe the rows. Higher =
-  more worth attending. Units past a row's context may hold any finite value or -inf: selection never
-  picks them.
+- `unit_scores(q [B, H, D], group: GroupMetadata) -> [B, ceil(L / unit_size)]`: scores of the decode
+  group's queries (after rope, the model's dtype) for every unit of each row; `group.kv_slots` [B, L]
+  (slot of each key position, 0 past the context), `group.context_lens` [B], `group.block_tables`
+  [B, W] (physical block ids) describe the rows. Higher = more worth attending. Units past a row's
+  context may hold any finite value or -inf: selection never picks them.
 
 Selection (`glmserve.sparse.selection`) turns the scores plus each row's `SparseAttentionParams`
 into the attended slots; a scorer never selects by itself.

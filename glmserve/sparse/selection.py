@@ -10,8 +10,6 @@ Public functions (callable on their own, e.g. by benchmarks):
 - `SparseRows.from_params(params, device)`: per-row settings as tensors;
 - `keep_mask(scores, unit_size, context_lens, rows, length) -> [B, length] bool`;
 - `decode_keep_mask(scores_by_mode, unit_sizes, context_lens, rows, length)`: mixed modes;
-- `head_keep_mask(scores_by_mode, unit_sizes, context_lens, rows, length, heads) -> [B, heads, length]`:
-  per kv head (see below);
 - `compact(keep, kv_slots) -> (positions [B, L_sel], slots [B, L_sel], lengths [B])`, ascending;
 - `select_slots(scores_by_mode, unit_sizes, context_lens, rows, kv_slots) -> (slots, lengths)`: what decode
   attention uses; on CPU with one scorer in the group, our C++ kernel (glmserve/layers/csrc/sparse.cpp)
@@ -143,22 +141,6 @@ def decode_keep_mask(scores_by_mode: dict[str, torch.Tensor], unit_sizes: dict[s
     return keep
 
 
-def scored_heads(scores_by_mode: dict[str, torch.Tensor]) -> int:
-    """Kv heads of the per-head scores ([B, Hkv, U]) among `scores_by_mode`; 0 when every mode scores per row."""
-    return max((s.shape[1] for s in scores_by_mode.values() if s.dim() == 3), default=0)
-
-
-def head_keep_mask(scores_by_mode: dict[str, torch.Tensor], unit_sizes: dict[str, int], context_lens: torch.Tensor,
-                   rows: SparseRows, length: int, heads: int) -> torch.Tensor:
-    """Keep mask [B, heads, length] of a per-kv-head selection: `decode_keep_mask` on B * heads rows, row b's
-    settings and context for each of its heads; per-row scores ([B, U]) give each head the same mask."""
-    b = context_lens.shape[0]
-    flat = {m: (s if s.dim() == 3 else s[:, None].expand(-1, heads, -1)).reshape(b * heads, -1)
-            for m, s in scores_by_mode.items()}
-    keep = decode_keep_mask(flat, unit_sizes, context_lens.repeat_interleave(heads), rows.repeat_heads(heads), length)
-    return keep.view(b, heads, length)
-
-
 def compact(keep: torch.Tensor, kv_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """keep [B, L] bool, kv_slots [B, L] -> (positions [B, L_sel], slots [B, L_sel], lengths [B]): the kept
     positions of each row in ascending order, padded with position 0 / slot 0 (the null block) past its length.
@@ -191,12 +173,16 @@ def select_slots(scores_by_mode: dict[str, torch.Tensor], unit_sizes: dict[str, 
             torch.where(mine, rows.top_k, NONE), torch.where(mine, rows.threshold, NONE),
             rows.sink_tokens.contiguous(), rows.local_tokens.contiguous(), kv_slots.contiguous())
         return slots, lengths
-    heads = scored_heads(scores_by_mode)
+    heads = max((s.shape[1] for s in scores_by_mode.values() if s.dim() == 3), default=0)
     if heads == 0:
         keep = decode_keep_mask(scores_by_mode, unit_sizes, context_lens, rows, kv_slots.shape[1])
         _, slots, lengths = compact(keep, kv_slots)
         return slots, lengths
+    # per kv head: B * Hkv rows, row b's settings, context and slots repeated for each of its heads
     b = kv_slots.shape[0]
-    keep = head_keep_mask(scores_by_mode, unit_sizes, context_lens, rows, kv_slots.shape[1], heads)
-    _, slots, lengths = compact(keep.view(b * heads, -1), kv_slots.repeat_interleave(heads, 0))
+    flat = {m: (s if s.dim() == 3 else s[:, None].expand(-1, heads, -1)).reshape(b * heads, -1)
+            for m, s in scores_by_mode.items()}
+    keep = decode_keep_mask(flat, unit_sizes, context_lens.repeat_interleave(heads), rows.repeat_heads(heads),
+                            kv_slots.shape[1])
+    _, slots, lengths = compact(keep, kv_slots.repeat_interleave(heads, 0))
     return slots.view(b, heads, -1), lengths.view(b, heads)

@@ -3,8 +3,7 @@
 A request attends either to its whole context ("dense") or to a selection of past tokens picked by a
 scorer ("block": Quest-style per-block key bounds; "learned": a small distilled per-layer scorer;
 "native": the model's own DSA lightning indexer, GLM-5.x / DeepSeek-V3.2). Selection rule (implemented
-in `glmserve.sparse.selection`, per decode query; in "block" mode per decode query and kv head, as in
-Quest: each kv head of the row applies the rule, budget included, to its own block scores):
+in `glmserve.sparse.selection`, per decode query):
 
 - always kept: the first `sink_tokens` positions and the last `local_tokens` positions of the context;
 - top-k mode (`threshold` None): `top_k` is the token budget of the whole selection. A context of at
