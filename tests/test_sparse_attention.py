@@ -1,14 +1,11 @@
 """Sparse decode attention (glmserve/sparse/): settings, selection, the block indexer, engine integration.
 
 - selection against a per-row brute-force reference of the documented rule (sinks, local window, budget,
-  threshold on min-max normalized scores), mixed modes in one batch; per kv head ([B, Hkv, U] scores) against
-  the same reference per (row, head), with per-row modes and dense rows in the group;
-- decode attention on per-(row, kv head) slot lists: C++ kernel == PyTorch path == a per-head reference;
+  threshold on min-max normalized scores), mixed modes in one batch;
 - block indexer bounds: exact per-block key min/max after chunked writes, block reuse and prefix-cache
   hits, and a real upper bound of q.k for every key of the block;
 - the engine on a tiny random Llama: a budget covering the context equals dense (both attention
-  backends); a small budget attends fewer tokens and picks, per kv head, the top blocks of a brute-force
-  reference;
+  backends); a small budget attends fewer tokens and picks the top blocks of a brute-force reference;
   mixed dense/sparse rows in one batch equal each row run alone; invalid settings fail clearly;
 - GLM-5 native indexer: per-request top_k / threshold through the generic selection match the reference.
 """
@@ -159,36 +156,6 @@ def test_selection_kernel_on_long_rows_with_many_ties_equals_torch_path(unit):
     assert torch.equal(lengths, ref_lengths) and torch.equal(slots, ref_slots)
 
 
-def test_per_kv_head_selection_matches_reference_rule_per_head(backend):
-    """Scores [B, Hkv, U] (block mode): every (row, kv head) selects by the rule with its row's settings; a
-    per-row scorer ([B, U], learned) and dense rows give each head the row's one list."""
-    gen = torch.Generator().manual_seed(11)
-    b, hkv, length, unit = 12, 3, 200, 4
-    ctx = torch.randint(1, length + 1, (b,), generator=gen)
-    mixed = [random_params(gen, "block" if i % 3 else "learned") for i in range(b)]
-    mixed[0] = SparseAttentionParams("dense")
-    per_head = torch.randn(b, hkv, math.ceil(length / unit), generator=gen)
-    per_row = torch.randn(b, length, generator=gen)
-    kv_slots = torch.where(torch.arange(length) < ctx[:, None], torch.randint(1, 10_000, (b, length)), 0)
-    block_only = [SparseAttentionParams("dense") if p.mode == "learned" else p for p in mixed]
-    for params, scores in ((block_only, {"block": per_head}), (mixed, {"block": per_head, "learned": per_row})):
-        rows = SparseRows.from_params(params, torch.device("cpu"))
-        slots, lengths = select_slots(scores, {"block": unit, "learned": 1}, ctx, rows, kv_slots)
-        assert slots.shape[:2] == (b, hkv) and lengths.shape == (b, hkv)
-        for i, p in enumerate(params):
-            n = int(ctx[i])
-            for h in range(hkv):
-                if p.mode == "dense":
-                    expected = set(range(n))
-                elif p.mode == "block":
-                    expected = reference_keep(per_head[i, h], unit, n, p, length)
-                else:
-                    expected = reference_keep(per_row[i], 1, n, p, length)
-                got = slots[i, h, : int(lengths[i, h])].tolist()
-                assert got == kv_slots[i, sorted(expected)].tolist(), (i, h, p)
-                assert (slots[i, h, int(lengths[i, h]):] == 0).all()
-
-
 def test_threshold_semantics():
     scores = torch.arange(10, dtype=torch.float32)[None]  # normalized j / 9
     ctx = torch.tensor([10])
@@ -212,42 +179,6 @@ def test_equal_scores_go_to_the_earlier_unit(backend):
     slots, lengths = select_slots({"learned": scores}, {"learned": 1}, torch.tensor([10]), rows,
                                   torch.arange(10)[None] + 100)
     assert slots[0, : int(lengths[0])].tolist() == [101, 103, 109]  # 1 and 3 of the four 1.0 ties, and local 9
-
-
-def test_decode_with_per_kv_head_slots_kernel_equals_torch_path_and_reference(monkeypatch):
-    """Decode attention on slot lists per (row, kv head) [B, Hkv, L] with lengths [B, Hkv]: the C++ kernel,
-    the PyTorch path and a per-head softmax over the gathered keys agree; a shared [B, L] list expanded to
-    every head gives the shared list's result."""
-    kernel = attention.paged_decode_op()
-    if kernel is None:
-        pytest.skip("C++ kernels unavailable")
-    gen = torch.Generator().manual_seed(3)
-    b, h, hkv, d, pool, width = 4, 6, 3, 8, 64, 20
-    group = h // hkv
-    attn = PagedAttention(h, hkv, d, scale=d**-0.5)
-    attn.kv_cache = torch.randn(2, hkv, pool, d, generator=gen)
-    k_cache, v_cache = attn.kv_cache
-    q = torch.randn(b, h, d, generator=gen)
-    lengths = torch.randint(1, width + 1, (b, hkv), generator=gen)
-    slots = torch.where(torch.arange(width) < lengths[..., None], torch.randint(1, pool, (b, hkv, width)), 0)
-    rows = SparseRows.from_params([SparseAttentionParams("block", top_k=64)] * b, torch.device("cpu"))
-    g = GroupMetadata(kv_slots=slots[:, 0], key_mask=None, num_tokens=b, context_lens=lengths[:, 0], sparse=rows)
-    fast = kernel(q, k_cache, v_cache, slots, lengths, attn.scale)
-    monkeypatch.setattr(attn, "select", lambda q, g: (slots, lengths))  # the decode paths on these lists
-    monkeypatch.setattr(attention, "paged_decode_op", lambda: None)
-    torch_path = attn._decode(q, g)
-    expected = torch.empty(b, h, d)
-    for i in range(b):
-        for k in range(hkv):
-            chosen = slots[i, k, : int(lengths[i, k])]
-            logits = q[i, k * group: (k + 1) * group] @ k_cache[k, chosen].T * attn.scale  # [g, n]
-            expected[i, k * group: (k + 1) * group] = torch.softmax(logits, -1) @ v_cache[k, chosen]
-    torch.testing.assert_close(fast, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch_path, expected, rtol=1e-5, atol=1e-5)
-    shared, shared_len = slots[:, 1].contiguous(), lengths[:, 1].contiguous()
-    each = kernel(q, k_cache, v_cache, shared[:, None].expand(-1, hkv, -1).contiguous(),
-                  shared_len[:, None].expand(-1, hkv).contiguous(), attn.scale)
-    assert torch.equal(kernel(q, k_cache, v_cache, shared, shared_len, attn.scale), each)
 
 
 # -- block indexer -----------------------------------------------------------------------------------------------
@@ -276,7 +207,7 @@ def test_block_bounds_are_exact_and_bound_every_key(backend):
     q = torch.randn(3, h, d, generator=gen)
     g = GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=3, block_tables=table.expand(3, -1),
                       context_lens=torch.tensor([14, 14, 14]))
-    ub = ix.unit_scores(q, g)  # [3, Hkv, 4]: per kv head
+    ub = ix.unit_scores(q, g)  # [3, 4]
     qg = q.view(3, hkv, h // hkv, d)
     for i, block in enumerate(table.tolist()):
         n = min(unit, 14 - i * unit)
@@ -285,9 +216,9 @@ def test_block_bounds_are_exact_and_bound_every_key(backend):
         head_bounds = torch.maximum(qg[:, :, :, None] * blk.amin(1)[None, :, None, None],
                                     qg[:, :, :, None] * blk.amax(1)[None, :, None, None]).sum(-1) * d**-0.5
         assert (head_bounds >= logits.amax(-1, keepdim=True) - 1e-5).all()  # each head: >= q.k of every key
-        exact = logits.sum(dim=2)  # [3, Hkv, n]: a kv head's score bounds its group's summed logit of every key
-        assert (ub[:, :, i, None] >= exact - 1e-5).all()
-        torch.testing.assert_close(ub[:, :, i], head_bounds.sum(dim=(2, 3)), rtol=1e-5, atol=1e-5)
+        exact = logits.sum(dim=(1, 2))  # [3, n]: the score bounds the head-summed logit of every key
+        assert (ub[:, i, None] >= exact - 1e-5).all()
+        torch.testing.assert_close(ub[:, i], head_bounds.sum(dim=(1, 2, 3)), rtol=1e-5, atol=1e-5)
     # block 2 is reused for other tokens: written again from offset 0, only the new keys count
     k = torch.randn(2, hkv, d, generator=gen) * 0.01
     slots = torch.tensor([2 * unit, 2 * unit + 1])
@@ -367,24 +298,18 @@ def test_block_selection_picks_the_top_blocks_of_brute_force_bounds(llm, backend
     q = torch.randn(1, attn.num_heads, attn.head_dim, generator=torch.Generator().manual_seed(0)).to(dev)
     slots, lengths = attn.select(q, g)
     engine.abort_request("top-blocks")
-    # brute force: bounds from the keys in the pool, per kv head (the sum over its query heads), the rule on them
+    # brute force: bounds from the keys in the pool, the rule on them
     keys = attn.kv_cache[0][:, g.kv_slots[0]]  # [Hkv, ctx, D]
     qg = q.view(attn.num_kv_heads, -1, attn.head_dim)
-    assert slots.shape[:2] == (1, attn.num_kv_heads) and lengths.shape == (1, attn.num_kv_heads)
+    ub = []
+    for u in range(math.ceil(ctx / BLOCK)):
+        blk = keys[:, u * BLOCK: (u + 1) * BLOCK]
+        lo, hi = blk.amin(1, keepdim=True), blk.amax(1, keepdim=True)  # [Hkv, 1, D]
+        ub.append(float(torch.maximum(qg * lo, qg * hi).sum(-1).sum()) * attn.scale)
+    expected = reference_keep(torch.tensor(ub), BLOCK, ctx, params, ctx)
     got = g.kv_slots[0].tolist()
-    lists = set()
-    for h in range(attn.num_kv_heads):
-        ub = []
-        for u in range(math.ceil(ctx / BLOCK)):
-            blk = keys[h, u * BLOCK: (u + 1) * BLOCK]
-            lo, hi = blk.amin(0), blk.amax(0)  # [D]
-            ub.append(float(torch.maximum(qg[h] * lo, qg[h] * hi).sum()) * attn.scale)
-        expected = reference_keep(torch.tensor(ub), BLOCK, ctx, params, ctx)
-        chosen = slots[0, h, : int(lengths[0, h])].tolist()
-        assert chosen == [got[j] for j in sorted(expected)], h
-        assert len(chosen) < ctx
-        lists.add(tuple(chosen))
-    assert len(lists) > 1  # the heads do pick different blocks
+    assert slots[0, : int(lengths[0])].tolist() == [got[j] for j in sorted(expected)]
+    assert int(lengths[0]) < ctx
 
 
 def test_bounds_exact_after_prefix_hits_and_block_reuse(llm):

