@@ -225,6 +225,9 @@ def test_default_path_is_beside_the_model_and_auto_found(llama, trained, tiny_mo
         found = find_learned_indexer(None, str(model_dir), llama.model)
         assert found is not None and found.spec == weights.spec
         assert find_learned_indexer("none", str(model_dir), llama.model) is None
+        # the engine loads that directory: the indexer file is not taken for a weights file, and is found
+        engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory_bytes=4 << 20))
+        assert "learned" in engine.sparse_modes
     finally:
         (model_dir / "glmserve-indexer.safetensors").unlink()
 
