@@ -79,18 +79,27 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     # -- prefix cache -------------------------------------------------------------------------
-    def _prompt_block_hashes(self, seq: Sequence) -> list[int]:
+    def prompt_block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[int]:
+        """Chained hashes of the full blocks of `token_ids`."""
         hashes, parent = [], None
-        for start in range(0, seq.num_tokens - self.block_size + 1, self.block_size):
-            parent = block_hash(parent, seq.token_ids[start:start + self.block_size], seq.cache_salt)
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            parent = block_hash(parent, token_ids[start:start + self.block_size], cache_salt)
             hashes.append(parent)
         return hashes
+
+    def protect_free_hits(self, hit_blocks: list[int]) -> int:
+        """Cached blocks a prompt is about to reuse go to the back of the free list, out of reach of the
+        blocks taken from its front for the same prompt; returns how many of them are free."""
+        free_hits = [b for b in hit_blocks if self.ref_counts[b] == 0]
+        for b in free_hits:
+            self.free_blocks.move_to_end(b)
+        return len(free_hits)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks that cover the start of the sequence's tokens (not yet referenced)."""
         if not self.enable_prefix_caching:
             return []
-        hashes = self._prompt_block_hashes(seq)
+        hashes = self.prompt_block_hashes(seq.token_ids, seq.cache_salt)
         hits = []
         for h in hashes:
             block = self.hash_to_block.get(h)
@@ -105,10 +114,7 @@ class BlockManager:
         """Loads the chunks that continue the device hits from the tiers; returns the blocks they fill."""
         assert self.tiers is not None
         cb = self.tiers.chunk_blocks
-        free_hits = [b for b in hits if self.ref_counts[b] == 0]
-        for b in free_hits:  # out of reach of the blocks taken below (they come from the front)
-            self.free_blocks.move_to_end(b)
-        room = len(self.free_blocks) - len(free_hits)
+        room = len(self.free_blocks) - self.protect_free_hits(hits)
         start, loaded = len(hits), []
         first_chunk = start // cb
         found = self.tiers.find(hashes[(first_chunk + 1) * cb - 1::cb])
@@ -117,7 +123,7 @@ class BlockManager:
             last = hashes[(c + 1) * cb - 1]
             if cb - first > room:
                 break
-            blocks = [self._take_free_block() for _ in range(cb - first)]
+            blocks = self.take_free_blocks(cb - first)
             if not self.tiers.load(last, held, blocks, first):
                 for b in blocks:
                     self._release(b)
@@ -130,7 +136,7 @@ class BlockManager:
         return loaded
 
     def cache_blocks(self, blocks: list[int], hashes: list[int]) -> None:
-        """Blocks taken with `_take_free_block` and filled with the KV of `hashes` become cached and free
+        """Blocks taken with `take_free_blocks` and filled with the KV of `hashes` become cached and free
         (most recently used), as if computed and freed; a hash cached in another block moves here."""
         for block, h in zip(blocks, hashes):
             old = self.hash_to_block.get(h)
@@ -193,6 +199,11 @@ class BlockManager:
             del self.free_blocks[block]
         self.ref_counts[block] += 1
 
+    def take_free_blocks(self, n: int) -> list[int]:
+        """Takes `n` blocks from the front of the free list (least recently used first), dropping their cached
+        hashes (their chunk goes down to the tiers first, if any); the caller checked there are enough."""
+        return [self._take_free_block() for _ in range(n)]
+
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
         old = self.block_to_hash[block]
@@ -210,7 +221,7 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > len(self.free_blocks):
             return False
-        seq.block_table.extend(self._take_free_block() for _ in range(needed))
+        seq.block_table.extend(self.take_free_blocks(needed))
         return True
 
     def register_full_blocks(self, seq: Sequence) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from glmserve.config import EngineConfig
 from glmserve.errors import InvalidRequestError
-from glmserve.kv.blocks import BlockManager, block_hash
+from glmserve.kv.blocks import BlockManager
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
 from glmserve.kv.kv_io import KVBlockIO
 from glmserve.kv.sessions import SessionStore
@@ -141,19 +141,13 @@ class SessionKV:
         if not self.blocks.enable_prefix_caching:
             return 0
         bs = self.blocks.block_size
-        hashes, parent = [], None
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            parent = block_hash(parent, token_ids[start:start + bs], cache_salt)
-            hashes.append(parent)
+        hashes = self.blocks.prompt_block_hashes(token_ids, cache_salt)
         cached = self.blocks.hash_to_block
         on_device = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
         if on_device == len(hashes):
             return 0
         # the device hits are needed by this request: keep them out of reach of the blocks taken below
-        for h in hashes[:on_device]:
-            if self.blocks.ref_counts[cached[h]] == 0:
-                self.blocks.free_blocks.move_to_end(cached[h])
-        hit_free = sum(1 for h in hashes[:on_device] if self.blocks.ref_counts[cached[h]] == 0)
+        hit_free = self.blocks.protect_free_hits([cached[h] for h in hashes[:on_device]])
         prompt_blocks = -(-len(token_ids) // bs)
         if prompt_blocks - on_device + hit_free > self.blocks.num_free_blocks:
             return 0
@@ -170,7 +164,7 @@ class SessionKV:
             wanted = hashes[start + skip:start + total]
             if len(wanted) != total - skip:  # a chunk longer than the prompt's full blocks: never stored so
                 break
-            new_blocks = [self.blocks._take_free_block() for _ in wanted]
+            new_blocks = self.blocks.take_free_blocks(len(wanted))
             self.io.scatter(torch.tensor(new_blocks, dtype=torch.long), data, first=skip)
             self.blocks.cache_blocks(new_blocks, wanted)
             loaded += len(new_blocks) * bs
