@@ -20,10 +20,11 @@ from glmserve.engine.sampling import SamplingParams
 from glmserve.engine.scheduler import Scheduler
 from glmserve.engine.sequence import Sequence
 from glmserve.errors import InvalidRequestError, PromptTooLongError
-from glmserve.kv.blocks import BlockManager
+from glmserve.kv.blocks import NULL_BLOCK, BlockManager
 from glmserve.kv.kv_io import KVBlockIO, kv_identity
+from glmserve.kv.offload import RunningKVOffload
 from glmserve.kv.session_kv import SessionKV, open_session_kv
-from glmserve.kv.tiers import build_tiers
+from glmserve.kv.tiers import build_tiers, host_tier_budget
 from glmserve.models.loader import load_model
 from glmserve.sparse.block import attach_block_indexers, block_bounds_bytes, refresh_block_bounds
 from glmserve.sparse.indexer import available_modes
@@ -79,13 +80,17 @@ class LLMEngine:
         if self.learned_indexer is not None:
             bytes_per_block += config.block_size * index_key_bytes_per_token(self.learned_indexer, kv_dtype)
         num_blocks = self._kv_budget() // bytes_per_block
-        if (num_blocks - 1) * config.block_size < self.max_model_len:
+        pool_tokens = (num_blocks - 1) * config.block_size
+        streaming = self._streaming_possible(loaded.model)
+        if pool_tokens < self.max_model_len and not streaming:
             raise InvalidRequestError(
-                f"KV cache budget holds {(num_blocks - 1) * config.block_size} tokens, less than max_model_len "
-                f"{self.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
+                f"KV cache budget holds {pool_tokens} tokens, less than max_model_len {self.max_model_len}; raise "
+                "kv_cache_memory_bytes, lower max_model_len, or give kv_disk_dir to stream longer sequences' KV"
             )
+        if streaming and pool_tokens < (need := self._streaming_pool_tokens()):
+            raise InvalidRequestError(f"KV cache budget holds {pool_tokens} tokens; streaming KV chunks needs at "
+                                      f"least {need} (two chunks and one step's tokens)")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
         if config.sparse_block_bounds and block_bounds_bytes(loaded.model, kv_dtype):
             attach_block_indexers(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
@@ -105,7 +110,26 @@ class LLMEngine:
                                     config.kv_disk_dir, config.kv_disk_bytes)
         if self.kv_tiers is not None:
             self.block_manager.attach_tiers(self.kv_tiers)
+        self.kv_offload = RunningKVOffload(
+            self.block_manager, self.kv_io, config.kv_chunk_tokens, loaded.model.num_layers,
+            host_tier_budget(config.kv_host_memory_bytes, self.device), config.kv_disk_dir, config.kv_disk_bytes,
+        ) if streaming and pool_tokens < self.max_model_len else None
+        self.runner.offload = self.kv_offload
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.kv_offload)
         self.requests: dict[str, Request] = {}
+
+    def _streaming_possible(self, model: torch.nn.Module) -> bool:
+        """KV of sequences longer than the pool can stream (glmserve/kv/offload.py): the model's attention
+        supports it and there is somewhere to put the chunks (a disk dir, or a host budget)."""
+        config = self.config
+        room = config.kv_disk_dir is not None or host_tier_budget(config.kv_host_memory_bytes, self.device) > 0
+        return bool(getattr(model, "supports_kv_streaming", False)) and room
+
+    def _streaming_pool_tokens(self) -> int:
+        """Smallest pool for streaming: the first chunk, a chunk filling up, one step's tokens, one block."""
+        config = self.config
+        return 2 * config.kv_chunk_tokens + config.max_num_batched_tokens + config.block_size
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory_bytes:
@@ -223,7 +247,10 @@ class LLMEngine:
     def _save_session(self, seq: Sequence) -> None:
         session_id = self.requests[seq.request_id].session_id
         if session_id is not None and seq.index == 0 and self.sessions is not None:
-            self.sessions.save(session_id, seq.token_ids, seq.block_table, seq.num_computed_tokens)
+            table = seq.block_table  # a streamed sequence saves its resident prefix (up to its first offloaded block)
+            resident = table.index(NULL_BLOCK) if NULL_BLOCK in table else len(table)
+            computed = min(seq.num_computed_tokens, resident * self.config.block_size)
+            self.sessions.save(session_id, seq.token_ids, table[:resident], computed)
 
     def close(self) -> None:
         """Finish background work (session writes, KV tier disk writes); the engine must not be used afterwards."""
@@ -231,6 +258,8 @@ class LLMEngine:
             self.sessions.close()
         if self.kv_tiers is not None:
             self.kv_tiers.wait()
+        if self.kv_offload is not None:
+            self.kv_offload.close()
 
     def _admit_pending_samples(self, request: Request) -> None:
         for seq in request.pending_samples:

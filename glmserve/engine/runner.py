@@ -9,9 +9,11 @@ import torch
 from glmserve.engine.outputs import TokenLogprob
 from glmserve.engine.scheduler import ScheduledSeq
 from glmserve.engine.sequence import Sequence
-from glmserve.layers.attention import AttentionMetadata, GroupMetadata
+from glmserve.kv.offload import RunningKVOffload
+from glmserve.layers.attention import AttentionMetadata, ColdRows, GroupMetadata
 from glmserve.layers.sampler import sample
 from glmserve.sparse.selection import SparseRows
+from glmserve.sparse.settings import SparseAttentionParams
 
 
 class ModelRunner:
@@ -23,6 +25,7 @@ class ModelRunner:
         # block 0 is the null block: never allocated, zeroed, the target of padded slot indices
         self.kv_cache = model.bind_kv_cache(num_blocks * block_size, kv_dtype, device, zero_slots=block_size)
         self.native_sparse = bool(getattr(model, "native_sparse_attention", False))
+        self.offload: RunningKVOffload | None = None  # KV streaming of sequences longer than the pool
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
@@ -54,13 +57,17 @@ class ModelRunner:
         slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
         samples = torch.tensor([s.samples for s in batch])
         logits_index = (cu - 1)[samples]  # last token of each chunk that ends its sequence
+        spans = [self.offload.span(s.seq) if self.offload is not None else None for s in batch]
+        cold = torch.tensor([(sp.start, sp.length) if sp else (0, 0) for sp in spans], dtype=torch.long).view(-1, 2)
 
         num_decode = int((lens == 1).sum())
         decode = prefill = None
         if num_decode:
             rows = slice(0, num_decode)
-            decode = self._group(tables[rows], starts[rows], lens[rows], query_offsets=None)
-            params = [s.seq.sparse for s in batch[rows]]
+            decode = self._group(tables[rows], starts[rows], lens[rows], None, cold[rows], spans[rows])
+            # a row that streams offloaded chunks decodes densely (see glmserve/kv/offload.py)
+            params = [s.seq.sparse if sp is None else SparseAttentionParams()
+                      for s, sp in zip(batch[rows], spans[rows])]
             # rows all dense on a model without its own indexer: the dense fast path
             if self.native_sparse or any(p.mode != "dense" for p in params):
                 decode.sparse = SparseRows.from_params(params, dev)
@@ -68,33 +75,42 @@ class ModelRunner:
         if num_decode < len(batch):
             rows = slice(num_decode, len(batch))
             first_token = (cu - lens)[rows]
-            prefill = self._group(tables[rows], starts[rows], lens[rows], query_offsets=first_token - first_token[0])
+            prefill = self._group(tables[rows], starts[rows], lens[rows], first_token - first_token[0], cold[rows],
+                                  spans[rows])
         meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), decode=decode, prefill=prefill)
         return (torch.tensor(tokens, dtype=torch.long, device=dev), positions.to(dev), meta, logits_index.to(dev))
 
     def _group(self, tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-               query_offsets: torch.Tensor | None) -> GroupMetadata:
+               query_offsets: torch.Tensor | None, cold: torch.Tensor, spans: list) -> GroupMetadata:
+        """Attention metadata of the decode group (`query_offsets` None) or the prefill group. `cold` [B, 2]:
+        each row's offloaded span (start, length); keys are listed without it (resident keys only)."""
         dev, bs = self.device, self.block_size
         ctx = starts + lens
         num_tokens = int(lens.sum())
         if query_offsets is not None and len(lens) == 1 and int(starts[0]) == 0:
             return GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=num_tokens, fresh_causal=True)
-        key_pos = torch.arange(int(ctx.max()))
-        in_context = key_pos[None, :] < ctx[:, None]
+        cold_start, cold_len = cold[:, :1], cold[:, 1:]
+        resident = ctx - cold_len[:, 0]
+        j = torch.arange(int(resident.max()))[None, :]
+        key_pos = torch.where(j < cold_start, j, j + cold_len)  # [B, L] positions of resident keys
+        in_context = j < resident[:, None]
         # positions past a sequence's context (padding, the unwritten tail of its last block) read the
         # zeroed null block: masked scores times uninitialized values could otherwise give NaN
-        kv_slots = torch.where(in_context, tables[:, key_pos // bs] * bs + key_pos % bs, 0)
+        block_index = torch.clamp(key_pos // bs, max=tables.shape[1] - 1)
+        kv_slots = torch.where(in_context, tables.gather(1, block_index) * bs + key_pos % bs, 0)
+        cold_rows = [i for i, sp in enumerate(spans) if sp is not None]
+        group_cold = ColdRows(cold_rows, [spans[i].chunks for i in cold_rows], self.offload) if cold_rows else None
         if query_offsets is None:  # decode: one query per row
             mask = in_context[:, None, :]  # [B, 1, L] against scores [Hkv, B, g, L]
             return GroupMetadata(kv_slots=kv_slots.to(dev), key_mask=mask.to(dev), num_tokens=num_tokens,
-                                 context_lens=ctx.to(dev))
+                                 context_lens=resident.to(dev), cold=group_cold)
         qlen = int(lens.max())
         qi = torch.arange(qlen)
         query_pos = starts[:, None] + qi[None, :]  # [B, Q]
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, Q, L]
+        mask = ((key_pos[:, None, :] <= query_pos[:, :, None]) & in_context[:, None, :])[:, None]  # [B, 1, Q, L]
         query_index = query_offsets[:, None] + torch.minimum(qi[None, :], lens[:, None] - 1)
         valid = (qi[None, :] < lens[:, None]).reshape(-1).nonzero()[:, 0]
         return GroupMetadata(
             kv_slots=kv_slots.to(dev), key_mask=mask.to(dev), num_tokens=num_tokens,
-            query_index=query_index.to(dev), valid_index=valid.to(dev),
+            query_index=query_index.to(dev), valid_index=valid.to(dev), cold=group_cold,
         )

@@ -4,7 +4,9 @@ Each step: running sequences first (decodes and unfinished prefill chunks), then
 ones in (priority, arrival) order while the token budget and `max_num_seqs` allow. When KV
 blocks run out, the running sequence that would be scheduled last is preempted: its blocks
 are freed and it goes back to the waiting queue to be recomputed (its prefix may still hit
-the cache).
+the cache). With KV streaming (`offload`, glmserve/kv/offload.py) the scheduler first moves old
+chunks of running sequences out of the pool: the one being scheduled, then the others from the
+last scheduled; only when none can go does it preempt.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from glmserve.engine.sequence import Sequence, SequenceStatus
 from glmserve.kv.blocks import BlockManager
+from glmserve.kv.offload import RunningKVOffload
 
 
 @dataclass
@@ -29,8 +32,10 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 offload: RunningKVOffload | None = None):
         self.blocks = block_manager
+        self.offload = offload
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by sort_key
@@ -48,12 +53,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _free(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        if self.offload is not None:
+            self.offload.drop(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq)
+        self._free(seq)
         self.num_preemptions += 1
         self.add(seq)
 
@@ -68,6 +78,8 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.blocks.allocate(seq, num_new):
+                if self._offload_one(first=seq):
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -82,15 +94,26 @@ class Scheduler:
             budget -= scheduled[-1].num_new_tokens
         return scheduled
 
+    def _free_hits(self, hits: list[int]) -> int:
+        return sum(1 for b in hits if self.blocks.ref_counts[b] == 0)
+
+    def _offload_one(self, first: Sequence | None) -> bool:
+        """Moves one old KV chunk of a running sequence out of the pool (`first`'s, else the last scheduled
+        one with a chunk to spare); False when streaming is off or nothing can go."""
+        if self.offload is None:
+            return False
+        candidates = ([first] if first is not None else []) + self.running[::-1]
+        return any(self.offload.offload_oldest(s) for s in candidates)
+
     def _admit(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> bool:
         hits = self.blocks.match_prefix(seq)
-        reusable_free = sum(1 for b in hits if self.blocks.ref_counts[b] == 0)
         cached = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1)
         num_new = min(seq.num_tokens - cached, budget)
         total_blocks = -(-(cached + num_new) // self.blocks.block_size)
         new_blocks = max(0, total_blocks - len(hits))
-        if new_blocks + reusable_free > self.blocks.num_free_blocks:
-            return False
+        while new_blocks + self._free_hits(hits) > self.blocks.num_free_blocks:
+            if not self._offload_one(first=None):
+                return False
         self.waiting.pop(0)
         self.blocks.admit(seq, hits)
         allocated = self.blocks.allocate(seq, num_new)

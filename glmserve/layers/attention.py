@@ -12,19 +12,37 @@ Sparse decode (`glmserve.sparse`): when the decode group carries per-row setting
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
 `on_kv_written`) and the selection rule pick; both decode paths take those slots + lengths. Prefill
 stays dense.
+
+KV streaming (glmserve/kv/offload.py): rows whose sequence has chunks outside the pool (`cold`) see
+only their resident keys in `kv_slots`; both groups then attend to the resident part and to each cold
+chunk's slice of this layer in turn, merged by log-sum-exp (glmserve/layers/partial_attention.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from glmserve.errors import InvalidRequestError
 from glmserve.layers.cpu_kernels import paged_decode_op
+from glmserve.layers.partial_attention import attention_with_lse, merge_attention
 from glmserve.sparse.indexer import Indexer
 from glmserve.sparse.selection import SparseRows, select_slots
+
+if TYPE_CHECKING:
+    from glmserve.kv.offload import ColdChunk, RunningKVOffload
+
+
+@dataclass
+class ColdRows:
+    """Rows of a group whose sequence has KV chunks outside the pool, and where to stream them from."""
+
+    rows: list[int]
+    chunks: list[list[ColdChunk]]
+    source: RunningKVOffload
 
 
 @dataclass
@@ -38,6 +56,7 @@ class GroupMetadata:
     context_lens: torch.Tensor | None = None  # [B] int64, decode group: keys per sequence
     block_tables: torch.Tensor | None = None  # [B, W] physical block ids, decode group
     sparse: SparseRows | None = None  # decode group: per-row sparse settings; None = every row dense
+    cold: ColdRows | None = None  # rows with offloaded chunks (their kv_slots list resident keys only)
 
 
 @dataclass
@@ -61,6 +80,7 @@ class PagedAttention:
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
         self.indexers: dict[str, Indexer] = {}  # sparse mode -> this layer's scorer
+        self.layer_index = 0  # position among the model's layers (set by its bind_kv_cache)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H*D]."""
@@ -104,19 +124,39 @@ class PagedAttention:
     def _decode(self, q: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         slots, lengths = (g.kv_slots, g.context_lens) if g.sparse is None else self.select(q, g)
         kernel = paged_decode_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
-        if kernel is not None:  # reads K/V in place from the pool: no gather copy
+        if kernel is not None and g.cold is None:  # reads K/V in place from the pool: no gather copy
             return kernel(q.contiguous(), self.kv_cache[0], self.kv_cache[1], slots, lengths, self.scale)
+        mask = g.key_mask if g.sparse is None else (
+            torch.arange(slots.shape[1], device=q.device)[None, :] < lengths[:, None])[:, None, :]
+        out, lse = self._decode_torch(q, slots, mask)
+        if g.cold is not None:  # rows with offloaded chunks merge in each chunk (dense)
+            for row, chunks in zip(g.cold.rows, g.cold.chunks):
+                out[row], lse[row] = self._merge_cold(q[row][None, :, None], out[row][None, :, None],
+                                                      lse[row][None, :, None], chunks, g.cold.source)
+        return out
+
+    def _decode_torch(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, H, D], slots [B, L], mask [B, 1, L] -> out [B, H, D], log-sum-exp [B, H] (float32)."""
         b = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         keys, values = self._gather(slots, q.dtype)
         qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, g, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [Hkv, B, g, L]
-        mask = g.key_mask if g.sparse is None else (
-            torch.arange(slots.shape[1], device=q.device)[None, :] < lengths[:, None])[:, None, :]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, g, L]
         scores.masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse[..., None]).to(q.dtype)
         out = torch.matmul(probs, values)  # [Hkv, B, g, D]
-        return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
+        return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim), lse.transpose(0, 1).reshape(b, -1)
+
+    def _merge_cold(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, chunks: list[ColdChunk],
+                    source: RunningKVOffload) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row's queries [1, H, Q, D] and its resident result -> the result over resident + cold keys,
+        squeezed to [H, D] / [H] for one query, else [Q, H, D] / [H, Q]."""
+        for _chunk, kv in source.stream_layer(chunks, self.layer_index, q.device, q.dtype):
+            part, part_lse = attention_with_lse(q, kv[0][None], kv[1][None], self.scale)
+            out, lse = merge_attention(out, lse, part.to(out.dtype), part_lse)
+        return out[0, :, 0] if q.shape[2] == 1 else out[0].transpose(0, 1), lse[0, :, 0] if q.shape[2] == 1 else lse[0]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         if g.fresh_causal:
@@ -128,9 +168,16 @@ class PagedAttention:
         keys, values = self._gather(g.kv_slots, q.dtype)
         b, qlen = g.query_index.shape
         qp = q[g.query_index.reshape(-1)].view(b, qlen, self.num_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            qp, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=g.key_mask, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [B, H, Q, D]
+        if g.cold is None:
+            out = F.scaled_dot_product_attention(
+                qp, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=g.key_mask, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )  # [B, H, Q, D]
+        else:
+            out, lse = attention_with_lse(qp, keys.transpose(0, 1), values.transpose(0, 1), self.scale, g.key_mask)
+            for row, chunks in zip(g.cold.rows, g.cold.chunks):
+                merged, _ = self._merge_cold(qp[row:row + 1], out[row:row + 1], lse[row:row + 1], chunks,
+                                             g.cold.source)
+                out[row] = merged.transpose(0, 1)
         out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)
         return out[g.valid_index]

@@ -78,6 +78,7 @@ class DecoderOnlyLM(nn.Module):
     """Embedding, a stack of decoder layers, final norm and LM head; subclasses pick the layer."""
 
     interleaved_rope = False
+    supports_kv_streaming = True  # PagedAttention layers: chunks can leave the pool (glmserve/kv/offload.py)
 
     def __init__(self, config: PretrainedConfig, max_positions: int):
         super().__init__()
@@ -112,6 +113,7 @@ class DecoderOnlyLM(nn.Module):
         pool[:, :, :, :zero_slots].zero_()
         for i, layer in enumerate(self.layers):
             layer.self_attn.attn.kv_cache = pool[i]
+            layer.self_attn.attn.layer_index = i
         return pool
 
     def to_runtime(self, device: torch.device, dtype: torch.dtype) -> DecoderOnlyLM:

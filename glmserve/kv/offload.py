@@ -1,0 +1,217 @@
+"""Running sequences longer than the device pool: their older KV chunks leave the pool and stream back.
+
+The seeds keep a 200K-token context alive on limited memory by splitting its KV into chunks (2,048 tokens)
+and keeping only the working set in fast memory. Here a running sequence keeps resident its first chunk
+(attention sinks) and everything after its cold span; when the pool runs short (the scheduler asks before it
+preempts anyone), the oldest fully computed resident chunk after the first is copied out
+(`KVBlockIO.gather`: one batched copy, layer-major, so one layer of a chunk is one contiguous byte range),
+its blocks are released from the sequence (block-table entries become the null block) and the chunk joins
+the sequence's cold span. Each attention layer then merges the resident part with every cold chunk's layer
+slice, read one at a time with read-ahead (glmserve/layers/partial_attention.py: partial softmax results
+merged by their log-sum-exp), so memory stays at the pool plus a few layer slices whatever the context.
+
+Where cold chunks live: on CUDA, pinned host memory while the host budget lasts (one layer slice copies to the
+GPU at full speed); then files under `<kv_disk_dir>/running`. A file is unlinked as soon as it is created
+(`tempfile.TemporaryFile`), so a crash leaves nothing behind; it is private scratch of this process and this
+sequence, dropped when the sequence finishes or is preempted (a preempted sequence recomputes, as it does
+without offload). Layer slices are read with `os.preadv` straight into tensors (no page-cache mapping in the
+process: RSS stays flat).
+
+Scope: models whose attention layers are `PagedAttention` (Llama family, Qwen, GLM-4: `supports_kv_streaming`);
+rows with a cold span decode densely (sparse selection runs over resident blocks only, so a sparse request
+that streams is served dense rather than approximately).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from glmserve.engine.sequence import Sequence
+from glmserve.kv.blocks import BlockManager
+from glmserve.kv.kv_io import KVBlockIO
+
+READ_AHEAD = 2  # layer slices read ahead of the one being attended
+
+
+class ColdChunk:
+    """One chunk of one sequence's KV outside the pool, readable one layer at a time.
+
+    Layout (from `KVBlockIO.gather` on a `[layers, 2, kv_heads, slots, head_dim]` pool): `[layers, 2, kv_heads,
+    tokens, head_dim]`, so layer `l` is the contiguous run `[l * layer_elems, (l + 1) * layer_elems)`."""
+
+    def __init__(self, start: int, tokens: int, layer_shape: tuple[int, ...], dtype: torch.dtype,
+                 host: torch.Tensor | None = None, file=None):
+        self.start = start  # first token position
+        self.tokens = tokens
+        self.layer_shape = layer_shape  # (2, kv_heads, tokens, head_dim)
+        self.dtype = dtype
+        self.layer_elems = int(torch.Size(layer_shape).numel())
+        self.host = host
+        self.file = file
+        self.nbytes = self.layer_elems * torch.empty((), dtype=dtype).element_size()  # one layer slice
+
+    def read_layer(self, layer: int) -> torch.Tensor:
+        """This chunk's K/V of `layer`: [2, kv_heads, tokens, head_dim] in host memory."""
+        if self.host is not None:
+            return self.host[layer * self.layer_elems:(layer + 1) * self.layer_elems].view(self.layer_shape)
+        out = torch.empty(self.nbytes, dtype=torch.uint8)
+        got = os.preadv(self.file.fileno(), [out.numpy()], layer * self.nbytes)
+        if got != self.nbytes:
+            raise OSError(f"offloaded KV chunk at token {self.start}: read {got} of {self.nbytes} bytes")
+        return out.view(self.dtype).view(self.layer_shape)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        self.host = None
+
+
+@dataclass
+class OffloadStats:
+    offloaded_chunks: int = 0
+    offloaded_bytes: int = 0  # currently held outside the pool
+    offload_seconds: float = 0.0  # gather + copy out, in the engine step
+    streamed_slices: int = 0  # layer slices read back by attention
+    stream_seconds: float = 0.0  # waiting for layer slices in attention
+
+
+@dataclass
+class ColdSpan:
+    """A sequence's offloaded chunks, contiguous from `start` (the end of its first chunk)."""
+
+    chunks: list[ColdChunk] = field(default_factory=list)
+
+    @property
+    def start(self) -> int:
+        return self.chunks[0].start if self.chunks else 0
+
+    @property
+    def length(self) -> int:
+        return sum(c.tokens for c in self.chunks)
+
+
+class RunningKVOffload:
+    """Offloads and streams back the KV chunks of running sequences (see the module docstring)."""
+
+    def __init__(self, blocks: BlockManager, io: KVBlockIO, chunk_tokens: int, num_layers: int,
+                 host_bytes: int, disk_dir: str | None, disk_bytes: int):
+        if len(io.layout) != 1:
+            raise ValueError("KV streaming needs a pool of [layers, 2, kv_heads, slots, head_dim]")
+        self.blocks = blocks
+        self.io = io
+        self.chunk_tokens = chunk_tokens
+        self.chunk_blocks = chunk_tokens // io.block_size
+        self.num_layers = num_layers
+        self.host_bytes = host_bytes
+        self.disk_dir = Path(disk_dir) / "running" if disk_dir else None
+        self.disk_bytes = disk_bytes if disk_dir else 0
+        self.host_used = 0
+        self.disk_used = 0
+        self.spans: dict[int, ColdSpan] = {}  # seq_id -> its cold span
+        self.stats = OffloadStats()
+        self.reader = ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="glmserve-kv-stream")
+        self.lock = threading.Lock()  # stats updated from attention (engine thread) and readers
+
+    def span(self, seq: Sequence) -> ColdSpan | None:
+        return self.spans.get(seq.seq_id)
+
+    # -- offload --------------------------------------------------------------------------------------------
+    def offload_oldest(self, seq: Sequence) -> bool:
+        """Moves the sequence's oldest resident, fully computed chunk after its first one out of the pool and
+        releases its blocks; False when it has none or there is no room outside the pool."""
+        span = self.spans.get(seq.seq_id)
+        index = 1 + (len(span.chunks) if span else 0)
+        first, last = index * self.chunk_blocks, (index + 1) * self.chunk_blocks
+        if last * self.io.block_size > seq.num_computed_tokens or last > len(seq.block_table):
+            return False
+        start_time = time.perf_counter()
+        chunk = self._copy_out(seq.block_table[first:last], index * self.chunk_tokens)
+        if chunk is None:
+            return False
+        self.blocks.release_blocks(seq, first, last)
+        self.spans.setdefault(seq.seq_id, ColdSpan()).chunks.append(chunk)
+        self.stats.offloaded_chunks += 1
+        self.stats.offloaded_bytes += chunk.nbytes * self.num_layers
+        self.stats.offload_seconds += time.perf_counter() - start_time
+        return True
+
+    def _copy_out(self, blocks: list[int], start: int) -> ColdChunk | None:
+        size = len(blocks) * self.io.bytes_per_block
+        tokens = len(blocks) * self.io.block_size
+        groups, width = self.io.layout[0]
+        layer_shape = (2, groups // (2 * self.num_layers), tokens, width)
+        data = self.io.gather(torch.tensor(blocks, dtype=torch.long))
+        if self.host_used + size <= self.host_bytes:
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.device.type == "cuda")
+            host.copy_(data)
+            self.host_used += size
+            return ColdChunk(start, tokens, layer_shape, data.dtype, host=host)
+        if self.disk_dir is None or self.disk_used + size > self.disk_bytes:
+            return None
+        self.disk_dir.mkdir(parents=True, exist_ok=True)
+        file = tempfile.TemporaryFile(dir=self.disk_dir, prefix="kv-")
+        try:
+            view = data.cpu().contiguous().view(torch.uint8).numpy()
+            written = os.pwritev(file.fileno(), [view], 0)
+            if written != size:
+                raise OSError(f"short write: {written} of {size} bytes")
+        except OSError:
+            file.close()
+            return None
+        self.disk_used += size
+        return ColdChunk(start, tokens, layer_shape, data.dtype, file=file)
+
+    def drop(self, seq: Sequence) -> None:
+        """The sequence finished or was preempted: its cold chunks are deleted."""
+        span = self.spans.pop(seq.seq_id, None)
+        if span is None:
+            return
+        for chunk in span.chunks:
+            size = chunk.nbytes * self.num_layers
+            if chunk.host is not None:
+                self.host_used -= size
+            else:
+                self.disk_used -= size
+            self.stats.offloaded_bytes -= size
+            chunk.close()
+
+    # -- streaming ------------------------------------------------------------------------------------------
+    def stream_layer(self, chunks: list[ColdChunk], layer: int, device: torch.device, dtype: torch.dtype
+                     ) -> Iterator[tuple[ColdChunk, torch.Tensor]]:
+        """Each chunk's layer slice ([2, kv_heads, tokens, head_dim], on `device` in `dtype`), in order, the
+        next `READ_AHEAD` being read in background threads meanwhile."""
+        pending: list[Future] = []
+        upcoming = iter(chunks)
+
+        def submit_next() -> None:
+            chunk = next(upcoming, None)
+            if chunk is not None:
+                pending.append(self.reader.submit(chunk.read_layer, layer))
+
+        for _ in range(READ_AHEAD):
+            submit_next()
+        for chunk in chunks:
+            start = time.perf_counter()
+            data = pending.pop(0).result()
+            submit_next()
+            kv = data.to(device, dtype=dtype, non_blocking=True)
+            with self.lock:
+                self.stats.streamed_slices += 1
+                self.stats.stream_seconds += time.perf_counter() - start
+            yield chunk, kv
+
+    def close(self) -> None:
+        for seq_id in list(self.spans):
+            for chunk in self.spans.pop(seq_id).chunks:
+                chunk.close()
+        self.reader.shutdown(wait=True)
