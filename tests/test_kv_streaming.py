@@ -44,6 +44,7 @@ def test_sequences_longer_than_the_pool_match_the_reference(hf_llama, tmp_path, 
     decode step attends to chunks streamed back from disk; top-5 logprobs of 24 steps match transformers."""
     if backend == "torch":
         monkeypatch.setattr(attention, "paged_decode_op", lambda: None)
+        monkeypatch.setattr(attention, "paged_decode_lse_op", lambda: None)
     path, hf_model = hf_llama
     llm = _engine(path, tmp_path)
     engine = llm.engine

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from glmserve.errors import InvalidRequestError
-from glmserve.layers.cpu_kernels import paged_decode_op
+from glmserve.layers.cpu_kernels import paged_decode_lse_op, paged_decode_op
 from glmserve.layers.partial_attention import attention_with_lse, merge_attention
 from glmserve.sparse.indexer import Indexer
 from glmserve.sparse.selection import SparseRows, select_slots
@@ -101,13 +101,15 @@ class PagedAttention:
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def _gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, L] slots -> keys, values of shape [Hkv, B, L, D]."""
+    def _gather(self, slots: torch.Tensor, dtype: torch.dtype, cache: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, L] slots of `cache` ([2, Hkv, slots, D], default this layer's pool) -> keys, values [Hkv, B, L, D]."""
+        cache = self.kv_cache if cache is None else cache
         b, length = slots.shape
         flat = slots.reshape(-1)
         shape = (self.num_kv_heads, b, length, self.head_dim)
-        keys = self.kv_cache[0].index_select(1, flat).view(shape).to(dtype)
-        values = self.kv_cache[1].index_select(1, flat).view(shape).to(dtype)
+        keys = cache[0].index_select(1, flat).view(shape).to(dtype)
+        values = cache[1].index_select(1, flat).view(shape).to(dtype)
         return keys, values
 
     def select(self, q: torch.Tensor, g: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,37 +128,36 @@ class PagedAttention:
         kernel = paged_decode_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
         if kernel is not None and g.cold is None:  # reads K/V in place from the pool: no gather copy
             return kernel(q.contiguous(), self.kv_cache[0], self.kv_cache[1], slots, lengths, self.scale)
-        mask = g.key_mask if g.sparse is None else (
-            torch.arange(slots.shape[1], device=q.device)[None, :] < lengths[:, None])[:, None, :]
-        out, lse = self._decode_torch(q, slots, mask)
-        if g.cold is not None:  # rows with offloaded chunks merge in each chunk (dense)
+        out, lse = self._decode_partial(q, self.kv_cache, slots, lengths)
+        if g.cold is not None:  # rows with offloaded chunks merge in each chunk's keys (dense)
             for row, chunks in zip(g.cold.rows, g.cold.chunks):
-                out[row], lse[row] = self._merge_cold(q[row][None, :, None], out[row][None, :, None],
-                                                      lse[row][None, :, None], chunks, g.cold.source)
+                q_row, out_row, lse_row = q[row:row + 1], out[row:row + 1], lse[row:row + 1]
+                for chunk, kv in g.cold.source.stream_layer(chunks, self.layer_index, q.device, q.dtype):
+                    everything = torch.arange(chunk.tokens, device=q.device)[None]
+                    part = self._decode_partial(q_row, kv, everything, everything.new_full((1,), chunk.tokens))
+                    out_row, lse_row = merge_attention(out_row, lse_row, *part)
+                out[row], lse[row] = out_row[0], lse_row[0]
         return out
 
-    def _decode_torch(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, H, D], slots [B, L], mask [B, 1, L] -> out [B, H, D], log-sum-exp [B, H] (float32)."""
+    def _decode_partial(self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, H, D] over the first `lengths` of `slots` [B, L] in `cache` ([2, Hkv, slots, D])
+        -> out [B, H, D], log-sum-exp [B, H] (float32)."""
+        kernel = paged_decode_lse_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+        if kernel is not None:
+            out, lse = kernel(q.contiguous(), cache[0], cache[1], slots, lengths, self.scale)
+            return out, lse
         b = q.shape[0]
         group = self.num_heads // self.num_kv_heads
-        keys, values = self._gather(slots, q.dtype)
+        keys, values = self._gather(slots, q.dtype, cache)
         qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, g, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, g, L]
-        scores.masked_fill_(~mask, float("-inf"))
+        mask = torch.arange(slots.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, L]
+        scores.masked_fill_(~mask[:, None, :], float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse[..., None]).to(q.dtype)
         out = torch.matmul(probs, values)  # [Hkv, B, g, D]
         return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim), lse.transpose(0, 1).reshape(b, -1)
-
-    def _merge_cold(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, chunks: list[ColdChunk],
-                    source: RunningKVOffload) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row's queries [1, H, Q, D] and its resident result -> the result over resident + cold keys,
-        squeezed to [H, D] / [H] for one query, else [Q, H, D] / [H, Q]."""
-        for _chunk, kv in source.stream_layer(chunks, self.layer_index, q.device, q.dtype):
-            part, part_lse = attention_with_lse(q, kv[0][None], kv[1][None], self.scale)
-            out, lse = merge_attention(out, lse, part.to(out.dtype), part_lse)
-        return out[0, :, 0] if q.shape[2] == 1 else out[0].transpose(0, 1), lse[0, :, 0] if q.shape[2] == 1 else lse[0]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         if g.fresh_causal:
@@ -173,11 +174,13 @@ class PagedAttention:
                 qp, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=g.key_mask, scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )  # [B, H, Q, D]
-        else:
+        else:  # rows with offloaded chunks merge in each chunk's keys (all before their queries)
             out, lse = attention_with_lse(qp, keys.transpose(0, 1), values.transpose(0, 1), self.scale, g.key_mask)
             for row, chunks in zip(g.cold.rows, g.cold.chunks):
-                merged, _ = self._merge_cold(qp[row:row + 1], out[row:row + 1], lse[row:row + 1], chunks,
-                                             g.cold.source)
-                out[row] = merged.transpose(0, 1)
+                q_row, out_row, lse_row = qp[row:row + 1], out[row:row + 1], lse[row:row + 1]
+                for _chunk, kv in g.cold.source.stream_layer(chunks, self.layer_index, q.device, q.dtype):
+                    part = attention_with_lse(q_row, kv[0][None], kv[1][None], self.scale)
+                    out_row, lse_row = merge_attention(out_row, lse_row, *part)
+                out[row] = out_row[0]
         out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)
         return out[g.valid_index]

@@ -44,6 +44,13 @@ def paged_decode_op() -> Callable | None:
     return None if module is None else module.paged_decode
 
 
+@functools.cache
+def paged_decode_lse_op() -> Callable | None:
+    """paged_decode_lse(same arguments) -> [out [B,H,D], lse [B,H]]: also each head's log-sum-exp of scores."""
+    module = _load("glmserve_paged_decode", "paged_decode.cpp")
+    return None if module is None else module.paged_decode_lse
+
+
 def sparse_ops() -> ModuleType | None:
     """Sparse decode attention's kernels (csrc/sparse.cpp), or None:
     bounds_update(slots [T] i64, keys [T,Hkv,D] f32, bounds [blocks,2,Hkv,D], block_size) (in place);

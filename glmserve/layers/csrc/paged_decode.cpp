@@ -5,7 +5,8 @@
 // heads that share the kv head, a softmax, then the weighted sum of values. Work is split over
 // (sequence, kv head) pairs with at::parallel_for. Layouts follow glmserve/layers/attention.py:
 // q [B, H, D] float32, cache k/v [Hkv, slots, D] (float32 or bfloat16), slots [B, L] int64,
-// context lengths [B] int64, out [B, H, D] float32.
+// context lengths [B] int64, out [B, H, D] float32; `paged_decode_lse` also returns each head's
+// log-sum-exp of scores [B, H] (float32), to merge with attention over keys elsewhere (KV streaming).
 // The split into a score pass and a value pass follows the textbook softmax(QK^T)V; see also
 // vLLM's csrc/cpu/attention.cpp for the paged layout idea (read, not copied).
 #include <ATen/ATen.h>
@@ -25,7 +26,7 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 template <typename cache_t>
 void decode_kernel(const float* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* slots,
-                   const int64_t* ctx_lens, float* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                   const int64_t* ctx_lens, float* out, float* lse, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                    int64_t num_slots, int64_t L, float scale) {
   const int64_t group = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -61,6 +62,7 @@ void decode_kernel(const float* q, const cache_t* k_cache, const cache_t* v_cach
         }
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+        if (lse != nullptr) lse[b * H + h * group + g] = mx + std::log(sum);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
@@ -82,8 +84,8 @@ void decode_kernel(const float* q, const cache_t* k_cache, const cache_t* v_cach
 
 }  // namespace
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& slots, const at::Tensor& ctx_lens, double scale) {
+std::vector<at::Tensor> run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& ctx_lens, double scale, bool with_lse) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous [B, H, D] float32");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(), "cache: [Hkv, slots, D]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 2, "slots: [B, L] int64");
@@ -92,12 +94,27 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t Hkv = k_cache.size(0), num_slots = k_cache.size(1), L = slots.size(1);
   TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "head sizes do not match");
   auto out = at::empty_like(q);
+  auto lse = with_lse ? at::empty({B, H}, q.options()) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            slots.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H,
-                            Hkv, D, num_slots, L, static_cast<float>(scale));
+                            slots.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                            with_lse ? lse.data_ptr<float>() : nullptr, B, H, Hkv, D, num_slots, L,
+                            static_cast<float>(scale));
   });
-  return out;
+  return with_lse ? std::vector<at::Tensor>{out, lse} : std::vector<at::Tensor>{out};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& slots, const at::Tensor& ctx_lens, double scale) {
+  return run(q, k_cache, v_cache, slots, ctx_lens, scale, false)[0];
+}
+
+std::vector<at::Tensor> paged_decode_lse(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                         const at::Tensor& slots, const at::Tensor& ctx_lens, double scale) {
+  return run(q, k_cache, v_cache, slots, ctx_lens, scale, true);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_decode_lse", &paged_decode_lse, "paged decode attention (CPU) and the log-sum-exp per head");
+}
