@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,8 @@ from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
 
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
 from glmserve.kv.redis_store import RedisChunkStore
-from glmserve.kv.sessions import SessionStore, session_key
+from glmserve.kv.session_kv import SessionKV
+from glmserve.kv.sessions import META_SUFFIX, SessionStore, session_key
 
 REDIS_BIN = shutil.which("redis-server")
 needs_redis = pytest.mark.skipif(REDIS_BIN is None, reason="redis-server is not installed (.ci/run installs it)")
@@ -315,7 +317,99 @@ def test_corrupt_session_chunk_is_recomputed(tiny_model_dir, tmp_path: Path) -> 
     resumed = _run(second, turn2, session_id="c")
     assert resumed.num_cached_tokens == 2 * CHUNK  # chunks 0 and 1; chunk 2 failed its checksum
     assert_same_output(resumed, cold)
-    assert not path.exists() and key not in sessions.store
+    assert second.sessions.stats.restored_chunks == 2
+    second.sessions.wait("c")  # the turn's save wrote the recomputed chunk 2 in place of the corrupt one
+    assert path.read_bytes() != bytes(data) and sessions.store.get(key) is not None
+    second.close()
+
+
+class GatedDiskStore(DiskChunkStore):
+    """A session directory whose KV chunk reads block until `gate` opens: a slow disk, for real."""
+
+    def __init__(self, root: Path, budget: int) -> None:
+        super().__init__(root, budget)
+        self.gate = threading.Event()
+        self.reading = threading.Event()  # a chunk read has started
+
+    def get(self, key: str) -> bytes | None:
+        if not key.endswith(META_SUFFIX):
+            self.reading.set()
+            assert self.gate.wait(timeout=60), "the test never opened the gate"
+        return super().get(key)
+
+
+def _step_until_finished(engine, request_id: str):
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+
+
+def test_session_restore_reads_while_other_requests_run(tiny_model_dir, tmp_path: Path) -> None:
+    """The session's chunks are read in a reader thread: the engine keeps stepping other requests meanwhile,
+    the waiting request is scheduled once they are in, and its output equals a cold run."""
+    from glmserve.config import EngineConfig
+    from glmserve.engine.llm_engine import LLMEngine
+    from glmserve.engine.sampling import SamplingParams
+
+    config = EngineConfig(model=str(tiny_model_dir("llama")), session_store=str(tmp_path), **ENGINE)
+    first = LLMEngine(config)
+    turn1 = _prompt(6, 50)
+    out1 = _run(first, turn1, session_id="slow")
+    first.close()
+    engine = LLMEngine(config)
+    store = GatedDiskStore(tmp_path, 1 << 30)
+    engine.sessions = SessionKV(lambda: SessionStore(store, engine.kv_identity, CHUNK, 3600, 1 << 30),
+                                engine.block_manager, engine.kv_io, CHUNK)
+    turn2 = turn1 + out1.outputs[0].token_ids + _prompt(7, 30)
+    cold = _run(engine, turn2, salt="cold")
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    engine.add_request("resumed", turn2, params, session_id="slow")
+    assert store.reading.wait(10)
+    engine.add_request("other", _prompt(8, 40), params)
+    other = _step_until_finished(engine, "other")  # runs to its end while the session's chunk read waits
+    assert len(other.outputs[0].token_ids) == 6 and "resumed" in engine.restoring
+    assert engine.stats().num_waiting == 1 and engine.sessions.stats.restores == 0
+    store.gate.set()
+    resumed = _step_until_finished(engine, "resumed")
+    assert resumed.num_cached_tokens == 52
+    assert_same_output(resumed, cold)
+    stats = engine.sessions.stats
+    assert (stats.restores, stats.restore_misses, stats.restored_chunks, stats.restored_tokens) == (1, 0, 4, 52)
+    assert stats.restore_read_seconds > 0
+    engine.close()
+
+
+def test_turn_cut_short_keeps_its_kv(tiny_model_dir, tmp_path: Path) -> None:
+    """A session turn still running when the engine closes (server shutdown) saves the KV it computed; a
+    later turn cut short that holds less than the stored session does not replace it."""
+    from glmserve.config import EngineConfig
+    from glmserve.engine.llm_engine import LLMEngine
+    from glmserve.engine.sampling import SamplingParams
+
+    config = EngineConfig(model=str(tiny_model_dir("llama")), session_store=str(tmp_path), **ENGINE)
+    first = LLMEngine(config)
+    prompt = _prompt(9, 70)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first.add_request("cut", prompt, params, session_id="cut")
+    while not first.step() or len(first.requests["cut"].seqs[0].output_token_ids) < 3:
+        pass
+    first.close()  # what the server's shutdown does with a turn it had to stop
+    second = LLMEngine(config)
+    info = second.sessions.info("cut")
+    assert info["turns"] == 1 and info["num_tokens"] == 72  # 70 prompt + 2 generated tokens with KV
+    turn2 = prompt + _prompt(10, 10)
+    resumed = _run(second, turn2, session_id="cut")
+    assert resumed.num_cached_tokens == 64  # chunks 0-3; chunk 4 holds generated tokens turn 2 does not have
+    assert_same_output(resumed, _run(second, turn2, salt="cold"))
+    second.sessions.wait("cut")
+    stored = second.sessions.info("cut")
+    second.add_request("short", _prompt(11, 60), params, session_id="cut")  # other tokens: nothing restored
+    while not second.step():
+        pass
+    second.abort_request("short")  # 60 computed tokens would replace the 84 stored: kept instead
+    second.sessions.wait("cut")
+    assert second.sessions.info("cut")["num_tokens"] == stored["num_tokens"] == 84
     second.close()
 
 
@@ -435,3 +529,4 @@ def test_http_session_survives_a_server_restart(tmp_path: Path) -> None:
         again = _chat(http, longer, session_id="trip", session_summary=True)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert http.get("/v1/sessions/trip").json()["summary"] == summary
+

@@ -12,6 +12,9 @@ Admission: at most `max_num_seqs + max_waiting_requests` requests are in flight 
 the engine runs at once, plus the allowed waiting ones); one more is refused at once with
 `glmserve.errors.EngineOverloadedError` (the server answers 503 + Retry-After). A consumer that
 goes away (generator closed or cancelled) aborts its request, which frees its KV blocks.
+
+Shutdown waits for the engine thread to close the engine (`LLMEngine.close`: the KV of session turns
+cut short is saved, pending session and disk-tier writes finish), so that a restart finds them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from glmserve.sparse.settings import SparseAttentionParams
 logger = logging.getLogger(__name__)
 
 WARMUP_REQUEST_ID = "__glmserve_warmup__"
+SHUTDOWN_TIMEOUT_S = 300.0  # the engine's last step, then its KV writes (GBs on a slow disk)
 
 
 class AsyncEngineError(RuntimeError):
@@ -124,8 +128,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="glmserve-engine", daemon=True)
         self._thread.start()
 
-    async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop; requests still in flight end with `EngineStoppedError`."""
+    async def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop the loop; requests still in flight end with `EngineStoppedError`. Waits up to `timeout_s` for
+        the engine thread to save what it must (see the module docstring)."""
         with self._cond:
             if self._state is not EngineState.FAILED:
                 self._state = EngineState.STOPPED
@@ -135,6 +140,8 @@ class AsyncEngine:
             channel.send(EngineStoppedError("The server is shutting down."))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout_s)
+            if self._thread.is_alive():
+                logger.warning("the engine did not stop within %.0f s; KV still being written may be lost", timeout_s)
 
     @property
     def state(self) -> EngineState:

@@ -1,7 +1,9 @@
 """The synchronous engine: requests in, one scheduler step at a time, outputs back.
 
 A request with n samples starts as one sequence; when its prompt is computed, the other
-samples are admitted and share the prompt's KV blocks through the prefix cache.
+samples are admitted and share the prompt's KV blocks through the prefix cache. A request whose
+session KV is being read (glmserve/kv/session_kv.py) waits outside the scheduler until the read is
+done, then joins the waiting queue with its chunks loaded as prefix-cache blocks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from glmserve.errors import InvalidRequestError, PromptTooLongError
 from glmserve.kv.blocks import NULL_BLOCK, BlockManager
 from glmserve.kv.kv_io import KVBlockIO, kv_identity
 from glmserve.kv.offload import RunningKVOffload
-from glmserve.kv.session_kv import SessionKV, open_session_kv
+from glmserve.kv.session_kv import PendingRestore, SessionKV, open_session_kv, wait_for_any
 from glmserve.kv.tiers import build_tiers, host_tier_budget
 from glmserve.models.loader import load_model
 from glmserve.sparse.block import attach_block_indexers, block_bounds_bytes, refresh_block_bounds
@@ -32,6 +34,7 @@ from glmserve.sparse.learned import attach_learned_indexers, find_learned_indexe
 from glmserve.sparse.settings import SparseAttentionParams, resolve_sparse_params
 
 CPU_KV_CACHE_CAP = 4 << 30
+RESTORE_POLL_S = 0.02  # with nothing else to run, how long a step waits for a session read
 
 
 @dataclass
@@ -118,6 +121,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.kv_offload)
         self.requests: dict[str, Request] = {}
+        self.restoring: dict[str, tuple[Request, PendingRestore]] = {}  # waiting for their session's KV
 
     def _streaming_possible(self, model: torch.nn.Module) -> bool:
         """KV of sequences longer than the pool can stream (glmserve/kv/offload.py): the model's attention
@@ -194,10 +198,8 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(token_ids), self.max_model_len)
-        if session_id is not None:
-            if self.sessions is None:
-                raise InvalidRequestError("sessions are off on this server (session_store 'off')")
-            self.sessions.restore(session_id, token_ids, cache_salt)
+        if session_id is not None and self.sessions is None:
+            raise InvalidRequestError("sessions are off on this server (session_store 'off')")
         seqs = [
             Sequence(request_id, i, token_ids, params,
                      IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens),
@@ -205,13 +207,22 @@ class LLMEngine:
             for i in range(params.n)
         ]
         request = Request(request_id, token_ids, params, seqs, pending_samples=seqs[1:], session_id=session_id)
+        restore = None
+        if session_id is not None:
+            restore = self.sessions.start_restore(session_id, token_ids, cache_salt)  # type: ignore[union-attr]
         self.requests[request_id] = request
-        self.scheduler.add(seqs[0])
+        if restore is None:
+            self.scheduler.add(seqs[0])
+        else:
+            self.restoring[request_id] = (request, restore)
 
     def abort_request(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return
+        self.restoring.pop(request_id, None)
+        self._save_session(request.seqs[0], partial=True)  # the KV it computed, before its blocks are freed
+        del self.requests[request_id]
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -223,6 +234,7 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._admit_restored()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -244,17 +256,35 @@ class LLMEngine:
             self._admit_pending_samples(request)
         return [self._output(r) for r in touched.values()]
 
-    def _save_session(self, seq: Sequence) -> None:
+    def _admit_restored(self) -> None:
+        """Requests whose session KV has been read: load it into the pool and let them be scheduled. With
+        nothing else to run, wait a little for a read rather than spin."""
+        if not self.restoring:
+            return
+        if not (self.scheduler.running or self.scheduler.waiting):
+            wait_for_any([restore for _, restore in self.restoring.values()], RESTORE_POLL_S)
+        for request_id, (request, restore) in list(self.restoring.items()):
+            if restore.done():
+                del self.restoring[request_id]
+                self.sessions.finish_restore(restore)  # type: ignore[union-attr]
+                self.scheduler.add(request.seqs[0])
+
+    def _save_session(self, seq: Sequence, partial: bool = False) -> None:
+        """Sample 0 of a session's request ends: its KV goes to the session store. `partial`: the turn was cut
+        short (abort, shutdown), and sample 0 may have finished and been saved already."""
         session_id = self.requests[seq.request_id].session_id
-        if session_id is not None and seq.index == 0 and self.sessions is not None:
+        if session_id is not None and seq.index == 0 and self.sessions is not None and not seq.is_finished:
             table = seq.block_table  # a streamed sequence saves its resident prefix (up to its first offloaded block)
             resident = table.index(NULL_BLOCK) if NULL_BLOCK in table else len(table)
             computed = min(seq.num_computed_tokens, resident * self.config.block_size)
-            self.sessions.save(session_id, seq.token_ids, table[:resident], computed)
+            self.sessions.save(session_id, seq.token_ids, table[:resident], computed, partial)
 
     def close(self) -> None:
-        """Finish background work (session writes, KV tier disk writes); the engine must not be used afterwards."""
+        """Save the KV that unfinished session turns computed, then finish background work (session writes, KV
+        tier disk writes), so that a restart finds it; the engine must not be used afterwards."""
         if self.sessions is not None:
+            for request in self.requests.values():
+                self._save_session(request.seqs[0], partial=True)
             self.sessions.close()
         if self.kv_tiers is not None:
             self.kv_tiers.wait()
@@ -306,7 +336,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.restoring),
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
             kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,

@@ -8,21 +8,32 @@ so the engine does not wait for the disk or the network. A turn waits for the wr
 previous turn before it reads the session, so a client never sees a half-written session; DELETE and
 `close()` wait too.
 
-Restore (engine thread, when a request with a session id is added): the prompt's full blocks that
-the device prefix cache does not already hold are looked up in the session's chunks (`load_prefix`:
-tokens must match exactly, checksums must hold). Loaded blocks are written into free pool blocks
-(`KVBlockIO.scatter`, which also refreshes per-block metadata such as block-indexer bounds), get the
-same chained hashes the BlockManager gives computed blocks, and are left free-but-cached at the
-most-recently-used end, so the request's admission hits them like any cached prefix and counts them
-as cached tokens. Nothing is loaded when the pool could not hold the whole prompt anyway.
+A turn that ends early (client gone, server shutting down) saves the KV it computed too, unless that
+would replace a longer stored sequence (`partial`): a long prefill cut by a restart is not lost.
+
+Restore, in two halves so that reading never blocks the engine step. `start_restore` (engine thread,
+when a request with a session id is added) finds the prompt's full blocks that the device prefix cache
+does not hold and hands the slow part to a reader thread: wait for the session's pending write, read
+the session's chunks (`load_prefix`: tokens must match exactly, checksums must hold) and turn them into
+tensors. The request is not scheduled meanwhile; other requests keep running. `finish_restore`
+(engine thread, once the read is done) writes the chunks into free pool blocks (`KVBlockIO.scatter`,
+which also refreshes per-block metadata such as block-indexer bounds); they get the same chained
+hashes the BlockManager gives computed blocks and are left free-but-cached at the most-recently-used
+end, so the request's admission hits them like any cached prefix and counts them as cached tokens.
+Nothing is loaded when the pool could not hold the whole prompt, or when the device prefix the chunks
+continue was evicted during the read; a missing or corrupt chunk ends the loaded prefix (recomputed).
+
+`SessionKV.stats` counts restores, misses, saves and bytes (the server's /metrics reads it).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,12 +43,13 @@ from glmserve.errors import InvalidRequestError
 from glmserve.kv.blocks import BlockManager
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
 from glmserve.kv.kv_io import KVBlockIO
-from glmserve.kv.sessions import SessionStore
+from glmserve.kv.sessions import SavePlan, SessionStore
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SESSION_DIR = Path.home() / ".cache" / "glmserve" / "sessions"
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+READER_THREADS = 2  # sessions restored at once (each reads its chunks in order)
 
 
 def open_chunk_store(spec: str | None, max_bytes: int, ttl_s: float) -> ChunkStore:
@@ -66,21 +78,61 @@ def open_session_kv(config: EngineConfig, blocks: BlockManager, io: KVBlockIO, i
         store = open_chunk_store(spec, config.session_max_bytes, config.session_ttl_s)
         return SessionStore(store, identity, chunk_tokens, config.session_ttl_s, config.session_max_bytes)
 
-    kv = SessionKV(open_store, blocks, io)
+    kv = SessionKV(open_store, blocks, io, chunk_tokens)
     if spec is not None and spec.startswith(REDIS_SCHEMES):
         kv.open()
     return kv
 
 
+@dataclass
+class SessionStats:
+    """Session KV traffic since the engine started. Restore fields are written by the engine thread,
+    save fields by the writer thread; any thread may read them."""
+
+    restores: int = 0  # requests whose prompt went past the device prefix, so the store was read
+    restore_misses: int = 0  # ... and gave nothing usable (unknown or expired session, other tokens, bad chunk)
+    restored_chunks: int = 0
+    restored_tokens: int = 0
+    restore_read_seconds: float = 0.0  # reader threads: wait for the session's write, read, verify, to tensors
+    restore_load_seconds: float = 0.0  # engine thread: scatter into the pool
+    saves: int = 0  # turns written to the store (finished, or ended early with KV worth keeping)
+    saved_chunks: int = 0
+    saved_bytes: int = 0
+    save_failures: int = 0  # the store was full or a write failed (the next turn recomputes the rest)
+    save_seconds: float = 0.0  # writer thread: to bytes, checksum, write
+
+
+@dataclass
+class PendingRestore:
+    """A session's chunks being read in a reader thread, for a request that waits until they are in."""
+
+    hashes: list[int]  # the prompt's full-block hashes
+    prompt_blocks: int  # blocks the whole prompt takes
+    first_chunk: int  # the first chunk read (the ones before it were on the device)
+    future: Future[tuple[list[torch.Tensor], float]]  # chunks as tensors, seconds spent reading
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+def wait_for_any(restores: list[PendingRestore], timeout_s: float) -> None:
+    """Block until one of `restores` has its data, or `timeout_s` passed."""
+    wait([r.future for r in restores], timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+
 class SessionKV:
     """Moves a session's KV between the engine's paged pool and its SessionStore (opened on first use)."""
 
-    def __init__(self, open_store: Callable[[], SessionStore], blocks: BlockManager, io: KVBlockIO) -> None:
+    def __init__(self, open_store: Callable[[], SessionStore], blocks: BlockManager, io: KVBlockIO,
+                 chunk_tokens: int) -> None:
         self._open_store = open_store
         self._store: SessionStore | None = None
         self.blocks = blocks
         self.io = io
+        self.chunk_blocks = chunk_tokens // blocks.block_size
+        self.stats = SessionStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glmserve-session-writer")
+        self._reader = ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="glmserve-session-reader")
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
 
@@ -95,32 +147,51 @@ class SessionKV:
     def sessions(self) -> SessionStore:
         return self.open()
 
+    def store_bytes(self) -> int:
+        """Bytes the session store holds (0 before it is opened: no session has been used yet)."""
+        store = self._store
+        return 0 if store is None else store.store.nbytes
+
     # -- writes ---------------------------------------------------------------------------------------
-    def save(self, session_id: str, token_ids: list[int], block_table: list[int], num_computed: int) -> None:
-        """Persist the KV of the sequence's full, computed blocks (prompt and generated tokens)."""
+    def save(self, session_id: str, token_ids: list[int], block_table: list[int], num_computed: int,
+             partial: bool = False) -> None:
+        """Persist the KV of the sequence's full, computed blocks (prompt and generated tokens).
+        `partial` (a turn that ended early): skipped when it would replace a longer stored sequence."""
         self.wait(session_id)
         bs = self.blocks.block_size
         num_blocks = min(num_computed // bs, len(block_table))
         if num_blocks == 0:
             return
         plan = self.sessions.plan_save(session_id, token_ids[:num_blocks * bs])
-        chunk_blocks = self.sessions.chunk_tokens // bs
+        if partial and plan.replaced_tokens > plan.record.num_tokens:
+            return
         gathered = []
         for i in plan.new_chunks:
-            first = i * chunk_blocks
+            first = i * self.chunk_blocks
             ids = block_table[first:first + len(plan.record.chunk_tokens[i]) // bs]
             gathered.append(self.io.gather(torch.tensor(ids, dtype=torch.long)))
         future = self._writer.submit(self._write, plan, gathered)
         with self._lock:
             self._pending[session_id] = future
 
-    def _write(self, plan, gathered: list[torch.Tensor]) -> None:
+    def _write(self, plan: SavePlan, gathered: list[torch.Tensor]) -> None:
+        start = time.perf_counter()
+        payloads = [self.io.to_bytes(t) for t in gathered]
         try:
-            if not self.sessions.commit(plan, [self.io.to_bytes(t) for t in gathered]):
+            ok = self.sessions.commit(plan, payloads)
+            if not ok:
                 logger.warning("session %s: the store is full; only part of its KV was saved",
                                plan.record.session_id)
         except Exception:  # a lost save costs a recompute next turn, never the request
             logger.exception("session %s: saving its KV failed", plan.record.session_id)
+            ok = False
+        stats = self.stats
+        written = [i for i in plan.new_chunks if i < len(plan.record.chunk_bytes)]
+        stats.saves += 1
+        stats.saved_chunks += len(written)
+        stats.saved_bytes += sum(plan.record.chunk_bytes[i] for i in written)
+        stats.save_failures += not ok
+        stats.save_seconds += time.perf_counter() - start
 
     def wait(self, session_id: str) -> None:
         """Block until the session's pending write (if any) is done."""
@@ -130,35 +201,73 @@ class SessionKV:
             future.result()
 
     def close(self) -> None:
-        """Finish every pending write and stop the writer thread."""
+        """Drop reads not started, finish every pending write and stop the threads."""
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)
 
     # -- reads ----------------------------------------------------------------------------------------
-    def restore(self, session_id: str, token_ids: list[int], cache_salt: str | None) -> int:
-        """Load the session's stored KV for the start of `token_ids` into the prefix cache; returns how
-        many tokens were loaded (those already cached on the device are not counted)."""
-        self.wait(session_id)
+    def start_restore(self, session_id: str, token_ids: list[int], cache_salt: str | None) -> PendingRestore | None:
+        """Start reading the session's stored KV for the start of `token_ids` in a reader thread; None when
+        there is nothing to read (the prompt's full blocks are all on the device, or no prefix cache)."""
         if not self.blocks.enable_prefix_caching:
-            return 0
-        bs = self.blocks.block_size
+            return None
         hashes = self.blocks.prompt_block_hashes(token_ids, cache_salt)
-        cached = self.blocks.hash_to_block
-        on_device = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
+        on_device = self._device_prefix(hashes)
         if on_device == len(hashes):
-            return 0
-        # the device hits are needed by this request: keep them out of reach of the blocks taken below
-        hit_free = self.blocks.protect_free_hits([cached[h] for h in hashes[:on_device]])
-        prompt_blocks = -(-len(token_ids) // bs)
-        if prompt_blocks - on_device + hit_free > self.blocks.num_free_blocks:
-            return 0
-        chunk_blocks = self.sessions.chunk_tokens // bs
-        first_chunk = on_device // chunk_blocks
-        loaded = 0
-        for c, payload in enumerate(self.sessions.load_prefix(session_id, token_ids, first_chunk), first_chunk):
+            return None
+        first_chunk = on_device // self.chunk_blocks
+        future = self._reader.submit(self._read, session_id, list(token_ids), first_chunk)
+        prompt_blocks = -(-len(token_ids) // self.blocks.block_size)
+        return PendingRestore(hashes, prompt_blocks, first_chunk, future)
+
+    def _read(self, session_id: str, token_ids: list[int], first_chunk: int) -> tuple[list[torch.Tensor], float]:
+        """Reader thread: the session's verified chunks from `first_chunk` on, as tensors."""
+        start = time.perf_counter()
+        self.wait(session_id)  # the previous turn's write
+        chunks = []
+        for payload in self.sessions.load_prefix(session_id, token_ids, first_chunk):
             data = self.io.from_bytes(payload)
-            start = c * chunk_blocks
             if data is None:
                 break
+            chunks.append(data)
+        return chunks, time.perf_counter() - start
+
+    def finish_restore(self, restore: PendingRestore) -> int:
+        """Engine thread, once `restore.done()`: load the chunks read into the prefix cache; returns how many
+        tokens were loaded (those on the device meanwhile are not counted)."""
+        try:
+            chunks, read_seconds = restore.future.result()
+        except Exception:  # an unreachable store costs a recompute, never the request
+            logger.exception("reading a session's KV failed; its prompt is recomputed")
+            chunks, read_seconds = [], 0.0
+        start = time.perf_counter()
+        loaded = self._load(restore, chunks)
+        stats = self.stats
+        stats.restores += 1
+        stats.restore_misses += not chunks
+        stats.restored_tokens += loaded
+        stats.restore_read_seconds += read_seconds
+        stats.restore_load_seconds += time.perf_counter() - start
+        return loaded
+
+    def _device_prefix(self, hashes: list[int]) -> int:
+        """How many of the leading blocks `hashes` names are cached on the device."""
+        cached = self.blocks.hash_to_block
+        return next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
+
+    def _load(self, restore: PendingRestore, chunks: list[torch.Tensor]) -> int:
+        bs, hashes = self.blocks.block_size, restore.hashes
+        on_device = self._device_prefix(hashes)
+        if on_device < restore.first_chunk * self.chunk_blocks:  # evicted during the read: a gap
+            return 0
+        # the device hits are needed by this request: keep them out of reach of the blocks taken below
+        cached = self.blocks.hash_to_block
+        hit_free = self.blocks.protect_free_hits([cached[h] for h in hashes[:on_device]])
+        if restore.prompt_blocks - on_device + hit_free > self.blocks.num_free_blocks:
+            return 0
+        loaded = 0
+        for c, data in enumerate(chunks, restore.first_chunk):
+            start = c * self.chunk_blocks
             total = data.numel() // self.io.elems_per_block
             skip = max(0, on_device - start)
             wanted = hashes[start + skip:start + total]
@@ -168,6 +277,7 @@ class SessionKV:
             self.io.scatter(torch.tensor(new_blocks, dtype=torch.long), data, first=skip)
             self.blocks.cache_blocks(new_blocks, wanted)
             loaded += len(new_blocks) * bs
+            self.stats.restored_chunks += bool(new_blocks)
         return loaded
 
     # -- the HTTP API ---------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ class SavePlan:
     record: SessionRecord
     new_chunks: list[int]  # indices into record.chunk_tokens
     stale_keys: list[str]  # chunks of the previous record that the new one no longer uses
+    replaced_tokens: int = 0  # tokens the previous record held
 
 
 class SessionStore:
@@ -216,7 +217,7 @@ class SessionStore:
                 else:
                     new_chunks.append(i)
             stale = [] if old is None else [k for k in old.chunk_keys() if k not in set(keys)]
-            return SavePlan(record, new_chunks, stale)
+            return SavePlan(record, new_chunks, stale, old.num_tokens if old else 0)
 
     def commit(self, plan: SavePlan, payloads: list[bytes]) -> bool:
         """Write the plan's new chunks (one payload each, in order), then the record; False if the store
