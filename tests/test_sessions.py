@@ -8,6 +8,7 @@ when the binary is missing; `.ci/run` installs it.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -433,11 +434,11 @@ SUMMARY_THRESHOLD = 150  # prompt tokens above which session_summary summarizes 
 
 
 @contextmanager
-def serve(store: str, log_path: Path) -> Iterator[httpx.Client]:
+def serve(store: str, log_path: Path, args: list[str] | None = None) -> Iterator[httpx.Client]:
     """A `glmserve serve` process with its session store at `store`; stopped with SIGTERM on exit."""
-    args = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(128 << 20),
-            "--num-threads", "1", "--session-store", store,
-            "--session-summary-threshold", str(SUMMARY_THRESHOLD), "--session-summary-keep", "1"]
+    args = args or ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(128 << 20),
+                    "--session-summary-threshold", str(SUMMARY_THRESHOLD), "--session-summary-keep", "1"]
+    args = [*args, "--num-threads", "1", "--session-store", store]
     with glmserve_process(args, log_path) as process, httpx.Client(base_url=process.base_url, timeout=300) as http:
         wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", process.log)
         yield http
@@ -530,3 +531,106 @@ def test_http_session_survives_a_server_restart(tmp_path: Path) -> None:
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert http.get("/v1/sessions/trip").json()["summary"] == summary
 
+
+# -- /metrics: KV tiers and sessions; what a shutdown keeps ---------------------------------------------------
+KV_TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers x (K, V) x kv heads x head dim x 4 bytes
+TIERED = ["--max-model-len", "512", "--kv-chunk-tokens", "64", "--max-num-batched-tokens", "256",
+          "--kv-cache-memory-bytes", str(640 * KV_TOKEN_BYTES), "--no-sparse-block-bounds"]
+
+
+def _complete(http: httpx.Client, prompt: list[int], **extra) -> dict:
+    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _scrape(http: httpx.Client) -> dict[str, float]:
+    """Every sample of /metrics by name (labels joined into the name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value
+            for f in text_string_to_metric_families(response.text) for s in f.samples}
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    import torch
+
+    return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_http_tier_and_session_metrics(tmp_path: Path) -> None:
+    args = [*TIERED, "--kv-disk-dir", str(tmp_path / "kv")]
+    with serve(str(tmp_path / "store"), tmp_path / "server.log", args) as http:
+        before = _scrape(http)
+        assert before["glmserve_kv_tier_saved_chunks_total"] == 0 and before["glmserve_session_restores_total"] == 0
+        assert before["glmserve_kv_tier_bytes[host]"] == 0  # no host tier on CPU
+        a, c = _tokens(1, 300), _tokens(2, 300)
+        _complete(http, a, session_id="a")  # saved to the session store when it ends
+        _complete(http, c)
+        _complete(http, _tokens(3, 450))  # needs most of the pool: the chunks of a and c go to the disk tier
+        again = _complete(http, c)  # loaded back from the disk tier
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+        turn2 = _complete(http, a + _tokens(4, 20), session_id="a")  # restored from the session store
+        assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+        _complete(http, _tokens(5, 100), session_id="new")  # a session the store does not know: a miss
+        after = _scrape(http)
+
+    def moved(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert moved("glmserve_kv_tier_saved_chunks_total") >= 4
+    assert moved("glmserve_kv_tier_loaded_chunks_total") >= 2
+    assert moved("glmserve_kv_tier_loaded_tokens_total") >= 2 * 64
+    assert moved("glmserve_kv_tier_failed_loads_total") == 0
+    assert moved("glmserve_kv_tier_save_seconds_total") > 0 and moved("glmserve_kv_tier_write_seconds_total") > 0
+    assert moved("glmserve_kv_tier_load_seconds_total") > 0
+    assert after["glmserve_kv_tier_bytes[disk]"] >= 4 * 64 * KV_TOKEN_BYTES
+    # every session request asked the store; "a" turn 1 and "new" found nothing there
+    assert after["glmserve_session_restores_total"] == 3 and after["glmserve_session_restore_misses_total"] == 2
+    assert after["glmserve_session_restored_tokens_total"] == turn2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert after["glmserve_session_restored_chunks_total"] >= 4
+    assert after["glmserve_session_restore_read_seconds_total"] > 0
+    assert after["glmserve_session_restore_load_seconds_total"] > 0
+    assert after["glmserve_session_saves_total"] >= 1 and after["glmserve_session_saved_chunks_total"] >= 4
+    assert after["glmserve_session_saved_bytes_total"] >= 4 * 64 * KV_TOKEN_BYTES
+    assert after["glmserve_session_save_failures_total"] == 0
+    assert after["glmserve_session_store_bytes"] >= 4 * 64 * KV_TOKEN_BYTES
+
+
+
+@pytest.mark.slow
+def test_http_shutdown_keeps_session_and_tier_kv(tmp_path: Path) -> None:
+    """SIGTERM while a session turn streams (cut after --shutdown-timeout) and after chunks went to the disk
+    tier: the server exits 0, and a restarted one finds the turn's KV in the session store and the chunks on
+    disk."""
+    args = [*TIERED, "--kv-disk-dir", str(tmp_path / "kv"), "--num-threads", "1",
+            "--session-store", str(tmp_path / "store")]
+    evicted, prompt = _tokens(6, 300), _tokens(7, 300)
+    log_path = tmp_path / "first.log"
+    with glmserve_process([*args, "--shutdown-timeout", "1"], log_path) as process, \
+            httpx.Client(base_url=process.base_url, timeout=300) as http:
+        wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", process.log)
+        _complete(http, evicted)
+        _complete(http, _tokens(9, 450))  # pushes `evicted` out of the device pool, to the disk tier
+        body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True, "session_id": "cut"}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            for _ in range(3):
+                next(lines)
+            process.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(httpx.RemoteProtocolError):  # cut short once the shutdown timeout is over
+                for _ in lines:
+                    pass
+        assert process.proc.wait(timeout=120) == 0, process.log()[-4000:]
+    # uvicorn logs the stream it cancelled at the timeout ("Exception in ASGI application"); nothing else fails
+    assert log_path.read_text().count("Traceback") <= 1
+    with serve(str(tmp_path / "store"), tmp_path / "second.log", [*TIERED, "--kv-disk-dir", str(tmp_path / "kv")]) \
+            as http:
+        from_disk = _complete(http, evicted)  # nothing on the device yet: the disk tier's chunks
+        assert from_disk["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+        info = http.get("/v1/sessions/cut").json()
+        assert info["turns"] == 1 and info["num_tokens"] >= 288  # the prompt's full blocks, at least
+        resumed = _complete(http, prompt + _tokens(8, 20), session_id="cut")
+        assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256  # chunk 4 holds generated tokens

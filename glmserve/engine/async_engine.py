@@ -31,6 +31,7 @@ from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.outputs import EngineStats, RequestOutput
 from glmserve.engine.sampling import SamplingParams
 from glmserve.errors import EngineOverloadedError, GlmServeError
+from glmserve.kv.storage_stats import StorageStats, storage_stats
 from glmserve.sparse.settings import SparseAttentionParams
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._channels: dict[str, _Channel] = {}
         self._stats: EngineStats | None = None
+        self._llm: LLMEngine | None = None
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -155,6 +157,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats | None:
         """The engine's statistics as of its last step (None before the model is loaded)."""
         return self._stats
+
+    def storage_stats(self) -> StorageStats | None:
+        """KV tier and session store traffic and bytes, read now (None before the model is loaded)."""
+        llm = self._llm
+        return None if llm is None else storage_stats(llm.kv_tiers, llm.sessions)
 
     @property
     def num_requests(self) -> int:
@@ -227,6 +234,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             engine = LLMEngine(self.config)
+            self._llm = engine
             if self._on_loaded is not None:
                 self._on_loaded(engine)
             self._stats = engine.stats()

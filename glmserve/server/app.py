@@ -7,6 +7,7 @@ the warm-up generation has run, and generation routes answer 503 + Retry-After u
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -95,7 +96,8 @@ async def readiness(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    content, content_type = _ctx(request).metrics.render()
+    # collecting may wait on the network (a Redis session store's size): not on the event loop
+    content, content_type = await asyncio.to_thread(_ctx(request).metrics.render)
     return Response(content, media_type=content_type)
 
 

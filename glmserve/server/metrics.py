@@ -3,7 +3,9 @@
 Request-level numbers (latencies, token counts, finish reasons) are recorded by a
 `RequestTracker` per engine request; engine gauges (running/waiting requests, KV-cache usage,
 prefix-cache hit rate) are read from the engine's latest stats at scrape time, as is the
-truncation rate (share of finished choices that stopped on `length`).
+truncation rate (share of finished choices that stopped on `length`). KV kept below the device pool
+(host and disk tiers, the session store) is read at scrape time too: counters of what moved and
+gauges of the bytes held (glmserve/kv/storage_stats.py); they are absent when that storage is off.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmserve.engine.outputs import RequestOutput
+from glmserve.kv.storage_stats import StorageStats
 
 if TYPE_CHECKING:
     from glmserve.engine.async_engine import AsyncEngine
@@ -26,6 +29,35 @@ PREFIX = "glmserve"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 TRACKED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+# counter name (without _total) -> (stats field, help), for glmserve/kv/tiers.py TierStats
+TIER_COUNTERS = {
+    "kv_tier_saved_chunks": ("saved_chunks", "KV chunks copied out of the device pool into the host or disk tier"),
+    "kv_tier_loaded_chunks": ("loaded_chunks", "KV chunks loaded back into the device pool from the host or disk tier"),
+    "kv_tier_loaded_tokens": ("loaded_tokens", "Prompt tokens whose KV was loaded from the host or disk tier"),
+    "kv_tier_failed_loads": ("failed_loads", "KV chunks missing or corrupt when loaded from a tier (recomputed)"),
+    "kv_tier_demoted_chunks": ("demoted_chunks", "KV chunks moved down from the host tier to the disk tier"),
+    "kv_tier_save_seconds": ("save_seconds", "Seconds engine steps spent copying chunks out of the device pool"),
+    "kv_tier_write_seconds": ("write_seconds", "Seconds the disk writer thread spent writing chunks"),
+    "kv_tier_load_seconds": ("load_seconds", "Seconds spent loading chunks back into the device pool"),
+}
+# the same for glmserve/kv/session_kv.py SessionStats
+SESSION_COUNTERS = {
+    "session_restores": ("restores", "Session requests whose prompt went past the device prefix cache, so the "
+                                     "session store was read"),
+    "session_restore_misses": ("restore_misses", "Session store reads that found nothing usable (unknown or expired "
+                                                 "session, other tokens, missing or corrupt chunk)"),
+    "session_restored_chunks": ("restored_chunks", "Session KV chunks loaded into the device pool"),
+    "session_restored_tokens": ("restored_tokens", "Prompt tokens whose KV was loaded from the session store"),
+    "session_restore_read_seconds": ("restore_read_seconds", "Seconds reader threads spent reading and verifying "
+                                                             "session KV (off the engine thread)"),
+    "session_restore_load_seconds": ("restore_load_seconds", "Seconds engine steps spent copying restored session "
+                                                             "KV into the device pool"),
+    "session_saves": ("saves", "Session turns whose KV was written to the session store"),
+    "session_saved_chunks": ("saved_chunks", "Session KV chunks written to the session store"),
+    "session_saved_bytes": ("saved_bytes", "Bytes of session KV written to the session store"),
+    "session_save_failures": ("save_failures", "Session saves the store refused (full) or that failed"),
+    "session_save_seconds": ("save_seconds", "Seconds the session writer thread spent writing KV"),
+}
 
 
 class ServerMetrics:
@@ -65,6 +97,7 @@ class ServerMetrics:
         )
         self.finish_counts: dict[str, int] = {}
         reg.register(_EngineCollector(engine, self))
+        reg.register(_StorageCollector(engine))
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
@@ -143,6 +176,38 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class _StorageCollector(Collector):
+    """KV tier and session store counters and bytes, read from the engine at scrape time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._engine.storage_stats()
+        if stats is None:
+            return
+        if stats.tiers is not None:
+            yield from _counters(TIER_COUNTERS, stats.tiers)
+            yield _tier_bytes(stats)
+        if stats.sessions is not None:
+            yield from _counters(SESSION_COUNTERS, stats.sessions)
+            yield GaugeMetricFamily(f"{PREFIX}_session_store_bytes", "Bytes held by the session store (KV chunks "
+                                    "and records; 0 until the first session)", value=stats.session_store_bytes)
+
+
+def _counters(table: dict[str, tuple[str, str]], stats: object) -> Iterator[CounterMetricFamily]:
+    for name, (field, doc) in table.items():
+        yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=getattr(stats, field))
+
+
+def _tier_bytes(stats: StorageStats) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(f"{PREFIX}_kv_tier_bytes", "Bytes of KV chunks held by each tier below the device pool",
+                              labels=["tier"])
+    gauge.add_metric(["host"], stats.host_tier_bytes)
+    gauge.add_metric(["disk"], stats.disk_tier_bytes)
+    return gauge
 
 
 class HTTPMetricsMiddleware:
