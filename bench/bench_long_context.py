@@ -6,7 +6,10 @@ that run alone):
   streaming  — the KV pool holds `--pool-tokens` tokens whatever the context; older chunks (2,048 tokens) go
                to files in a temp dir and every decode step streams them back through attention
                (glmserve/kv/offload.py);
-  in-memory  — the pool holds the whole context (the engine's default behaviour without a disk dir).
+  streaming-block — the same, block-sparse decode (top_k 2,048): offloaded blocks are scored from the bounds
+               kept with their chunk and only the picked blocks are read back;
+  in-memory  — the pool holds the whole context (the engine's default behaviour without a disk dir);
+  in-memory-block — the same, block-sparse decode.
 The context's K/V is written straight into the pool (random values, chunk by chunk, offloading as a real
 prefill would when the pool runs short) instead of running a quadratic prefill of up to 200K tokens on a CPU;
 then the sequence decodes `--steps` tokens through the normal engine step, timed after one warm-up step.
@@ -44,13 +47,18 @@ def kv_bytes_per_token() -> int:
     return 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head_dim * 4  # fp32
 
 
-def start_long_sequence(llm: LLM, context: int, steps: int) -> None:
+BLOCK = {"mode": "block", "top_k": 2048}
+MODES = {"streaming": None, "streaming-block": BLOCK, "in-memory": None, "in-memory-block": BLOCK}
+
+
+def start_long_sequence(llm: LLM, context: int, steps: int, sparse: dict | None = None) -> None:
     """Admits a request of `context` tokens whose first context - 1 tokens already have (random) K/V, written
     chunk by chunk into the pool; when the pool is short, the engine's offload moves old chunks out, as in a
     real chunked prefill. The next engine step computes the last prompt token and samples."""
     engine = llm.engine
     tokens = torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (context,), generator=torch.Generator().manual_seed(0))
-    engine.add_request("long", tokens.tolist(), SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    engine.add_request("long", tokens.tolist(), SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
+                       sparse=sparse)
     scheduler, blocks, offload = engine.scheduler, engine.block_manager, engine.kv_offload
     seq = scheduler.waiting.pop(0)
     blocks.admit(seq, [])
@@ -79,12 +87,13 @@ def start_long_sequence(llm: LLM, context: int, steps: int) -> None:
 
 def run_one(model_dir: Path, context: int, mode: str, pool_tokens: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory(dir=Path.home() / ".cache") as disk_dir:
-        pool = pool_tokens if mode == "streaming" else context + 4 * CHUNK
+        streaming = mode.startswith("streaming")
+        pool = pool_tokens if streaming else context + 4 * CHUNK
         start = time.perf_counter()
         llm = LLM(model=str(model_dir), dtype="float32", max_model_len=context + 64, max_num_seqs=4,
                   kv_cache_memory_bytes=int(pool * kv_bytes_per_token() * 1.1),
-                  kv_disk_dir=disk_dir if mode == "streaming" else None)
-        start_long_sequence(llm, context, steps + 1)
+                  kv_disk_dir=disk_dir if streaming else None)
+        start_long_sequence(llm, context, steps + 1, MODES[mode])
         fill_s = time.perf_counter() - start
         engine = llm.engine
         times = []
@@ -102,6 +111,7 @@ def run_one(model_dir: Path, context: int, mode: str, pool_tokens: int, steps: i
         if offload is not None:
             s = offload.stats
             result.update(offloaded_chunks=s.offloaded_chunks, streamed_slices=s.streamed_slices,
+                          skipped_slices=s.skipped_slices,
                           stream_wait_s_per_step=round(s.stream_seconds / len(times), 3))
         llm.engine.close()
         return result
@@ -110,7 +120,7 @@ def run_one(model_dir: Path, context: int, mode: str, pool_tokens: int, steps: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="8192,32768,131072,200000")
-    parser.add_argument("--modes", default="streaming,in-memory")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--pool-tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--memory-limit-gb", type=float)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import check_against_reference
+from parity import assert_same_output, check_against_reference
 from transformers import AutoModelForCausalLM
 
 from glmserve import LLM, SamplingParams
@@ -62,16 +62,6 @@ def test_sequences_longer_than_the_pool_match_the_reference(hf_llama, tmp_path, 
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
 
 
-def test_sparse_request_that_streams_is_served_dense(hf_llama, tmp_path):
-    """A block-sparse request whose KV streams decodes densely (documented): it matches the reference."""
-    path, hf_model = hf_llama
-    llm = _engine(path, tmp_path)
-    prompt = _prompts((200,), seed=3)[0]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
-    out = llm.generate([prompt], params, sparse={"mode": "block", "top_k": 16, "sink_tokens": 4, "local_tokens": 8})[0]
-    check_against_reference(hf_model, prompt, out.outputs[0])
-
-
 def test_chunks_are_dropped_on_abort_and_prefix_of_a_streamed_prompt_is_reused(hf_llama, tmp_path):
     path, hf_model = hf_llama
     llm = _engine(path, tmp_path)
@@ -116,3 +106,23 @@ def test_partial_attention_merge_equals_attention_over_all_keys(device):
     full = torch.cat([mask, torch.ones((2, 1, 300, 300), dtype=torch.bool)], dim=-1)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full, scale=0.25, enable_gqa=True)
     assert (out - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("where", ["disk", "host"])
+def test_block_sparse_streaming_reads_only_chunks_with_selected_blocks(hf_llama, tmp_path, where):
+    """Block-sparse decode of a sequence whose KV streams: its offloaded blocks are scored from the bounds kept
+    with each chunk, the selection equals the one an engine holding the whole context makes (same tokens and
+    logprobs), and chunks without a selected block are not read."""
+    path, _ = hf_llama
+    sparse = {"mode": "block", "top_k": 24, "sink_tokens": 4, "local_tokens": 8}
+    prompt = _prompts((300,), seed=7)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    whole = LLM(model=str(path), dtype="float32", block_size=BS, max_model_len=400, max_num_batched_tokens=STEP)
+    want = whole.generate([prompt], params, sparse=sparse)[0]
+    llm = _engine(path, tmp_path, kv_host_memory_bytes=(1 << 30) if where == "host" else 0)
+    got = llm.generate([prompt], params, sparse=sparse)[0]
+    assert_same_output(got, want)
+    offload = llm.engine.kv_offload
+    assert offload.stats.skipped_slices > 0 and offload.stats.streamed_slices > 0
+    assert offload.host_used == 0 and offload.disk_used == 0  # dropped when the request finished
+    assert (tmp_path / "kv" / "running").exists() == (where == "disk")  # host: no chunk went to disk

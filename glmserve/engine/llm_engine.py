@@ -28,7 +28,12 @@ from glmserve.kv.offload import RunningKVOffload
 from glmserve.kv.session_kv import PendingRestore, SessionKV, open_session_kv, wait_for_any
 from glmserve.kv.tiers import build_tiers, host_tier_budget
 from glmserve.models.loader import load_model
-from glmserve.sparse.block import attach_block_indexers, block_bounds_bytes, refresh_block_bounds
+from glmserve.sparse.block import (
+    attach_block_indexers,
+    block_bounds_bytes,
+    gather_block_bounds,
+    refresh_block_bounds,
+)
 from glmserve.sparse.indexer import available_modes
 from glmserve.sparse.learned import attach_learned_indexers, find_learned_indexer, index_key_bytes_per_token
 from glmserve.sparse.settings import SparseAttentionParams, resolve_sparse_params
@@ -116,6 +121,7 @@ class LLMEngine:
         self.kv_offload = RunningKVOffload(
             self.block_manager, self.kv_io, config.kv_chunk_tokens, loaded.model.num_layers,
             host_tier_budget(config.kv_host_memory_bytes, self.device), config.kv_disk_dir, config.kv_disk_bytes,
+            functools.partial(gather_block_bounds, loaded.model) if "block" in self.sparse_modes else None,
         ) if streaming and pool_tokens < self.max_model_len else None
         self.runner.offload = self.kv_offload
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

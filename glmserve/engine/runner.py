@@ -65,9 +65,12 @@ class ModelRunner:
         if num_decode:
             rows = slice(0, num_decode)
             decode = self._group(tables[rows], starts[rows], lens[rows], None, cold[rows], spans[rows])
-            # a row that streams offloaded chunks decodes densely (see glmserve/kv/offload.py)
+            # a row that streams offloaded chunks selects apart (ColdRows.params, see PagedAttention._decode)
             params = [s.seq.sparse if sp is None else SparseAttentionParams()
                       for s, sp in zip(batch[rows], spans[rows])]
+            if decode.cold is not None:
+                decode.cold.params = [batch[r].seq.sparse for r in decode.cold.rows]
+                decode.block_tables = tables[rows].to(dev)
             # rows all dense on a model without its own indexer: the dense fast path
             if self.native_sparse or any(p.mode != "dense" for p in params):
                 decode.sparse = SparseRows.from_params(params, dev)

@@ -28,9 +28,10 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,28 +47,71 @@ class ColdChunk:
     """One chunk of one sequence's KV outside the pool, readable one layer at a time.
 
     Layout (from `KVBlockIO.gather` on a `[layers, 2, kv_heads, slots, head_dim]` pool): `[layers, 2, kv_heads,
-    tokens, head_dim]`, so layer `l` is the contiguous run `[l * layer_elems, (l + 1) * layer_elems)`."""
+    tokens, head_dim]`, so layer `l` is one contiguous run; then, when the block indexer is on, its key bounds
+    `[layers, blocks, 2, kv_heads, head_dim]` (sparse decode scores the chunk's blocks without its K/V)."""
 
-    def __init__(self, start: int, tokens: int, layer_shape: tuple[int, ...], dtype: torch.dtype,
-                 host: torch.Tensor | None = None, file=None):
+    def __init__(self, start: int, layer_shape: tuple[int, ...], bounds_shape: tuple[int, ...] | None,
+                 dtype: torch.dtype, num_layers: int):
         self.start = start  # first token position
-        self.tokens = tokens
+        self.tokens = layer_shape[2]
         self.layer_shape = layer_shape  # (2, kv_heads, tokens, head_dim)
+        self.bounds_shape = bounds_shape  # (blocks, 2, kv_heads, head_dim) per layer, or None
         self.dtype = dtype
-        self.layer_elems = int(torch.Size(layer_shape).numel())
-        self.host = host
-        self.file = file
-        self.nbytes = self.layer_elems * torch.empty((), dtype=dtype).element_size()  # one layer slice
+        item = torch.empty((), dtype=dtype).element_size()
+        self.layer_bytes = int(torch.Size(layer_shape).numel()) * item
+        self.bounds_bytes = int(torch.Size(bounds_shape).numel()) * item if bounds_shape else 0
+        self.nbytes = (self.layer_bytes + self.bounds_bytes) * num_layers
+        self.bounds_offset = self.layer_bytes * num_layers
+        self.host: torch.Tensor | None = None  # uint8, the whole layout (CUDA: pinned)
+        self.file = None  # an unlinked temp file holding the layout
+
+    def _read(self, offset: int, nbytes: int) -> torch.Tensor:
+        if self.host is not None:
+            return self.host[offset:offset + nbytes]
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        got = os.preadv(self.file.fileno(), [out.numpy()], offset)
+        if got != nbytes:
+            raise OSError(f"offloaded KV chunk at token {self.start}: read {got} of {nbytes} bytes")
+        return out
 
     def read_layer(self, layer: int) -> torch.Tensor:
         """This chunk's K/V of `layer`: [2, kv_heads, tokens, head_dim] in host memory."""
+        return self._read(layer * self.layer_bytes, self.layer_bytes).view(self.dtype).view(self.layer_shape)
+
+    def read_blocks(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """K/V of some of this chunk's blocks at `layer` (block indices within the chunk, ascending):
+        [2, kv_heads, len(blocks) * block_size, head_dim]. From a file, one read per run of consecutive blocks
+        and (K or V, kv head): the bytes of the other blocks are never read."""
+        two, heads, tokens, dim = self.layer_shape
+        block_size = tokens // self.bounds_shape[0] if self.bounds_shape else tokens
+        n = blocks.shape[0]
         if self.host is not None:
-            return self.host[layer * self.layer_elems:(layer + 1) * self.layer_elems].view(self.layer_shape)
-        out = torch.empty(self.nbytes, dtype=torch.uint8)
-        got = os.preadv(self.file.fileno(), [out.numpy()], layer * self.nbytes)
-        if got != self.nbytes:
-            raise OSError(f"offloaded KV chunk at token {self.start}: read {got} of {self.nbytes} bytes")
-        return out.view(self.dtype).view(self.layer_shape)
+            layer_kv = self.read_layer(layer).view(two, heads, tokens // block_size, block_size * dim)
+            return layer_kv.index_select(2, blocks.to(layer_kv.device)).view(two, heads, n * block_size, dim)
+        out = torch.empty((two * heads, n, block_size * dim), dtype=self.dtype)
+        run_bytes = block_size * dim * out.element_size()
+        view = out.view(torch.uint8).numpy()
+        ids = blocks.tolist()
+        runs, first = [], 0  # [first, end) index ranges of consecutive block ids
+        for i in range(1, n + 1):
+            if i == n or ids[i] != ids[i - 1] + 1:
+                runs.append((first, i))
+                first = i
+        base = layer * self.layer_bytes
+        for row in range(two * heads):
+            row_base = base + row * tokens * dim * out.element_size()
+            for a, b in runs:
+                want = (b - a) * run_bytes
+                got = os.preadv(self.file.fileno(), [view[row, a:b]], row_base + ids[a] * run_bytes)
+                if got != want:
+                    raise OSError(f"offloaded KV chunk at token {self.start}: read {got} of {want} bytes")
+        return out.view(two, heads, n * block_size, dim)
+
+    def read_bounds(self, layer: int) -> torch.Tensor:
+        """The block indexer's key bounds of this chunk's blocks at `layer`: [blocks, 2, kv_heads, head_dim]."""
+        assert self.bounds_shape is not None
+        raw = self._read(self.bounds_offset + layer * self.bounds_bytes, self.bounds_bytes)
+        return raw.view(self.dtype).view(self.bounds_shape)
 
     def close(self) -> None:
         if self.file is not None:
@@ -82,6 +126,7 @@ class OffloadStats:
     offloaded_bytes: int = 0  # currently held outside the pool
     offload_seconds: float = 0.0  # gather + copy out, in the engine step
     streamed_slices: int = 0  # layer slices read back by attention
+    skipped_slices: int = 0  # layer slices sparse decode did not need (no selected token in the chunk)
     stream_seconds: float = 0.0  # waiting for layer slices in attention
 
 
@@ -104,7 +149,10 @@ class RunningKVOffload:
     """Offloads and streams back the KV chunks of running sequences (see the module docstring)."""
 
     def __init__(self, blocks: BlockManager, io: KVBlockIO, chunk_tokens: int, num_layers: int,
-                 host_bytes: int, disk_dir: str | None, disk_bytes: int):
+                 host_bytes: int, disk_dir: str | None, disk_bytes: int,
+                 block_bounds: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`block_bounds(blocks)`: the block indexer's bounds of `blocks` for every layer ([layers, n, ...]),
+        kept with each chunk so that sparse decode can score it; None when the block indexer is off."""
         if len(io.layout) != 1:
             raise ValueError("KV streaming needs a pool of [layers, 2, kv_heads, slots, head_dim]")
         self.blocks = blocks
@@ -112,6 +160,7 @@ class RunningKVOffload:
         self.chunk_tokens = chunk_tokens
         self.chunk_blocks = chunk_tokens // io.block_size
         self.num_layers = num_layers
+        self.block_bounds = block_bounds
         self.host_bytes = host_bytes
         self.disk_dir = Path(disk_dir) / "running" if disk_dir else None
         self.disk_bytes = disk_bytes if disk_dir else 0
@@ -141,35 +190,40 @@ class RunningKVOffload:
         self.blocks.release_blocks(seq, first, last)
         self.spans.setdefault(seq.seq_id, ColdSpan()).chunks.append(chunk)
         self.stats.offloaded_chunks += 1
-        self.stats.offloaded_bytes += chunk.nbytes * self.num_layers
+        self.stats.offloaded_bytes += chunk.nbytes
         self.stats.offload_seconds += time.perf_counter() - start_time
         return True
 
     def _copy_out(self, blocks: list[int], start: int) -> ColdChunk | None:
-        size = len(blocks) * self.io.bytes_per_block
-        tokens = len(blocks) * self.io.block_size
         groups, width = self.io.layout[0]
-        layer_shape = (2, groups // (2 * self.num_layers), tokens, width)
-        data = self.io.gather(torch.tensor(blocks, dtype=torch.long))
+        layer_shape = (2, groups // (2 * self.num_layers), len(blocks) * self.io.block_size, width)
+        index = torch.tensor(blocks, dtype=torch.long)
+        parts = [self.io.gather(index)]
+        bounds = self.block_bounds(index) if self.block_bounds is not None else None
+        if bounds is not None:
+            parts.append(bounds.to(parts[0].dtype).reshape(-1))
+        chunk = ColdChunk(start, layer_shape, None if bounds is None else tuple(bounds.shape[1:]), parts[0].dtype,
+                          self.num_layers)
+        size = chunk.nbytes
+        data = torch.cat(parts).view(torch.uint8) if len(parts) > 1 else parts[0].view(torch.uint8)
         if self.host_used + size <= self.host_bytes:
-            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.device.type == "cuda")
-            host.copy_(data)
+            chunk.host = torch.empty(size, dtype=torch.uint8, pin_memory=data.device.type == "cuda")
+            chunk.host.copy_(data)
             self.host_used += size
-            return ColdChunk(start, tokens, layer_shape, data.dtype, host=host)
+            return chunk
         if self.disk_dir is None or self.disk_used + size > self.disk_bytes:
             return None
         self.disk_dir.mkdir(parents=True, exist_ok=True)
-        file = tempfile.TemporaryFile(dir=self.disk_dir, prefix="kv-")
+        chunk.file = tempfile.TemporaryFile(dir=self.disk_dir, prefix="kv-")
         try:
-            view = data.cpu().contiguous().view(torch.uint8).numpy()
-            written = os.pwritev(file.fileno(), [view], 0)
+            written = os.pwritev(chunk.file.fileno(), [data.cpu().numpy()], 0)
             if written != size:
                 raise OSError(f"short write: {written} of {size} bytes")
         except OSError:
-            file.close()
+            chunk.close()
             return None
         self.disk_used += size
-        return ColdChunk(start, tokens, layer_shape, data.dtype, file=file)
+        return chunk
 
     def drop(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: its cold chunks are deleted."""
@@ -177,7 +231,7 @@ class RunningKVOffload:
         if span is None:
             return
         for chunk in span.chunks:
-            size = chunk.nbytes * self.num_layers
+            size = chunk.nbytes
             if chunk.host is not None:
                 self.host_used -= size
             else:
@@ -186,17 +240,19 @@ class RunningKVOffload:
             chunk.close()
 
     # -- streaming ------------------------------------------------------------------------------------------
-    def stream_layer(self, chunks: list[ColdChunk], layer: int, device: torch.device, dtype: torch.dtype
-                     ) -> Iterator[tuple[ColdChunk, torch.Tensor]]:
-        """Each chunk's layer slice ([2, kv_heads, tokens, head_dim], on `device` in `dtype`), in order, the
-        next `READ_AHEAD` being read in background threads meanwhile."""
+    def stream_layer(self, chunks: list[ColdChunk], layer: int, device: torch.device, dtype: torch.dtype,
+                     blocks: list[torch.Tensor] | None = None) -> Iterator[tuple[ColdChunk, torch.Tensor]]:
+        """Each chunk's layer slice ([2, kv_heads, tokens, head_dim], on `device` in `dtype`), or only its
+        `blocks[i]` (`ColdChunk.read_blocks`), in order, the next `READ_AHEAD` being read in background threads
+        meanwhile."""
         pending: list[Future] = []
-        upcoming = iter(chunks)
+        upcoming = iter(range(len(chunks)))
 
         def submit_next() -> None:
-            chunk = next(upcoming, None)
-            if chunk is not None:
-                pending.append(self.reader.submit(chunk.read_layer, layer))
+            i = next(upcoming, None)
+            if i is not None:
+                read = chunks[i].read_layer if blocks is None else partial(chunks[i].read_blocks, blocks=blocks[i])
+                pending.append(self.reader.submit(read, layer))
 
         for _ in range(READ_AHEAD):
             submit_next()
@@ -209,6 +265,14 @@ class RunningKVOffload:
                 self.stats.streamed_slices += 1
                 self.stats.stream_seconds += time.perf_counter() - start
             yield chunk, kv
+
+    def count_skipped(self, slices: int) -> None:
+        with self.lock:
+            self.stats.skipped_slices += slices
+
+    def count_streamed(self, slices: int) -> None:
+        with self.lock:
+            self.stats.streamed_slices += slices
 
     def close(self) -> None:
         for seq_id in list(self.spans):

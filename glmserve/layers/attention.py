@@ -30,7 +30,8 @@ from glmserve.errors import InvalidRequestError
 from glmserve.layers.cpu_kernels import paged_decode_lse_op, paged_decode_op
 from glmserve.layers.partial_attention import attention_with_lse, merge_attention
 from glmserve.sparse.indexer import Indexer
-from glmserve.sparse.selection import SparseRows, select_slots
+from glmserve.sparse.selection import SparseRows, keep_mask, select_slots
+from glmserve.sparse.settings import SparseAttentionParams
 
 if TYPE_CHECKING:
     from glmserve.kv.offload import ColdChunk, RunningKVOffload
@@ -43,6 +44,7 @@ class ColdRows:
     rows: list[int]
     chunks: list[list[ColdChunk]]
     source: RunningKVOffload
+    params: list[SparseAttentionParams] | None = None  # decode group: the rows' own sparse settings
 
 
 @dataclass
@@ -128,16 +130,65 @@ class PagedAttention:
         kernel = paged_decode_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
         if kernel is not None and g.cold is None:  # reads K/V in place from the pool: no gather copy
             return kernel(q.contiguous(), self.kv_cache[0], self.kv_cache[1], slots, lengths, self.scale)
+        sparse_rows = [] if g.cold is None else [  # block-sparse rows with offloaded chunks: attended apart
+            i for i, (row, chunks, params) in enumerate(zip(g.cold.rows, g.cold.chunks, g.cold.params))
+            if params.mode == "block" and chunks[0].bounds_shape is not None]
+        if sparse_rows:  # their dense resident part is not needed: one key each
+            lengths = lengths.clone()
+            lengths[[g.cold.rows[i] for i in sparse_rows]] = 1
         out, lse = self._decode_partial(q, self.kv_cache, slots, lengths)
-        if g.cold is not None:  # rows with offloaded chunks merge in each chunk's keys (dense)
-            for row, chunks in zip(g.cold.rows, g.cold.chunks):
+        if g.cold is not None:  # rows with offloaded chunks merge in each chunk's keys
+            for i, (row, chunks, params) in enumerate(zip(g.cold.rows, g.cold.chunks, g.cold.params)):
+                if i in sparse_rows:
+                    out[row] = self._decode_block_sparse_streamed(q[row:row + 1], g, row, chunks, params)
+                    continue
                 q_row, out_row, lse_row = q[row:row + 1], out[row:row + 1], lse[row:row + 1]
                 for chunk, kv in g.cold.source.stream_layer(chunks, self.layer_index, q.device, q.dtype):
-                    everything = torch.arange(chunk.tokens, device=q.device)[None]
-                    part = self._decode_partial(q_row, kv, everything, everything.new_full((1,), chunk.tokens))
-                    out_row, lse_row = merge_attention(out_row, lse_row, *part)
-                out[row], lse[row] = out_row[0], lse_row[0]
+                    out_row, lse_row = merge_attention(out_row, lse_row, *self._decode_partial(
+                        q_row, kv, *_positions(torch.arange(chunk.tokens, device=q.device))))
+                out[row] = out_row[0]
         return out
+
+    def _decode_block_sparse_streamed(self, q: torch.Tensor, g: GroupMetadata, row: int, chunks: list[ColdChunk],
+                                      params: SparseAttentionParams) -> torch.Tensor:
+        """One block-sparse row whose sequence has offloaded chunks, q [1, H, D] -> [H, D]: its resident blocks
+        are scored from the pool's bounds, its offloaded ones from the bounds kept with each chunk; the usual
+        rule picks positions over the whole context; only the offloaded blocks holding a picked token are read
+        back, and one attention call covers the resident and the read picks."""
+        indexer = self.indexers["block"]
+        unit = indexer.unit_size  # == the pool's block size
+        source, layer = g.cold.source, self.layer_index
+        span_start, chunk_tokens = chunks[0].start, chunks[0].tokens
+        span_end = span_start + len(chunks) * chunk_tokens
+        ctx = int(g.context_lens[row]) + span_end - span_start
+        table = g.block_tables[row:row + 1]
+        ctx_t = torch.tensor([ctx], device=q.device)
+        scores = indexer.unit_scores(q, GroupMetadata(kv_slots=table, key_mask=None, num_tokens=1,
+                                                      context_lens=ctx_t, block_tables=table)).clone()
+        # offloaded blocks are null entries in the table: scored from the bounds kept with their chunks
+        bounds = torch.cat([chunk.read_bounds(layer) for chunk in chunks]).to(q.device)
+        scores[0, span_start // unit:span_end // unit] = indexer.bound_scores(q, bounds.view(1, bounds.shape[0], -1))[0]
+        keep = keep_mask(scores, unit, ctx_t, SparseRows.from_params([params], q.device), ctx)[0]
+        picked = keep.nonzero()[:, 0]
+        streamed = (picked >= span_start) & (picked < span_end)
+        resident = picked[~streamed]
+        keys = [self._gather((table[0, resident // unit] * unit + resident % unit)[None], q.dtype)]  # [Hkv, 1, L, D]
+        cold = picked[streamed] - span_start
+        if cold.numel():
+            blocks = torch.unique(cold // unit)  # offloaded blocks holding a pick, ascending
+            per_chunk = blocks // (chunk_tokens // unit)
+            needed = torch.unique(per_chunk).tolist()
+            source.count_skipped(len(chunks) - len(needed))
+            reads = [chunks[i].read_blocks(layer, blocks[per_chunk == i] - i * (chunk_tokens // unit)) for i in needed]
+            kv = torch.cat(reads, dim=2).to(q.device, q.dtype)  # [2, Hkv, blocks * unit, D]
+            source.count_streamed(len(needed))
+            places = torch.searchsorted(blocks, cold // unit) * unit + cold % unit
+            keys.append((kv[0].index_select(1, places)[:, None], kv[1].index_select(1, places)[:, None]))
+        k = torch.cat([part[0] for part in keys], dim=2)[:, 0]  # [Hkv, L, D]: picks, resident then offloaded
+        v = torch.cat([part[1] for part in keys], dim=2)[:, 0]
+        everything = torch.arange(k.shape[1], device=q.device)
+        out, _ = self._decode_partial(q, torch.stack([k, v]), *_positions(everything))
+        return out[0]
 
     def _decode_partial(self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,3 +235,8 @@ class PagedAttention:
                 out[row] = out_row[0]
         out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)
         return out[g.valid_index]
+
+
+def _positions(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's key indices [L] -> (slots [1, L], lengths [1]) for `_decode_partial`."""
+    return index[None].contiguous(), torch.tensor([index.shape[0]], device=index.device)

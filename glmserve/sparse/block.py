@@ -90,10 +90,17 @@ class BlockIndexer:
             units = (-(-group.context_lens // self.unit_size)).contiguous()
             return kernels.block_scores(q.contiguous(), self.bounds, tables.contiguous(), units, self.scale)
         b, w = tables.shape
-        nb, _, hkv, d = self.bounds.shape
+        nb = self.bounds.shape[0]
         rows = self.bounds.view(nb, -1).index_select(0, tables.reshape(-1)).view(b, w, -1)  # [B, W, 2 * Hkv * D]
-        # the sum over heads is linear in the bounds: the negative parts of a kv head's query heads, summed,
-        # meet its min row part, the positive parts its max part; one matrix-vector product per row
+        return self.bound_scores(q, rows)
+
+    def bound_scores(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """q [B, H, D], bounds rows [B, W, 2 * Hkv * D] (a block's [2, Hkv, D] flattened) -> scores [B, W].
+
+        The sum over heads is linear in the bounds: the negative parts of a kv head's query heads, summed,
+        meet its min row part, the positive parts its max part; one matrix-vector product per row."""
+        b = q.shape[0]
+        _, _, hkv, d = self.bounds.shape
         qg = q.view(b, hkv, -1, d).float()
         vec = torch.stack([qg.clamp(max=0).sum(2), qg.clamp(min=0).sum(2)], dim=1)  # [B, 2, Hkv, D]
         bound = torch.bmm(rows.to(vec.dtype), vec.view(b, -1, 1))  # [B, W, 1]
@@ -106,6 +113,15 @@ def block_bounds_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
     size = torch.empty((), dtype=dtype).element_size()
     return sum(2 * a.num_kv_heads * a.head_dim * size for a in paged_attention_layers(model))
+
+
+def gather_block_bounds(model: torch.nn.Module, blocks: torch.Tensor) -> torch.Tensor:
+    """The block indexer's bounds of `blocks` in every paged attention layer: [layers, n, 2, Hkv, D] (kept with
+    KV chunks that leave the pool, glmserve/kv/offload.py)."""
+    from glmserve.sparse.indexer import paged_attention_layers
+
+    bounds = [attn.indexers["block"].bounds for attn in paged_attention_layers(model)]
+    return torch.stack([b.index_select(0, blocks.to(b.device)) for b in bounds])
 
 
 def refresh_block_bounds(model: torch.nn.Module, blocks: torch.Tensor) -> None:
