@@ -126,3 +126,28 @@ def test_block_sparse_streaming_reads_only_chunks_with_selected_blocks(hf_llama,
     assert offload.stats.skipped_slices > 0 and offload.stats.streamed_slices > 0
     assert offload.host_used == 0 and offload.disk_used == 0  # dropped when the request finished
     assert (tmp_path / "kv" / "running").exists() == (where == "disk")  # host: no chunk went to disk
+
+
+def test_http_prompt_longer_than_the_pool_and_stream_metrics(tmp_path):
+    """A real server whose pool holds 480 tokens answers an 800-token prompt (the embedded SmolLM2); /metrics
+    shows the chunks that went out and the slices read back, and nothing held once it is done."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
+
+    kv_token_bytes = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32
+    args = ["--max-model-len", "2048", "--kv-chunk-tokens", "64", "--max-num-batched-tokens", "256",
+            "--kv-cache-memory-bytes", str(480 * kv_token_bytes), "--no-sparse-block-bounds",
+            "--kv-disk-dir", str(tmp_path / "kv"), "--num-threads", "1", "--session-store", "off"]
+    prompt = torch.randint(100, 40000, (800,), generator=torch.Generator().manual_seed(0)).tolist()
+    with glmserve_process(args, tmp_path / "server.log") as process, \
+            httpx.Client(base_url=process.base_url, timeout=300) as http:
+        wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", process.log)
+        response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == 800
+        text = http.get("/metrics").text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["glmserve_kv_stream_offloaded_chunks_total"] >= (800 - 480) // 64
+    assert samples["glmserve_kv_stream_read_slices_total"] > 0
+    assert samples["glmserve_kv_stream_bytes"] == 0  # the finished request's chunks are gone

@@ -161,7 +161,7 @@ class AsyncEngine:
     def storage_stats(self) -> StorageStats | None:
         """KV tier and session store traffic and bytes, read now (None before the model is loaded)."""
         llm = self._llm
-        return None if llm is None else storage_stats(llm.kv_tiers, llm.sessions)
+        return None if llm is None else storage_stats(llm.kv_tiers, llm.sessions, llm.kv_offload)
 
     @property
     def num_requests(self) -> int:

@@ -24,6 +24,7 @@ that streams is served dense rather than approximately).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import threading
@@ -123,7 +124,7 @@ class ColdChunk:
 @dataclass
 class OffloadStats:
     offloaded_chunks: int = 0
-    offloaded_bytes: int = 0  # currently held outside the pool
+    offloaded_bytes: int = 0  # currently held outside the pool (a gauge)
     offload_seconds: float = 0.0  # gather + copy out, in the engine step
     streamed_slices: int = 0  # layer slices read back by attention
     skipped_slices: int = 0  # layer slices sparse decode did not need (no selected token in the chunk)
@@ -265,6 +266,11 @@ class RunningKVOffload:
                 self.stats.streamed_slices += 1
                 self.stats.stream_seconds += time.perf_counter() - start
             yield chunk, kv
+
+    def snapshot(self) -> OffloadStats:
+        """A copy of the counters, safe to read from another thread (the server's /metrics)."""
+        with self.lock:
+            return dataclasses.replace(self.stats)
 
     def count_skipped(self, slices: int) -> None:
         with self.lock:
