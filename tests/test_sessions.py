@@ -348,7 +348,8 @@ def _step_until_finished(engine, request_id: str):
 
 def test_session_restore_reads_while_other_requests_run(tiny_model_dir, tmp_path: Path) -> None:
     """The session's chunks are read in a reader thread: the engine keeps stepping other requests meanwhile,
-    the waiting request is scheduled once they are in, and its output equals a cold run."""
+    loads the chunks one per step while another request runs, then schedules the waiting request, whose
+    output equals a cold run."""
     from glmserve.config import EngineConfig
     from glmserve.engine.llm_engine import LLMEngine
     from glmserve.engine.sampling import SamplingParams
@@ -371,7 +372,12 @@ def test_session_restore_reads_while_other_requests_run(tiny_model_dir, tmp_path
     other = _step_until_finished(engine, "other")  # runs to its end while the session's chunk read waits
     assert len(other.outputs[0].token_ids) == 6 and "resumed" in engine.restoring
     assert engine.stats().num_waiting == 1 and engine.sessions.stats.restores == 0
+    engine.add_request("other2", _prompt(9, 40), params)
     store.gate.set()
+    restore = engine.restoring["resumed"][1]
+    restore.future.result(timeout=10)
+    engine.step()  # with another request running, one chunk is loaded per step
+    assert engine.sessions.stats.restored_chunks == 1 and "resumed" in engine.restoring
     resumed = _step_until_finished(engine, "resumed")
     assert resumed.num_cached_tokens == 52
     assert_same_output(resumed, cold)

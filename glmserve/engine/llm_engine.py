@@ -263,16 +263,16 @@ class LLMEngine:
         return [self._output(r) for r in touched.values()]
 
     def _admit_restored(self) -> None:
-        """Requests whose session KV has been read: load it into the pool and let them be scheduled. With
-        nothing else to run, wait a little for a read rather than spin."""
+        """Requests whose session KV has been read: load it into the pool (one chunk per step while others
+        run), then let them be scheduled. With nothing else to run, wait a little for a read rather than spin."""
         if not self.restoring:
             return
-        if not (self.scheduler.running or self.scheduler.waiting):
+        idle = not (self.scheduler.running or self.scheduler.waiting)
+        if idle:
             wait_for_any([restore for _, restore in self.restoring.values()], RESTORE_POLL_S)
         for request_id, (request, restore) in list(self.restoring.items()):
-            if restore.done():
+            if restore.done() and self.sessions.load_restored(restore, None if idle else 1):  # type: ignore[union-attr]
                 del self.restoring[request_id]
-                self.sessions.finish_restore(restore)  # type: ignore[union-attr]
                 self.scheduler.add(request.seqs[0])
 
     def _save_session(self, seq: Sequence, partial: bool = False) -> None:

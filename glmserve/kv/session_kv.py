@@ -15,13 +15,15 @@ Restore, in two halves so that reading never blocks the engine step. `start_rest
 when a request with a session id is added) finds the prompt's full blocks that the device prefix cache
 does not hold and hands the slow part to a reader thread: wait for the session's pending write, read
 the session's chunks (`load_prefix`: tokens must match exactly, checksums must hold) and turn them into
-tensors. The request is not scheduled meanwhile; other requests keep running. `finish_restore`
+tensors. The request is not scheduled meanwhile; other requests keep running. `load_restored`
 (engine thread, once the read is done) writes the chunks into free pool blocks (`KVBlockIO.scatter`,
-which also refreshes per-block metadata such as block-indexer bounds); they get the same chained
+which also refreshes per-block metadata such as block-indexer bounds and learned index keys: most of
+its cost), one chunk per engine step while other requests run (their step grows by one chunk's copy,
+not the whole session's), all at once when nothing else runs. Loaded blocks get the same chained
 hashes the BlockManager gives computed blocks and are left free-but-cached at the most-recently-used
 end, so the request's admission hits them like any cached prefix and counts them as cached tokens.
-Nothing is loaded when the pool could not hold the whole prompt, or when the device prefix the chunks
-continue was evicted during the read; a missing or corrupt chunk ends the loaded prefix (recomputed).
+A chunk is not loaded when the pool could not hold the rest of the prompt, or when the device prefix
+it continues was evicted meanwhile; a missing or corrupt chunk ends the loaded prefix (recomputed).
 
 `SessionKV.stats` counts restores, misses, saves and bytes (the server's /metrics reads it).
 """
@@ -104,12 +106,14 @@ class SessionStats:
 
 @dataclass
 class PendingRestore:
-    """A session's chunks being read in a reader thread, for a request that waits until they are in."""
+    """A session's chunks being read in a reader thread, then loaded, for a request that waits meanwhile."""
 
     hashes: list[int]  # the prompt's full-block hashes
     prompt_blocks: int  # blocks the whole prompt takes
     first_chunk: int  # the first chunk read (the ones before it were on the device)
     future: Future[tuple[list[torch.Tensor], float]]  # chunks as tensors, seconds spent reading
+    chunks: list[torch.Tensor] | None = None  # the read's result, once taken by the engine thread
+    next_chunk: int = 0  # index into `chunks` of the next one to load
 
     def done(self) -> bool:
         return self.future.done()
@@ -232,53 +236,64 @@ class SessionKV:
             chunks.append(data)
         return chunks, time.perf_counter() - start
 
-    def finish_restore(self, restore: PendingRestore) -> int:
-        """Engine thread, once `restore.done()`: load the chunks read into the prefix cache; returns how many
-        tokens were loaded (those on the device meanwhile are not counted)."""
+    def load_restored(self, restore: PendingRestore, max_chunks: int | None = None) -> bool:
+        """Engine thread, once `restore.done()`: load up to `max_chunks` (None: all) more of the chunks read into
+        the prefix cache; True when the restore is over (every chunk loaded, or the rest left to recompute)."""
+        start = time.perf_counter()
+        if restore.chunks is None:
+            restore.chunks = self._take_read(restore)
+        chunks = restore.chunks
+        end = len(chunks) if max_chunks is None else min(len(chunks), restore.next_chunk + max_chunks)
+        while restore.next_chunk < end:
+            if not self._load_chunk(restore, restore.first_chunk + restore.next_chunk, chunks[restore.next_chunk]):
+                restore.next_chunk = len(chunks)  # the rest is recomputed
+                break
+            restore.next_chunk += 1
+        self.stats.restore_load_seconds += time.perf_counter() - start
+        return restore.next_chunk >= len(chunks)
+
+    def _take_read(self, restore: PendingRestore) -> list[torch.Tensor]:
         try:
             chunks, read_seconds = restore.future.result()
         except Exception:  # an unreachable store costs a recompute, never the request
             logger.exception("reading a session's KV failed; its prompt is recomputed")
             chunks, read_seconds = [], 0.0
-        start = time.perf_counter()
-        loaded = self._load(restore, chunks)
-        stats = self.stats
-        stats.restores += 1
-        stats.restore_misses += not chunks
-        stats.restored_tokens += loaded
-        stats.restore_read_seconds += read_seconds
-        stats.restore_load_seconds += time.perf_counter() - start
-        return loaded
+        self.stats.restores += 1
+        self.stats.restore_misses += not chunks
+        self.stats.restore_read_seconds += read_seconds
+        return chunks
 
     def _device_prefix(self, hashes: list[int]) -> int:
         """How many of the leading blocks `hashes` names are cached on the device."""
         cached = self.blocks.hash_to_block
         return next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
 
-    def _load(self, restore: PendingRestore, chunks: list[torch.Tensor]) -> int:
-        bs, hashes = self.blocks.block_size, restore.hashes
+    def _load_chunk(self, restore: PendingRestore, c: int, data: torch.Tensor) -> bool:
+        """Writes chunk `c` (its blocks not on the device) into free blocks; False when it cannot be used: the
+        device prefix does not reach its start (evicted meanwhile), no room for the rest of the prompt, or it
+        is longer than the prompt's full blocks (never stored so)."""
+        hashes, start = restore.hashes, c * self.chunk_blocks
         on_device = self._device_prefix(hashes)
-        if on_device < restore.first_chunk * self.chunk_blocks:  # evicted during the read: a gap
-            return 0
+        if on_device < start:
+            return False
         # the device hits are needed by this request: keep them out of reach of the blocks taken below
         cached = self.blocks.hash_to_block
         hit_free = self.blocks.protect_free_hits([cached[h] for h in hashes[:on_device]])
         if restore.prompt_blocks - on_device + hit_free > self.blocks.num_free_blocks:
-            return 0
-        loaded = 0
-        for c, data in enumerate(chunks, restore.first_chunk):
-            start = c * self.chunk_blocks
-            total = data.numel() // self.io.elems_per_block
-            skip = max(0, on_device - start)
-            wanted = hashes[start + skip:start + total]
-            if len(wanted) != total - skip:  # a chunk longer than the prompt's full blocks: never stored so
-                break
-            new_blocks = self.blocks.take_free_blocks(len(wanted))
-            self.io.scatter(torch.tensor(new_blocks, dtype=torch.long), data, first=skip)
-            self.blocks.cache_blocks(new_blocks, wanted)
-            loaded += len(new_blocks) * bs
-            self.stats.restored_chunks += bool(new_blocks)
-        return loaded
+            return False
+        total = data.numel() // self.io.elems_per_block
+        skip = on_device - start
+        wanted = hashes[start + skip:start + total]
+        if skip >= total:  # on the device already (computed meanwhile)
+            return True
+        if len(wanted) != total - skip:
+            return False
+        new_blocks = self.blocks.take_free_blocks(len(wanted))
+        self.io.scatter(torch.tensor(new_blocks, dtype=torch.long), data, first=skip)
+        self.blocks.cache_blocks(new_blocks, wanted)
+        self.stats.restored_chunks += 1
+        self.stats.restored_tokens += len(new_blocks) * self.blocks.block_size
+        return True
 
     # -- the HTTP API ---------------------------------------------------------------------------------
     def info(self, session_id: str) -> dict | None:
