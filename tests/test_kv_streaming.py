@@ -18,12 +18,17 @@ BS, CHUNK, STEP = 4, 16, 16  # block size, chunk tokens, prefill tokens per step
 POOL_BLOCKS = 14  # 56 tokens: the first chunk, a chunk filling up, a step's tokens and a block (52) fit
 
 
-def _engine(model_dir, tmp_path, **kw) -> LLM:
-    """An engine on a pool of POOL_BLOCKS blocks (K/V and block-indexer bounds) streaming to tmp_path."""
+def _pool_bytes(model_dir, blocks: int) -> int:
+    """A KV budget of `blocks` usable blocks (K/V and block-indexer bounds) plus the null block."""
     probe = LLM(model=str(model_dir), dtype="float32", block_size=BS, max_model_len=64).engine
-    per_block = probe.kv_io.bytes_per_block + block_bounds_bytes(probe.runner.model, torch.float32)
-    kw.setdefault("kv_cache_memory_bytes", (POOL_BLOCKS + 1) * per_block)
-    return LLM(model=str(model_dir), dtype="float32", block_size=BS, kv_chunk_tokens=CHUNK, max_model_len=400,
+    return (blocks + 1) * (probe.kv_io.bytes_per_block + block_bounds_bytes(probe.runner.model, torch.float32))
+
+
+def _engine(model_dir, tmp_path, **kw) -> LLM:
+    """An engine on a pool of POOL_BLOCKS blocks streaming to tmp_path (unless `kw` says otherwise)."""
+    kw.setdefault("kv_cache_memory_bytes", _pool_bytes(model_dir, POOL_BLOCKS))
+    kw.setdefault("max_model_len", 400)
+    return LLM(model=str(model_dir), dtype="float32", block_size=BS, kv_chunk_tokens=CHUNK,
                max_num_batched_tokens=STEP, kv_disk_dir=str(tmp_path / "kv"), **kw)
 
 
@@ -85,6 +90,9 @@ def test_pool_too_small_or_no_room_for_chunks_is_a_clear_error(tiny_model_dir, t
         LLM(model=str(path), dtype="float32", block_size=BS, max_model_len=400, kv_cache_memory_bytes=20_000)
     with pytest.raises(InvalidRequestError, match="streaming KV chunks needs at least"):
         _engine(path, tmp_path, kv_cache_memory_bytes=20_000)
+    # a pool that holds max_model_len needs no streaming, however small: no minimum applies
+    small = _engine(path, tmp_path, max_model_len=40, kv_cache_memory_bytes=_pool_bytes(path, 11))
+    assert small.engine.block_manager.num_blocks * BS < 2 * CHUNK + STEP + BS and small.engine.kv_offload is None
     from test_glm_moe_dsa import make_model
 
     with pytest.raises(InvalidRequestError, match="kv_disk_dir"):  # MLA attention does not stream

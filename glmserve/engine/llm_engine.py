@@ -89,7 +89,7 @@ class LLMEngine:
             bytes_per_block += config.block_size * index_key_bytes_per_token(self.learned_indexer, kv_dtype)
         num_blocks = self._kv_budget() // bytes_per_block
         pool_tokens = (num_blocks - 1) * config.block_size
-        streaming = self._streaming_possible(loaded.model)
+        streaming = pool_tokens < self.max_model_len and self._streaming_possible(loaded.model)
         if pool_tokens < self.max_model_len and not streaming:
             raise InvalidRequestError(
                 f"KV cache budget holds {pool_tokens} tokens, less than max_model_len {self.max_model_len}; raise "
@@ -122,7 +122,7 @@ class LLMEngine:
             self.block_manager, self.kv_io, config.kv_chunk_tokens, loaded.model.num_layers,
             host_tier_budget(config.kv_host_memory_bytes, self.device), config.kv_disk_dir, config.kv_disk_bytes,
             functools.partial(gather_block_bounds, loaded.model) if "block" in self.sparse_modes else None,
-        ) if streaming and pool_tokens < self.max_model_len else None
+        ) if streaming else None
         self.runner.offload = self.kv_offload
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.kv_offload)
