@@ -84,6 +84,22 @@ def test_chunks_are_dropped_on_abort_and_prefix_of_a_streamed_prompt_is_reused(h
     check_against_reference(hf_model, prompt, out.outputs[0])
 
 
+@pytest.mark.timeout(120)
+def test_prefix_loaded_back_as_large_as_the_pool_does_not_block_admission(hf_llama, tmp_path):
+    """A 48-token prompt spilled to the disk tier, then a 250-token prompt extending it: its prefix comes back
+    from disk and fills most of the pool; admission trims the hits instead of waiting forever for room."""
+    path, hf_model = hf_llama
+    llm = _engine(path, tmp_path)
+    short, other, tail = _prompts((48, 52, 202), seed=9)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    llm.generate([short], params)
+    llm.generate([other], params)  # evicts the short prompt's chunks: they go to the disk tier
+    llm.engine.kv_tiers.wait()
+    out = llm.generate([short + tail], params)[0]
+    assert llm.engine.kv_tiers.stats.loaded_chunks >= 2 and out.num_cached_tokens >= CHUNK
+    check_against_reference(hf_model, short + tail, out.outputs[0])
+
+
 def test_pool_too_small_or_no_room_for_chunks_is_a_clear_error(tiny_model_dir, tmp_path):
     path = tiny_model_dir("llama")
     with pytest.raises(InvalidRequestError, match="kv_disk_dir"):

@@ -107,13 +107,19 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> bool:
         hits = self.blocks.match_prefix(seq)
-        cached = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1)
-        num_new = min(seq.num_tokens - cached, budget)
-        total_blocks = -(-(cached + num_new) // self.blocks.block_size)
-        new_blocks = max(0, total_blocks - len(hits))
-        while new_blocks + self._free_hits(hits) > self.blocks.num_free_blocks:
-            if not self._offload_one(first=None):
+        while True:
+            cached = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1)
+            num_new = min(seq.num_tokens - cached, budget)
+            new_blocks = max(0, -(-(cached + num_new) // self.blocks.block_size) - len(hits))
+            if new_blocks + self._free_hits(hits) <= self.blocks.num_free_blocks:
+                break
+            if self._offload_one(first=None):
+                continue
+            if self.offload is None or not hits:
                 return False
+            # streaming: a cached prefix as large as the pool leaves no room to go on; its tail is recomputed
+            # (and offloaded in turn) instead of waiting for room that never comes
+            hits = hits[:max(0, len(hits) - self.offload.chunk_blocks)]
         self.waiting.pop(0)
         self.blocks.admit(seq, hits)
         allocated = self.blocks.allocate(seq, num_new)
