@@ -58,7 +58,7 @@ def sparse_ops() -> ModuleType | None:
     learned_scores(qi [B,Hi,d] f32, w [B,Hi] f32 (times the scale), keys [slots,d], tables [B,W] i64, block_size,
                    length, ctx [B] i64, distance_bias [NB] f32, sink_bias [S] f32) -> [B,length];
     select_slots(scores [B,U] f32, unit_size, ctx [B], top_k [B], threshold [B] f32, sink [B], local [B],
-                 kv_slots [B,L]) -> [slots [B,W], lengths [B]]."""
+                 kv_slots [B,L], pins [B,P] i64 (pinned units, -1 = none)) -> [slots [B,W], lengths [B]]."""
     return _load("glmserve_sparse", "sparse.cpp")
 
 

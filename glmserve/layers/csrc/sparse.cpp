@@ -225,15 +225,17 @@ struct ThresholdTest {
 // finding the bin of the k-th largest, then one of the low 16 bits of that bin's values. Two branch-light
 // passes instead of nth_element's mispredicted compares (a 128K-token decode row: ~2 ms -> a few 0.1 ms),
 // as fast when many scores are equal.
-std::pair<float, int64_t> kth_largest(const float* x, int64_t m, int64_t k, const ThresholdTest& test,
-                                      std::vector<int32_t>& hist) {
+// `skip` (null: none) marks values left out (pinned units).
+std::pair<float, int64_t> kth_largest(const float* x, const char* skip, int64_t m, int64_t k,
+                                      const ThresholdTest& test, std::vector<int32_t>& hist) {
   uint32_t prefix = 0;
   int64_t above = 0;  // passing values above the bins left
   for (int shift : {16, 0}) {
     hist.assign(int64_t{1} << 16, 0);
     for (int64_t i = 0; i < m; ++i) {
       const uint32_t key = order_key(x[i]);
-      if ((shift == 0 ? key >> 16 == prefix >> 16 : true) && test.passes(x[i])) ++hist[(key >> shift) & 0xffffu];
+      if ((shift == 0 ? key >> 16 == prefix >> 16 : true) && !(skip && skip[i]) && test.passes(x[i]))
+        ++hist[(key >> shift) & 0xffffu];
     }
     uint32_t bin = (1u << 16) - 1;
     while (above + hist[bin] < k) above += hist[bin--];
@@ -243,11 +245,14 @@ std::pair<float, int64_t> kth_largest(const float* x, int64_t m, int64_t k, cons
 }
 
 // The selection rule of glmserve/sparse/settings.py for one row; kept positions, ascending. Candidates
-// (units not wholly kept anyway) are a contiguous range of units; the budget's cut is the budget-th largest
-// passing candidate score (kth_largest): the kept candidates are those above it plus, of those equal to it,
-// the earliest ones (ties go to the earlier unit); one pass in unit order then writes the positions.
+// (units not wholly kept anyway) are a contiguous range of units; pinned candidates (`pins`: ascending unit
+// indices, -1 = none; glmserve/sparse/pinning.py) are kept and take their share of the budget first.
+// The budget's cut is the budget-th largest passing unpinned candidate score (kth_largest): the kept
+// candidates are those above it plus, of those equal to it, the earliest ones (ties go to the earlier
+// unit); one pass in unit order then writes the positions.
 void select_row(const float* scores, int64_t U, int64_t n, int64_t top_k, float threshold, int64_t sink,
-                int64_t local, std::vector<int64_t>& out, std::vector<int32_t>& hist) {
+                int64_t local, const int64_t* pins, int64_t num_pins, std::vector<int64_t>& out,
+                std::vector<int32_t>& hist, std::vector<char>& pinned) {
   const bool whole = threshold < 0 && (top_k < 0 || n <= top_k);
   if (whole) {
     out.resize(n);
@@ -265,32 +270,48 @@ void select_row(const float* scores, int64_t U, int64_t n, int64_t top_k, float 
     for (int64_t u = u_begin; u < u_end; ++u) lo = std::min(lo, scores[u]), hi = std::max(hi, scores[u]);
     test = {hi - lo > 0, lo, hi - lo, threshold};
   }
-  // the budget left after sinks and local window, in whole units: the best ones
-  const int64_t budget = top_k < 0 ? -1 : std::max<int64_t>(0, top_k - std::min(n, sink + local)) / U;
-  bool capped = false;  // more candidates pass than the budget takes
+  // pinned candidates: marked in `pinned` (indexed from u_begin), null when the row has none
+  int64_t num_pinned = 0;
+  const char* skip = nullptr;
+  for (int64_t i = 0; i < num_pins; ++i) {
+    const int64_t u = pins[i];
+    if (u < u_begin || u >= u_end) continue;  // -1 padding, or a unit kept anyway / past the context
+    if (skip == nullptr) pinned.assign(u_end - u_begin, 0), skip = pinned.data();
+    num_pinned += !pinned[u - u_begin];
+    pinned[u - u_begin] = 1;
+  }
+  const auto is_pinned = [&](int64_t u) { return skip != nullptr && skip[u - u_begin] != 0; };
+  // the budget left after sinks, local window and pins, in whole units: the best ones
+  const int64_t total = top_k < 0 ? -1 : std::max<int64_t>(0, top_k - std::min(n, sink + local)) / U;
+  const int64_t budget = total < 0 ? -1 : std::max<int64_t>(0, total - num_pinned);
+  bool capped = false;  // more unpinned candidates pass than the budget takes
   float cut = 0.f;
   int64_t ties = 0;  // candidates equal to the cut still to keep
-  if (budget >= 0 && u_end - u_begin > budget) {
-    int64_t passing = u_end - u_begin;
+  if (budget >= 0 && u_end - u_begin - num_pinned > budget) {
+    int64_t passing = u_end - u_begin - num_pinned;
     if (test.on) {
       passing = 0;
-      for (int64_t u = u_begin; u < u_end; ++u) passing += test.passes(scores[u]);
+      for (int64_t u = u_begin; u < u_end; ++u) passing += !is_pinned(u) && test.passes(scores[u]);
     }
     capped = passing > budget;
     if (capped && budget > 0) {
       int64_t larger;
-      std::tie(cut, larger) = kth_largest(scores + u_begin, u_end - u_begin, budget, test, hist);
+      std::tie(cut, larger) = kth_largest(scores + u_begin, skip, u_end - u_begin, budget, test, hist);
       ties = budget - larger;
     }
   }
-  out.resize(capped ? std::min(n, sink + local + (budget + 2) * U) : n);  // room for every kept position
+  // room for every kept position
+  out.resize(capped ? std::min(n, sink + local + (budget + num_pinned + 2) * U) : n);
   int64_t* o = out.data();
   int64_t count = 0;
   for (int64_t j = 0; j < std::min(n, u_begin * U); ++j) o[count++] = j;
   for (int64_t u = u_begin; u < u_end; ++u) {
     const float x = scores[u];
-    bool keep = test.passes(x);
-    if (keep && capped) keep = budget > 0 && (x > cut || (x == cut && ties-- > 0));
+    bool keep = is_pinned(u);
+    if (!keep) {
+      keep = test.passes(x);
+      if (keep && capped) keep = budget > 0 && (x > cut || (x == cut && ties-- > 0));
+    }
     const int64_t start = u * U, end = std::min(start + U, n);
     for (int64_t j = start; j < end; ++j)
       if (keep || j < sink || j >= local_start) o[count++] = j;
@@ -303,22 +324,26 @@ void select_row(const float* scores, int64_t U, int64_t n, int64_t top_k, float 
 
 std::vector<at::Tensor> select_slots(const at::Tensor& scores, int64_t unit_size, const at::Tensor& ctx_lens,
                                      const at::Tensor& top_k, const at::Tensor& threshold, const at::Tensor& sink,
-                                     const at::Tensor& local, const at::Tensor& kv_slots) {
+                                     const at::Tensor& local, const at::Tensor& kv_slots, const at::Tensor& pins) {
   TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.dim() == 2, "scores: [B, U] f32");
   TORCH_CHECK(kv_slots.scalar_type() == at::kLong && kv_slots.is_contiguous() && kv_slots.dim() == 2, "kv_slots");
   for (const auto* t : {&ctx_lens, &top_k, &sink, &local})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "per-row settings: [B] int64");
   TORCH_CHECK(threshold.scalar_type() == at::kFloat && threshold.is_contiguous(), "threshold: [B] float32");
+  TORCH_CHECK(pins.scalar_type() == at::kLong && pins.is_contiguous() && pins.dim() == 2 && pins.size(0) == scores.size(0),
+              "pins: [B, P] int64");
   const int64_t B = scores.size(0), NU = scores.size(1), L = kv_slots.size(1);
   const int64_t* n = ctx_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(n[b] <= L && (n[b] + unit_size - 1) / unit_size <= NU, "context");
+  const int64_t P = pins.size(1);
   std::vector<std::vector<int64_t>> rows(B);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> hist;
+    std::vector<char> pinned;
     for (int64_t b = begin; b < end; ++b)
       select_row(scores.data_ptr<float>() + b * NU, unit_size, n[b], top_k.data_ptr<int64_t>()[b],
-                 threshold.data_ptr<float>()[b], sink.data_ptr<int64_t>()[b], local.data_ptr<int64_t>()[b], rows[b],
-                 hist);
+                 threshold.data_ptr<float>()[b], sink.data_ptr<int64_t>()[b], local.data_ptr<int64_t>()[b],
+                 pins.data_ptr<int64_t>() + b * P, P, rows[b], hist, pinned);
   });
   int64_t width = 1;
   for (const auto& r : rows) width = std::max<int64_t>(width, r.size());
