@@ -139,7 +139,8 @@ class Recorder:
         modes = g.sparse.modes - {"dense"}
         scores = {m: layer.indexers[m].unit_scores(q, g) for m in modes}
         units = {m: layer.indexers[m].unit_size for m in modes}
-        keep = selection.decode_keep_mask(scores, units, g.context_lens, g.sparse, g.kv_slots.shape[1])
+        pins = None if g.sparse.pins is None else g.sparse.pins[layer.layer_index]
+        keep = selection.decode_keep_mask(scores, units, g.context_lens, g.sparse, g.kv_slots.shape[1], pins)
         keys, _ = layer._gather(g.kv_slots, q.dtype)  # [Hkv, B, L, D]
         b = q.shape[0]
         qg = q.view(b, layer.num_kv_heads, -1, layer.head_dim).transpose(0, 1)

@@ -28,6 +28,7 @@ from glmserve.layers import attention
 from glmserve.layers.attention import GroupMetadata, PagedAttention
 from glmserve.sparse import SparseAttentionParams, resolve_sparse_params
 from glmserve.sparse import block as block_module
+from glmserve.sparse import pinning
 from glmserve.sparse import selection as selection_module
 from glmserve.sparse.block import BlockIndexer
 from glmserve.sparse.indexer import paged_attention_layers
@@ -78,22 +79,24 @@ def test_resolve_request_over_server_over_mode_defaults():
 
 # -- selection ---------------------------------------------------------------------------------------------------
 
-def reference_keep(scores: torch.Tensor, unit: int, ctx: int, p: SparseAttentionParams, length: int) -> set[int]:
-    """The documented rule, one row at a time."""
+def reference_keep(scores: torch.Tensor, unit: int, ctx: int, p: SparseAttentionParams, length: int,
+                   pins: tuple[int, ...] = ()) -> set[int]:
+    """The documented rule, one row at a time; `pins`: the row's pinned units (kept, within the budget)."""
     if p.mode == "dense" or (p.threshold is None and p.top_k is not None and ctx <= p.top_k):
         return set(range(ctx))
     kept = {j for j in range(ctx) if j < p.sink_tokens or j >= ctx - p.local_tokens}
     cand = [u for u in range(math.ceil(length / unit))
             if u * unit < ctx and not (min((u + 1) * unit, ctx) <= p.sink_tokens or u * unit >= ctx - p.local_tokens)]
-    ranked = sorted(cand, key=lambda u: -float(scores[u]))
+    pinned = [u for u in cand if u in pins]
+    ranked = sorted((u for u in cand if u not in pins), key=lambda u: -float(scores[u]))
     if p.threshold is not None and cand:
-        s = scores[cand].float()
+        s = scores[cand].float()  # normalized over every candidate, pinned ones included
         lo, hi = s.min(), s.max()
         norm = {u: float((scores[u] - lo) / (hi - lo)) if hi > lo else 1.0 for u in cand}
         ranked = [u for u in ranked if norm[u] >= p.threshold]
     if p.top_k is not None:
-        ranked = ranked[: max(0, p.top_k - min(ctx, p.sink_tokens + p.local_tokens)) // unit]
-    for u in ranked:
+        ranked = ranked[: max(0, max(0, p.top_k - min(ctx, p.sink_tokens + p.local_tokens)) // unit - len(pinned))]
+    for u in ranked + pinned:
         kept |= {j for j in range(u * unit, (u + 1) * unit) if j < ctx}
     return kept
 
@@ -132,6 +135,48 @@ def test_selection_matches_reference_rule(unit, backend):
         assert set(range(min(p.sink_tokens, n))) | set(range(max(0, n - p.local_tokens), n)) <= set(got)
         if p.top_k is not None and p.mode != "dense":
             assert len(got) <= max(p.top_k, min(n, p.sink_tokens + p.local_tokens))
+
+
+@pytest.mark.parametrize("unit", [1, 4, BLOCK])
+def test_pinned_units_are_kept_within_the_budget(unit, backend):
+    """Rows with pinned units (glmserve/sparse/pinning.py; some past the context, in the sinks or the local
+    window, repeated, or -1): the C++ kernel (backend "kernel") and the torch path both give the reference."""
+    gen = torch.Generator().manual_seed(100 + unit)
+    b, length = 24, 300
+    num_units = math.ceil(length / unit)
+    ctx = torch.randint(1, length + 1, (b,), generator=gen)
+    params = [random_params(gen, "block") for _ in range(b)]
+    params[1] = SparseAttentionParams("dense")
+    pins = torch.randint(-1, num_units + 2, (b, 12), generator=gen)
+    pins[2] = -1  # a row without pins
+    rows = SparseRows.from_params(params, torch.device("cpu"))
+    scores = torch.randn(b, num_units, generator=gen)
+    kv_slots = torch.where(torch.arange(length) < ctx[:, None], torch.randint(1, 10_000, (b, length)), 0)
+    keep = decode_keep_mask({"block": scores}, {"block": unit}, ctx, rows, length, pins)
+    positions, slots, lengths = compact(keep, kv_slots)
+    fast_slots, fast_lengths = select_slots({"block": scores}, {"block": unit}, ctx, rows, kv_slots, pins)
+    assert torch.equal(fast_lengths, lengths) and torch.equal(fast_slots, slots)
+    for i, p in enumerate(params):
+        n = int(ctx[i])
+        expected = reference_keep(scores[i], unit, n, p, length, tuple(pins[i].tolist()) if p.mode != "dense" else ())
+        assert positions[i, : int(lengths[i])].tolist() == sorted(expected), (i, p, n)
+
+
+def test_pins_take_the_observed_mass_by_block_within_half_the_budget():
+    """Pins: blocks of 16 positions by observed attention mass, each block scoring its neighbours' mass too,
+    at most half of the budget left after sinks and local window; token units get the blocks' tokens."""
+    ctx = torch.tensor([400])
+    mass = torch.full((1, 400), 1e-4)
+    mass[0, 100] = 0.5  # block 6
+    mass[0, 250:252] = 0.2  # block 15
+    params = SparseAttentionParams("block", top_k=16 + 64 + 2 * 48, sink_tokens=16, local_tokens=64)
+    rows = SparseRows.from_params([params], torch.device("cpu"))
+    assert pinning.choose_pins(mass, BLOCK, ctx, rows).tolist() == [[5, 6, 7]]  # 48 tokens: half of 96
+    tokens = pinning.choose_pins(mass, 1, ctx, rows)[0].tolist()
+    assert tokens == list(range(80, 128))
+    wide = SparseRows.from_params([SparseAttentionParams("block", threshold=0.5, sink_tokens=16, local_tokens=64)],
+                                  torch.device("cpu"))  # no budget: half of PIN_BUDGET, far more than 20 blocks
+    assert pinning.choose_pins(mass, BLOCK, ctx, wide).tolist() == [list(range(1, 21))]
 
 
 @pytest.mark.skipif(selection_module.sparse_ops() is None, reason="C++ kernels unavailable")
@@ -321,7 +366,7 @@ def test_bounds_exact_after_prefix_hits_and_block_reuse(llm):
     recomputed = llm.generate([prompt(10, 180)], GREEDY, sparse=sparse)[0]  # its blocks were evicted
     assert recomputed.num_cached_tokens == 0
     hit = llm.generate([prompt(10, 180)], GREEDY, sparse=sparse)[0]
-    assert hit.num_cached_tokens >= 160
+    assert hit.num_cached_tokens == 180 - 32  # the last 32 tokens are recomputed: their queries choose the pins
     assert_same(hit, first, atol=1e-5)
     bm = engine.block_manager
     blocks = [b for b, h in enumerate(bm.block_to_hash) if h is not None]
@@ -330,6 +375,31 @@ def test_bounds_exact_after_prefix_hits_and_block_reuse(llm):
         keys = attn.kv_cache[0]
         for block in blocks:
             check_bounds(attn.indexers["block"], keys, block, BLOCK)
+
+
+def test_question_pins_reach_every_decode_step_of_their_sequence(llm, monkeypatch):
+    """The prompt's last queries pin blocks per layer; every decode step of that sequence keeps them, within
+    half of the budget; observe_tokens 0 pins nothing."""
+    seen = []
+    original = PagedAttention.select
+
+    def recording(self, q, g):
+        slots, lengths = original(self, q, g)
+        pins = None if g.sparse.pins is None else g.sparse.pins[self.layer_index, 0]
+        seen.append((pins, set(slots[0, : int(lengths[0])].tolist()), g.kv_slots[0], int(g.context_lens[0])))
+        return slots, lengths
+
+    monkeypatch.setattr(PagedAttention, "select", recording)
+    sparse = {"mode": "block", "top_k": 128, "sink_tokens": 4, "local_tokens": 16}
+    llm.generate([prompt(40, 300)], GREEDY, sparse=sparse)
+    assert len(seen) == 5 * len(paged_attention_layers(llm.engine.runner.model))  # 5 decode steps, every layer
+    for pins, attended, kv_slots, ctx in seen:
+        pinned = pins[pins >= 0].tolist()
+        assert 0 < len(pinned) * BLOCK <= (128 - 20) // 2
+        assert {int(kv_slots[j]) for u in pinned for j in range(u * BLOCK, min(ctx, (u + 1) * BLOCK))} <= attended
+    seen.clear()
+    llm.generate([prompt(41, 300)], GREEDY, sparse={**sparse, "observe_tokens": 0})
+    assert seen and all(pins is None for pins, *_ in seen)
 
 
 def test_bounds_follow_kv_loaded_straight_into_the_pool(llm):

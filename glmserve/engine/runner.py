@@ -12,6 +12,7 @@ from glmserve.engine.sequence import Sequence
 from glmserve.kv.offload import RunningKVOffload
 from glmserve.layers.attention import AttentionMetadata, ColdRows, GroupMetadata
 from glmserve.layers.sampler import sample
+from glmserve.sparse.pinning import Observation, decode_pins
 from glmserve.sparse.selection import SparseRows
 from glmserve.sparse.settings import SparseAttentionParams
 
@@ -34,6 +35,8 @@ class ModelRunner:
         input_ids, positions, meta, logits_index = self._prepare(batch)
         sampling = [s.seq for s in batch if s.samples]
         logits = self.model(input_ids, positions, meta, logits_index)
+        if meta.prefill is not None and meta.prefill.observe is not None:
+            meta.prefill.observe.assign()  # question-pinned units of the sequences whose prompt ended
         if not sampling:
             return []
         tokens, logprobs = sample(logits, sampling)
@@ -73,13 +76,15 @@ class ModelRunner:
                 decode.block_tables = tables[rows].to(dev)
             # rows all dense on a model without its own indexer: the dense fast path
             if self.native_sparse or any(p.mode != "dense" for p in params):
-                decode.sparse = SparseRows.from_params(params, dev)
+                decode.sparse = SparseRows.from_params(params, dev, decode_pins([s.seq for s in batch[rows]], dev))
                 decode.block_tables = tables[rows].to(dev)
         if num_decode < len(batch):
             rows = slice(num_decode, len(batch))
             first_token = (cu - lens)[rows]
             prefill = self._group(tables[rows], starts[rows], lens[rows], first_token - first_token[0], cold[rows],
                                   spans[rows])
+            prefill.observe = Observation.for_prefill([s.seq for s in batch[rows]], tables[rows], starts[rows],
+                                                      lens[rows], first_token, bs, dev)
         meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), decode=decode, prefill=prefill)
         return (torch.tensor(tokens, dtype=torch.long, device=dev), positions.to(dev), meta, logits_index.to(dev))
 

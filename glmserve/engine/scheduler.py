@@ -76,7 +76,7 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted by an earlier sequence of this step
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = seq.chunk_tokens(seq.num_computed_tokens, budget)
             while not self.blocks.allocate(seq, num_new):
                 if self._offload_one(first=seq):
                     continue
@@ -108,8 +108,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> bool:
         hits = self.blocks.match_prefix(seq)
         while True:
-            cached = min(len(hits) * self.blocks.block_size, seq.num_tokens - 1)
-            num_new = min(seq.num_tokens - cached, budget)
+            cached = min(len(hits) * self.blocks.block_size, seq.num_tokens - seq.recomputed_tail)
+            num_new = seq.chunk_tokens(cached, budget)
             new_blocks = max(0, -(-(cached + num_new) // self.blocks.block_size) - len(hits))
             if new_blocks + self._free_hits(hits) <= self.blocks.num_free_blocks:
                 break

@@ -47,6 +47,7 @@ class Sequence:
         self.priority = priority
         self.cache_salt = cache_salt
         self.sparse = sparse or SparseAttentionParams()  # decode attention: dense or a sparse mode
+        self.sparse_pins: torch.Tensor | None = None  # [layers, P] question-pinned units (glmserve/sparse/pinning.py)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at the first admission
@@ -71,6 +72,21 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def recomputed_tail(self) -> int:
+        """Last tokens a prefix-cache hit still recomputes: the last one (its logits), or the queries that pin
+        units for sparse decode (glmserve/sparse/pinning.py), so that pins never depend on the cache."""
+        pinned = self.sparse.mode in ("block", "learned") and self.sparse.observe_tokens > 0
+        return max(1, min(self.num_tokens, self.sparse.observe_tokens)) if pinned else 1
+
+    def chunk_tokens(self, start: int, budget: int) -> int:
+        """Tokens of the next chunk from `start` within `budget`: all that fit, but a chunked prefill leaves its
+        last chunk at least `recomputed_tail` tokens (the queries that choose pins are in the last chunk)."""
+        remaining = self.num_tokens - start
+        if remaining <= budget:
+            return remaining
+        return min(budget, remaining - self.recomputed_tail) if remaining > self.recomputed_tail else budget
 
     @property
     def is_finished(self) -> bool:

@@ -185,8 +185,8 @@ class BlockManager:
         seq.block_table = list(hit_blocks)
         seq.block_hashes = [self.block_to_hash[b] for b in hit_blocks]  # type: ignore[misc]
         cached = len(hit_blocks) * self.block_size
-        # the last token must be recomputed to get the logits of the next one
-        seq.num_computed_tokens = min(cached, seq.num_tokens - 1)
+        # the last token must be recomputed to get the logits of the next one (more: Sequence.recomputed_tail)
+        seq.num_computed_tokens = min(cached, seq.num_tokens - seq.recomputed_tail)
         first_admission = seq.num_output_tokens == 0
         if first_admission:
             seq.num_cached_tokens = seq.num_computed_tokens

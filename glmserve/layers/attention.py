@@ -30,6 +30,7 @@ from glmserve.errors import InvalidRequestError
 from glmserve.layers.cpu_kernels import paged_decode_lse_op, paged_decode_op
 from glmserve.layers.partial_attention import attention_with_lse, merge_attention
 from glmserve.sparse.indexer import Indexer
+from glmserve.sparse.pinning import Observation
 from glmserve.sparse.selection import SparseRows, keep_mask, select_slots
 from glmserve.sparse.settings import SparseAttentionParams
 
@@ -58,6 +59,7 @@ class GroupMetadata:
     context_lens: torch.Tensor | None = None  # [B] int64, decode group: keys per sequence
     block_tables: torch.Tensor | None = None  # [B, W] physical block ids, decode group
     sparse: SparseRows | None = None  # decode group: per-row sparse settings; None = every row dense
+    observe: Observation | None = None  # prefill group: rows whose prompt ends here choose their pinned units
     cold: ColdRows | None = None  # rows with offloaded chunks (their kv_slots list resident keys only)
 
 
@@ -100,6 +102,8 @@ class PagedAttention:
             offset = n
         if meta.prefill is not None:
             outs.append(self._prefill(q[offset:], k[offset:], v[offset:], meta.prefill))
+            if meta.prefill.observe is not None:
+                meta.prefill.observe.record(q, self)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
@@ -123,7 +127,8 @@ class PagedAttention:
             raise InvalidRequestError(f"sparse attention mode(s) {sorted(missing)} have no scorer on this layer")
         scores = {m: self.indexers[m].unit_scores(q, g) for m in modes}
         units = {m: self.indexers[m].unit_size for m in modes}
-        return select_slots(scores, units, g.context_lens, rows, g.kv_slots)
+        pins = None if rows.pins is None else rows.pins[self.layer_index]
+        return select_slots(scores, units, g.context_lens, rows, g.kv_slots, pins)
 
     def _decode(self, q: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         slots, lengths = (g.kv_slots, g.context_lens) if g.sparse is None else self.select(q, g)

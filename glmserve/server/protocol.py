@@ -64,6 +64,7 @@ class SparseAttentionRequest(BaseModel):
     threshold: float | None = None
     sink_tokens: int | None = None
     local_tokens: int | None = None
+    observe_tokens: int | None = None
 
 
 class SamplingRequest(_Request):

@@ -14,6 +14,16 @@ in `glmserve.sparse.selection`, per decode query):
   query (all equal -> all 1) and every unit with normalized score >= `threshold` is kept; when `top_k`
   is given too, at most the budget of units above is kept (the best-scoring ones).
 
+- question pins ("block" / "learned", `observe_tokens` > 0; glmserve/sparse/pinning.py, after SnapKV): when
+  prefill ends a prompt, the dense attention of its last `observe_tokens` queries (a prefix-cache hit
+  recomputes them: `Sequence.recomputed_tail`) picks blocks of 16 positions by
+  attention mass (mean over heads and queries, each block also scoring its neighbours' mass), at most
+  half of the budget left after sinks and local window (threshold-only rows: half of 2,048 tokens less
+  sinks and local window); for token-level scorers, all tokens of those blocks. Pins are per sequence
+  and per layer, and every decode step keeps them: sinks + local window + pins + the best other units,
+  the pinned candidates counting first against the budget (threshold mode: normalization still spans
+  every candidate, pinned ones included).
+
 "native" without `top_k` and `threshold` runs the model's own indexer exactly as trained (its
 `index_topk`, no extra sinks or local window); with either set, the generic rule above runs on the
 indexer's token scores.
@@ -32,12 +42,12 @@ DEFAULT_DSA_THRESHOLD = 0.35  # the seeds' dsa_threshold (named in the CLI help 
 
 # per mode, what an unset field becomes (request value first, then the server's flag, then this)
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "dense": {"top_k": None, "threshold": None, "sink_tokens": 0, "local_tokens": 0},
-    "block": {"top_k": 2048, "threshold": None, "sink_tokens": 16, "local_tokens": 256},
-    "learned": {"top_k": 2048, "threshold": None, "sink_tokens": 16, "local_tokens": 256},
-    "native": {"top_k": None, "threshold": None, "sink_tokens": 0, "local_tokens": 0},
+    "dense": {"top_k": None, "threshold": None, "sink_tokens": 0, "local_tokens": 0, "observe_tokens": 0},
+    "block": {"top_k": 2048, "threshold": None, "sink_tokens": 16, "local_tokens": 256, "observe_tokens": 32},
+    "learned": {"top_k": 2048, "threshold": None, "sink_tokens": 16, "local_tokens": 256, "observe_tokens": 32},
+    "native": {"top_k": None, "threshold": None, "sink_tokens": 0, "local_tokens": 0, "observe_tokens": 0},
 }
-TUNABLE_FIELDS = ("top_k", "threshold", "sink_tokens", "local_tokens")
+TUNABLE_FIELDS = ("top_k", "threshold", "sink_tokens", "local_tokens", "observe_tokens")
 
 
 @dataclass(frozen=True)
@@ -49,11 +59,12 @@ class SparseAttentionParams:
     threshold: float | None = None  # in (0, 1]: keep units whose min-max normalized score >= threshold
     sink_tokens: int = 0  # first positions always kept (attention sinks)
     local_tokens: int = 0  # most recent positions always kept
+    observe_tokens: int = 0  # block / learned: last prompt queries that choose the pinned units (0 = no pins)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidRequestError(f"sparse attention mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("sink_tokens", "local_tokens"):
+        for name in ("sink_tokens", "local_tokens", "observe_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidRequestError(f"sparse attention {name} must be an integer >= 0, got {value!r}")
