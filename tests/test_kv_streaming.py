@@ -138,7 +138,7 @@ def test_block_sparse_streaming_reads_only_chunks_with_selected_blocks(hf_llama,
     with each chunk, the selection equals the one an engine holding the whole context makes (same tokens and
     logprobs), and chunks without a selected block are not read."""
     path, _ = hf_llama
-    sparse = {"mode": "block", "top_k": 24, "sink_tokens": 4, "local_tokens": 8}
+    sparse = {"mode": "block", "top_k": 24, "sink_tokens": 4, "local_tokens": 8, "observe_tokens": 0}
     prompt = _prompts((300,), seed=7)[0]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     whole = LLM(model=str(path), dtype="float32", block_size=BS, max_model_len=400, max_num_batched_tokens=STEP)

@@ -59,8 +59,8 @@ class GroupMetadata:
     context_lens: torch.Tensor | None = None  # [B] int64, decode group: keys per sequence
     block_tables: torch.Tensor | None = None  # [B, W] physical block ids, decode group
     sparse: SparseRows | None = None  # decode group: per-row sparse settings; None = every row dense
-    observe: Observation | None = None  # prefill group: rows whose prompt ends here choose their pinned units
     cold: ColdRows | None = None  # rows with offloaded chunks (their kv_slots list resident keys only)
+    observe: Observation | None = None  # prefill group: rows whose prompt ends here choose their pinned units
 
 
 @dataclass
@@ -159,7 +159,8 @@ class PagedAttention:
         """One block-sparse row whose sequence has offloaded chunks, q [1, H, D] -> [H, D]: its resident blocks
         are scored from the pool's bounds, its offloaded ones from the bounds kept with each chunk; the usual
         rule picks positions over the whole context; only the offloaded blocks holding a picked token are read
-        back, and one attention call covers the resident and the read picks."""
+        back, and one attention call covers the resident and the read picks.
+        (Question pins, glmserve/sparse/pinning.py, are not used here: they are chosen over resident keys.)"""
         indexer = self.indexers["block"]
         unit = indexer.unit_size  # == the pool's block size
         source, layer = g.cold.source, self.layer_index
