@@ -18,7 +18,8 @@ quality (the embedded SmolLM2-135M-Instruct, fp32, 8K context), every mode on th
   the context it attends.
 
 speed (random weights of SmolLM2's shape, positions up to 128K; the KV of the context is written directly
-into the paged pool, then decode steps run through the engine): decode tok/s per context and mode, the
+into the paged pool, then decode steps run through the engine): decode tok/s per context and mode (the mean
+of the timed engine steps after the request's prefill step, which recomputes the prompt's tail), the
 indexer's own time per step (scoring + selection, measured around those calls), and peak RSS of one
 process per context length (the KV is resident in every mode; tiers are what move it out of memory).
 """
@@ -309,6 +310,25 @@ def indexer_timer(totals: dict[str, float], device: torch.device):
         attention_module.PagedAttention.select = original
 
 
+def decode_step_times(llm: LLM, tokens: list[int], sparse: dict, steps: int, device: torch.device) -> list[float]:
+    """Seconds of each of `steps` decode steps of one request over `tokens` (its prefill step, which recomputes
+    the prompt's tail after the prefix-cache hit, is not counted)."""
+    engine = llm.engine
+    engine.add_request(f"speed-{time.perf_counter_ns()}", tokens, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True),
+                       sparse=sparse)
+    times = []
+    while engine.has_unfinished_requests():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    assert len(times) == steps + 1, "the prefill took more than one step"
+    return times[1:]
+
+
 def speed_one_context(model_dir: Path, context: int, device: str, steps: int) -> dict:
     kv_bytes = int(1.15 * 2 * 30 * 3 * 64 * 4 * (context + 4096))  # K/V plus index keys, fp32
     llm = LLM(model=str(model_dir), dtype="float32", device=device, max_model_len=context + 1024,
@@ -321,20 +341,11 @@ def speed_one_context(model_dir: Path, context: int, device: str, steps: int) ->
         if sparse["mode"] not in llm.engine.sparse_modes:
             continue
         totals = {"indexer": 0.0}
-        times = []
         with indexer_timer(totals, dev):
-            for max_tokens in (2, 1, steps + 1):  # the first run warms up (kernel builds, allocator)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                llm.generate([tokens], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                             sparse=sparse)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-                if max_tokens != steps + 1:
-                    totals["indexer"] = 0.0  # count the timed decode steps only
-        step_s = (times[2] - times[1]) / steps
+            decode_step_times(llm, tokens, sparse, 2, dev)  # warm-up (kernel builds, allocator)
+            totals["indexer"] = 0.0
+            times = decode_step_times(llm, tokens, sparse, steps, dev)
+        step_s = sum(times) / steps
         out[name] = {"decode_tok_s": 1 / step_s, "step_ms": step_s * 1e3,
                      "indexer_ms_per_step": totals["indexer"] / steps * 1e3}
         print(f"  {context} {name}: {out[name]}", flush=True)
