@@ -314,8 +314,8 @@ def decode_step_times(llm: LLM, tokens: list[int], sparse: dict, steps: int, dev
     """Seconds of each of `steps` decode steps of one request over `tokens` (its prefill step, which recomputes
     the prompt's tail after the prefix-cache hit, is not counted)."""
     engine = llm.engine
-    engine.add_request(f"speed-{time.perf_counter_ns()}", tokens, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True),
-                       sparse=sparse)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    engine.add_request(f"speed-{time.perf_counter_ns()}", tokens, params, sparse=sparse)
     times = []
     while engine.has_unfinished_requests():
         if device.type == "cuda":

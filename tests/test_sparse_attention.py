@@ -26,9 +26,8 @@ from glmserve.config import EngineConfig
 from glmserve.errors import InvalidRequestError
 from glmserve.layers import attention
 from glmserve.layers.attention import GroupMetadata, PagedAttention
-from glmserve.sparse import SparseAttentionParams, resolve_sparse_params
+from glmserve.sparse import SparseAttentionParams, pinning, resolve_sparse_params
 from glmserve.sparse import block as block_module
-from glmserve.sparse import pinning
 from glmserve.sparse import selection as selection_module
 from glmserve.sparse.block import BlockIndexer
 from glmserve.sparse.indexer import paged_attention_layers
@@ -484,3 +483,20 @@ def test_native_top_k_and_threshold_per_request(tmp_path):
             assert ours == wanted if wanted is not None else len(ours) == 1, (sparse, layer, pos)
         if sparse == {"top_k": TOPK}:
             assert out.outputs[0].token_ids == default.outputs[0].token_ids
+
+
+def test_units_pinned_by_enough_layers_are_pinned_in_all():
+    from glmserve.sparse.pinning import CONSENSUS_LAYERS, with_consensus
+
+    layers = CONSENSUS_LAYERS + 1
+    pins = torch.full((2, layers, 3), -1, dtype=torch.long)
+    pins[0, :CONSENSUS_LAYERS, 0] = 7  # unit 7: pinned by exactly CONSENSUS_LAYERS layers of row 0
+    pins[0, :CONSENSUS_LAYERS - 1, 1] = 9  # unit 9: one layer short
+    pins[0, layers - 1, 0] = 2
+    pins[1, 0, 0] = 7  # row 1: its own pins only (consensus is per sequence)
+    out = with_consensus(pins)
+    for layer in range(layers):
+        row0 = set(out[0, layer].tolist()) - {-1}
+        assert 7 in row0 and (9 in row0) == (layer < CONSENSUS_LAYERS - 1)
+        assert out[0, layer][out[0, layer] >= 0].tolist() == sorted(row0)  # ascending, -1 after
+    assert set(out[1, 0].tolist()) - {-1} == {7} and set(out[1, 1].tolist()) == {-1}
