@@ -9,7 +9,7 @@ import torch
 from glmserve.engine.outputs import TokenLogprob
 from glmserve.engine.scheduler import ScheduledSeq
 from glmserve.engine.sequence import Sequence
-from glmserve.kv.offload import RunningKVOffload
+from glmserve.kv.offload import ColdSpan, RunningKVOffload
 from glmserve.layers.attention import AttentionMetadata, ColdRows, GroupMetadata
 from glmserve.layers.sampler import sample
 from glmserve.sparse.pinning import Observation, decode_pins
@@ -61,42 +61,41 @@ class ModelRunner:
         samples = torch.tensor([s.samples for s in batch])
         logits_index = (cu - 1)[samples]  # last token of each chunk that ends its sequence
         spans = [self.offload.span(s.seq) if self.offload is not None else None for s in batch]
-        cold = torch.tensor([(sp.start, sp.length) if sp else (0, 0) for sp in spans], dtype=torch.long).view(-1, 2)
 
         num_decode = int((lens == 1).sum())
         decode = prefill = None
         if num_decode:
             rows = slice(0, num_decode)
-            decode = self._group(tables[rows], starts[rows], lens[rows], None, cold[rows], spans[rows])
+            decode = self._group(tables[rows], starts[rows], lens[rows], None, spans[rows])
             # a row that streams offloaded chunks selects apart (ColdRows.params, see PagedAttention._decode)
             params = [s.seq.sparse if sp is None else SparseAttentionParams()
                       for s, sp in zip(batch[rows], spans[rows])]
             if decode.cold is not None:
                 decode.cold.params = [batch[r].seq.sparse for r in decode.cold.rows]
-                decode.block_tables = tables[rows].to(dev)
             # rows all dense on a model without its own indexer: the dense fast path
             if self.native_sparse or any(p.mode != "dense" for p in params):
                 decode.sparse = SparseRows.from_params(params, dev, decode_pins([s.seq for s in batch[rows]], dev))
+            if decode.sparse is not None or decode.cold is not None:
                 decode.block_tables = tables[rows].to(dev)
         if num_decode < len(batch):
             rows = slice(num_decode, len(batch))
             first_token = (cu - lens)[rows]
-            prefill = self._group(tables[rows], starts[rows], lens[rows], first_token - first_token[0], cold[rows],
-                                  spans[rows])
+            prefill = self._group(tables[rows], starts[rows], lens[rows], first_token - first_token[0], spans[rows])
             prefill.observe = Observation.for_prefill([s.seq for s in batch[rows]], tables[rows], starts[rows],
                                                       lens[rows], first_token, bs, dev)
         meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), decode=decode, prefill=prefill)
         return (torch.tensor(tokens, dtype=torch.long, device=dev), positions.to(dev), meta, logits_index.to(dev))
 
     def _group(self, tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-               query_offsets: torch.Tensor | None, cold: torch.Tensor, spans: list) -> GroupMetadata:
-        """Attention metadata of the decode group (`query_offsets` None) or the prefill group. `cold` [B, 2]:
-        each row's offloaded span (start, length); keys are listed without it (resident keys only)."""
+               query_offsets: torch.Tensor | None, spans: list[ColdSpan | None]) -> GroupMetadata:
+        """Attention metadata of the decode group (`query_offsets` None) or the prefill group. `spans`: each row's
+        offloaded chunks (glmserve/kv/offload.py) or None; keys are listed without them (resident keys only)."""
         dev, bs = self.device, self.block_size
         ctx = starts + lens
         num_tokens = int(lens.sum())
         if query_offsets is not None and len(lens) == 1 and int(starts[0]) == 0:
             return GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=num_tokens, fresh_causal=True)
+        cold = torch.tensor([(sp.start, sp.length) if sp else (0, 0) for sp in spans], dtype=torch.long).view(-1, 2)
         cold_start, cold_len = cold[:, :1], cold[:, 1:]
         resident = ctx - cold_len[:, 0]
         j = torch.arange(int(resident.max()))[None, :]

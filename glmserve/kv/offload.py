@@ -17,9 +17,10 @@ sequence, dropped when the sequence finishes or is preempted (a preempted sequen
 without offload). Layer slices are read with `os.preadv` straight into tensors (no page-cache mapping in the
 process: RSS stays flat).
 
-Scope: models whose attention layers are `PagedAttention` (Llama family, Qwen, GLM-4: `supports_kv_streaming`);
-rows with a cold span decode densely (sparse selection runs over resident blocks only, so a sparse request
-that streams is served dense rather than approximately).
+Scope: models whose attention layers are `PagedAttention` (Llama family, Qwen, GLM-4: `supports_kv_streaming`).
+Block-sparse decode of a row with a cold span scores the offloaded blocks from the block indexer's key bounds
+kept with each chunk and reads back only the blocks holding a selected token (`ColdChunk.read_blocks`); rows
+in other sparse modes decode densely (their scorers keep nothing for offloaded tokens).
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -84,7 +84,7 @@ class ColdChunk:
         [2, kv_heads, len(blocks) * block_size, head_dim]. From a file, one read per run of consecutive blocks
         and (K or V, kv head): the bytes of the other blocks are never read."""
         two, heads, tokens, dim = self.layer_shape
-        block_size = tokens // self.bounds_shape[0] if self.bounds_shape else tokens
+        block_size = tokens // self.bounds_shape[0]  # only block-sparse decode reads blocks: bounds are kept
         n = blocks.shape[0]
         if self.host is not None:
             layer_kv = self.read_layer(layer).view(two, heads, tokens // block_size, block_size * dim)
@@ -229,43 +229,30 @@ class RunningKVOffload:
     def drop(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: its cold chunks are deleted."""
         span = self.spans.pop(seq.seq_id, None)
-        if span is None:
-            return
-        for chunk in span.chunks:
-            size = chunk.nbytes
+        for chunk in span.chunks if span is not None else []:
             if chunk.host is not None:
-                self.host_used -= size
+                self.host_used -= chunk.nbytes
             else:
-                self.disk_used -= size
-            self.stats.offloaded_bytes -= size
+                self.disk_used -= chunk.nbytes
+            self.stats.offloaded_bytes -= chunk.nbytes
             chunk.close()
 
     # -- streaming ------------------------------------------------------------------------------------------
-    def stream_layer(self, chunks: list[ColdChunk], layer: int, device: torch.device, dtype: torch.dtype,
-                     blocks: list[torch.Tensor] | None = None) -> Iterator[tuple[ColdChunk, torch.Tensor]]:
-        """Each chunk's layer slice ([2, kv_heads, tokens, head_dim], on `device` in `dtype`), or only its
-        `blocks[i]` (`ColdChunk.read_blocks`), in order, the next `READ_AHEAD` being read in background threads
-        meanwhile."""
-        pending: list[Future] = []
-        upcoming = iter(range(len(chunks)))
-
-        def submit_next() -> None:
-            i = next(upcoming, None)
-            if i is not None:
-                read = chunks[i].read_layer if blocks is None else partial(chunks[i].read_blocks, blocks=blocks[i])
-                pending.append(self.reader.submit(read, layer))
-
-        for _ in range(READ_AHEAD):
-            submit_next()
-        for chunk in chunks:
+    def stream_layer(self, chunks: list[ColdChunk], layer: int, device: torch.device, dtype: torch.dtype
+                     ) -> Iterator[torch.Tensor]:
+        """Each chunk's layer slice ([2, kv_heads, tokens, head_dim], on `device` in `dtype`), in order, the next
+        `READ_AHEAD` being read in background threads meanwhile."""
+        pending = [self.reader.submit(chunk.read_layer, layer) for chunk in chunks[:READ_AHEAD]]
+        for i in range(len(chunks)):
             start = time.perf_counter()
             data = pending.pop(0).result()
-            submit_next()
+            if i + READ_AHEAD < len(chunks):
+                pending.append(self.reader.submit(chunks[i + READ_AHEAD].read_layer, layer))
             kv = data.to(device, dtype=dtype, non_blocking=True)
             with self.lock:
                 self.stats.streamed_slices += 1
                 self.stats.stream_seconds += time.perf_counter() - start
-            yield chunk, kv
+            yield kv
 
     def snapshot(self) -> OffloadStats:
         """A copy of the counters, safe to read from another thread (the server's /metrics)."""
@@ -281,7 +268,8 @@ class RunningKVOffload:
             self.stats.streamed_slices += slices
 
     def close(self) -> None:
-        for seq_id in list(self.spans):
-            for chunk in self.spans.pop(seq_id).chunks:
+        for span in self.spans.values():
+            for chunk in span.chunks:
                 chunk.close()
+        self.spans.clear()
         self.reader.shutdown(wait=True)

@@ -20,6 +20,7 @@ chunk's slice of this layer in turn, merged by log-sum-exp (glmserve/layers/part
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,9 @@ from glmserve.sparse.settings import SparseAttentionParams
 
 if TYPE_CHECKING:
     from glmserve.kv.offload import ColdChunk, RunningKVOffload
+
+# (a chunk's K/V slice [2, Hkv, T, D], a row's queries) -> (out, log-sum-exp) over that slice
+PartAttention = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -135,23 +139,30 @@ class PagedAttention:
         kernel = paged_decode_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
         if kernel is not None and g.cold is None:  # reads K/V in place from the pool: no gather copy
             return kernel(q.contiguous(), self.kv_cache[0], self.kv_cache[1], slots, lengths, self.scale)
-        sparse_rows = [] if g.cold is None else [  # block-sparse rows with offloaded chunks: attended apart
-            i for i, (row, chunks, params) in enumerate(zip(g.cold.rows, g.cold.chunks, g.cold.params))
-            if params.mode == "block" and chunks[0].bounds_shape is not None]
-        if sparse_rows:  # their dense resident part is not needed: one key each
+        cold = g.cold
+        apart = set() if cold is None else {  # block-sparse rows with offloaded chunks select over everything
+            row for row, chunks, params in zip(cold.rows, cold.chunks, cold.params)
+            if params.mode == "block" and chunks[0].bounds_shape is not None}
+        if apart:  # their dense resident part is not needed: one key each
             lengths = lengths.clone()
-            lengths[[g.cold.rows[i] for i in sparse_rows]] = 1
+            lengths[sorted(apart)] = 1
         out, lse = self._decode_partial(q, self.kv_cache, slots, lengths)
-        if g.cold is not None:  # rows with offloaded chunks merge in each chunk's keys
-            for i, (row, chunks, params) in enumerate(zip(g.cold.rows, g.cold.chunks, g.cold.params)):
-                if i in sparse_rows:
-                    out[row] = self._decode_block_sparse_streamed(q[row:row + 1], g, row, chunks, params)
-                    continue
-                q_row, out_row, lse_row = q[row:row + 1], out[row:row + 1], lse[row:row + 1]
-                for chunk, kv in g.cold.source.stream_layer(chunks, self.layer_index, q.device, q.dtype):
-                    out_row, lse_row = merge_attention(out_row, lse_row, *self._decode_partial(
-                        q_row, kv, *_positions(torch.arange(chunk.tokens, device=q.device))))
-                out[row] = out_row[0]
+        for row, chunks, params in ([] if cold is None else zip(cold.rows, cold.chunks, cold.params)):
+            if row in apart:
+                out[row] = self._decode_block_sparse_streamed(q[row:row + 1], g, row, chunks, params)
+                continue
+            out[row] = self._merge_streamed(
+                q[row:row + 1], out[row:row + 1], lse[row:row + 1], chunks, cold.source,
+                lambda kv, q_row: self._decode_partial(q_row, kv, *_positions(
+                    torch.arange(kv.shape[2], device=q.device))))[0]
+        return out
+
+    def _merge_streamed(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, chunks: list[ColdChunk],
+                        source: RunningKVOffload, attend: PartAttention) -> torch.Tensor:
+        """One row's result over its resident keys (out, lse) merged with `attend(kv, q)` over each offloaded
+        chunk's slice of this layer, streamed in order; returns the merged out."""
+        for kv in source.stream_layer(chunks, self.layer_index, q.device, q.dtype):
+            out, lse = merge_attention(out, lse, *attend(kv, q))
         return out
 
     def _decode_block_sparse_streamed(self, q: torch.Tensor, g: GroupMetadata, row: int, chunks: list[ColdChunk],
@@ -170,7 +181,7 @@ class PagedAttention:
         table = g.block_tables[row:row + 1]
         ctx_t = torch.tensor([ctx], device=q.device)
         scores = indexer.unit_scores(q, GroupMetadata(kv_slots=table, key_mask=None, num_tokens=1,
-                                                      context_lens=ctx_t, block_tables=table)).clone()
+                                                      context_lens=ctx_t, block_tables=table))
         # offloaded blocks are null entries in the table: scored from the bounds kept with their chunks
         bounds = torch.cat([chunk.read_bounds(layer) for chunk in chunks]).to(q.device)
         scores[0, span_start // unit:span_end // unit] = indexer.bound_scores(q, bounds.view(1, bounds.shape[0], -1))[0]
@@ -178,22 +189,22 @@ class PagedAttention:
         picked = keep.nonzero()[:, 0]
         streamed = (picked >= span_start) & (picked < span_end)
         resident = picked[~streamed]
-        keys = [self._gather((table[0, resident // unit] * unit + resident % unit)[None], q.dtype)]  # [Hkv, 1, L, D]
+        k, v = (part[:, 0] for part in self._gather((table[0, resident // unit] * unit + resident % unit)[None],
+                                                    q.dtype))  # [Hkv, L, D] each
         cold = picked[streamed] - span_start
         if cold.numel():
+            blocks_per_chunk = chunk_tokens // unit
             blocks = torch.unique(cold // unit)  # offloaded blocks holding a pick, ascending
-            per_chunk = blocks // (chunk_tokens // unit)
+            per_chunk = blocks // blocks_per_chunk
             needed = torch.unique(per_chunk).tolist()
             source.count_skipped(len(chunks) - len(needed))
-            reads = [chunks[i].read_blocks(layer, blocks[per_chunk == i] - i * (chunk_tokens // unit)) for i in needed]
-            kv = torch.cat(reads, dim=2).to(q.device, q.dtype)  # [2, Hkv, blocks * unit, D]
             source.count_streamed(len(needed))
-            places = torch.searchsorted(blocks, cold // unit) * unit + cold % unit
-            keys.append((kv[0].index_select(1, places)[:, None], kv[1].index_select(1, places)[:, None]))
-        k = torch.cat([part[0] for part in keys], dim=2)[:, 0]  # [Hkv, L, D]: picks, resident then offloaded
-        v = torch.cat([part[1] for part in keys], dim=2)[:, 0]
-        everything = torch.arange(k.shape[1], device=q.device)
-        out, _ = self._decode_partial(q, torch.stack([k, v]), *_positions(everything))
+            read = torch.cat([chunks[i].read_blocks(layer, blocks[per_chunk == i] - i * blocks_per_chunk)
+                              for i in needed], dim=2).to(q.device, q.dtype)  # [2, Hkv, blocks * unit, D]
+            places = torch.searchsorted(blocks, cold // unit) * unit + cold % unit  # picks among the read tokens
+            k = torch.cat([k, read[0].index_select(1, places)], dim=1)
+            v = torch.cat([v, read[1].index_select(1, places)], dim=1)
+        out, _ = self._decode_partial(q, torch.stack([k, v]), *_positions(torch.arange(k.shape[1], device=q.device)))
         return out[0]
 
     def _decode_partial(self, q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
@@ -204,17 +215,11 @@ class PagedAttention:
         if kernel is not None:
             out, lse = kernel(q.contiguous(), cache[0], cache[1], slots, lengths, self.scale)
             return out, lse
-        b = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        keys, values = self._gather(slots, q.dtype, cache)
-        qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, g, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [Hkv, B, g, L]
+        keys, values = self._gather(slots, q.dtype, cache)  # [Hkv, B, L, D]
         mask = torch.arange(slots.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, L]
-        scores.masked_fill_(~mask[:, None, :], float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse[..., None]).to(q.dtype)
-        out = torch.matmul(probs, values)  # [Hkv, B, g, D]
-        return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim), lse.transpose(0, 1).reshape(b, -1)
+        out, lse = attention_with_lse(q[:, :, None], keys.transpose(0, 1), values.transpose(0, 1), self.scale,
+                                      mask[:, None, None, :])
+        return out[:, :, 0], lse[:, :, 0]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         if g.fresh_causal:
@@ -234,11 +239,9 @@ class PagedAttention:
         else:  # rows with offloaded chunks merge in each chunk's keys (all before their queries)
             out, lse = attention_with_lse(qp, keys.transpose(0, 1), values.transpose(0, 1), self.scale, g.key_mask)
             for row, chunks in zip(g.cold.rows, g.cold.chunks):
-                q_row, out_row, lse_row = qp[row:row + 1], out[row:row + 1], lse[row:row + 1]
-                for _chunk, kv in g.cold.source.stream_layer(chunks, self.layer_index, q.device, q.dtype):
-                    part = attention_with_lse(q_row, kv[0][None], kv[1][None], self.scale)
-                    out_row, lse_row = merge_attention(out_row, lse_row, *part)
-                out[row] = out_row[0]
+                out[row] = self._merge_streamed(
+                    qp[row:row + 1], out[row:row + 1], lse[row:row + 1], chunks, g.cold.source,
+                    lambda kv, q_row: attention_with_lse(q_row, kv[0][None], kv[1][None], self.scale))[0]
         out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)
         return out[g.valid_index]
 
