@@ -37,6 +37,7 @@ from glmserve import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_cuda import SMOLLM2_SHAPE, make_model  # noqa: E402
+from bench_sparse import write_random_kv  # noqa: E402
 
 CHUNK = 2048
 
@@ -62,23 +63,13 @@ def start_long_sequence(llm: LLM, context: int, steps: int, sparse: dict | None 
     scheduler, blocks, offload = engine.scheduler, engine.block_manager, engine.kv_offload
     seq = scheduler.waiting.pop(0)
     blocks.admit(seq, [])
-    bs = engine.config.block_size
     gen = torch.Generator().manual_seed(1)
     for start in range(0, context - 1, CHUNK):
         size = min(CHUNK, context - 1 - start)
         while not blocks.allocate(seq, size):
             if offload is None or not offload.offload_oldest(seq):
                 raise RuntimeError("the KV pool cannot hold the context")
-        pos = torch.arange(start, start + size)
-        slots = torch.tensor(seq.block_table)[pos // bs] * bs + pos % bs
-        for layer in engine.runner.model.layers:
-            attn = layer.self_attn.attn
-            shape = (attn.num_kv_heads, size, attn.head_dim)
-            k = torch.randn(shape, generator=gen)
-            attn.kv_cache[0].index_copy_(1, slots, k)
-            attn.kv_cache[1].index_copy_(1, slots, torch.randn(shape, generator=gen))
-            for indexer in attn.indexers.values():
-                indexer.on_kv_written(slots, k.transpose(0, 1), attn.kv_cache)
+        write_random_kv(engine, seq.block_table, start, size, gen)
         seq.num_computed_tokens += size
         blocks.register_full_blocks(seq)
     scheduler.running.append(seq)

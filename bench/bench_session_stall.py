@@ -14,8 +14,8 @@ session's chunk files are dropped from the page cache (posix_fadvise DONTNEED) b
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -25,20 +25,14 @@ from glmserve.config import EngineConfig
 from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.sampling import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_tiers import drop_page_cache  # noqa: E402
+
 OTHER_TOKENS = 48  # the other request's length: it must still run when the session's restore ends
 
 
 def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def drop_page_cache(root: Path) -> None:
-    for path in root.iterdir():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def build_session(config: EngineConfig, history: list[int], session_id: str) -> list[int]:

@@ -266,26 +266,30 @@ def fill_context(llm: LLM, token_ids: list[int], chunk: int = 8192) -> None:
     seq = engine.scheduler.waiting.pop(0)
     engine.block_manager.admit(seq, [])
     assert engine.block_manager.allocate(seq, len(token_ids)), "KV pool too small for this context"
-    bs = engine.config.block_size
-    table = torch.tensor(seq.block_table)
-    pos = torch.arange(len(token_ids))
-    slots = (table[pos // bs] * bs + pos % bs).to(engine.device)
     gen = torch.Generator(device=engine.device).manual_seed(0)
-    for layer in engine.runner.model.layers:
-        attn = layer.self_attn.attn
-        cache = attn.kv_cache
-        for start in range(0, len(token_ids), chunk):
-            part = slots[start:start + chunk]
-            shape = (cache.shape[1], len(part), cache.shape[3])
-            k = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype)
-            cache[0].index_copy_(1, part, k)
-            cache[1].index_copy_(1, part, torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype))
-            for indexer in attn.indexers.values():
-                indexer.on_kv_written(part, k.transpose(0, 1), cache)
+    for start in range(0, len(token_ids), chunk):
+        write_random_kv(engine, seq.block_table, start, min(chunk, len(token_ids) - start), gen)
     seq.num_computed_tokens = len(token_ids)
     engine.block_manager.register_full_blocks(seq)
     engine.scheduler.remove(seq)
     engine.requests.pop("fill")
+
+
+def write_random_kv(engine, block_table: list[int], start: int, size: int, gen: torch.Generator) -> None:
+    """Random K/V for positions [start, start + size) of a sequence with `block_table`, in every layer's pool
+    (and its scorers' per-block state), as attention would write them."""
+    bs = engine.config.block_size
+    pos = torch.arange(start, start + size)
+    slots = (torch.tensor(block_table)[pos // bs] * bs + pos % bs).to(engine.device)
+    for layer in engine.runner.model.layers:
+        attn = layer.self_attn.attn
+        cache = attn.kv_cache
+        shape = (cache.shape[1], size, cache.shape[3])
+        k = torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype)
+        cache[0].index_copy_(1, slots, k)
+        cache[1].index_copy_(1, slots, torch.randn(shape, generator=gen, device=cache.device, dtype=cache.dtype))
+        for indexer in attn.indexers.values():
+            indexer.on_kv_written(slots, k.transpose(0, 1), cache)
 
 
 @contextmanager
