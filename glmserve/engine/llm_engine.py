@@ -89,7 +89,8 @@ class LLMEngine:
             bytes_per_block += config.block_size * index_key_bytes_per_token(self.learned_indexer, kv_dtype)
         num_blocks = self._kv_budget() // bytes_per_block
         pool_tokens = (num_blocks - 1) * config.block_size
-        streaming = pool_tokens < self.max_model_len and self._streaming_possible(loaded.model)
+        host_bytes = host_tier_budget(config.kv_host_memory_bytes, self.device)
+        streaming = pool_tokens < self.max_model_len and self._streaming_possible(loaded.model, host_bytes)
         if pool_tokens < self.max_model_len and not streaming:
             raise InvalidRequestError(
                 f"KV cache budget holds {pool_tokens} tokens, less than max_model_len {self.max_model_len}; raise "
@@ -120,7 +121,7 @@ class LLMEngine:
             self.block_manager.attach_tiers(self.kv_tiers)
         self.kv_offload = RunningKVOffload(
             self.block_manager, self.kv_io, config.kv_chunk_tokens, loaded.model.num_layers,
-            host_tier_budget(config.kv_host_memory_bytes, self.device), config.kv_disk_dir, config.kv_disk_bytes,
+            host_bytes, config.kv_disk_dir, config.kv_disk_bytes,
             functools.partial(gather_block_bounds, loaded.model) if "block" in self.sparse_modes else None,
         ) if streaming else None
         self.runner.offload = self.kv_offload
@@ -129,11 +130,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.restoring: dict[str, tuple[Request, PendingRestore]] = {}  # waiting for their session's KV
 
-    def _streaming_possible(self, model: torch.nn.Module) -> bool:
+    def _streaming_possible(self, model: torch.nn.Module, host_bytes: int) -> bool:
         """KV of sequences longer than the pool can stream (glmserve/kv/offload.py): the model's attention
         supports it and there is somewhere to put the chunks (a disk dir, or a host budget)."""
-        config = self.config
-        room = config.kv_disk_dir is not None or host_tier_budget(config.kv_host_memory_bytes, self.device) > 0
+        room = self.config.kv_disk_dir is not None or host_bytes > 0
         return bool(getattr(model, "supports_kv_streaming", False)) and room
 
     def _streaming_pool_tokens(self) -> int:

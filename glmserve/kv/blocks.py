@@ -241,6 +241,15 @@ class BlockManager:
             if self.tiers is not None and (i + 1) % self.tiers.chunk_blocks == 0:
                 self._register_chunk(seq.block_hashes[i + 1 - self.tiers.chunk_blocks:])
 
+    def _unref(self, block: int) -> None:
+        """One reference less; an unreferenced block becomes free: evicted last while it holds a cached hash,
+        first otherwise."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None
+            if self.block_to_hash[block] is None:
+                self.free_blocks.move_to_end(block, last=False)
+
     def release_blocks(self, seq: Sequence, first: int, last: int) -> None:
         """Entries `first:last` of the sequence's block table leave it (their KV was offloaded, see
         glmserve/kv/offload.py): references dropped, entries set to the null block. The blocks stay cached
@@ -251,21 +260,14 @@ class BlockManager:
             if chunk is not None:
                 self.chunk_members.pop(chunk, None)
                 self.block_chunk[block] = None
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
+            self._unref(block)
             seq.block_table[i] = NULL_BLOCK
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks at the end of a sequence are evicted first."""
         for block in reversed(seq.block_table):
-            if block == NULL_BLOCK:  # released by offload
-                continue
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
-                if self.block_to_hash[block] is None:
-                    self.free_blocks.move_to_end(block, last=False)
+            if block != NULL_BLOCK:  # NULL_BLOCK: released by offload
+                self._unref(block)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
