@@ -95,17 +95,22 @@ class BlockManager:
             self.free_blocks.move_to_end(b)
         return len(free_hits)
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks that cover the start of the sequence's tokens (not yet referenced)."""
-        if not self.enable_prefix_caching:
-            return []
-        hashes = self.prompt_block_hashes(seq.token_ids, seq.cache_salt)
+    def device_prefix(self, hashes: list[int]) -> list[int]:
+        """The pool blocks caching the leading run of `hashes` (stops at the first one not in the pool)."""
         hits = []
         for h in hashes:
             block = self.hash_to_block.get(h)
             if block is None:
                 break
             hits.append(block)
+        return hits
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks that cover the start of the sequence's tokens (not yet referenced)."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self.prompt_block_hashes(seq.token_ids, seq.cache_salt)
+        hits = self.device_prefix(hashes)
         if self.tiers is not None and len(hits) < len(hashes):
             hits += self._load_from_tiers(hashes, hits)
         return hits

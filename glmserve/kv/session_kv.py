@@ -216,7 +216,7 @@ class SessionKV:
         if not self.blocks.enable_prefix_caching:
             return None
         hashes = self.blocks.prompt_block_hashes(token_ids, cache_salt)
-        on_device = self._device_prefix(hashes)
+        on_device = len(self.blocks.device_prefix(hashes))
         if on_device == len(hashes):
             return None
         first_chunk = on_device // self.chunk_blocks
@@ -263,17 +263,12 @@ class SessionKV:
         self.stats.restore_read_seconds += read_seconds
         return chunks
 
-    def _device_prefix(self, hashes: list[int]) -> int:
-        """How many of the leading blocks `hashes` names are cached on the device."""
-        cached = self.blocks.hash_to_block
-        return next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
-
     def _load_chunk(self, restore: PendingRestore, c: int, data: torch.Tensor) -> bool:
         """Writes chunk `c` (its blocks not on the device) into free blocks; False when it cannot be used: the
         device prefix does not reach its start (evicted meanwhile), no room for the rest of the prompt, or it
         is longer than the prompt's full blocks (never stored so)."""
         hashes, start = restore.hashes, c * self.chunk_blocks
-        on_device = self._device_prefix(hashes)
+        on_device = len(self.blocks.device_prefix(hashes))
         if on_device < start:
             return False
         # the device hits are needed by this request: keep them out of reach of the blocks taken below
