@@ -140,8 +140,7 @@ class Recorder:
         modes = g.sparse.modes - {"dense"}
         scores = {m: layer.indexers[m].unit_scores(q, g) for m in modes}
         units = {m: layer.indexers[m].unit_size for m in modes}
-        pins = None if g.sparse.pins is None else g.sparse.pins[layer.layer_index]
-        keep = selection.decode_keep_mask(scores, units, g.context_lens, g.sparse, g.kv_slots.shape[1], pins)
+        keep = selection.decode_keep_mask(scores, units, g.context_lens, g.sparse, g.kv_slots.shape[1], g.sparse.pins)
         keys, _ = layer._gather(g.kv_slots, q.dtype)  # [Hkv, B, L, D]
         b = q.shape[0]
         qg = q.view(b, layer.num_kv_heads, -1, layer.head_dim).transpose(0, 1)
@@ -159,8 +158,10 @@ def chat_prompt(llm: LLM, text: str, question: str) -> list[int]:
 
 
 def retrieval(llm: LLM, modes: dict[str, dict], lengths: list[int], depths: list[float],
-              sentences: list[str]) -> dict:
-    rng = random.Random(0)
+              sentences: list[str], seed: int = 0) -> dict:
+    """`seed` draws each prompt's key and city (seed 0 with depths 0.2/0.5/0.8: the prompts the pin rule was
+    tuned on; other seeds and depths are prompts it never saw)."""
+    rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=24)
     hits: dict[str, dict[str, dict[int, int]]] = {t: {m: defaultdict(int) for m in modes} for t in ("passkey", "niah")}
     samples: list[dict] = []
@@ -230,13 +231,13 @@ def quality(args: argparse.Namespace) -> dict:
     skipped = sorted(set(asked) - set(modes))
     sentences = prose()
     lengths = [2048, 4096] if args.quick else [2048, 4096, 7800]
-    depths = [0.5] if args.quick else [0.2, 0.5, 0.8]
+    depths = [0.5] if args.quick else [float(d) for d in args.depths.split(",")]
     # 8 past a block boundary: the prompt's tail is prefilled (dense) in every mode, never a 1-token decode step
     positions = [16 * k + 8 for k in ((64, 128) if args.quick else (94, 156, 219, 281, 344, 406, 469, 500))]
     start = time.perf_counter()
     result = {
         "model": llm.engine.model_name, "modes": modes, "skipped_modes": skipped,
-        "retrieval": retrieval(llm, modes, lengths, depths, sentences),
+        "seed": args.seed, "retrieval": retrieval(llm, modes, lengths, depths, sentences, args.seed),
         "agreement": agreement(llm, modes, sentences, positions),
     }
     result["seconds"] = time.perf_counter() - start
@@ -387,6 +388,8 @@ def main() -> None:
     q = sub.add_parser("quality")
     q.add_argument("--quick", action="store_true")
     q.add_argument("--modes", default=DEFAULT_QUALITY_MODES, help="comma-separated: " + ",".join(QUALITY_MODES))
+    q.add_argument("--depths", default="0.2,0.5,0.8", help="where the needle sits, as fractions of the haystack")
+    q.add_argument("--seed", type=int, default=0, help="draws the keys and cities")
     s = sub.add_parser("speed")
     s.add_argument("--contexts", default="8192,32768,131072")
     s.add_argument("--device", default="cpu")

@@ -13,6 +13,7 @@ from glmserve.errors import InvalidRequestError
 from glmserve.layers import attention
 from glmserve.layers.partial_attention import attention_with_lse, merge_attention
 from glmserve.sparse.block import block_bounds_bytes
+from glmserve.sparse.pinning import Observation
 
 BS, CHUNK, STEP = 4, 16, 16  # block size, chunk tokens, prefill tokens per step
 POOL_BLOCKS = 14  # 56 tokens: the first chunk, a chunk filling up, a step's tokens and a block (52) fit
@@ -132,13 +133,19 @@ def test_partial_attention_merge_equals_attention_over_all_keys(device):
     assert (out - ref).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("where", ["disk", "host"])
-def test_block_sparse_streaming_reads_only_chunks_with_selected_blocks(hf_llama, tmp_path, where):
+@pytest.mark.parametrize(("where", "top_k", "observe"), [("disk", 24, 0), ("host", 24, 0), ("disk", 56, 32)])
+def test_block_sparse_streaming_reads_only_chunks_with_selected_blocks(hf_llama, tmp_path, monkeypatch, where,
+                                                                       top_k, observe):
     """Block-sparse decode of a sequence whose KV streams: its offloaded blocks are scored from the bounds kept
-    with each chunk, the selection equals the one an engine holding the whole context makes (same tokens and
-    logprobs), and chunks without a selected block are not read."""
+    with each chunk, the question pins are chosen over the whole context (offloaded keys read back), the
+    selection equals the one an engine holding the whole context makes (same tokens and logprobs), and chunks
+    without a selected block are not read."""
     path, _ = hf_llama
-    sparse = {"mode": "block", "top_k": 24, "sink_tokens": 4, "local_tokens": 8, "observe_tokens": 0}
+    sparse = {"mode": "block", "top_k": top_k, "sink_tokens": 4, "local_tokens": 8, "observe_tokens": observe}
+    observed = []  # each engine's votes over the whole context and the pins they chose
+    assign = Observation.assign
+    monkeypatch.setattr(Observation, "assign",
+                        lambda self: (assign(self), observed.append((self.votes, self.sequences[0].sparse_pins))))
     prompt = _prompts((300,), seed=7)[0]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     whole = LLM(model=str(path), dtype="float32", block_size=BS, max_model_len=400, max_num_batched_tokens=STEP)
@@ -146,6 +153,10 @@ def test_block_sparse_streaming_reads_only_chunks_with_selected_blocks(hf_llama,
     llm = _engine(path, tmp_path, kv_host_memory_bytes=(1 << 30) if where == "host" else 0)
     got = llm.generate([prompt], params, sparse=sparse)[0]
     assert_same_output(got, want)
+    if observe:  # the offloaded keys were read back: the same votes everywhere, the same block of 16 pinned
+        (whole_votes, whole_pins), (votes, pins) = observed
+        assert torch.allclose(votes, whole_votes, atol=1e-5)
+        assert pins.tolist() == whole_pins.tolist() and len(pins) == 16 // BS
     offload = llm.engine.kv_offload
     assert offload.stats.skipped_slices > 0 and offload.stats.streamed_slices > 0
     assert offload.host_used == 0 and offload.disk_used == 0  # dropped when the request finished

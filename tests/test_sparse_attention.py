@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,12 +171,13 @@ def test_pins_take_the_observed_mass_by_block_within_half_the_budget():
     mass[0, 250:252] = 0.2  # block 15
     params = SparseAttentionParams("block", top_k=16 + 64 + 2 * 48, sink_tokens=16, local_tokens=64)
     rows = SparseRows.from_params([params], torch.device("cpu"))
-    assert pinning.choose_pins(mass, BLOCK, ctx, rows).tolist() == [[5, 6, 7]]  # 48 tokens: half of 96
-    tokens = pinning.choose_pins(mass, 1, ctx, rows)[0].tolist()
+    votes = pinning.block_mass(mass)
+    assert pinning.choose_pins(votes, BLOCK, ctx, rows).tolist() == [[5, 6, 7]]  # 48 tokens: half of 96
+    tokens = pinning.choose_pins(votes, 1, ctx, rows)[0].tolist()
     assert tokens == list(range(80, 128))
     wide = SparseRows.from_params([SparseAttentionParams("block", threshold=0.5, sink_tokens=16, local_tokens=64)],
                                   torch.device("cpu"))  # no budget: half of PIN_BUDGET, far more than 20 blocks
-    assert pinning.choose_pins(mass, BLOCK, ctx, wide).tolist() == [list(range(1, 21))]
+    assert pinning.choose_pins(votes, BLOCK, ctx, wide).tolist() == [list(range(1, 21))]
 
 
 @pytest.mark.skipif(selection_module.sparse_ops() is None, reason="C++ kernels unavailable")
@@ -377,14 +379,14 @@ def test_bounds_exact_after_prefix_hits_and_block_reuse(llm):
 
 
 def test_question_pins_reach_every_decode_step_of_their_sequence(llm, monkeypatch):
-    """The prompt's last queries pin blocks per layer; every decode step of that sequence keeps them, within
-    half of the budget; observe_tokens 0 pins nothing."""
+    """The prompt's last queries pin blocks; every decode step of that sequence keeps them in every layer,
+    within half of the budget; observe_tokens 0 pins nothing."""
     seen = []
     original = PagedAttention.select
 
     def recording(self, q, g):
         slots, lengths = original(self, q, g)
-        pins = None if g.sparse.pins is None else g.sparse.pins[self.layer_index, 0]
+        pins = None if g.sparse.pins is None else g.sparse.pins[0]
         seen.append((pins, set(slots[0, : int(lengths[0])].tolist()), g.kv_slots[0], int(g.context_lens[0])))
         return slots, lengths
 
@@ -485,18 +487,19 @@ def test_native_top_k_and_threshold_per_request(tmp_path):
             assert out.outputs[0].token_ids == default.outputs[0].token_ids
 
 
-def test_units_pinned_by_enough_layers_are_pinned_in_all():
-    from glmserve.sparse.pinning import CONSENSUS_LAYERS, with_consensus
-
-    layers = CONSENSUS_LAYERS + 1
-    pins = torch.full((2, layers, 3), -1, dtype=torch.long)
-    pins[0, :CONSENSUS_LAYERS, 0] = 7  # unit 7: pinned by exactly CONSENSUS_LAYERS layers of row 0
-    pins[0, :CONSENSUS_LAYERS - 1, 1] = 9  # unit 9: one layer short
-    pins[0, layers - 1, 0] = 2
-    pins[1, 0, 0] = 7  # row 1: its own pins only (consensus is per sequence)
-    out = with_consensus(pins)
-    for layer in range(layers):
-        row0 = set(out[0, layer].tolist()) - {-1}
-        assert 7 in row0 and (9 in row0) == (layer < CONSENSUS_LAYERS - 1)
-        assert out[0, layer][out[0, layer] >= 0].tolist() == sorted(row0)  # ascending, -1 after
-    assert set(out[1, 0].tolist()) - {-1} == {7} and set(out[1, 1].tolist()) == {-1}
+def test_pins_see_the_sharpest_head_and_query():
+    """Observation.peak_attention: per key position, the most attention any observed query in any head gives
+    it, so one head's sharp look counts fully however many heads and queries look elsewhere."""
+    hkv, group, d, length, window = 2, 3, 8, 64, 4
+    keys = torch.zeros(hkv, length, d)
+    keys[1, 40, 0] = 30.0  # only K/V head 1 has a key that stands out
+    q = torch.zeros(window, hkv * group, d)
+    q[2, group + 1, 0] = 1.0  # one query of one head of that group looks for it
+    rows = SparseRows.from_params([SparseAttentionParams("block", top_k=64)], torch.device("cpu"))
+    observed = pinning.Observation([], torch.arange(window)[None], torch.ones(1, window, dtype=torch.bool),
+                                   torch.arange(length - window, length)[None], torch.arange(length)[None],
+                                   torch.tensor([length]), rows)
+    attn = SimpleNamespace(kv_cache=(keys, keys), num_kv_heads=hkv, head_dim=d, scale=1.0)
+    peak = observed.peak_attention(q, attn)[0]
+    assert peak[40] > 0.99  # averaged over the 24 query-heads it would be about 1/24
+    assert float(peak[torch.arange(length) != 40].max()) < 1.5 / length  # nobody looks at them in particular

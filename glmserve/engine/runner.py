@@ -72,6 +72,7 @@ class ModelRunner:
                       for s, sp in zip(batch[rows], spans[rows])]
             if decode.cold is not None:
                 decode.cold.params = [batch[r].seq.sparse for r in decode.cold.rows]
+                decode.cold.pins = [batch[r].seq.sparse_pins for r in decode.cold.rows]
             # rows all dense on a model without its own indexer: the dense fast path
             if self.native_sparse or any(p.mode != "dense" for p in params):
                 decode.sparse = SparseRows.from_params(params, dev, decode_pins([s.seq for s in batch[rows]], dev))
@@ -82,7 +83,7 @@ class ModelRunner:
             first_token = (cu - lens)[rows]
             prefill = self._group(tables[rows], starts[rows], lens[rows], first_token - first_token[0], spans[rows])
             prefill.observe = Observation.for_prefill([s.seq for s in batch[rows]], tables[rows], starts[rows],
-                                                      lens[rows], first_token, bs, dev)
+                                                      lens[rows], first_token, bs, dev, spans[rows], self.offload)
         meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), decode=decode, prefill=prefill)
         return (torch.tensor(tokens, dtype=torch.long, device=dev), positions.to(dev), meta, logits_index.to(dev))
 

@@ -47,7 +47,7 @@ class Sequence:
         self.priority = priority
         self.cache_salt = cache_salt
         self.sparse = sparse or SparseAttentionParams()  # decode attention: dense or a sparse mode
-        self.sparse_pins: torch.Tensor | None = None  # [layers, P] question-pinned units (glmserve/sparse/pinning.py)
+        self.sparse_pins: torch.Tensor | None = None  # [P] question-pinned units of every layer (sparse/pinning.py)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at the first admission

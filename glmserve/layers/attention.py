@@ -50,6 +50,7 @@ class ColdRows:
     chunks: list[list[ColdChunk]]
     source: RunningKVOffload
     params: list[SparseAttentionParams] | None = None  # decode group: the rows' own sparse settings
+    pins: list[torch.Tensor | None] | None = None  # decode group: the rows' question pins (sparse/pinning.py)
 
 
 @dataclass
@@ -131,8 +132,7 @@ class PagedAttention:
             raise InvalidRequestError(f"sparse attention mode(s) {sorted(missing)} have no scorer on this layer")
         scores = {m: self.indexers[m].unit_scores(q, g) for m in modes}
         units = {m: self.indexers[m].unit_size for m in modes}
-        pins = None if rows.pins is None else rows.pins[self.layer_index]
-        return select_slots(scores, units, g.context_lens, rows, g.kv_slots, pins)
+        return select_slots(scores, units, g.context_lens, rows, g.kv_slots, rows.pins)
 
     def _decode(self, q: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         slots, lengths = (g.kv_slots, g.context_lens) if g.sparse is None else self.select(q, g)
@@ -147,9 +147,10 @@ class PagedAttention:
             lengths = lengths.clone()
             lengths[sorted(apart)] = 1
         out, lse = self._decode_partial(q, self.kv_cache, slots, lengths)
-        for row, chunks, params in ([] if cold is None else zip(cold.rows, cold.chunks, cold.params)):
+        for i, (row, chunks) in enumerate([] if cold is None else zip(cold.rows, cold.chunks)):
             if row in apart:
-                out[row] = self._decode_block_sparse_streamed(q[row:row + 1], g, row, chunks, params)
+                out[row] = self._decode_block_sparse_streamed(q[row:row + 1], g, row, chunks, cold.params[i],
+                                                              cold.pins[i])
                 continue
             out[row] = self._merge_streamed(
                 q[row:row + 1], out[row:row + 1], lse[row:row + 1], chunks, cold.source,
@@ -166,12 +167,12 @@ class PagedAttention:
         return out
 
     def _decode_block_sparse_streamed(self, q: torch.Tensor, g: GroupMetadata, row: int, chunks: list[ColdChunk],
-                                      params: SparseAttentionParams) -> torch.Tensor:
+                                      params: SparseAttentionParams, pins: torch.Tensor | None) -> torch.Tensor:
         """One block-sparse row whose sequence has offloaded chunks, q [1, H, D] -> [H, D]: its resident blocks
         are scored from the pool's bounds, its offloaded ones from the bounds kept with each chunk; the usual
         rule picks positions over the whole context; only the offloaded blocks holding a picked token are read
-        back, and one attention call covers the resident and the read picks.
-        (Question pins, glmserve/sparse/pinning.py, are not used here: they are chosen over resident keys.)"""
+        back, and one attention call covers the resident and the read picks. Its question pins (`pins` [P],
+        glmserve/sparse/pinning.py, chosen over the whole context) count as everywhere else."""
         indexer = self.indexers["block"]
         unit = indexer.unit_size  # == the pool's block size
         source, layer = g.cold.source, self.layer_index
@@ -185,7 +186,8 @@ class PagedAttention:
         # offloaded blocks are null entries in the table: scored from the bounds kept with their chunks
         bounds = torch.cat([chunk.read_bounds(layer) for chunk in chunks]).to(q.device)
         scores[0, span_start // unit:span_end // unit] = indexer.bound_scores(q, bounds.view(1, bounds.shape[0], -1))[0]
-        keep = keep_mask(scores, unit, ctx_t, SparseRows.from_params([params], q.device), ctx)[0]
+        keep = keep_mask(scores, unit, ctx_t, SparseRows.from_params([params], q.device), ctx,
+                         None if pins is None else pins[None])[0]
         picked = keep.nonzero()[:, 0]
         streamed = (picked >= span_start) & (picked < span_end)
         resident = picked[~streamed]

@@ -8,16 +8,21 @@ KV cache; we keep the cache whole and use them to pin units of the selection ins
 - when a chunk of prefill ends a sparse ("block" / "learned") sequence's prompt, each layer computes the
   dense attention of the last `observe_tokens` queries of that chunk (a prefix-cache hit recomputes them,
   `Sequence.recomputed_tail`, so pins do not depend on what was cached; only a final chunk shorter than
-  the window observes fewer) over the sequence's whole context, averaged over heads and queries: the
-  attention mass of each key position;
-- blocks of PIN_BLOCK (16) positions score their summed mass, max-pooled with the neighbouring block on
-  each side (SnapKV pools its scores the same way; here it matters because a needle often straddles two
+  the window observes fewer) over the sequence's whole context, and keeps for each key position the most
+  that any observed query in any head gives it (SnapKV selects per head; our selection is per layer, so a
+  position one head needs must not be averaged away by the others);
+- blocks of PIN_BLOCK (16) positions score their summed attention, max-pooled with the neighbouring block
+  on each side (SnapKV pools its scores the same way; here it matters because a needle often straddles two
   blocks: on SmolLM2 NIAH at 8K, the answer's first digits sat in one block and the rest in the next, and
   without the neighbour only the first digits were copied);
+- the layers vote: their block scores, summed. A block that the few retrieval layers attend to sharply
+  outranks one that many layers touch lightly (on SmolLM2, with heads and queries averaged, the needle was
+  among the best 7 blocks of only 2 of 30 layers at 8K; with peaks summed over layers it was among the best
+  4 blocks in all 18 of bench_sparse's retrieval prompts);
 - the best candidate blocks (not wholly sinks or local window) fill at most half of the budget left after
   sinks and local window (rows without `top_k`: half of PIN_BUDGET less sinks and local window); for
   token-level scorers (learned, unit 1) the pins are every token of those blocks;
-- pins belong to the sequence, per layer (`Sequence.sparse_pins` [layers, P], ascending unit indices):
+- pins belong to the sequence (`Sequence.sparse_pins` [P], ascending unit indices) and hold in every layer:
   blocks are shared between sequences through the prefix cache, so they are never a block property.
   Every decode step keeps sinks + local window + the pins + its own best units, all within the budget
   (`selection.unit_keep_mask`; the C++ `select_slots` honours the same pins).
@@ -36,14 +41,10 @@ from glmserve.sparse.selection import NONE, SparseRows, unit_keep_mask
 from glmserve.sparse.settings import MODE_DEFAULTS
 
 if TYPE_CHECKING:
+    from glmserve.kv.offload import ColdChunk, ColdSpan, RunningKVOffload
     from glmserve.layers.attention import PagedAttention
 
 PINNED_MODES = ("block", "learned")
-# a unit pinned by this many layers is pinned in all of them: on SmolLM2 a needle the question attends to was
-# pinned by 7 of 30 layers and lost by the others (NIAH at 4K, depth 0.2: "63" for "63075" in every sparse
-# mode); with this union, threshold 0.35 and top_k 2,048 found every needle of bench_sparse's cases (5 to 10
-# layers were tried: 7 and more miss that case, 3 loses two 8K cases at top_k 512)
-CONSENSUS_LAYERS = 5
 PIN_BUDGET = MODE_DEFAULTS["block"]["top_k"]  # threshold-only rows: pins take at most half of this budget
 PIN_BLOCK = 16  # pins are chosen by blocks of 16 positions (the block indexer's unit; whole blocks for tokens)
 POOL_RADIUS = 1  # a block scores at least the mass of its neighbours on each side
@@ -66,15 +67,14 @@ def block_mass(mass: torch.Tensor) -> torch.Tensor:
     return F.max_pool1d(mass[:, None], 2 * POOL_RADIUS + 1, stride=1, padding=POOL_RADIUS)[:, 0]
 
 
-def choose_pins(mass: torch.Tensor, unit_size: int, context_lens: torch.Tensor, rows: SparseRows) -> torch.Tensor:
-    """Attention mass [R, L] of the observed queries -> pinned units of `unit_size` [R, P], ascending, -1
-    padding. Pins are chosen by blocks of PIN_BLOCK positions, then given as the units they cover."""
-    scores = block_mass(mass)
-    keep, candidate = unit_keep_mask(scores, PIN_BLOCK, context_lens, pin_rows(rows, context_lens),
-                                     scores.shape[1], dense_within_budget=False)
+def choose_pins(votes: torch.Tensor, unit_size: int, context_lens: torch.Tensor, rows: SparseRows) -> torch.Tensor:
+    """Block scores [R, blocks of PIN_BLOCK] -> pinned units of `unit_size` [R, P], ascending, -1 padding: the
+    best candidate blocks within the pin budget (`pin_rows`), given as the units they cover."""
+    keep, candidate = unit_keep_mask(votes, PIN_BLOCK, context_lens, pin_rows(rows, context_lens),
+                                     votes.shape[1], dense_within_budget=False)
     per_block = PIN_BLOCK // unit_size
     units = (keep & candidate)[:, :, None].expand(-1, -1, per_block).flatten(1)
-    return ascending_indices(units[:, : -(-mass.shape[1] // unit_size)])
+    return ascending_indices(units[:, : -(-int(context_lens.max()) // unit_size)])
 
 
 def ascending_indices(mask: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ def ascending_indices(mask: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Observation:
     """The rows of one prefill step whose chunk ends a pinned sparse sequence's prompt: their last queries,
-    their context, and the pins each layer chose (filled while the model runs, handed to the sequences after)."""
+    their context, and the layers' votes (filled while the model runs, turned into pins after)."""
 
     sequences: list[Any]  # the engine's Sequence of each row
     query_index: torch.Tensor  # [R, W] flat token index of each observed query in the step (padding repeats)
@@ -98,13 +98,18 @@ class Observation:
     kv_slots: torch.Tensor  # [R, L] slot of each context position (0 past the context)
     context_lens: torch.Tensor  # [R]
     rows: SparseRows
-    pins: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> [R, P]
+    cold: list[tuple[int, list[ColdChunk]]] = field(default_factory=list)  # rows whose sequence has chunks offloaded
+    source: RunningKVOffload | None = None  # where those chunks are (glmserve/kv/offload.py)
+    votes: torch.Tensor | None = None  # [R, blocks]: the block scores of every layer so far, summed
+    unit_sizes: dict[str, int] = field(default_factory=dict)  # pinned mode in the group -> its scorer's unit
 
     @classmethod
     def for_prefill(cls, sequences: list[Any], tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                    first_token: torch.Tensor, block_size: int, device: torch.device) -> Observation | None:
+                    first_token: torch.Tensor, block_size: int, device: torch.device,
+                    spans: list[ColdSpan | None], source: RunningKVOffload | None) -> Observation | None:
         """The prefill group's rows (tables [R, W], starts / lens / first_token [R]: first position, tokens of the
-        chunk, flat index of its first token) restricted to those whose chunk ends a pinned sequence."""
+        chunk, flat index of its first token; `spans`: each row's offloaded chunks in `source`) restricted to
+        those whose chunk ends a pinned sequence."""
         chosen = [i for i, s in enumerate(sequences)
                   if s.sparse.mode in PINNED_MODES and s.sparse.observe_tokens > 0
                   and int(starts[i] + lens[i]) == s.num_tokens]
@@ -124,66 +129,47 @@ class Observation:
         kv_slots = torch.where(in_context, tables[:, key_pos // block_size] * block_size + key_pos % block_size, 0)
         return cls([sequences[i] for i in chosen], (first_token[:, None] + offset).to(device),
                    query_valid.to(device), (starts[:, None] + offset).to(device), kv_slots.to(device),
-                   ctx.to(device), SparseRows.from_params(params, device))
+                   ctx.to(device), SparseRows.from_params(params, device),
+                   [(row, spans[i].chunks) for row, i in enumerate(chosen) if spans[i] is not None], source)
 
     def record(self, q: torch.Tensor, attn: PagedAttention) -> None:
-        """One layer's pins from its post-rope queries q [T, H, D] of the step (the layer's K/V is written)."""
-        mass = self.attention_mass(q, attn)
-        pins = torch.full((mass.shape[0], 0), -1, dtype=torch.long, device=mass.device)
+        """One layer's vote from its post-rope queries q [T, H, D] of the step (the layer's K/V is written)."""
+        vote = block_mass(self.peak_attention(q, attn))
+        self.votes = vote if self.votes is None else self.votes + vote
         for mode in self.rows.modes & set(PINNED_MODES):
-            chosen = choose_pins(mass, attn.indexers[mode].unit_size, self.context_lens, self.rows)
-            width = max(pins.shape[1], chosen.shape[1])
-            pins = torch.where(self.rows.rows_in(mode)[:, None], F.pad(chosen, (0, width - chosen.shape[1]), value=-1),
-                               F.pad(pins, (0, width - pins.shape[1]), value=-1))
-        self.pins[attn.layer_index] = pins
+            self.unit_sizes[mode] = attn.indexers[mode].unit_size
 
-    def attention_mass(self, q: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
-        """[R, L]: the observed queries' dense softmax over the context, mean over heads and queries."""
+    def peak_attention(self, q: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
+        """[R, L]: per key position of the context, the most attention (dense softmax) that any observed query
+        in any head gives it."""
         r, w = self.query_index.shape
         hkv, d = attn.num_kv_heads, attn.head_dim
         queries = q[self.query_index.reshape(-1)].view(r, w, hkv, -1, d).float()  # [R, W, Hkv, g, D]
         keys = attn.kv_cache[0].index_select(1, self.kv_slots.reshape(-1)).view(hkv, r, -1, d).float()
+        for row, chunks in self.cold:  # offloaded positions are null entries of the table: read their keys back
+            for chunk, kv in zip(chunks, self.source.stream_layer(chunks, attn.layer_index, q.device, keys.dtype)):
+                keys[:, row, chunk.start:chunk.start + chunk.tokens] = kv[0]
         logits = torch.einsum("rwhgd,hrld->rwhgl", queries, keys) * attn.scale
         key_pos = torch.arange(keys.shape[2], device=q.device)
         visible = (key_pos[None, None, :] <= self.query_pos[:, :, None]) & self.query_valid[:, :, None]
         probs = torch.softmax(logits.masked_fill(~visible[:, :, None, None, :], float("-inf")), dim=-1)
-        probs = probs.nan_to_num(0.0)  # padded queries see nothing
-        return probs.sum(dim=(1, 2, 3)) / (self.query_valid.sum(1, keepdim=True) * hkv * probs.shape[3])
+        return probs.nan_to_num(0.0).flatten(1, 3).amax(1)  # padded queries see nothing
 
     def assign(self) -> None:
-        """Hands each sequence its pins of every layer ([layers, P], -1 padding trimmed per sequence)."""
-        if not self.pins:
+        """Hands each sequence the pins that the layers' summed votes choose ([P], in its own mode's units)."""
+        if self.votes is None:
             return
-        width = max(p.shape[1] for p in self.pins.values())
-        stacked = torch.stack([F.pad(self.pins[i], (0, width - self.pins[i].shape[1]), value=-1)
-                               for i in sorted(self.pins)], dim=1)  # [R, layers, P]
-        stacked = with_consensus(stacked)
-        counts = (stacked >= 0).sum(-1).amax(-1)
-        for seq, pins, count in zip(self.sequences, stacked, counts.tolist()):
-            seq.sparse_pins = pins[:, :count].clone()
-
-
-def with_consensus(stacked: torch.Tensor) -> torch.Tensor:
-    """[R, layers, P] pins -> the same with every unit that at least CONSENSUS_LAYERS layers pinned added to the
-    pins of every layer (see CONSENSUS_LAYERS)."""
-    r, layers, _ = stacked.shape
-    units = int(stacked.max()) + 1 if stacked.numel() else 0
-    if units <= 0:
-        return stacked
-    hit = torch.zeros((r, layers, units + 1), dtype=torch.bool, device=stacked.device)
-    hit.scatter_(2, torch.where(stacked >= 0, stacked, units), True)
-    hit = hit[..., :units]
-    common = hit.sum(1) >= CONSENSUS_LAYERS  # [R, U]
-    merged = hit | common[:, None, :]
-    return ascending_indices(merged.view(r * layers, units)).view(r, layers, -1)
+        chosen = {mode: choose_pins(self.votes, unit, self.context_lens, self.rows)
+                  for mode, unit in self.unit_sizes.items()}
+        for row, seq in enumerate(self.sequences):
+            pins = chosen[seq.sparse.mode][row]
+            seq.sparse_pins = pins[pins >= 0].clone()
 
 
 def decode_pins(sequences: list[Any], device: torch.device) -> torch.Tensor | None:
-    """Pins of a decode group's rows as one tensor [layers, B, P] (-1 padding), or None when no row has any."""
+    """Pins of a decode group's rows as one tensor [B, P] (-1 padding), or None when no row has any."""
     pins = [s.sparse_pins for s in sequences]
-    layers = next((p.shape[0] for p in pins if p is not None), None)
-    if layers is None:
+    if all(p is None for p in pins):
         return None
-    none = torch.empty((0, layers), dtype=torch.long, device=device)
-    by_row = [none if p is None else p.T for p in pins]  # [P_row, layers] each
-    return pad_sequence(by_row, batch_first=True, padding_value=-1).permute(2, 0, 1).contiguous()
+    none = torch.empty(0, dtype=torch.long, device=device)
+    return pad_sequence([none if p is None else p for p in pins], batch_first=True, padding_value=-1)

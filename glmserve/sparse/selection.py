@@ -50,7 +50,7 @@ class SparseRows:
     local_tokens: torch.Tensor  # [B] int64
     modes: frozenset[str]  # modes present in the group
     model_default_only: bool  # every row is "native" without overrides (the model's own indexer as trained)
-    pins: torch.Tensor | None = None  # [layers, B, P] pinned units per layer (-1 = none; glmserve.sparse.pinning)
+    pins: torch.Tensor | None = None  # [B, P] pinned units, every layer (-1 = none; glmserve.sparse.pinning)
 
     @classmethod
     def from_params(cls, params: list[SparseAttentionParams], device: torch.device,

@@ -16,11 +16,13 @@ in `glmserve.sparse.selection`, per decode query):
 
 - question pins ("block" / "learned", `observe_tokens` > 0; glmserve/sparse/pinning.py, after SnapKV): when
   prefill ends a prompt, the dense attention of its last `observe_tokens` queries (a prefix-cache hit
-  recomputes them: `Sequence.recomputed_tail`) picks blocks of 16 positions by
-  attention mass (mean over heads and queries, each block also scoring its neighbours' mass), at most
-  half of the budget left after sinks and local window (threshold-only rows: half of 2,048 tokens less
-  sinks and local window); for token-level scorers, all tokens of those blocks. Pins are per sequence
-  and per layer, and every decode step keeps them: sinks + local window + pins + the best other units,
+  recomputes them: `Sequence.recomputed_tail`) picks blocks of 16 positions: per layer, each position's
+  highest attention from any observed query and head, summed by block (each block also scoring its
+  neighbours'), as a share of the layer's total; these shares summed over layers rank the blocks, and the
+  best fill at most half of the budget left after sinks and local window (threshold-only rows: half of
+  2,048 tokens less sinks and local window); for token-level scorers, all tokens of those blocks. Pins
+  are per sequence and hold in every layer; every decode step keeps them: sinks + local window + pins +
+  the best other units,
   the pinned candidates counting first against the budget (threshold mode: normalization still spans
   every candidate, pinned ones included).
 
