@@ -28,6 +28,7 @@ from glmserve.sparse.distill import DistillConfig, distill, kl_per_layer, teache
 from glmserve.sparse.indexer import Indexer
 from glmserve.sparse.learned import (
     DISTANCE_BUCKETS,
+    INDEX_KEY_DTYPE,
     IndexerSpec,
     LearnedIndexer,
     LearnedIndexerWeights,
@@ -305,7 +306,8 @@ def test_decode_scores_equal_brute_force_after_prefix_hits(llama, trained, tiny_
                 prompt_len = max(n for n in teacher if n < c)
                 torch.testing.assert_close(cached_k[:prompt_len], teacher[prompt_len][layer], atol=1e-5, rtol=1e-4)
                 qi, w = weights.index_queries(q[row:row + 1].unsqueeze(0), layer)
-                expected = weights.scores(qi, w, weights.index_keys(cached_k, layer))[0, 0]
+                keys = weights.index_keys(cached_k, layer).to(INDEX_KEY_DTYPE).float()  # as the pool keeps them
+                expected = weights.scores(qi, w, keys)[0, 0]
                 expected += weights.position_bias(torch.tensor([[c - 1]]), torch.arange(c), layer)[0]
                 torch.testing.assert_close(scores[row, :c], expected, atol=1e-5, rtol=1e-4)
                 assert torch.all(scores[row, c:] == float("-inf"))

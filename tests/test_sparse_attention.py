@@ -182,23 +182,30 @@ def test_pins_take_the_observed_mass_by_block_within_half_the_budget():
 
 @pytest.mark.skipif(selection_module.sparse_ops() is None, reason="C++ kernels unavailable")
 @pytest.mark.parametrize("unit", [1, BLOCK])
-def test_selection_kernel_on_long_rows_with_many_ties_equals_torch_path(unit):
-    """The kernel's radix select of the budget's cut on rows of thousands of units whose scores repeat (a few
-    values, -0.0 beside 0.0, -inf), against the torch path's stable sort."""
+@pytest.mark.parametrize("kind", ["ties", "distinct"])
+def test_selection_kernel_on_long_rows_equals_torch_path(unit, kind):
+    """The kernel's select of the budget's cut (sampled bound, else radix) on rows of thousands of units, with
+    pins: scores that repeat (a few values, -0.0 beside 0.0, -inf; one row all equal) or all distinct, against
+    the torch path's stable sort."""
     gen = torch.Generator().manual_seed(7)
     b, length = 8, 20_000
     ctx = torch.randint(length // 2, length + 1, (b,), generator=gen)
-    values = torch.tensor([-0.0, 0.0, 0.5, 0.5 + 2**-20, 1.0, 1e30, -1e-30, float("-inf")])
-    scores = values[torch.randint(0, len(values), (b, math.ceil(length / unit)), generator=gen)]
-    scores[0] = 0.0  # one row all ties
+    if kind == "ties":
+        values = torch.tensor([-0.0, 0.0, 0.5, 0.5 + 2**-20, 1.0, 1e30, -1e-30, float("-inf")])
+        scores = values[torch.randint(0, len(values), (b, math.ceil(length / unit)), generator=gen)]
+        scores[0] = 0.0  # one row all ties
+    else:
+        scores = torch.randn((b, math.ceil(length / unit)), generator=gen)
+        scores[1] = scores[1].sort().values  # ascending: the strided sample is still spread over the row
+    pins = torch.randint(-1, math.ceil(length / unit), (b, 40), generator=gen)
     params = [SparseAttentionParams("learned", top_k=int(k), threshold=t, sink_tokens=16, local_tokens=256)
               for k, t in zip(torch.randint(300, 6_000, (b,), generator=gen).tolist(),
                               [None, None, None, None, None, 0.4, 0.7, 1.0])]
     rows = SparseRows.from_params(params, torch.device("cpu"))
     kv_slots = torch.where(torch.arange(length) < ctx[:, None], torch.randint(1, 10**6, (b, length)), 0)
-    slots, lengths = select_slots({"learned": scores}, {"learned": unit}, ctx, rows, kv_slots)
-    _, ref_slots, ref_lengths = compact(decode_keep_mask({"learned": scores}, {"learned": unit}, ctx, rows, length),
-                                        kv_slots)
+    slots, lengths = select_slots({"learned": scores}, {"learned": unit}, ctx, rows, kv_slots, pins)
+    _, ref_slots, ref_lengths = compact(decode_keep_mask({"learned": scores}, {"learned": unit}, ctx, rows, length,
+                                                         pins), kv_slots)
     assert torch.equal(lengths, ref_lengths) and torch.equal(slots, ref_slots)
 
 

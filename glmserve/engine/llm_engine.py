@@ -86,7 +86,7 @@ class LLMEngine:
             bytes_per_block += block_bounds_bytes(loaded.model, kv_dtype)
         self.learned_indexer = find_learned_indexer(config.learned_indexer, config.model, loaded.model)
         if self.learned_indexer is not None:
-            bytes_per_block += config.block_size * index_key_bytes_per_token(self.learned_indexer, kv_dtype)
+            bytes_per_block += config.block_size * index_key_bytes_per_token(self.learned_indexer)
         num_blocks = self._kv_budget() // bytes_per_block
         pool_tokens = (num_blocks - 1) * config.block_size
         host_bytes = host_tier_budget(config.kv_host_memory_bytes, self.device)
@@ -104,7 +104,7 @@ class LLMEngine:
         if config.sparse_block_bounds and block_bounds_bytes(loaded.model, kv_dtype):
             attach_block_indexers(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
         self.index_keys = None if self.learned_indexer is None else attach_learned_indexers(
-            loaded.model, self.learned_indexer, self.runner.kv_cache, config.block_size, kv_dtype)
+            loaded.model, self.learned_indexer, self.runner.kv_cache, config.block_size)
         default_mode = config.sparse_attention or ("native" if "native" in self.sparse_modes else "dense")
         self.default_sparse = self.resolve_sparse({"mode": default_mode})
         self.kv_io = KVBlockIO(loaded.model, self.runner.kv_cache, config.block_size, num_blocks * config.block_size)
