@@ -16,9 +16,8 @@ patterns (rope's decay with distance, attention sinks) that a low-rank projectio
 expresses poorly. W_w starts at zero (flat first scores); measurements in docs/LEARNED_INDEXER.md.
 
 Index keys (d values per token and layer, in bfloat16 whatever the model's dtype, as DeepSeek-V3.2 keeps
-its indexer in FP8: 1/24 of SmolLM2's KV in float32, 1/12 in bfloat16; each decode step reads every index key
-of the context: at 128K tokens on one CPU thread the C++ scorer takes 1.25 ms per layer, 1.5 ms in float32)
-live in their own paged pool at the same
+its indexer in FP8: 1/24 of SmolLM2's KV in float32, 1/12 in bfloat16; each decode step reads every index
+key of the context, so their size sets the scorer's speed) live in their own paged pool at the same
 slots as the KV (`IndexKeyPool`), so prefix-cache hits share them; KV that the tiers or the session store
 load into the pool gets its index keys recomputed from the loaded K (`IndexKeyPool.refresh`). The engine
 allocates the pool only when an indexer file is loaded. The weights of all layers are stacked
