@@ -77,8 +77,7 @@ class Sequence:
     def recomputed_tail(self) -> int:
         """Last tokens a prefix-cache hit still recomputes: the last one (its logits), or the queries that pin
         units for sparse decode (glmserve/sparse/pinning.py), so that pins never depend on the cache."""
-        pinned = self.sparse.mode in ("block", "learned") and self.sparse.observe_tokens > 0
-        return max(1, min(self.num_tokens, self.sparse.observe_tokens)) if pinned else 1
+        return max(1, min(self.num_tokens, self.sparse.observe_tokens)) if self.sparse.pins_question else 1
 
     def chunk_tokens(self, start: int, budget: int) -> int:
         """Tokens of the next chunk from `start` within `budget`: all that fit, but a chunked prefill leaves its

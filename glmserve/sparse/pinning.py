@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from glmserve.kv.offload import ColdChunk, ColdSpan, RunningKVOffload
     from glmserve.layers.attention import PagedAttention
 
-PINNED_MODES = ("block", "learned")
 PIN_BUDGET = MODE_DEFAULTS["block"]["top_k"]  # threshold-only rows: pins take at most half of this budget
 PIN_BLOCK = 16  # pins are chosen by blocks of 16 positions (the block indexer's unit; whole blocks for tokens)
 POOL_RADIUS = 1  # a block scores at least the mass of its neighbours on each side
@@ -111,8 +110,7 @@ class Observation:
         chunk, flat index of its first token; `spans`: each row's offloaded chunks in `source`) restricted to
         those whose chunk ends a pinned sequence."""
         chosen = [i for i, s in enumerate(sequences)
-                  if s.sparse.mode in PINNED_MODES and s.sparse.observe_tokens > 0
-                  and int(starts[i] + lens[i]) == s.num_tokens]
+                  if s.sparse.pins_question and int(starts[i] + lens[i]) == s.num_tokens]
         if not chosen:
             return None
         idx = torch.tensor(chosen)
@@ -136,7 +134,7 @@ class Observation:
         """One layer's vote from its post-rope queries q [T, H, D] of the step (the layer's K/V is written)."""
         vote = block_mass(self.peak_attention(q, attn))
         self.votes = vote if self.votes is None else self.votes + vote
-        for mode in self.rows.modes & set(PINNED_MODES):
+        for mode in self.rows.modes:  # every row observed pins its question
             self.unit_sizes[mode] = attn.indexers[mode].unit_size
 
     def peak_attention(self, q: torch.Tensor, attn: PagedAttention) -> torch.Tensor:

@@ -41,6 +41,7 @@ from glmserve.errors import InvalidRequestError
 
 MODES = ("dense", "block", "learned", "native")
 DEFAULT_DSA_THRESHOLD = 0.35  # the seeds' dsa_threshold (named in the CLI help and docs)
+PINNED_MODES = ("block", "learned")  # modes whose decode selection keeps question pins (observe_tokens)
 
 # per mode, what an unset field becomes (request value first, then the server's flag, then this)
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -85,6 +86,11 @@ class SparseAttentionParams:
                 f"sparse attention top_k ({self.top_k}) must be at least sink_tokens + local_tokens "
                 f"({self.sink_tokens} + {self.local_tokens})"
             )
+
+    @property
+    def pins_question(self) -> bool:
+        """True where the prompt's last `observe_tokens` queries pin units for decode (glmserve/sparse/pinning.py)."""
+        return self.mode in PINNED_MODES and self.observe_tokens > 0
 
     @property
     def is_model_default(self) -> bool:
