@@ -62,16 +62,16 @@ def start_long_sequence(llm: LLM, context: int, steps: int, sparse: dict | None 
                        sparse=sparse)
     scheduler, blocks, offload = engine.scheduler, engine.block_manager, engine.kv_offload
     seq = scheduler.waiting.pop(0)
-    blocks.admit(seq, [])
+    blocks.admit(seq.kv, [], seq.recomputed_tail)
     gen = torch.Generator().manual_seed(1)
     for start in range(0, context - 1, CHUNK):
         size = min(CHUNK, context - 1 - start)
-        while not blocks.allocate(seq, size):
-            if offload is None or not offload.offload_oldest(seq):
+        while not blocks.allocate(seq.kv, size):
+            if offload is None or not offload.offload_oldest(seq.kv):
                 raise RuntimeError("the KV pool cannot hold the context")
-        write_random_kv(engine, seq.block_table, start, size, gen)
+        write_random_kv(engine, seq.kv.block_table, start, size, gen)
         seq.num_computed_tokens += size
-        blocks.register_full_blocks(seq)
+        blocks.register_full_blocks(seq.kv)
     scheduler.running.append(seq)
     seq.status = type(seq.status).RUNNING
 

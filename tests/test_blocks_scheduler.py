@@ -25,30 +25,30 @@ def _seq(tokens: list[int], salt: str | None = None) -> Sequence:
 
 
 def _run_prompt(bm: BlockManager, seq: Sequence) -> None:
-    bm.admit(seq, bm.match_prefix(seq))
-    assert bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+    bm.admit(seq.kv, bm.match_prefix(seq.kv), seq.recomputed_tail)
+    assert bm.allocate(seq.kv, seq.num_tokens - seq.num_computed_tokens)
     seq.num_computed_tokens = seq.num_tokens
-    bm.register_full_blocks(seq)
+    bm.register_full_blocks(seq.kv)
 
 
 def test_prefix_hits_are_exact_and_salted():
     bm = BlockManager(num_blocks=16, block_size=4)
     a = _seq(list(range(10)))
     _run_prompt(bm, a)
-    assert a.num_cached_tokens == 0 and len(a.block_table) == 3
+    assert a.kv.num_cached_tokens == 0 and len(a.kv.block_table) == 3
     b = _seq(list(range(9)) + [99, 100])  # shares two full blocks (8 tokens)
     _run_prompt(bm, b)
-    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
-    assert bm.ref_counts[a.block_table[0]] == 2
+    assert b.kv.num_cached_tokens == 8 and b.kv.block_table[:2] == a.kv.block_table[:2]
+    assert bm.ref_counts[a.kv.block_table[0]] == 2
     c = _seq(list(range(10)), salt="tenant-2")  # a different cache salt never hits
     _run_prompt(bm, c)
-    assert c.num_cached_tokens == 0
+    assert c.kv.num_cached_tokens == 0
     d = _seq(list(range(8)))  # whole prompt cached: the last token is still recomputed
     _run_prompt(bm, d)
-    assert d.num_cached_tokens == 7
+    assert d.kv.num_cached_tokens == 7
     assert bm.prefix_cache_queries == 10 + 11 + 10 + 8 and bm.prefix_cache_hits == 8 + 7
     for s in (a, b, c, d):
-        bm.free(s)
+        bm.free(s.kv)
     assert bm.num_free_blocks == 15 and all(r == 0 for r in bm.ref_counts)  # block 0 is the null block
 
 
@@ -56,17 +56,17 @@ def test_freed_blocks_stay_cached_until_reused_lru():
     bm = BlockManager(num_blocks=5, block_size=4)  # 4 usable
     a = _seq(list(range(8)))
     _run_prompt(bm, a)
-    bm.free(a)
+    bm.free(a.kv)
     e = _seq(list(range(8)))
     _run_prompt(bm, e)  # hit after free
-    assert e.num_cached_tokens == 7
-    bm.free(e)
+    assert e.kv.num_cached_tokens == 7
+    bm.free(e.kv)
     f = _seq(list(range(100, 116)))  # needs all 4 blocks: evicts the cached ones
     _run_prompt(bm, f)
-    bm.free(f)
+    bm.free(f.kv)
     g = _seq(list(range(8)))
     _run_prompt(bm, g)
-    assert g.num_cached_tokens == 0
+    assert g.kv.num_cached_tokens == 0
 
 
 def test_random_requests_with_aborts_and_preemption_leak_nothing(tiny_model_dir):

@@ -341,7 +341,7 @@ def test_block_selection_picks_the_top_blocks_of_brute_force_bounds(llm, backend
         engine.step()
     attn = paged_attention_layers(engine.runner.model)[1]
     dev = attn.kv_cache.device
-    table = torch.tensor(seq.block_table, device=dev)
+    table = torch.tensor(seq.kv.block_table, device=dev)
     ctx = len(p)
     pos = torch.arange(ctx, device=dev)
     g = GroupMetadata(kv_slots=(table[pos // BLOCK] * BLOCK + pos % BLOCK)[None], key_mask=None, num_tokens=1,
@@ -417,7 +417,7 @@ def test_bounds_follow_kv_loaded_straight_into_the_pool(llm):
     seq = engine.requests["loaded"].seqs[0]
     while seq.num_computed_tokens < 100:
         engine.step()
-    source = torch.tensor(seq.block_table[:6])
+    source = torch.tensor(seq.kv.block_table[:6])
     targets = torch.tensor(sorted(engine.block_manager.free_blocks)[-6:])  # free, bounds of other tokens (or none)
     engine.kv_io.scatter(targets, engine.kv_io.gather(source))
     engine.abort_request("loaded")

@@ -249,7 +249,7 @@ class LLMEngine:
         for item in batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_full_blocks(seq)
+            self.block_manager.register_full_blocks(seq.kv)
             if seq.num_computed_tokens >= seq.num_prompt_tokens:
                 touched[seq.request_id] = self.requests[seq.request_id]
         for seq, token, logprob in results:
@@ -280,7 +280,7 @@ class LLMEngine:
         short (abort, shutdown), and sample 0 may have finished and been saved already."""
         session_id = self.requests[seq.request_id].session_id
         if session_id is not None and seq.index == 0 and self.sessions is not None and not seq.is_finished:
-            table = seq.block_table  # a streamed sequence saves its resident prefix (up to its first offloaded block)
+            table = seq.kv.block_table  # a streamed sequence saves its resident prefix (up to its first offloaded one)
             resident = table.index(NULL_BLOCK) if NULL_BLOCK in table else len(table)
             computed = min(seq.num_computed_tokens, resident * self.config.block_size)
             self.sessions.save(session_id, seq.token_ids, table[:resident], computed, partial)
@@ -335,8 +335,8 @@ class LLMEngine:
             for s in request.seqs
         ]
         first = request.seqs[0]
-        return RequestOutput(request.request_id, request.prompt_token_ids, first.num_cached_tokens, outputs, finished,
-                             first.arrival_time, first.first_scheduled_time)
+        return RequestOutput(request.request_id, request.prompt_token_ids, first.kv.num_cached_tokens, outputs,
+                             finished, first.arrival_time, first.first_scheduled_time)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

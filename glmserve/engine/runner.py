@@ -50,8 +50,8 @@ class ModelRunner:
         tokens: list[int] = []
         for s in batch:
             tokens.extend(s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens])
-        width = max(len(s.seq.block_table) for s in batch)
-        tables = torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in batch])
+        width = max(len(s.seq.kv.block_table) for s in batch)
+        tables = torch.tensor([s.seq.kv.block_table + [0] * (width - len(s.seq.kv.block_table)) for s in batch])
         num_tokens = int(lens.sum())
         row_of_token = torch.repeat_interleave(torch.arange(len(batch)), lens)
         cu = torch.cumsum(lens, 0)
@@ -60,7 +60,7 @@ class ModelRunner:
         slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
         samples = torch.tensor([s.samples for s in batch])
         logits_index = (cu - 1)[samples]  # last token of each chunk that ends its sequence
-        spans = [self.offload.span(s.seq) if self.offload is not None else None for s in batch]
+        spans = [self.offload.span(s.seq.kv) if self.offload is not None else None for s in batch]
 
         num_decode = int((lens == 1).sum())
         decode = prefill = None

@@ -57,9 +57,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def _free(self, seq: Sequence) -> None:
-        self.blocks.free(seq)
+        self.blocks.free(seq.kv)
         if self.offload is not None:
-            self.offload.drop(seq)
+            self.offload.drop(seq.kv)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -77,7 +77,7 @@ class Scheduler:
             if seq not in self.running:  # preempted by an earlier sequence of this step
                 continue
             num_new = seq.chunk_tokens(seq.num_computed_tokens, budget)
-            while not self.blocks.allocate(seq, num_new):
+            while not self.blocks.allocate(seq.kv, num_new):
                 if self._offload_one(first=seq):
                     continue
                 victim = self.running[-1]
@@ -103,10 +103,10 @@ class Scheduler:
         if self.offload is None:
             return False
         candidates = ([first] if first is not None else []) + self.running[::-1]
-        return any(self.offload.offload_oldest(s) for s in candidates)
+        return any(self.offload.offload_oldest(s.kv) for s in candidates)
 
     def _admit(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> bool:
-        hits = self.blocks.match_prefix(seq)
+        hits = self.blocks.match_prefix(seq.kv)
         while True:
             cached = min(len(hits) * self.blocks.block_size, seq.num_tokens - seq.recomputed_tail)
             num_new = seq.chunk_tokens(cached, budget)
@@ -121,8 +121,8 @@ class Scheduler:
             # (and offloaded in turn) instead of waiting for room that never comes
             hits = hits[:max(0, len(hits) - self.offload.chunk_blocks)]
         self.waiting.pop(0)
-        self.blocks.admit(seq, hits)
-        allocated = self.blocks.allocate(seq, num_new)
+        self.blocks.admit(seq.kv, hits, seq.recomputed_tail)
+        allocated = self.blocks.allocate(seq.kv, num_new)
         assert allocated
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled_time is None:

@@ -1,4 +1,4 @@
-"""A sequence: one sample of one request, with its tokens, KV blocks and progress."""
+"""A sequence: one sample of one request, with its tokens, progress and KV record (glmserve/kv/seq_kv.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from glmserve.engine.detokenizer import IncrementalDetokenizer
 from glmserve.engine.outputs import TokenLogprob
 from glmserve.engine.sampling import SamplingParams
+from glmserve.kv.seq_kv import SeqKV
 from glmserve.sparse.settings import SparseAttentionParams
 
 _seq_counter = itertools.count()
@@ -23,7 +24,7 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """Tokens (prompt + generated), how many have KV in the cache, and the block table."""
+    """Tokens (prompt + generated), sampling state, and the KV record of where their KV is (`kv`)."""
 
     def __init__(
         self,
@@ -45,14 +46,10 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.priority = priority
-        self.cache_salt = cache_salt
         self.sparse = sparse or SparseAttentionParams()  # decode attention: dense or a sparse mode
         self.sparse_pins: torch.Tensor | None = None  # [P] question-pinned units of every layer (sparse/pinning.py)
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prefix-cache hit at the first admission
-        self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hashes of the full blocks registered so far
+        self.kv = SeqKV(self.seq_id, self.token_ids, self.num_prompt_tokens, cache_salt)
         self.detokenizer = detokenizer
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
@@ -64,6 +61,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is written (the KV record's count: the allocator sets it at admission)."""
+        return self.kv.num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self.kv.num_computed_tokens = value
 
     @property
     def num_output_tokens(self) -> int:

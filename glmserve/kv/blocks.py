@@ -22,7 +22,7 @@ from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from glmserve.engine.sequence import Sequence
+from glmserve.kv.seq_kv import SeqKV
 
 if TYPE_CHECKING:
     from glmserve.kv.tiers import KVTiers
@@ -74,9 +74,9 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+    def blocks_needed(self, kv: SeqKV, num_new_tokens: int) -> int:
+        total = kv.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(kv.block_table))
 
     # -- prefix cache -------------------------------------------------------------------------
     def prompt_block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[int]:
@@ -105,11 +105,11 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, kv: SeqKV) -> list[int]:
         """Cached blocks that cover the start of the sequence's tokens (not yet referenced)."""
         if not self.enable_prefix_caching:
             return []
-        hashes = self.prompt_block_hashes(seq.token_ids, seq.cache_salt)
+        hashes = self.prompt_block_hashes(kv.token_ids, kv.cache_salt)
         hits = self.device_prefix(hashes)
         if self.tiers is not None and len(hits) < len(hashes):
             hits += self._load_from_tiers(hashes, hits)
@@ -182,21 +182,21 @@ class BlockManager:
         if None not in blocks:
             self.tiers.save(last, blocks)  # type: ignore[arg-type]
 
-    def admit(self, seq: Sequence, hit_blocks: list[int]) -> None:
-        """Give a waiting sequence its cached prefix blocks and set its computed-token count."""
-        assert not seq.block_table
+    def admit(self, kv: SeqKV, hit_blocks: list[int], recomputed_tail: int) -> None:
+        """Give a waiting sequence its cached prefix blocks and set its computed-token count: the cached tokens
+        but its last `recomputed_tail` (at least 1: the logits of the next token need the last one computed)."""
+        assert not kv.block_table and recomputed_tail >= 1
         for b in hit_blocks:
             self._ref(b)
-        seq.block_table = list(hit_blocks)
-        seq.block_hashes = [self.block_to_hash[b] for b in hit_blocks]  # type: ignore[misc]
+        kv.block_table = list(hit_blocks)
+        kv.block_hashes = [self.block_to_hash[b] for b in hit_blocks]  # type: ignore[misc]
         cached = len(hit_blocks) * self.block_size
-        # the last token must be recomputed to get the logits of the next one (more: Sequence.recomputed_tail)
-        seq.num_computed_tokens = min(cached, seq.num_tokens - seq.recomputed_tail)
-        first_admission = seq.num_output_tokens == 0
+        kv.num_computed_tokens = min(cached, kv.num_tokens - recomputed_tail)
+        first_admission = kv.num_tokens == kv.num_prompt_tokens
         if first_admission:
-            seq.num_cached_tokens = seq.num_computed_tokens
-            self.prefix_cache_queries += seq.num_prompt_tokens
-            self.prefix_cache_hits += seq.num_computed_tokens
+            kv.num_cached_tokens = kv.num_computed_tokens
+            self.prefix_cache_queries += kv.num_prompt_tokens
+            self.prefix_cache_hits += kv.num_computed_tokens
 
     # -- allocation -----------------------------------------------------------------------------
     def _ref(self, block: int) -> None:
@@ -221,30 +221,30 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate(self, kv: SeqKV, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more computed tokens; False (nothing changed) if full."""
-        needed = self.blocks_needed(seq, num_new_tokens)
+        needed = self.blocks_needed(kv, num_new_tokens)
         if needed > len(self.free_blocks):
             return False
-        seq.block_table.extend(self.take_free_blocks(needed))
+        kv.block_table.extend(self.take_free_blocks(needed))
         return True
 
-    def register_full_blocks(self, seq: Sequence) -> None:
+    def register_full_blocks(self, kv: SeqKV) -> None:
         """Hash the blocks that became full since the last call so later requests can hit them."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
-        for i in range(len(seq.block_hashes), num_full):
+        num_full = min(kv.num_computed_tokens // self.block_size, len(kv.block_table))
+        parent = kv.block_hashes[-1] if kv.block_hashes else None
+        for i in range(len(kv.block_hashes), num_full):
             start = i * self.block_size
-            parent = block_hash(parent, seq.token_ids[start:start + self.block_size], seq.cache_salt)
-            seq.block_hashes.append(parent)
-            block = seq.block_table[i]
+            parent = block_hash(parent, kv.token_ids[start:start + self.block_size], kv.cache_salt)
+            kv.block_hashes.append(parent)
+            block = kv.block_table[i]
             if self.block_to_hash[block] is None and parent not in self.hash_to_block:
                 self.block_to_hash[block] = parent
                 self.hash_to_block[parent] = block
             if self.tiers is not None and (i + 1) % self.tiers.chunk_blocks == 0:
-                self._register_chunk(seq.block_hashes[i + 1 - self.tiers.chunk_blocks:])
+                self._register_chunk(kv.block_hashes[i + 1 - self.tiers.chunk_blocks:])
 
     def _unref(self, block: int) -> None:
         """One reference less; an unreferenced block becomes free: evicted last while it holds a cached hash,
@@ -255,24 +255,24 @@ class BlockManager:
             if self.block_to_hash[block] is None:
                 self.free_blocks.move_to_end(block, last=False)
 
-    def release_blocks(self, seq: Sequence, first: int, last: int) -> None:
+    def release_blocks(self, kv: SeqKV, first: int, last: int) -> None:
         """Entries `first:last` of the sequence's block table leave it (their KV was offloaded, see
         glmserve/kv/offload.py): references dropped, entries set to the null block. The blocks stay cached
         by hash while free; their chunk is not spilled to the tiers again."""
         for i in range(first, last):
-            block = seq.block_table[i]
+            block = kv.block_table[i]
             chunk = self.block_chunk[block]
             if chunk is not None:
                 self.chunk_members.pop(chunk, None)
                 self.block_chunk[block] = None
             self._unref(block)
-            seq.block_table[i] = NULL_BLOCK
+            kv.block_table[i] = NULL_BLOCK
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, kv: SeqKV) -> None:
         """Drop the sequence's references; blocks at the end of a sequence are evicted first."""
-        for block in reversed(seq.block_table):
+        for block in reversed(kv.block_table):
             if block != NULL_BLOCK:  # NULL_BLOCK: released by offload
                 self._unref(block)
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_computed_tokens = 0
+        kv.block_table = []
+        kv.block_hashes = []
+        kv.num_computed_tokens = 0

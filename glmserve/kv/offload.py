@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from glmserve.engine.sequence import Sequence
 from glmserve.kv.blocks import BlockManager
 from glmserve.kv.kv_io import KVBlockIO
+from glmserve.kv.seq_kv import SeqKV
 
 READ_AHEAD = 2  # layer slices read ahead of the one being attended
 
@@ -167,29 +167,29 @@ class RunningKVOffload:
         self.disk_bytes = disk_bytes if disk_dir else 0
         self.host_used = 0
         self.disk_used = 0
-        self.spans: dict[int, ColdSpan] = {}  # seq_id -> its cold span
+        self.spans: dict[int, ColdSpan] = {}  # SeqKV.kv_id -> its cold span
         self.stats = OffloadStats()
         self.reader = ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="glmserve-kv-stream")
         self.lock = threading.Lock()  # stats updated from attention (engine thread) and readers
 
-    def span(self, seq: Sequence) -> ColdSpan | None:
-        return self.spans.get(seq.seq_id)
+    def span(self, kv: SeqKV) -> ColdSpan | None:
+        return self.spans.get(kv.kv_id)
 
     # -- offload --------------------------------------------------------------------------------------------
-    def offload_oldest(self, seq: Sequence) -> bool:
+    def offload_oldest(self, kv: SeqKV) -> bool:
         """Moves the sequence's oldest resident, fully computed chunk after its first one out of the pool and
         releases its blocks; False when it has none or there is no room outside the pool."""
-        span = self.spans.get(seq.seq_id)
+        span = self.spans.get(kv.kv_id)
         index = 1 + (len(span.chunks) if span else 0)
         first, last = index * self.chunk_blocks, (index + 1) * self.chunk_blocks
-        if last * self.io.block_size > seq.num_computed_tokens or last > len(seq.block_table):
+        if last * self.io.block_size > kv.num_computed_tokens or last > len(kv.block_table):
             return False
         start_time = time.perf_counter()
-        chunk = self._copy_out(seq.block_table[first:last], index * self.chunk_tokens)
+        chunk = self._copy_out(kv.block_table[first:last], index * self.chunk_tokens)
         if chunk is None:
             return False
-        self.blocks.release_blocks(seq, first, last)
-        self.spans.setdefault(seq.seq_id, ColdSpan()).chunks.append(chunk)
+        self.blocks.release_blocks(kv, first, last)
+        self.spans.setdefault(kv.kv_id, ColdSpan()).chunks.append(chunk)
         self.stats.offloaded_chunks += 1
         self.stats.offloaded_bytes += chunk.nbytes
         self.stats.offload_seconds += time.perf_counter() - start_time
@@ -226,9 +226,9 @@ class RunningKVOffload:
         self.disk_used += size
         return chunk
 
-    def drop(self, seq: Sequence) -> None:
+    def drop(self, kv: SeqKV) -> None:
         """The sequence finished or was preempted: its cold chunks are deleted."""
-        span = self.spans.pop(seq.seq_id, None)
+        span = self.spans.pop(kv.kv_id, None)
         for chunk in span.chunks if span is not None else []:
             if chunk.host is not None:
                 self.host_used -= chunk.nbytes
