@@ -85,8 +85,9 @@ def main() -> None:
             first.sessions.wait(sid)
             save_disk = time.perf_counter() - start
             first.close()
-            first.sessions = open_session_kv(EngineConfig(session_store=url, **base), first.block_manager,
-                                             first.kv_io, first.kv_identity)
+            c = first.config
+            first.sessions = open_session_kv(url, first.block_manager, first.kv_io, first.kv_identity,
+                                             c.kv_chunk_tokens, c.session_max_bytes, c.session_ttl_s)
             ttft(first, history, session_id=sid)  # device hit; its end writes the session to Redis
             start = time.perf_counter()
             first.sessions.wait(sid)

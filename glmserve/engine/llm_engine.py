@@ -114,7 +114,9 @@ class LLMEngine:
             self.kv_io.add_load_listener(functools.partial(refresh_block_bounds, loaded.model))
         self.kv_identity = kv_identity(config.model or f"embedded:{loaded.name}", self.dtype, kv_dtype,
                                        config.block_size, self.kv_io.layout)
-        self.sessions: SessionKV | None = open_session_kv(config, self.block_manager, self.kv_io, self.kv_identity)
+        self.sessions: SessionKV | None = open_session_kv(
+            config.session_store, self.block_manager, self.kv_io, self.kv_identity, config.kv_chunk_tokens,
+            config.session_max_bytes, config.session_ttl_s)
         self.kv_tiers = build_tiers(self.kv_io, self.kv_identity, config.kv_chunk_tokens, config.kv_host_memory_bytes,
                                     config.kv_disk_dir, config.kv_disk_bytes)
         if self.kv_tiers is not None:

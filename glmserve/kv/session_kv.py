@@ -40,7 +40,6 @@ from pathlib import Path
 
 import torch
 
-from glmserve.config import EngineConfig
 from glmserve.errors import InvalidRequestError
 from glmserve.kv.blocks import BlockManager
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
@@ -68,17 +67,18 @@ def open_chunk_store(spec: str | None, max_bytes: int, ttl_s: float) -> ChunkSto
         raise InvalidRequestError(f"cannot use the session directory {root}: {exc}") from exc
 
 
-def open_session_kv(config: EngineConfig, blocks: BlockManager, io: KVBlockIO, identity: str) -> SessionKV | None:
-    """The engine's SessionKV for `config.session_store` (None when "off"). A Redis store is connected at
-    once (a wrong URL fails the start); a directory is only created when the first session arrives."""
-    spec = config.session_store
+def open_session_kv(spec: str | None, blocks: BlockManager, io: KVBlockIO, identity: str, chunk_tokens: int,
+                    max_bytes: int, ttl_s: float) -> SessionKV | None:
+    """The SessionKV for the `session_store` option `spec` (None when "off"): sessions of KV `identity`, saved in
+    chunks of `chunk_tokens` (the tiers' chunk size, a multiple of the block size), expiring after `ttl_s` unused,
+    the least recently used dropped over `max_bytes`. A Redis store is connected at once (a wrong URL fails the
+    start); a directory is only created when the first session arrives."""
     if spec == "off":
         return None
-    chunk_tokens = config.kv_chunk_tokens  # the tiers' chunk size (a multiple of the block size)
 
     def open_store() -> SessionStore:
-        store = open_chunk_store(spec, config.session_max_bytes, config.session_ttl_s)
-        return SessionStore(store, identity, chunk_tokens, config.session_ttl_s, config.session_max_bytes)
+        store = open_chunk_store(spec, max_bytes, ttl_s)
+        return SessionStore(store, identity, chunk_tokens, ttl_s, max_bytes)
 
     kv = SessionKV(open_store, blocks, io, chunk_tokens)
     if spec is not None and spec.startswith(REDIS_SCHEMES):
