@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 
 from glmserve.config import EngineConfig
 from glmserve.engine.llm_engine import LLMEngine
-from glmserve.engine.outputs import EngineStats, RequestOutput
+from glmserve.engine.outputs import EngineStats, RequestOutput, StorageStats
 from glmserve.engine.sampling import SamplingParams
 from glmserve.errors import EngineOverloadedError, GlmServeError
-from glmserve.kv.storage_stats import StorageStats, storage_stats
 from glmserve.sparse.settings import SparseAttentionParams
 
 logger = logging.getLogger(__name__)
@@ -161,7 +160,33 @@ class AsyncEngine:
     def storage_stats(self) -> StorageStats | None:
         """KV tier and session store traffic and bytes, read now (None before the model is loaded)."""
         llm = self._llm
-        return None if llm is None else storage_stats(llm.kv_tiers, llm.sessions, llm.kv_offload)
+        return None if llm is None else llm.storage_stats()
+
+    # ------------------------------------------------------------------ sessions
+    # LLMEngine's session methods, run in a worker thread (the store is a disk or Redis)
+
+    @property
+    def sessions_enabled(self) -> bool:
+        """Whether the loaded engine keeps sessions (False before the model is loaded)."""
+        llm = self._llm
+        return llm is not None and llm.sessions_enabled
+
+    def _loaded(self) -> LLMEngine:
+        if self._llm is None:
+            raise EngineNotReadyError("The model is still loading; try again shortly.")
+        return self._llm
+
+    async def session_info(self, session_id: str) -> dict | None:
+        return await asyncio.to_thread(self._loaded().session_info, session_id)
+
+    async def delete_session(self, session_id: str) -> bool:
+        return await asyncio.to_thread(self._loaded().delete_session, session_id)
+
+    async def session_summary(self, session_id: str) -> dict | None:
+        return await asyncio.to_thread(self._loaded().session_summary, session_id)
+
+    async def set_session_summary(self, session_id: str, summary: dict | None) -> None:
+        await asyncio.to_thread(self._loaded().set_session_summary, session_id, summary)
 
     @property
     def num_requests(self) -> int:

@@ -8,6 +8,7 @@ done, then joins the waiting queue with its chunks loaded as prefix-cache blocks
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import torch
 
 from glmserve.config import EngineConfig
 from glmserve.engine.detokenizer import IncrementalDetokenizer
-from glmserve.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from glmserve.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StorageStats
 from glmserve.engine.runner import ModelRunner
 from glmserve.engine.sampling import SamplingParams
 from glmserve.engine.scheduler import Scheduler
@@ -352,3 +353,39 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+    def storage_stats(self) -> StorageStats:
+        """KV tier, session store and KV streaming traffic and bytes, read now (safe from any thread)."""
+        tiers, sessions, offload = self.kv_tiers, self.sessions, self.kv_offload
+        host = tiers.host if tiers is not None else None
+        disk = tiers.disk if tiers is not None else None
+        return StorageStats(
+            tiers=dataclasses.replace(tiers.stats) if tiers is not None else None,
+            host_tier_bytes=host.index.nbytes if host is not None else 0,
+            disk_tier_bytes=disk.nbytes if disk is not None else 0,
+            sessions=dataclasses.replace(sessions.stats) if sessions is not None else None,
+            session_store_bytes=sessions.store_bytes() if sessions is not None else 0,
+            streaming=offload.snapshot() if offload is not None else None,
+        )
+
+    # -- sessions (safe from any thread: the server calls these from worker threads) -------------------
+    @property
+    def sessions_enabled(self) -> bool:
+        return self.sessions is not None
+
+    def session_info(self, session_id: str) -> dict | None:
+        """The stored session's turns, tokens, bytes and summary; None when unknown, expired or sessions are off."""
+        return None if self.sessions is None else self.sessions.info(session_id)
+
+    def delete_session(self, session_id: str) -> bool:
+        """Drops the session's KV and record; False when there was no such session (or sessions are off)."""
+        return self.sessions is not None and self.sessions.delete(session_id)
+
+    def session_summary(self, session_id: str) -> dict | None:
+        """The session's anchoring summary (glmserve/server/anchoring.py), or None."""
+        return None if self.sessions is None else self.sessions.summary(session_id)
+
+    def set_session_summary(self, session_id: str, summary: dict | None) -> None:
+        if self.sessions is None:
+            raise InvalidRequestError("sessions are off on this server (session_store 'off')")
+        self.sessions.set_summary(session_id, summary)

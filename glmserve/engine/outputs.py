@@ -1,8 +1,14 @@
-"""What the engine hands back per request and per step."""
+"""What the engine hands back per request and per step, and its statistics (of the step, of the KV below the pool)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from glmserve.kv.offload import OffloadStats
+    from glmserve.kv.session_kv import SessionStats
+    from glmserve.kv.tiers import TierStats
 
 
 @dataclass
@@ -47,3 +53,18 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+
+
+@dataclass(frozen=True)
+class StorageStats:
+    """A snapshot of the KV kept below the device pool (`LLMEngine.storage_stats`, for the server's /metrics): what
+    the KV tiers (glmserve/kv/tiers.py), the session store (glmserve/kv/session_kv.py) and KV streaming of
+    sequences longer than the pool (glmserve/kv/offload.py) moved, and the bytes they hold. Counters are copied
+    as they are at that moment; a Redis session store answers its size over the network."""
+
+    tiers: TierStats | None  # None: no host or disk tier
+    host_tier_bytes: int
+    disk_tier_bytes: int
+    sessions: SessionStats | None  # None: sessions are off
+    session_store_bytes: int
+    streaming: OffloadStats | None = None  # None: the pool holds max_model_len (no KV streaming)

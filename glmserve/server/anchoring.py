@@ -14,7 +14,6 @@ covered (their hash differs) gets a fresh summary.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import uuid
@@ -70,12 +69,11 @@ def _stored_summary(stored: dict | None, turns: list[ChatMessage]) -> Summary | 
 async def anchor_messages(messages: list[ChatMessage], session_id: str, model: LoadedModel,
                           ctx: ServingContext) -> list[ChatMessage]:
     """The messages to send to the engine for this turn (see the module docstring)."""
-    sessions = model.sessions
-    if sessions is None:
+    if not ctx.engine.sessions_enabled:
         raise BadRequestError("session_summary needs sessions, which are off on this server", param="session_summary")
     num_system = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
     system, turns = list(messages[:num_system]), list(messages[num_system:])
-    summary = _stored_summary(await asyncio.to_thread(sessions.summary, session_id), turns)
+    summary = _stored_summary(await ctx.engine.session_summary(session_id), turns)
     composed = _compose(system, summary, turns)
     if len(model.chat_prompt(composed)) <= ctx.config.session_summary_threshold:
         return composed
@@ -89,7 +87,7 @@ async def anchor_messages(messages: list[ChatMessage], session_id: str, model: L
     if not text:
         return composed
     summary = Summary(text, cut, _hash(turns[:cut]), num_tokens)
-    await asyncio.to_thread(sessions.set_summary, session_id, asdict(summary))
+    await ctx.engine.set_session_summary(session_id, asdict(summary))
     return _compose(system, summary, turns)
 
 

@@ -5,7 +5,7 @@ Request-level numbers (latencies, token counts, finish reasons) are recorded by 
 prefix-cache hit rate) are read from the engine's latest stats at scrape time, as is the
 truncation rate (share of finished choices that stopped on `length`). KV kept below the device pool
 (host and disk tiers, the session store) is read at scrape time too: counters of what moved and
-gauges of the bytes held (glmserve/kv/storage_stats.py); they are absent when that storage is off.
+gauges of the bytes held (`StorageStats`, glmserve/engine/outputs.py); they are absent when that storage is off.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from glmserve.engine.outputs import RequestOutput
-from glmserve.kv.storage_stats import StorageStats
+from glmserve.engine.outputs import RequestOutput, StorageStats
 
 if TYPE_CHECKING:
     from glmserve.engine.async_engine import AsyncEngine

@@ -3,20 +3,19 @@
 A chat or text completion joins a session with the request field `session_id` (`extra_body` in the
 `openai` client) or the header `X-Session-Id`; the field wins when both are given. Ids are 1-128
 characters of letters, digits and `._:@-`. The engine keeps the session's KV between turns
-(glmserve/kv/session_kv.py): the next turn's `usage.prompt_tokens_details.cached_tokens` counts what
+(`AsyncEngine.session_info` etc.): the next turn's `usage.prompt_tokens_details.cached_tokens` counts what
 was loaded back. `GET /v1/sessions/{id}` shows a session's size and turns, `DELETE` frees its chunks;
 an unknown or expired session is a 404 (`session_not_found`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from glmserve.kv.session_kv import SessionKV
+from glmserve.engine.async_engine import AsyncEngine
 from glmserve.server.errors import APIError, BadRequestError
 from glmserve.server.protocol import SESSION_ID_PATTERN
 
@@ -45,16 +44,18 @@ def request_session_id(field_value: str | None, raw: Request) -> str | None:
     return None if value is None else _check_id(value)
 
 
-def _sessions(request: Request) -> SessionKV:
-    sessions = request.app.state.serving.loaded().sessions
-    if sessions is None:
+def _engine(request: Request) -> AsyncEngine:
+    """The engine, once the model is ready (503 before) and when it keeps sessions (404 otherwise)."""
+    serving = request.app.state.serving
+    serving.loaded()
+    if not serving.engine.sessions_enabled:
         raise SessionNotFoundError("sessions are off on this server (--session-store off)", code="sessions_off")
-    return sessions
+    return serving.engine
 
 
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> JSONResponse:
-    info = await asyncio.to_thread(_sessions(request).info, _check_id(session_id))
+    info = await _engine(request).session_info(_check_id(session_id))
     if info is None:
         raise SessionNotFoundError(f"session {session_id!r} does not exist", param="session_id")
     return JSONResponse(info)
@@ -62,6 +63,6 @@ async def get_session(session_id: str, request: Request) -> JSONResponse:
 
 @router.delete("/v1/sessions/{session_id}")
 async def delete_session(session_id: str, request: Request) -> JSONResponse:
-    if not await asyncio.to_thread(_sessions(request).delete, _check_id(session_id)):
+    if not await _engine(request).delete_session(_check_id(session_id)):
         raise SessionNotFoundError(f"session {session_id!r} does not exist", param="session_id")
     return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})

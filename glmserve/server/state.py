@@ -26,7 +26,6 @@ class LoadedModel:
         self.aliases = AliasTable(engine.model_name, aliases)
         self.formatter = TokenFormatter(engine.tokenizer)
         self.max_model_len: int = engine.max_model_len
-        self.sessions = engine.sessions  # None when the server runs with --session-store off
 
     def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of the conversation with the generation prompt appended."""
