@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from glmserve import LLM, SamplingParams
+from glmserve.kv.slots import slots_of
 from glmserve.layers import attention as attention_module
 from glmserve.models.loader import load_model
 from glmserve.sparse import selection
@@ -281,7 +282,7 @@ def write_random_kv(engine, block_table: list[int], start: int, size: int, gen: 
     (and its scorers' per-block state), as attention would write them."""
     bs = engine.config.block_size
     pos = torch.arange(start, start + size)
-    slots = (torch.tensor(block_table)[pos // bs] * bs + pos % bs).to(engine.device)
+    slots = slots_of(torch.tensor([block_table]), pos[None], bs)[0].to(engine.device)
     for layer in engine.runner.model.layers:
         attn = layer.self_attn.attn
         cache = attn.kv_cache

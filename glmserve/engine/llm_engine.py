@@ -23,7 +23,7 @@ from glmserve.engine.sampling import SamplingParams
 from glmserve.engine.scheduler import Scheduler
 from glmserve.engine.sequence import Sequence
 from glmserve.errors import InvalidRequestError, PromptTooLongError
-from glmserve.kv.blocks import NULL_BLOCK, BlockManager
+from glmserve.kv.blocks import BlockManager
 from glmserve.kv.kv_io import KVBlockIO, kv_identity
 from glmserve.kv.offload import RunningKVOffload
 from glmserve.kv.session_kv import PendingRestore, SessionKV, open_session_kv, wait_for_any
@@ -283,10 +283,9 @@ class LLMEngine:
         short (abort, shutdown), and sample 0 may have finished and been saved already."""
         session_id = self.requests[seq.request_id].session_id
         if session_id is not None and seq.index == 0 and self.sessions is not None and not seq.is_finished:
-            table = seq.kv.block_table  # a streamed sequence saves its resident prefix (up to its first offloaded one)
-            resident = table.index(NULL_BLOCK) if NULL_BLOCK in table else len(table)
+            resident = seq.kv.resident_prefix_blocks()  # a streamed sequence saves up to its first offloaded block
             computed = min(seq.num_computed_tokens, resident * self.config.block_size)
-            self.sessions.save(session_id, seq.token_ids, table[:resident], computed, partial)
+            self.sessions.save(session_id, seq.token_ids, seq.kv.block_table[:resident], computed, partial)
 
     def close(self) -> None:
         """Save the KV that unfinished session turns computed, then finish background work (session writes, KV

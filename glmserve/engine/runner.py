@@ -10,6 +10,7 @@ from glmserve.engine.outputs import TokenLogprob
 from glmserve.engine.scheduler import ScheduledSeq
 from glmserve.engine.sequence import Sequence
 from glmserve.kv.offload import ColdSpan, RunningKVOffload
+from glmserve.kv.slots import slots_of, table_tensor
 from glmserve.layers.attention import AttentionMetadata, ColdRows, GroupMetadata
 from glmserve.layers.sampler import sample
 from glmserve.sparse.pinning import Observation, decode_pins
@@ -50,14 +51,12 @@ class ModelRunner:
         tokens: list[int] = []
         for s in batch:
             tokens.extend(s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens])
-        width = max(len(s.seq.kv.block_table) for s in batch)
-        tables = torch.tensor([s.seq.kv.block_table + [0] * (width - len(s.seq.kv.block_table)) for s in batch])
-        num_tokens = int(lens.sum())
-        row_of_token = torch.repeat_interleave(torch.arange(len(batch)), lens)
+        tables = table_tensor([s.seq.kv.block_table for s in batch])
         cu = torch.cumsum(lens, 0)
-        offsets = torch.arange(num_tokens) - torch.repeat_interleave(cu - lens, lens)
-        positions = starts[row_of_token] + offsets
-        slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
+        qi = torch.arange(int(lens.max()))[None, :]
+        new = qi < lens[:, None]  # [B, Q]: the rows' new tokens, row by row
+        positions = (starts[:, None] + qi)[new]
+        slot_mapping = slots_of(tables, starts[:, None] + qi, bs)[new]
         samples = torch.tensor([s.samples for s in batch])
         logits_index = (cu - 1)[samples]  # last token of each chunk that ends its sequence
         spans = [self.offload.span(s.seq.kv) if self.offload is not None else None for s in batch]
@@ -104,8 +103,7 @@ class ModelRunner:
         in_context = j < resident[:, None]
         # positions past a sequence's context (padding, the unwritten tail of its last block) read the
         # zeroed null block: masked scores times uninitialized values could otherwise give NaN
-        block_index = torch.clamp(key_pos // bs, max=tables.shape[1] - 1)
-        kv_slots = torch.where(in_context, tables.gather(1, block_index) * bs + key_pos % bs, 0)
+        kv_slots = torch.where(in_context, slots_of(tables, key_pos, bs), 0)
         cold_rows = [i for i, sp in enumerate(spans) if sp is not None]
         group_cold = ColdRows(cold_rows, [spans[i].chunks for i in cold_rows], self.offload) if cold_rows else None
         if query_offsets is None:  # decode: one query per row

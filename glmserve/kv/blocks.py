@@ -22,7 +22,7 @@ from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from glmserve.kv.seq_kv import SeqKV
+from glmserve.kv.seq_kv import OFFLOADED, SeqKV
 
 if TYPE_CHECKING:
     from glmserve.kv.tiers import KVTiers
@@ -44,7 +44,7 @@ def block_hash(parent: int | None, token_ids: list[int] | tuple[int, ...], extra
     return int.from_bytes(h.digest(), "little")
 
 
-NULL_BLOCK = 0  # never handed out: padded slot indices point at it, and its KV is zeros
+NULL_BLOCK = 0  # never handed out: padded slot indices point at it, and its KV is zeros (glmserve/kv/slots.py)
 
 
 class BlockManager:
@@ -257,7 +257,7 @@ class BlockManager:
 
     def release_blocks(self, kv: SeqKV, first: int, last: int) -> None:
         """Entries `first:last` of the sequence's block table leave it (their KV was offloaded, see
-        glmserve/kv/offload.py): references dropped, entries set to the null block. The blocks stay cached
+        glmserve/kv/offload.py): references dropped, entries set to OFFLOADED. The blocks stay cached
         by hash while free; their chunk is not spilled to the tiers again."""
         for i in range(first, last):
             block = kv.block_table[i]
@@ -266,12 +266,12 @@ class BlockManager:
                 self.chunk_members.pop(chunk, None)
                 self.block_chunk[block] = None
             self._unref(block)
-            kv.block_table[i] = NULL_BLOCK
+            kv.block_table[i] = OFFLOADED
 
     def free(self, kv: SeqKV) -> None:
         """Drop the sequence's references; blocks at the end of a sequence are evicted first."""
         for block in reversed(kv.block_table):
-            if block != NULL_BLOCK:  # NULL_BLOCK: released by offload
+            if block != OFFLOADED:  # released by release_blocks already
                 self._unref(block)
         kv.block_table = []
         kv.block_hashes = []

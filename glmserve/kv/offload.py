@@ -5,7 +5,7 @@ and keeping only the working set in fast memory. Here a running sequence keeps r
 (attention sinks) and everything after its cold span; when the pool runs short (the scheduler asks before it
 preempts anyone), the oldest fully computed resident chunk after the first is copied out
 (`KVBlockIO.gather`: one batched copy, layer-major, so one layer of a chunk is one contiguous byte range),
-its blocks are released from the sequence (block-table entries become the null block) and the chunk joins
+its blocks are released from the sequence (block-table entries become `OFFLOADED`) and the chunk joins
 the sequence's cold span. Each attention layer then merges the resident part with every cold chunk's layer
 slice, read one at a time with read-ahead (glmserve/layers/partial_attention.py: partial softmax results
 merged by their log-sum-exp), so memory stays at the pool plus a few layer slices whatever the context.

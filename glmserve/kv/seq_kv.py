@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+OFFLOADED = -1  # a block-table entry whose KV left the pool (glmserve/kv/offload.py): it holds no pool block
+
 
 @dataclass(eq=False)
 class SeqKV:
@@ -19,7 +21,7 @@ class SeqKV:
     token_ids: list[int]  # the sequence's own token list (it appends generated tokens to it)
     num_prompt_tokens: int
     cache_salt: str | None = None  # an extra key of every block hash: other salts never share blocks
-    block_table: list[int] = field(default_factory=list)  # pool block of each block of tokens
+    block_table: list[int] = field(default_factory=list)  # pool block of each block of tokens, or OFFLOADED
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks registered so far
     num_computed_tokens: int = 0  # tokens whose KV is written
     num_cached_tokens: int = 0  # prefix-cache hit at the first admission
@@ -27,3 +29,8 @@ class SeqKV:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def resident_prefix_blocks(self) -> int:
+        """Leading block-table entries in the pool: up to the first offloaded one (all when none is)."""
+        table = self.block_table
+        return table.index(OFFLOADED) if OFFLOADED in table else len(table)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from glmserve.errors import InvalidRequestError
+from glmserve.kv.slots import slots_of
 from glmserve.layers.cpu_kernels import paged_decode_lse_op, paged_decode_op
 from glmserve.layers.partial_attention import attention_with_lse, merge_attention
 from glmserve.sparse.indexer import Indexer
@@ -183,7 +184,7 @@ class PagedAttention:
         ctx_t = torch.tensor([ctx], device=q.device)
         scores = indexer.unit_scores(q, GroupMetadata(kv_slots=table, key_mask=None, num_tokens=1,
                                                       context_lens=ctx_t, block_tables=table))
-        # offloaded blocks are null entries in the table: scored from the bounds kept with their chunks
+        # offloaded blocks read the null block (kv/slots.py table_tensor): scored from the bounds kept with their chunks
         bounds = torch.cat([chunk.read_bounds(layer) for chunk in chunks]).to(q.device)
         scores[0, span_start // unit:span_end // unit] = indexer.bound_scores(q, bounds.view(1, bounds.shape[0], -1))[0]
         keep = keep_mask(scores, unit, ctx_t, SparseRows.from_params([params], q.device), ctx,
@@ -191,8 +192,7 @@ class PagedAttention:
         picked = keep.nonzero()[:, 0]
         streamed = (picked >= span_start) & (picked < span_end)
         resident = picked[~streamed]
-        k, v = (part[:, 0] for part in self._gather((table[0, resident // unit] * unit + resident % unit)[None],
-                                                    q.dtype))  # [Hkv, L, D] each
+        k, v = (part[:, 0] for part in self._gather(slots_of(table, resident[None], unit), q.dtype))  # [Hkv, L, D]
         cold = picked[streamed] - span_start
         if cold.numel():
             blocks_per_chunk = chunk_tokens // unit

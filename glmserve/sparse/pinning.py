@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from glmserve.kv.slots import slots_of
 from glmserve.sparse.selection import NONE, SparseRows, unit_keep_mask
 from glmserve.sparse.settings import MODE_DEFAULTS
 
@@ -124,7 +125,7 @@ class Observation:
         ctx = starts + lens
         key_pos = torch.arange(int(ctx.max()))
         in_context = key_pos[None, :] < ctx[:, None]
-        kv_slots = torch.where(in_context, tables[:, key_pos // block_size] * block_size + key_pos % block_size, 0)
+        kv_slots = torch.where(in_context, slots_of(tables, key_pos[None, :], block_size), 0)
         return cls([sequences[i] for i in chosen], (first_token[:, None] + offset).to(device),
                    query_valid.to(device), (starts[:, None] + offset).to(device), kv_slots.to(device),
                    ctx.to(device), SparseRows.from_params(params, device),
@@ -144,7 +145,7 @@ class Observation:
         hkv, d = attn.num_kv_heads, attn.head_dim
         queries = q[self.query_index.reshape(-1)].view(r, w, hkv, -1, d).float()  # [R, W, Hkv, g, D]
         keys = attn.kv_cache[0].index_select(1, self.kv_slots.reshape(-1)).view(hkv, r, -1, d).float()
-        for row, chunks in self.cold:  # offloaded positions are null entries of the table: read their keys back
+        for row, chunks in self.cold:  # offloaded positions read the null block (kv/slots.py): read their keys back
             for chunk, kv in zip(chunks, self.source.stream_layer(chunks, attn.layer_index, q.device, keys.dtype)):
                 keys[:, row, chunk.start:chunk.start + chunk.tokens] = kv[0]
         logits = torch.einsum("rwhgd,hrld->rwhgl", queries, keys) * attn.scale
