@@ -60,7 +60,7 @@ def start_long_sequence(llm: LLM, context: int, steps: int, sparse: dict | None 
     tokens = torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (context,), generator=torch.Generator().manual_seed(0))
     engine.add_request("long", tokens.tolist(), SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
                        sparse=sparse)
-    scheduler, blocks, offload = engine.scheduler, engine.block_manager, engine.kv_offload
+    scheduler, blocks, offload = engine.scheduler, engine.kv.blocks, engine.kv.offload
     seq = scheduler.waiting.pop(0)
     blocks.admit(seq.kv, [], seq.recomputed_tail)
     gen = torch.Generator().manual_seed(1)
@@ -92,9 +92,9 @@ def run_one(model_dir: Path, context: int, mode: str, pool_tokens: int, steps: i
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)
-        offload = engine.kv_offload
+        offload = engine.kv.offload
         result = {
-            "context": context, "mode": mode, "pool_tokens": engine.block_manager.num_blocks * engine.config.block_size,
+            "context": context, "mode": mode, "pool_tokens": engine.kv.blocks.num_blocks * engine.config.block_size,
             "setup_and_fill_s": round(fill_s, 2), "first_step_s": round(times[0], 3),
             "decode_tok_s": round((len(times) - 1) / sum(times[1:]), 3),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),

@@ -57,7 +57,7 @@ def measure(config: EngineConfig, turn2: list[int], session_id: str) -> dict:
     session_added = session_first = None
     add_seconds = 0.0
     steps: list[tuple[float, float, bool]] = []  # after the session turn is added: (step s, of it restore s, prefill)
-    stats = getattr(engine.sessions, "stats", None)  # the engine-thread part of a restore (newer code only)
+    stats = getattr(engine.kv.sessions, "stats", None)  # the engine-thread part of a restore (newer code only)
     while engine.has_unfinished_requests():
         step_start, load_before = time.perf_counter(), stats.restore_load_seconds if stats else 0.0
         outs = engine.step()

@@ -82,17 +82,17 @@ def main() -> None:
             first = LLMEngine(EngineConfig(session_store=disk, **base))
             t1, _, out = ttft(first, history, session_id=sid)
             start = time.perf_counter()
-            first.sessions.wait(sid)
+            first.kv.sessions.wait(sid)
             save_disk = time.perf_counter() - start
             first.close()
             c = first.config
-            first.sessions = open_session_kv(url, first.block_manager, first.kv_io, first.kv_identity,
-                                             c.kv_chunk_tokens, c.session_max_bytes, c.session_ttl_s)
+            first.kv.sessions = open_session_kv(url, first.kv.blocks, first.kv.io, first.kv.identity,
+                                                c.kv_chunk_tokens, c.session_max_bytes, c.session_ttl_s)
             ttft(first, history, session_id=sid)  # device hit; its end writes the session to Redis
             start = time.perf_counter()
-            first.sessions.wait(sid)
+            first.kv.sessions.wait(sid)
             save_redis = time.perf_counter() - start
-            stored = first.sessions.info(sid)
+            stored = first.kv.sessions.info(sid)
             first.close()
             del first
             turn2 = history + out + torch.randint(100, 40000, (32,)).tolist()

@@ -266,13 +266,13 @@ def fill_context(llm: LLM, token_ids: list[int], chunk: int = 8192) -> None:
     engine = llm.engine
     engine.add_request("fill", token_ids, SamplingParams(max_tokens=1))
     seq = engine.scheduler.waiting.pop(0)
-    engine.block_manager.admit(seq.kv, [], seq.recomputed_tail)
-    assert engine.block_manager.allocate(seq.kv, len(token_ids)), "KV pool too small for this context"
+    engine.kv.blocks.admit(seq.kv, [], seq.recomputed_tail)
+    assert engine.kv.blocks.allocate(seq.kv, len(token_ids)), "KV pool too small for this context"
     gen = torch.Generator(device=engine.device).manual_seed(0)
     for start in range(0, len(token_ids), chunk):
         write_random_kv(engine, seq.kv.block_table, start, min(chunk, len(token_ids) - start), gen)
     seq.num_computed_tokens = len(token_ids)
-    engine.block_manager.register_full_blocks(seq.kv)
+    engine.kv.blocks.register_full_blocks(seq.kv)
     engine.scheduler.remove(seq)
     engine.requests.pop("fill")
 

@@ -56,7 +56,7 @@ def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
 
 
 def tier_stats(llm: LLM) -> dict:
-    s = llm.engine.kv_tiers.stats
+    s = llm.engine.kv.tiers.stats
     return {
         "saved_chunks": s.saved_chunks, "loaded_chunks": s.loaded_chunks, "loaded_tokens": s.loaded_tokens,
         "save_s_per_chunk": s.save_seconds / max(s.saved_chunks, 1),  # in the engine step
@@ -103,11 +103,11 @@ def run(args: argparse.Namespace, model_dir: Path, disk_dir: Path) -> dict:
     result["cold_s"], _ = ttft(llm, prefix + ask[0])
     result["device_hit_s"], result["device_hit_cached"] = ttft(llm, prefix + ask[1])
     result["evict_cold_s"], _ = ttft(llm, other + ask[2])  # a cold prefill that also spills the prefix
-    llm.engine.kv_tiers.wait()  # the disk hit below reads files, not chunks still waiting for the writer
+    llm.engine.kv.tiers.wait()  # the disk hit below reads files, not chunks still waiting for the writer
     drop_page_cache(disk_dir)
     result["disk_hit_s"], result["disk_hit_cached"] = ttft(llm, prefix + ask[3])
     result["disk"] = tier_stats(llm)
-    llm.engine.kv_tiers.wait()
+    llm.engine.kv.tiers.wait()
     result["disk_mb"] = sum(p.stat().st_size for p in disk_dir.iterdir()) / 1e6
     del llm
     drop_page_cache(disk_dir)

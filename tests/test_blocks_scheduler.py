@@ -101,7 +101,7 @@ def test_random_requests_with_aborts_and_preemption_leak_nothing(tiny_model_dir)
     stats = engine.stats()
     assert stats.num_preemptions > 0, "the tight budget should force preemption"
     assert stats.num_free_blocks == stats.num_total_blocks
-    assert all(r == 0 for r in engine.block_manager.ref_counts)
+    assert all(r == 0 for r in engine.kv.blocks.ref_counts)
     assert not engine.scheduler.running and not engine.scheduler.waiting
     for i, out in finished.items():
         assert out.outputs[0].token_ids == expected[i], i

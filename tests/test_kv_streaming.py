@@ -22,7 +22,7 @@ POOL_BLOCKS = 14  # 56 tokens: the first chunk, a chunk filling up, a step's tok
 def _pool_bytes(model_dir, blocks: int) -> int:
     """A KV budget of `blocks` usable blocks (K/V and block-indexer bounds) plus the null block."""
     probe = LLM(model=str(model_dir), dtype="float32", block_size=BS, max_model_len=64).engine
-    return (blocks + 1) * (probe.kv_io.bytes_per_block + block_bounds_bytes(probe.runner.model, torch.float32))
+    return (blocks + 1) * (probe.kv.io.bytes_per_block + block_bounds_bytes(probe.runner.model, torch.float32))
 
 
 def _engine(model_dir, tmp_path, **kw) -> LLM:
@@ -54,12 +54,12 @@ def test_sequences_longer_than_the_pool_match_the_reference(hf_llama, tmp_path, 
     path, hf_model = hf_llama
     llm = _engine(path, tmp_path)
     engine = llm.engine
-    assert engine.block_manager.num_blocks == POOL_BLOCKS
+    assert engine.kv.blocks.num_blocks == POOL_BLOCKS
     prompts = _prompts((260, 150, 9))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         check_against_reference(hf_model, prompt, out.outputs[0])
-    offload = engine.kv_offload
+    offload = engine.kv.offload
     assert offload.stats.offloaded_chunks >= (260 + 24) // CHUNK - 3
     assert offload.stats.streamed_slices > 0
     # nothing left behind: no spans, no bytes outside the pool, every block back
@@ -74,10 +74,10 @@ def test_chunks_are_dropped_on_abort_and_prefix_of_a_streamed_prompt_is_reused(h
     engine = llm.engine
     prompt = _prompts((220,), seed=5)[0]
     engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    while not engine.kv_offload.spans:
+    while not engine.kv.offload.spans:
         engine.step()
     engine.abort_request("long")
-    assert not engine.kv_offload.spans and engine.kv_offload.disk_used == 0
+    assert not engine.kv.offload.spans and engine.kv.offload.disk_used == 0
     # the first chunk stayed resident and cached: the same prompt hits it
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     out = llm.generate([prompt], params)[0]
@@ -95,9 +95,9 @@ def test_prefix_loaded_back_as_large_as_the_pool_does_not_block_admission(hf_lla
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     llm.generate([short], params)
     llm.generate([other], params)  # evicts the short prompt's chunks: they go to the disk tier
-    llm.engine.kv_tiers.wait()
+    llm.engine.kv.tiers.wait()
     out = llm.generate([short + tail], params)[0]
-    assert llm.engine.kv_tiers.stats.loaded_chunks >= 2 and out.num_cached_tokens >= CHUNK
+    assert llm.engine.kv.tiers.stats.loaded_chunks >= 2 and out.num_cached_tokens >= CHUNK
     check_against_reference(hf_model, short + tail, out.outputs[0])
 
 
@@ -109,7 +109,7 @@ def test_pool_too_small_or_no_room_for_chunks_is_a_clear_error(tiny_model_dir, t
         _engine(path, tmp_path, kv_cache_memory_bytes=20_000)
     # a pool that holds max_model_len needs no streaming, however small: no minimum applies
     small = _engine(path, tmp_path, max_model_len=40, kv_cache_memory_bytes=_pool_bytes(path, 11))
-    assert small.engine.block_manager.num_blocks * BS < 2 * CHUNK + STEP + BS and small.engine.kv_offload is None
+    assert small.engine.kv.blocks.num_blocks * BS < 2 * CHUNK + STEP + BS and small.engine.kv.offload is None
     from test_glm_moe_dsa import make_model
 
     with pytest.raises(InvalidRequestError, match="kv_disk_dir"):  # MLA attention does not stream
@@ -157,7 +157,7 @@ def test_block_sparse_streaming_reads_only_chunks_with_selected_blocks(hf_llama,
         (whole_votes, whole_pins), (votes, pins) = observed
         assert torch.allclose(votes, whole_votes, atol=1e-5)
         assert pins.tolist() == whole_pins.tolist() and len(pins) == 16 // BS
-    offload = llm.engine.kv_offload
+    offload = llm.engine.kv.offload
     assert offload.stats.skipped_slices > 0 and offload.stats.streamed_slices > 0
     assert offload.host_used == 0 and offload.disk_used == 0  # dropped when the request finished
     assert (tmp_path / "kv" / "running").exists() == (where == "disk")  # host: no chunk went to disk

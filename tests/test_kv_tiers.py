@@ -191,7 +191,7 @@ def _device_prefix_blocks(llm, tokens: list[int]) -> int:
     parent, n = None, 0
     for start in range(0, len(tokens) - BS + 1, BS):
         parent = block_hash(parent, tokens[start:start + BS], None)
-        if parent not in llm.engine.block_manager.hash_to_block:
+        if parent not in llm.engine.kv.blocks.hash_to_block:
             break
         n += 1
     return n
@@ -221,7 +221,7 @@ def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, ho
     prefix's own out of the host tier while it loads (held copies keep them usable)."""
     llm, ref, a, b, params = _setup(tiny_model_dir, kv_disk_dir=str(tmp_path / "kv") if disk else None,
                                     kv_host_memory_bytes=host_chunks * CHUNK * 512)
-    tiers = llm.engine.kv_tiers
+    tiers = llm.engine.kv.tiers
 
     first = llm.generate([a], params)[0]
     assert first.num_cached_tokens == 0
@@ -261,7 +261,7 @@ def test_full_disk_tier_still_answers(tiny_model_dir, tmp_path):
     """A disk budget smaller than one chunk: every write is refused, nothing is left in the directory, and
     the requests answer as a cold run does (the evicted prefix is recomputed)."""
     llm, ref, a, b, params = _setup(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_bytes=CHUNK * 512)
-    tiers = llm.engine.kv_tiers
+    tiers = llm.engine.kv.tiers
     assert_same_output(llm.generate([a], params)[0], ref)
     llm.generate([b], params)
     tiers.wait()
@@ -302,7 +302,7 @@ def test_mla_prefix_comes_back_from_disk(tiny_model_dir, tmp_path):
 
     model_dir = make_model("glm_moe_dsa", tmp_path / "model")
     llm, ref, a, b, params = _setup(tiny_model_dir, model_dir, kv_disk_dir=str(tmp_path / "kv"))
-    tiers = llm.engine.kv_tiers
+    tiers = llm.engine.kv.tiers
     llm.generate([a], params)
     llm.generate([b], params)
     tiers.wait()

@@ -56,12 +56,12 @@ def test_logprobs_top_n_and_greedy_choice(tiny):
 def test_n_samples_share_the_prompt_blocks(tiny):
     engine = tiny.engine
     prompt = list(range(50, 90))  # 40 tokens = 10 full blocks of 4
-    hits_before = engine.block_manager.prefix_cache_hits
+    hits_before = engine.kv.blocks.prefix_cache_hits
     out = tiny.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     # samples 2 and 3 reuse the 39 cached prompt tokens of sample 1
-    assert engine.block_manager.prefix_cache_hits - hits_before == 2 * 39
+    assert engine.kv.blocks.prefix_cache_hits - hits_before == 2 * 39
     assert out.num_cached_tokens == 0
 
 

@@ -281,8 +281,8 @@ def test_next_turn_loads_the_session_in_another_engine(two_engines) -> None:
     turn1 = _prompt(1, 50)
     out1 = _run(first, turn1, session_id="conv-1")
     assert out1.num_cached_tokens == 0
-    first.sessions.wait("conv-1")
-    stored = first.sessions.info("conv-1")
+    first.kv.sessions.wait("conv-1")
+    stored = first.kv.sessions.info("conv-1")
     # the whole sequence's full blocks: 50 prompt + 5 generated tokens with KV (the 6th has none yet)
     assert stored["turns"] == 1 and stored["num_tokens"] == 52 and stored["num_chunks"] == 4
     turn2 = turn1 + out1.outputs[0].token_ids + _prompt(2, 30)
@@ -290,8 +290,8 @@ def test_next_turn_loads_the_session_in_another_engine(two_engines) -> None:
     resumed = _run(second, turn2, session_id="conv-1")
     assert resumed.num_cached_tokens == 52  # loaded from the session store, not computed
     assert_same_output(resumed, cold)
-    second.sessions.wait("conv-1")
-    assert second.sessions.info("conv-1")["turns"] == 2
+    second.kv.sessions.wait("conv-1")
+    assert second.kv.sessions.info("conv-1")["turns"] == 2
     # a session's KV is only used for the tokens it was computed for
     other = _prompt(3, 60)
     assert _run(second, other, session_id="conv-1").num_cached_tokens == 0
@@ -307,7 +307,7 @@ def test_corrupt_session_chunk_is_recomputed(tiny_model_dir, tmp_path: Path) -> 
     turn1 = _prompt(4, 70)
     out1 = _run(first, turn1, session_id="c")
     first.close()
-    sessions = second.sessions.sessions
+    sessions = second.kv.sessions.sessions
     key = sessions.record("c").chunk_keys()[2]
     path = sessions.store._path(key)
     data = bytearray(path.read_bytes())
@@ -318,8 +318,8 @@ def test_corrupt_session_chunk_is_recomputed(tiny_model_dir, tmp_path: Path) -> 
     resumed = _run(second, turn2, session_id="c")
     assert resumed.num_cached_tokens == 2 * CHUNK  # chunks 0 and 1; chunk 2 failed its checksum
     assert_same_output(resumed, cold)
-    assert second.sessions.stats.restored_chunks == 2
-    second.sessions.wait("c")  # the turn's save wrote the recomputed chunk 2 in place of the corrupt one
+    assert second.kv.sessions.stats.restored_chunks == 2
+    second.kv.sessions.wait("c")  # the turn's save wrote the recomputed chunk 2 in place of the corrupt one
     assert path.read_bytes() != bytes(data) and sessions.store.get(key) is not None
     second.close()
 
@@ -361,8 +361,8 @@ def test_session_restore_reads_while_other_requests_run(tiny_model_dir, tmp_path
     first.close()
     engine = LLMEngine(config)
     store = GatedDiskStore(tmp_path, 1 << 30)
-    engine.sessions = SessionKV(lambda: SessionStore(store, engine.kv_identity, CHUNK, 3600, 1 << 30),
-                                engine.block_manager, engine.kv_io, CHUNK)
+    engine.kv.sessions = SessionKV(lambda: SessionStore(store, engine.kv.identity, CHUNK, 3600, 1 << 30),
+                                engine.kv.blocks, engine.kv.io, CHUNK)
     turn2 = turn1 + out1.outputs[0].token_ids + _prompt(7, 30)
     cold = _run(engine, turn2, salt="cold")
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
@@ -371,17 +371,17 @@ def test_session_restore_reads_while_other_requests_run(tiny_model_dir, tmp_path
     engine.add_request("other", _prompt(8, 40), params)
     other = _step_until_finished(engine, "other")  # runs to its end while the session's chunk read waits
     assert len(other.outputs[0].token_ids) == 6 and "resumed" in engine.restoring
-    assert engine.stats().num_waiting == 1 and engine.sessions.stats.restores == 0
+    assert engine.stats().num_waiting == 1 and engine.kv.sessions.stats.restores == 0
     engine.add_request("other2", _prompt(9, 40), params)
     store.gate.set()
     restore = engine.restoring["resumed"][1]
     restore.future.result(timeout=10)
     engine.step()  # with another request running, one chunk is loaded per step
-    assert engine.sessions.stats.restored_chunks == 1 and "resumed" in engine.restoring
+    assert engine.kv.sessions.stats.restored_chunks == 1 and "resumed" in engine.restoring
     resumed = _step_until_finished(engine, "resumed")
     assert resumed.num_cached_tokens == 52
     assert_same_output(resumed, cold)
-    stats = engine.sessions.stats
+    stats = engine.kv.sessions.stats
     assert (stats.restores, stats.restore_misses, stats.restored_chunks, stats.restored_tokens) == (1, 0, 4, 52)
     assert stats.restore_read_seconds > 0
     engine.close()
@@ -403,20 +403,20 @@ def test_turn_cut_short_keeps_its_kv(tiny_model_dir, tmp_path: Path) -> None:
         pass
     first.close()  # what the server's shutdown does with a turn it had to stop
     second = LLMEngine(config)
-    info = second.sessions.info("cut")
+    info = second.kv.sessions.info("cut")
     assert info["turns"] == 1 and info["num_tokens"] == 72  # 70 prompt + 2 generated tokens with KV
     turn2 = prompt + _prompt(10, 10)
     resumed = _run(second, turn2, session_id="cut")
     assert resumed.num_cached_tokens == 64  # chunks 0-3; chunk 4 holds generated tokens turn 2 does not have
     assert_same_output(resumed, _run(second, turn2, salt="cold"))
-    second.sessions.wait("cut")
-    stored = second.sessions.info("cut")
+    second.kv.sessions.wait("cut")
+    stored = second.kv.sessions.info("cut")
     second.add_request("short", _prompt(11, 60), params, session_id="cut")  # other tokens: nothing restored
     while not second.step():
         pass
     second.abort_request("short")  # 60 computed tokens would replace the 84 stored: kept instead
-    second.sessions.wait("cut")
-    assert second.sessions.info("cut")["num_tokens"] == stored["num_tokens"] == 84
+    second.kv.sessions.wait("cut")
+    assert second.kv.sessions.info("cut")["num_tokens"] == stored["num_tokens"] == 84
     second.close()
 
 

@@ -376,7 +376,7 @@ def test_bounds_exact_after_prefix_hits_and_block_reuse(llm):
     hit = llm.generate([prompt(10, 180)], GREEDY, sparse=sparse)[0]
     assert hit.num_cached_tokens == 180 - 32  # the last 32 tokens are recomputed: their queries choose the pins
     assert_same(hit, first, atol=1e-5)
-    bm = engine.block_manager
+    bm = engine.kv.blocks
     blocks = [b for b, h in enumerate(bm.block_to_hash) if h is not None]
     assert len(blocks) > 10
     for attn in paged_attention_layers(engine.runner.model):
@@ -418,8 +418,8 @@ def test_bounds_follow_kv_loaded_straight_into_the_pool(llm):
     while seq.num_computed_tokens < 100:
         engine.step()
     source = torch.tensor(seq.kv.block_table[:6])
-    targets = torch.tensor(sorted(engine.block_manager.free_blocks)[-6:])  # free, bounds of other tokens (or none)
-    engine.kv_io.scatter(targets, engine.kv_io.gather(source))
+    targets = torch.tensor(sorted(engine.kv.blocks.free_blocks)[-6:])  # free, bounds of other tokens (or none)
+    engine.kv.io.scatter(targets, engine.kv.io.gather(source))
     engine.abort_request("loaded")
     for attn in paged_attention_layers(engine.runner.model):
         for block in targets.tolist():

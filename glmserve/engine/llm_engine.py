@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
 from glmserve.config import EngineConfig
@@ -23,11 +23,8 @@ from glmserve.engine.sampling import SamplingParams
 from glmserve.engine.scheduler import Scheduler
 from glmserve.engine.sequence import Sequence
 from glmserve.errors import InvalidRequestError, PromptTooLongError
-from glmserve.kv.blocks import BlockManager
-from glmserve.kv.kv_io import KVBlockIO, kv_identity
-from glmserve.kv.offload import RunningKVOffload
-from glmserve.kv.session_kv import PendingRestore, SessionKV, open_session_kv, wait_for_any
-from glmserve.kv.tiers import build_tiers, host_tier_budget
+from glmserve.kv.session_kv import PendingRestore, wait_for_any
+from glmserve.kv.stack import KVStack, kv_budget_bytes, plan_pool
 from glmserve.models.loader import load_model
 from glmserve.sparse.block import (
     attach_block_indexers,
@@ -39,7 +36,6 @@ from glmserve.sparse.indexer import available_modes
 from glmserve.sparse.learned import attach_learned_indexers, find_learned_indexer, index_key_bytes_per_token
 from glmserve.sparse.settings import SparseAttentionParams, resolve_sparse_params
 
-CPU_KV_CACHE_CAP = 4 << 30
 RESTORE_POLL_S = 0.02  # with nothing else to run, how long a step waits for a session read
 
 
@@ -82,77 +78,55 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.model_name = config.served_model_name or loaded.name
         self.max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
-        bytes_per_block = config.block_size * loaded.model.kv_bytes_per_token(kv_dtype)
-        if config.sparse_block_bounds:
-            bytes_per_block += block_bounds_bytes(loaded.model, kv_dtype)
         self.learned_indexer = find_learned_indexer(config.learned_indexer, config.model, loaded.model)
-        if self.learned_indexer is not None:
-            bytes_per_block += config.block_size * index_key_bytes_per_token(self.learned_indexer)
-        num_blocks = self._kv_budget() // bytes_per_block
-        pool_tokens = (num_blocks - 1) * config.block_size
-        host_bytes = host_tier_budget(config.kv_host_memory_bytes, self.device)
-        streaming = pool_tokens < self.max_model_len and self._streaming_possible(loaded.model, host_bytes)
-        if pool_tokens < self.max_model_len and not streaming:
-            raise InvalidRequestError(
-                f"KV cache budget holds {pool_tokens} tokens, less than max_model_len {self.max_model_len}; raise "
-                "kv_cache_memory_bytes, lower max_model_len, or give kv_disk_dir to stream longer sequences' KV"
-            )
-        if streaming and pool_tokens < (need := self._streaming_pool_tokens()):
-            raise InvalidRequestError(f"KV cache budget holds {pool_tokens} tokens; streaming KV chunks needs at "
-                                      f"least {need} (two chunks and one step's tokens)")
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
-        if config.sparse_block_bounds and block_bounds_bytes(loaded.model, kv_dtype):
-            attach_block_indexers(loaded.model, num_blocks, config.block_size, kv_dtype, self.device)
-        self.index_keys = None if self.learned_indexer is None else attach_learned_indexers(
-            loaded.model, self.learned_indexer, self.runner.kv_cache, config.block_size)
+        bytes_per_block = (config.block_size * loaded.model.kv_bytes_per_token(kv_dtype)
+                           + self._sparse_bytes_per_block(loaded.model, kv_dtype))
+        plan = plan_pool(kv_budget_bytes(config.kv_cache_memory_bytes, self.device), bytes_per_block,
+                         config.block_size, self.max_model_len,
+                         streaming_supported=bool(getattr(loaded.model, "supports_kv_streaming", False)),
+                         chunk_tokens=config.kv_chunk_tokens, max_num_batched_tokens=config.max_num_batched_tokens,
+                         host_memory_bytes=config.kv_host_memory_bytes, disk_dir=config.kv_disk_dir,
+                         device=self.device)
+        self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, kv_dtype, self.device)
+        load_listeners, block_bounds = self._attach_sparse_indexers(loaded.model, plan.num_blocks, kv_dtype)
         default_mode = config.sparse_attention or ("native" if "native" in self.sparse_modes else "dense")
         self.default_sparse = self.resolve_sparse({"mode": default_mode})
-        self.kv_io = KVBlockIO(loaded.model, self.runner.kv_cache, config.block_size, num_blocks * config.block_size)
-        if self.index_keys is not None:
-            self.kv_io.add_load_listener(self.index_keys.refresh)
-        if "block" in self.sparse_modes:  # loaded K/V never passes through attention: recompute its bounds
-            self.kv_io.add_load_listener(functools.partial(refresh_block_bounds, loaded.model))
-        self.kv_identity = kv_identity(config.model or f"embedded:{loaded.name}", self.dtype, kv_dtype,
-                                       config.block_size, self.kv_io.layout)
-        self.sessions: SessionKV | None = open_session_kv(
-            config.session_store, self.block_manager, self.kv_io, self.kv_identity, config.kv_chunk_tokens,
-            config.session_max_bytes, config.session_ttl_s)
-        self.kv_tiers = build_tiers(self.kv_io, self.kv_identity, config.kv_chunk_tokens, config.kv_host_memory_bytes,
-                                    config.kv_disk_dir, config.kv_disk_bytes)
-        if self.kv_tiers is not None:
-            self.block_manager.attach_tiers(self.kv_tiers)
-        self.kv_offload = RunningKVOffload(
-            self.block_manager, self.kv_io, config.kv_chunk_tokens, loaded.model.num_layers,
-            host_bytes, config.kv_disk_dir, config.kv_disk_bytes,
-            functools.partial(gather_block_bounds, loaded.model) if "block" in self.sparse_modes else None,
-        ) if streaming else None
-        self.runner.offload = self.kv_offload
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.kv_offload)
+        self.kv = KVStack.build(
+            plan, loaded.model, self.runner.kv_cache, config.model or f"embedded:{loaded.name}", self.dtype, kv_dtype,
+            prefix_caching=config.enable_prefix_caching, chunk_tokens=config.kv_chunk_tokens,
+            disk_dir=config.kv_disk_dir, disk_bytes=config.kv_disk_bytes,
+            host_memory_bytes=config.kv_host_memory_bytes, session_store=config.session_store,
+            session_max_bytes=config.session_max_bytes, session_ttl_s=config.session_ttl_s,
+            load_listeners=load_listeners, block_bounds=block_bounds)
+        self.runner.offload = self.kv.offload
+        self.scheduler = Scheduler(self.kv.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.kv.offload)
         self.requests: dict[str, Request] = {}
         self.restoring: dict[str, tuple[Request, PendingRestore]] = {}  # waiting for their session's KV
 
-    def _streaming_possible(self, model: torch.nn.Module, host_bytes: int) -> bool:
-        """KV of sequences longer than the pool can stream (glmserve/kv/offload.py): the model's attention
-        supports it and there is somewhere to put the chunks (a disk dir, or a host budget)."""
-        room = self.config.kv_disk_dir is not None or host_bytes > 0
-        return bool(getattr(model, "supports_kv_streaming", False)) and room
-
-    def _streaming_pool_tokens(self) -> int:
-        """Smallest pool for streaming: the first chunk, a chunk filling up, one step's tokens, one block."""
-        config = self.config
-        return 2 * config.kv_chunk_tokens + config.max_num_batched_tokens + config.block_size
-
-    def _kv_budget(self) -> int:
-        if self.config.kv_cache_memory_bytes:
-            return self.config.kv_cache_memory_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.8)
-        return min(CPU_KV_CACHE_CAP, int(psutil.virtual_memory().available * 0.3))
-
     # -- sparse attention -------------------------------------------------------------------------
+    def _sparse_bytes_per_block(self, model: torch.nn.Module, kv_dtype: torch.dtype) -> int:
+        """Bytes per pool block of the sparse side pools: block-indexer bounds, learned-indexer keys."""
+        size = block_bounds_bytes(model, kv_dtype) if self.config.sparse_block_bounds else 0
+        if self.learned_indexer is not None:
+            size += self.config.block_size * index_key_bytes_per_token(self.learned_indexer)
+        return size
+
+    def _attach_sparse_indexers(self, model: torch.nn.Module, num_blocks: int, kv_dtype: torch.dtype
+                                ) -> tuple[list[Callable[[torch.Tensor], None]], Callable | None]:
+        """Attaches the block and learned indexers beside the pool; returns the KV load listeners that refresh
+        them, and the block-bounds gather that offloaded chunks keep (None without the block indexer)."""
+        config = self.config
+        if config.sparse_block_bounds and block_bounds_bytes(model, kv_dtype):
+            attach_block_indexers(model, num_blocks, config.block_size, kv_dtype, self.device)
+        self.index_keys = None if self.learned_indexer is None else attach_learned_indexers(
+            model, self.learned_indexer, self.runner.kv_cache, config.block_size)
+        listeners = [] if self.index_keys is None else [self.index_keys.refresh]
+        if "block" not in self.sparse_modes:
+            return listeners, None
+        # loaded K/V never passes through attention: recompute its bounds
+        listeners.append(functools.partial(refresh_block_bounds, model))
+        return listeners, functools.partial(gather_block_bounds, model)
+
     @property
     def sparse_modes(self) -> tuple[str, ...]:
         """Sparse attention modes this engine can serve now (a learned indexer may be attached later)."""
@@ -207,7 +181,7 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(token_ids), self.max_model_len)
-        if session_id is not None and self.sessions is None:
+        if session_id is not None and self.kv.sessions is None:
             raise InvalidRequestError("sessions are off on this server (session_store 'off')")
         seqs = [
             Sequence(request_id, i, token_ids, params,
@@ -218,7 +192,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, seqs, pending_samples=seqs[1:], session_id=session_id)
         restore = None
         if session_id is not None:
-            restore = self.sessions.start_restore(session_id, token_ids, cache_salt)  # type: ignore[union-attr]
+            restore = self.kv.sessions.start_restore(session_id, token_ids, cache_salt)  # type: ignore[union-attr]
         self.requests[request_id] = request
         if restore is None:
             self.scheduler.add(seqs[0])
@@ -252,7 +226,7 @@ class LLMEngine:
         for item in batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_full_blocks(seq.kv)
+            self.kv.blocks.register_full_blocks(seq.kv)
             if seq.num_computed_tokens >= seq.num_prompt_tokens:
                 touched[seq.request_id] = self.requests[seq.request_id]
         for seq, token, logprob in results:
@@ -274,7 +248,7 @@ class LLMEngine:
         if idle:
             wait_for_any([restore for _, restore in self.restoring.values()], RESTORE_POLL_S)
         for request_id, (request, restore) in list(self.restoring.items()):
-            if restore.done() and self.sessions.load_restored(restore, None if idle else 1):  # type: ignore[union-attr]
+            if restore.done() and self.kv.sessions.load_restored(restore, None if idle else 1):  # type: ignore[union-attr]
                 del self.restoring[request_id]
                 self.scheduler.add(request.seqs[0])
 
@@ -282,22 +256,17 @@ class LLMEngine:
         """Sample 0 of a session's request ends: its KV goes to the session store. `partial`: the turn was cut
         short (abort, shutdown), and sample 0 may have finished and been saved already."""
         session_id = self.requests[seq.request_id].session_id
-        if session_id is not None and seq.index == 0 and self.sessions is not None and not seq.is_finished:
+        if session_id is not None and seq.index == 0 and self.kv.sessions is not None and not seq.is_finished:
             resident = seq.kv.resident_prefix_blocks()  # a streamed sequence saves up to its first offloaded block
             computed = min(seq.num_computed_tokens, resident * self.config.block_size)
-            self.sessions.save(session_id, seq.token_ids, seq.kv.block_table[:resident], computed, partial)
+            self.kv.sessions.save(session_id, seq.token_ids, seq.kv.block_table[:resident], computed, partial)
 
     def close(self) -> None:
         """Save the KV that unfinished session turns computed, then finish background work (session writes, KV
         tier disk writes), so that a restart finds it; the engine must not be used afterwards."""
-        if self.sessions is not None:
-            for request in self.requests.values():
-                self._save_session(request.seqs[0], partial=True)
-            self.sessions.close()
-        if self.kv_tiers is not None:
-            self.kv_tiers.wait()
-        if self.kv_offload is not None:
-            self.kv_offload.close()
+        for request in self.requests.values():
+            self._save_session(request.seqs[0], partial=True)
+        self.kv.close()
 
     def _admit_pending_samples(self, request: Request) -> None:
         for seq in request.pending_samples:
@@ -341,7 +310,7 @@ class LLMEngine:
                              finished, first.arrival_time, first.first_scheduled_time)
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm = self.kv.blocks
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self.restoring),
@@ -355,7 +324,7 @@ class LLMEngine:
 
     def storage_stats(self) -> StorageStats:
         """KV tier, session store and KV streaming traffic and bytes, read now (safe from any thread)."""
-        tiers, sessions, offload = self.kv_tiers, self.sessions, self.kv_offload
+        tiers, sessions, offload = self.kv.tiers, self.kv.sessions, self.kv.offload
         host = tiers.host if tiers is not None else None
         disk = tiers.disk if tiers is not None else None
         return StorageStats(
@@ -370,21 +339,21 @@ class LLMEngine:
     # -- sessions (safe from any thread: the server calls these from worker threads) -------------------
     @property
     def sessions_enabled(self) -> bool:
-        return self.sessions is not None
+        return self.kv.sessions is not None
 
     def session_info(self, session_id: str) -> dict | None:
         """The stored session's turns, tokens, bytes and summary; None when unknown, expired or sessions are off."""
-        return None if self.sessions is None else self.sessions.info(session_id)
+        return None if self.kv.sessions is None else self.kv.sessions.info(session_id)
 
     def delete_session(self, session_id: str) -> bool:
         """Drops the session's KV and record; False when there was no such session (or sessions are off)."""
-        return self.sessions is not None and self.sessions.delete(session_id)
+        return self.kv.sessions is not None and self.kv.sessions.delete(session_id)
 
     def session_summary(self, session_id: str) -> dict | None:
         """The session's anchoring summary (glmserve/server/anchoring.py), or None."""
-        return None if self.sessions is None else self.sessions.summary(session_id)
+        return None if self.kv.sessions is None else self.kv.sessions.summary(session_id)
 
     def set_session_summary(self, session_id: str, summary: dict | None) -> None:
-        if self.sessions is None:
+        if self.kv.sessions is None:
             raise InvalidRequestError("sessions are off on this server (session_store 'off')")
-        self.sessions.set_summary(session_id, summary)
+        self.kv.sessions.set_summary(session_id, summary)

@@ -25,4 +25,7 @@ The map, from the token up:
   (`[blocks, 2, kv_heads, head_dim]` per layer, written with the KV; offloaded chunks carry theirs) and the
   learned indexer's index keys (`[layers, slots, d]`, bfloat16). KV loaded straight into the pool (tiers,
   sessions) refreshes both through `KVBlockIO` load listeners.
+
+`stack.py` builds it all for an engine (`plan_pool`: the pool's size from a byte budget; `KVStack.build`: the
+allocator, block I/O, tiers, offload and sessions around the pool the model allocated).
 """
