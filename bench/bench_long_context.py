@@ -94,7 +94,8 @@ def run_one(model_dir: Path, context: int, mode: str, pool_tokens: int, steps: i
             times.append(time.perf_counter() - t)
         offload = engine.kv.offload
         result = {
-            "context": context, "mode": mode, "pool_tokens": engine.kv.blocks.num_blocks * engine.config.block_size,
+            "context": context, "mode": mode,
+            "pool_tokens": engine.kv.blocks.num_usable_blocks * engine.config.block_size,
             "setup_and_fill_s": round(fill_s, 2), "first_step_s": round(times[0], 3),
             "decode_tok_s": round((len(times) - 1) / sum(times[1:]), 3),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),

@@ -54,7 +54,7 @@ def test_sequences_longer_than_the_pool_match_the_reference(hf_llama, tmp_path, 
     path, hf_model = hf_llama
     llm = _engine(path, tmp_path)
     engine = llm.engine
-    assert engine.kv.blocks.num_blocks == POOL_BLOCKS
+    assert engine.kv.blocks.num_usable_blocks == POOL_BLOCKS
     prompts = _prompts((260, 150, 9))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
@@ -109,7 +109,7 @@ def test_pool_too_small_or_no_room_for_chunks_is_a_clear_error(tiny_model_dir, t
         _engine(path, tmp_path, kv_cache_memory_bytes=20_000)
     # a pool that holds max_model_len needs no streaming, however small: no minimum applies
     small = _engine(path, tmp_path, max_model_len=40, kv_cache_memory_bytes=_pool_bytes(path, 11))
-    assert small.engine.kv.blocks.num_blocks * BS < 2 * CHUNK + STEP + BS and small.engine.kv.offload is None
+    assert small.engine.kv.blocks.num_usable_blocks * BS < 2 * CHUNK + STEP + BS and small.engine.kv.offload is None
     from test_glm_moe_dsa import make_model
 
     with pytest.raises(InvalidRequestError, match="kv_disk_dir"):  # MLA attention does not stream

@@ -328,7 +328,7 @@ def test_index_keys_follow_kv_loaded_into_the_pool(trained, tiny_model_dir):
     assert len(used) == 4
     keys = engine.index_keys.keys
     before = keys.clone()
-    targets = torch.arange(engine.kv.blocks.num_blocks - 3, engine.kv.blocks.num_blocks + 1)
+    targets = torch.arange(engine.kv.blocks.num_usable_blocks - 3, engine.kv.blocks.num_usable_blocks + 1)
     engine.kv.io.scatter(targets, engine.kv.io.gather(used))
     slots_of = lambda blocks: (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)  # noqa: E731
     torch.testing.assert_close(keys[:, slots_of(targets)], before[:, slots_of(used)], atol=1e-6, rtol=1e-5)

@@ -49,8 +49,8 @@ NULL_BLOCK = 0  # never handed out: padded slot indices point at it, and its KV 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        """`num_blocks` counts the pool's blocks; block 0 is reserved, so num_blocks - 1 are usable."""
-        self.num_blocks = num_blocks - 1
+        """`num_blocks` counts the pool's blocks; block 0 is reserved (the null block), the others are usable."""
+        self.num_usable_blocks = num_blocks - 1
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
