@@ -27,7 +27,7 @@ import torch
 from glmserve.config import EngineConfig
 from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.sampling import SamplingParams
-from glmserve.kv.session_kv import open_session_kv
+from glmserve.kv.session_io import open_session_kv
 
 
 def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:

@@ -50,7 +50,7 @@ class EngineConfig:
     # learned indexer file (`glmserve train-indexer`) for mode "learned": None = the default file beside the
     # model if there is one (glmserve/sparse/learned.py default_indexer_path), "none" = never load one
     learned_indexer: str | None = None
-    # session KV persistence (glmserve/kv/sessions.py): a directory (None: ~/.cache/glmserve/sessions),
+    # session KV persistence (glmserve/kv/session_store.py): a directory (None: ~/.cache/glmserve/sessions),
     # a redis:// URL shared by replicas, or "off"
     session_store: str | None = None
     session_ttl_s: float = 86400.0  # a session unused this long is dropped

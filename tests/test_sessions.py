@@ -24,8 +24,8 @@ from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
 
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
 from glmserve.kv.redis_store import RedisChunkStore
-from glmserve.kv.session_kv import SessionKV
-from glmserve.kv.sessions import META_SUFFIX, SessionStore, session_key
+from glmserve.kv.session_io import SessionKV
+from glmserve.kv.session_store import META_SUFFIX, SessionStore, session_key
 
 REDIS_BIN = shutil.which("redis-server")
 needs_redis = pytest.mark.skipif(REDIS_BIN is None, reason="redis-server is not installed (.ci/run installs it)")

@@ -2,7 +2,7 @@
 
 A request with n samples starts as one sequence; when its prompt is computed, the other
 samples are admitted and share the prompt's KV blocks through the prefix cache. A request whose
-session KV is being read (glmserve/kv/session_kv.py) waits outside the scheduler until the read is
+session KV is being read (glmserve/kv/session_io.py) waits outside the scheduler until the read is
 done, then joins the waiting queue with its chunks loaded as prefix-cache blocks.
 """
 
@@ -23,7 +23,7 @@ from glmserve.engine.sampling import SamplingParams
 from glmserve.engine.scheduler import Scheduler
 from glmserve.engine.sequence import Sequence
 from glmserve.errors import InvalidRequestError, PromptTooLongError
-from glmserve.kv.session_kv import PendingRestore, wait_for_any
+from glmserve.kv.session_io import PendingRestore, wait_for_any
 from glmserve.kv.stack import KVStack, kv_budget_bytes, plan_pool
 from glmserve.models.loader import load_model
 from glmserve.sparse.block import (

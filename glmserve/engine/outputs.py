@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from glmserve.kv.offload import OffloadStats
-    from glmserve.kv.session_kv import SessionStats
+    from glmserve.kv.session_io import SessionStats
     from glmserve.kv.tiers import TierStats
 
 
@@ -58,7 +58,7 @@ class EngineStats:
 @dataclass(frozen=True)
 class StorageStats:
     """A snapshot of the KV kept below the device pool (`LLMEngine.storage_stats`, for the server's /metrics): what
-    the KV tiers (glmserve/kv/tiers.py), the session store (glmserve/kv/session_kv.py) and KV streaming of
+    the KV tiers (glmserve/kv/tiers.py), the session store (glmserve/kv/session_io.py) and KV streaming of
     sequences longer than the pool (glmserve/kv/offload.py) moved, and the bytes they hold. Counters are copied
     as they are at that moment; a Redis session store answers its size over the network."""
 

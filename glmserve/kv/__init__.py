@@ -16,8 +16,8 @@ The map, from the token up:
 - **Running offload** (`offload.py`): a running sequence longer than the pool keeps its first chunk and its tail
   resident; older chunks go to pinned host memory or an unlinked scratch file (keyed by `SeqKV.kv_id`, their
   table entries `OFFLOADED`), and attention streams them back layer by layer.
-- **Sessions**: `sessions.py` `SessionStore` (a session's chunks and record in a `ChunkStore`: disk, or Redis
-  `redis_store.py` shared by replicas; TTL and size cap) and `session_kv.py` `SessionKV` (a finished turn's KV
+- **Sessions**: `session_store.py` `SessionStore` (a session's chunks and record in a `ChunkStore`: disk, or Redis
+  `redis_store.py` shared by replicas; TTL and size cap) and `session_io.py` `SessionKV` (a finished turn's KV
   saved from the pool, the next turn's prefix restored into it, in background threads).
 - **Block I/O** (`kv_io.py` `KVBlockIO`): batched gather / scatter of whole blocks for any pool layout, used by
   tiers, offload and sessions; its load listeners run after every scatter.

@@ -15,7 +15,7 @@ from glmserve.errors import InvalidRequestError
 from glmserve.kv.blocks import BlockManager
 from glmserve.kv.kv_io import KVBlockIO, kv_identity
 from glmserve.kv.offload import RunningKVOffload
-from glmserve.kv.session_kv import SessionKV, open_session_kv
+from glmserve.kv.session_io import SessionKV, open_session_kv
 from glmserve.kv.tiers import KVTiers, build_tiers, host_tier_budget
 
 CPU_KV_CACHE_CAP = 4 << 30  # default pool budget on CPU: 30% of available RAM, at most this

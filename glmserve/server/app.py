@@ -27,7 +27,7 @@ from glmserve.server.protocol import ChatCompletionRequest, CompletionRequest, M
 from glmserve.server.responses import json_response
 from glmserve.server.serving_chat import create_chat_completion
 from glmserve.server.serving_completion import create_completion
-from glmserve.server.sessions_api import router as sessions_router
+from glmserve.server.sessions_routes import router as sessions_router
 from glmserve.server.state import ServingContext
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; never reaches anyone

@@ -47,7 +47,7 @@ STREAM_COUNTERS = {
     "kv_stream_skipped_slices": ("skipped_slices", "Offloaded chunk layer slices sparse decode did not need to read"),
     "kv_stream_wait_seconds": ("stream_seconds", "Seconds attention waited for offloaded layer slices"),
 }
-# the same for glmserve/kv/session_kv.py SessionStats
+# the same for glmserve/kv/session_io.py SessionStats
 SESSION_COUNTERS = {
     "session_restores": ("restores", "Session requests whose prompt went past the device prefix cache, so the "
                                      "session store was read"),

@@ -90,7 +90,7 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     sparse_attention: SparseAttentionRequest | None = None  # glmserve extra
-    # session KV persistence (glmserve/kv/sessions.py); the X-Session-Id header is the alternative
+    # session KV persistence (glmserve/kv/session_store.py); the X-Session-Id header is the alternative
     session_id: Annotated[str, Field(pattern=SESSION_ID_PATTERN)] | None = None
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from glmserve.server.logprobs import completion_logprobs
 from glmserve.server.params import sampling_params
 from glmserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
-from glmserve.server.sessions_api import request_session_id
+from glmserve.server.sessions_routes import request_session_id
 from glmserve.server.state import LoadedModel, ServingContext
 from glmserve.server.usage import usage_of
 

@@ -44,7 +44,7 @@ from glmserve.errors import InvalidRequestError
 from glmserve.kv.blocks import BlockManager
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
 from glmserve.kv.kv_io import KVBlockIO
-from glmserve.kv.sessions import SavePlan, SessionStore
+from glmserve.kv.session_store import SavePlan, SessionStore
 
 logger = logging.getLogger(__name__)
 
