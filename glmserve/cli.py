@@ -44,7 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="learned indexer file for mode 'learned' (default: the one beside the model, if trained)")
     k = parser.add_argument_group("sessions (requests with a session_id keep their KV between turns)")
     k.add_argument("--session-store", default=None, metavar="DIR|redis://...|off",
-                   help="where session KV is kept (default: ~/.cache/glmserve/sessions; a redis:// URL for replicas)")
+                   help="where session KV is kept (default: sessions/ in $GLMSERVE_CACHE_DIR, ~/.cache/glmserve "
+                        "if unset; a redis:// URL for replicas)")
     k.add_argument("--session-ttl", dest="session_ttl_s", type=float, default=86400.0,
                    help="seconds an unused session is kept")
     k.add_argument("--session-max-bytes", type=int, default=8 << 30,
@@ -166,7 +167,8 @@ def add_train_indexer_args(parser: argparse.ArgumentParser) -> None:
                         "(the embedded SmolLM2)")
     parser.add_argument("--text", nargs="+", required=True, metavar="FILE", help="training text file(s)")
     parser.add_argument("--out", default=None, help="output file (default: where the engine finds it: beside "
-                        "the model, or ~/.cache/glmserve/indexers/ for the embedded model or a read-only directory)")
+                        "the model, or indexers/ in $GLMSERVE_CACHE_DIR (~/.cache/glmserve if unset) for the embedded "
+                        "model or a read-only directory)")
     for name, (kind, text) in TRAIN_INDEXER_OPTIONS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS,
                             help=f"{text} (default: glmserve/sparse/distill.py DistillConfig)")

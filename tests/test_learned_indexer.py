@@ -215,6 +215,8 @@ def test_default_path_is_beside_the_model_and_auto_found(llama, trained, tiny_mo
     model_dir = tiny_model_dir("llama")
     fingerprint = weights.spec.identity.fingerprint
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("GLMSERVE_CACHE_DIR", raising=False)
     cached = tmp_path / ".cache" / "glmserve" / "indexers" / f"{fingerprint}.safetensors"
     assert default_indexer_path(None, fingerprint) == cached  # the embedded model (its GGUF is pip's)
     assert default_indexer_path(model_dir, fingerprint) == model_dir / "glmserve-indexer.safetensors"

@@ -45,22 +45,22 @@ from glmserve.kv.blocks import BlockManager
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
 from glmserve.kv.kv_io import KVBlockIO
 from glmserve.kv.session_store import SavePlan, SessionStore
+from glmserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SESSION_DIR = Path.home() / ".cache" / "glmserve" / "sessions"
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 READER_THREADS = 2  # sessions restored at once (each reads its chunks in order)
 
 
 def open_chunk_store(spec: str | None, max_bytes: int, ttl_s: float) -> ChunkStore:
-    """The store a `session_store` option names: a directory (None: the default one) or a Redis URL."""
+    """The store a `session_store` option names: a directory (None: `sessions/` in `cache_dir()`) or a Redis URL."""
     if spec is not None and spec.startswith(REDIS_SCHEMES):
         from glmserve.kv.redis_store import RedisChunkStore
 
         # the chunk store's own LRU budget is a backstop above the session cap (whole sessions go first)
         return RedisChunkStore(spec, 2 * max_bytes, prefix="glmserve:sessions:", ttl_s=ttl_s)
-    root = Path(spec).expanduser() if spec else DEFAULT_SESSION_DIR
+    root = Path(spec).expanduser() if spec else cache_dir() / "sessions"
     try:
         return DiskChunkStore(root, 2 * max_bytes)
     except OSError as exc:

@@ -44,6 +44,7 @@ from torch import nn
 
 from glmserve.errors import IndexerMismatchError
 from glmserve.layers.cpu_kernels import sparse_ops
+from glmserve.paths import cache_dir
 from glmserve.sparse.selection import positions_upto
 
 FORMAT_NAME = "glmserve-learned-indexer"
@@ -207,10 +208,10 @@ class LearnedIndexerWeights(nn.Module):
 
 def default_indexer_path(model_path: str | Path | None, fingerprint: str) -> Path:
     """Beside the model: `<dir>/glmserve-indexer.safetensors` for a model directory, `<file>.glmserve-indexer.
-    safetensors` beside a single-file model; `~/.cache/glmserve/indexers/<fingerprint>.safetensors` for the
-    embedded model (None: its GGUF lives in site-packages, which pip owns) or when the model's directory
-    is not writable."""
-    cache = Path.home() / ".cache" / "glmserve" / "indexers" / f"{fingerprint}.safetensors"
+    safetensors` beside a single-file model; `indexers/<fingerprint>.safetensors` in glmserve's cache
+    (`glmserve.paths.cache_dir`, by default ~/.cache/glmserve) for the embedded model (None: its GGUF lives in
+    site-packages, which pip owns) or when the model's directory is not writable."""
+    cache = cache_dir() / "indexers" / f"{fingerprint}.safetensors"
     if model_path is None:
         return cache
     location = Path(model_path)
