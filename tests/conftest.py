@@ -1,9 +1,15 @@
-"""Shared fixtures: tiny random checkpoints per architecture, built once per session."""
+"""Shared fixtures: tiny random checkpoints per architecture, built once per session; the whole session (and
+every `glmserve` subprocess it starts, which inherits the environment) runs in its own empty home and cache
+directories, so nothing a machine keeps in ~/.cache/glmserve (a trained learned indexer, sessions) changes
+a result."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +17,33 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
+
+
+def isolate_home() -> Path:
+    """Points HOME, XDG_CACHE_HOME and GLMSERVE_CACHE_DIR at a fresh empty directory (removed at exit), before
+    glmserve reads them. The caches of other tools keep their real place: the torch extension build cache
+    (so the C++ kernels are not rebuilt per run) and the Hugging Face cache."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", get_default_build_root())
+    os.environ.setdefault("HF_HOME", str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) /
+                                         "huggingface"))
+    root = Path(tempfile.mkdtemp(prefix="glmserve-tests-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    os.environ["HOME"] = str(root / "home")
+    os.environ["XDG_CACHE_HOME"] = str(root / "home" / ".cache")
+    os.environ["GLMSERVE_CACHE_DIR"] = str(root / "glmserve-cache")
+    (root / "home" / ".cache").mkdir(parents=True)
+    return root
+
+
+ISOLATED_ROOT = isolate_home()
+
+
+@pytest.fixture(scope="session")
+def isolated_root() -> Path:
+    """The temp directory that holds the session's home and glmserve cache."""
+    return ISOLATED_ROOT
 
 
 @pytest.fixture(autouse=True, scope="session")

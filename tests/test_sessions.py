@@ -540,6 +540,7 @@ def test_http_session_survives_a_server_restart(tmp_path: Path) -> None:
 
 # -- /metrics: KV tiers and sessions; what a shutdown keeps ---------------------------------------------------
 KV_TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers x (K, V) x kv heads x head dim x 4 bytes
+BLOCK_TOKENS = 16  # the server's default block size
 TIERED = ["--max-model-len", "512", "--kv-chunk-tokens", "64", "--max-num-batched-tokens", "256",
           "--kv-cache-memory-bytes", str(640 * KV_TOKEN_BYTES), "--no-sparse-block-bounds"]
 
@@ -572,12 +573,18 @@ def test_http_tier_and_session_metrics(tmp_path: Path) -> None:
         before = _scrape(http)
         assert before["glmserve_kv_tier_saved_chunks_total"] == 0 and before["glmserve_session_restores_total"] == 0
         assert before["glmserve_kv_tier_bytes[host]"] == 0  # no host tier on CPU
-        a, c = _tokens(1, 300), _tokens(2, 300)
+        assert before["glmserve_kv_cache_usage"] == 0
+        pool_blocks = before["glmserve_kv_cache_free_blocks"]  # the usable pool (less with a learned indexer)
+        a, c, big = _tokens(1, 300), _tokens(2, 300), _tokens(3, 450)
         _complete(http, a, session_id="a")  # saved to the session store when it ends
         _complete(http, c)
-        _complete(http, _tokens(3, 450))  # needs most of the pool: the chunks of a and c go to the disk tier
+        _complete(http, big)  # needs most of the pool: the chunks of a and c go to the disk tier
+        before_again = _scrape(http)
         again = _complete(http, c)  # loaded back from the disk tier
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+        cached_again = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached_again >= 256
+        loaded_again = _scrape(http)["glmserve_kv_tier_loaded_tokens_total"] - \
+            before_again["glmserve_kv_tier_loaded_tokens_total"]
         turn2 = _complete(http, a + _tokens(4, 20), session_id="a")  # restored from the session store
         assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
         _complete(http, _tokens(5, 100), session_id="new")  # a session the store does not know: a miss
@@ -588,7 +595,13 @@ def test_http_tier_and_session_metrics(tmp_path: Path) -> None:
 
     assert moved("glmserve_kv_tier_saved_chunks_total") >= 4
     assert moved("glmserve_kv_tier_loaded_chunks_total") >= 2
-    assert moved("glmserve_kv_tier_loaded_tokens_total") >= 2 * 64
+    # Tokens loaded from the tier = tokens cached minus tokens still on the device. The pool evicts its least
+    # recently used blocks first (blocks that cache nothing before them, a sequence's tail before its head), and
+    # c was used last before `big`: the blocks `big` did not take are c's first full blocks, still on the device.
+    big_blocks = -(-(len(big) + 1) // BLOCK_TOKENS)  # the prompt and the first generated token have KV
+    on_device = BLOCK_TOKENS * max(0, min(len(c) // BLOCK_TOKENS, pool_blocks - big_blocks))
+    assert loaded_again == cached_again - on_device > 0
+    assert moved("glmserve_kv_tier_loaded_tokens_total") == loaded_again  # turn 2 of "a" came from the session store
     assert moved("glmserve_kv_tier_failed_loads_total") == 0
     assert moved("glmserve_kv_tier_save_seconds_total") > 0 and moved("glmserve_kv_tier_write_seconds_total") > 0
     assert moved("glmserve_kv_tier_load_seconds_total") > 0
