@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 STARTUP_TIMEOUT_S = 180
+CONTROLLED_SERVE = Path(__file__).with_name("controlled_serve.py")
+LOAD_GATE_ENV = "GLMSERVE_TEST_LOAD_GATE"  # controlled_serve.py: the model loads once this file exists
+STEP_PAUSE_ENV = "GLMSERVE_TEST_STEP_PAUSE"  # controlled_serve.py: no engine step while this file exists
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, log: Callable[[], str]) -> Any:
@@ -37,12 +41,19 @@ class ServerProcess:
 
 
 @contextmanager
-def glmserve_process(args: list[str], log_path: Path) -> Iterator[ServerProcess]:
+def glmserve_process(args: list[str], log_path: Path, load_gate: Path | None = None,
+                     step_pause: Path | None = None) -> Iterator[ServerProcess]:
     """Starts `glmserve serve --port 0 ARGS` (output to `log_path`) and yields once it listens, before the
-    model is necessarily ready. On exit a still-running server gets SIGTERM and must exit with 0."""
+    model is necessarily ready. With `load_gate` the model is not loaded before that file exists, with
+    `step_pause` no engine step starts while that file exists (tests/controlled_serve.py). On exit a
+    still-running server gets SIGTERM and must exit with 0."""
+    controls = {name: str(path) for name, path in ((LOAD_GATE_ENV, load_gate), (STEP_PAUSE_ENV, step_pause))
+                if path is not None}
+    launcher = [str(CONTROLLED_SERVE)] if controls else ["-m", "glmserve.cli"]
+    env = {**os.environ, **controls}
     with log_path.open("wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "glmserve.cli", "serve", "--port", "0", *args],
-                                stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, *launcher, "serve", "--port", "0", *args],
+                                stdout=log_file, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, "", log_path)
 
     def port() -> int | None:
