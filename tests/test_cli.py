@@ -13,10 +13,23 @@ def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 
 def test_generate_prints_one_completion_per_prompt(tiny_model_dir):
-    out = _run("generate", "--model", str(tiny_model_dir("llama")), "--max-tokens", "4", "--kv-cache-memory-bytes",
-               "4000000", "The quick", "Paged attention")
+    """stdout is exactly the engine's greedy completion of each prompt, one line each, in order."""
+    import torch
+
+    from glmserve import LLM, SamplingParams
+
+    model, prompts = str(tiny_model_dir("llama")), ["The quick", "Paged attention"]
+    out = _run("generate", "--model", model, "--max-tokens", "4", "--kv-cache-memory-bytes", "4000000",
+               "--device", "cpu", "--dtype", "float32", *prompts)
     assert out.returncode == 0, out.stderr
-    assert len(out.stdout.strip("\n").split("\n")) == 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the CLI runs (OMP_NUM_THREADS=1)
+    try:
+        llm = LLM(model=model, kv_cache_memory_bytes=4000000, device="cpu", dtype="float32")
+        expected = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+    finally:
+        torch.set_num_threads(threads)
+    assert out.stdout == "".join(o.outputs[0].text + "\n" for o in expected)
 
 
 def test_chat_without_template_and_missing_model_are_clear_errors(tiny_model_dir, tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from glmserve import LLM, SamplingParams
 from glmserve.engine.detokenizer import IncrementalDetokenizer
@@ -15,6 +17,7 @@ def tiny(tiny_model_dir):
 
 
 PROMPT = list(range(5, 45))
+LOGIT_TOL = 1e-3  # our logits vs transformers' (float32)
 
 
 def _tokens(llm, **kw) -> list[int]:
@@ -35,12 +38,34 @@ def test_truncation_to_one_token_is_greedy(tiny):
     assert _tokens(tiny, temperature=1.5, top_p=1e-6, max_tokens=12, seed=3) == greedy
 
 
-def test_penalties_reduce_repetition(tiny):
-    plain = _tokens(tiny, temperature=0, max_tokens=40)
-    penalized = _tokens(tiny, temperature=0, max_tokens=40, frequency_penalty=2.0, presence_penalty=2.0)
-    repeated = _tokens(tiny, temperature=0, max_tokens=40, repetition_penalty=1.8)
-    assert len(set(penalized)) > len(set(plain))
-    assert len(set(repeated)) > len(set(plain))
+def _penalized(logits: torch.Tensor, context: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
+    """Reference penalties: repetition over prompt + output (the HF rule: positive logits divided, negative
+    ones multiplied), presence and frequency over the output (OpenAI's rule)."""
+    logits = logits.clone()
+    seen = torch.tensor(sorted(set(context)))
+    rep = params.repetition_penalty
+    logits[seen] = torch.where(logits[seen] > 0, logits[seen] / rep, logits[seen] * rep)
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.numel()).float()
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+
+
+@pytest.mark.parametrize("penalties", [dict(frequency_penalty=2.0, presence_penalty=2.0),
+                                       dict(repetition_penalty=1.8)], ids=["presence+frequency", "repetition"])
+def test_penalized_greedy_tokens_match_a_reference(tiny, tiny_model_dir, penalties):
+    """Every greedy token is the argmax of transformers' logits for the same context, penalized by the
+    reference rules; at some steps the penalties change that argmax, so an engine ignoring them fails."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **penalties)
+    tokens = tiny.generate([PROMPT], params)[0].outputs[0].token_ids
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([PROMPT + tokens])).logits[0].float()
+    decided = 0
+    for step, token in enumerate(tokens):
+        raw = logits[len(PROMPT) - 1 + step]
+        want = _penalized(raw, PROMPT + tokens[:step], tokens[:step], params)
+        assert want[token] >= want.max() - LOGIT_TOL, (step, token, want.argmax().item())
+        decided += bool(want[raw.argmax()] < want.max() - LOGIT_TOL)
+    assert decided > 0
 
 
 def test_logprobs_top_n_and_greedy_choice(tiny):

@@ -31,6 +31,7 @@ MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 2
 MAX_WAITING = 1
 CAPACITY = MAX_NUM_SEQS + MAX_WAITING
+BLOCK_SIZE = 16  # the server's default
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # a request that runs until it is aborted (ignore_eos, the whole context as budget)
 ENDLESS = {"model": SERVED, "messages": QUESTION, "max_tokens": MAX_MODEL_LEN, "ignore_eos": True}
@@ -76,6 +77,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
         ready_readiness = wait_for(ready, STARTUP_TIMEOUT_S, "readiness", process.log)
         yield Server(process.proc, process.base_url, log_path, early_readiness, early_chat, ready_readiness)
+
+
+def cached_when_seen(prompt_tokens: int) -> int:
+    """`cached_tokens` of a prompt whose KV is all in the prefix cache: its full blocks, less the last token,
+    which is always computed again (its logits give the first output token)."""
+    return min(BLOCK_SIZE * (prompt_tokens // BLOCK_SIZE), prompt_tokens - 1)
 
 
 def engine_state(server: Server) -> dict[str, Any]:
@@ -175,7 +182,10 @@ def test_chat_completion(server: Server) -> None:
     assert usage.prompt_tokens > 10
     assert 0 < usage.completion_tokens <= 8
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    # cold, or every full block of a prompt seen before; the same request again hits all of them
+    assert usage.prompt_tokens_details.cached_tokens in (0, cached_when_seen(usage.prompt_tokens))
+    again = server.client().chat.completions.create(model=SERVED, messages=QUESTION, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == cached_when_seen(usage.prompt_tokens)
 
 
 def test_chat_stream_matches_non_stream(server: Server) -> None:
@@ -196,7 +206,7 @@ def test_chat_stream_matches_non_stream(server: Server) -> None:
     assert finishes == ["length"]
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == 4
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached_when_seen(whole.usage.prompt_tokens)
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -393,6 +403,17 @@ def test_sparse_attention_field_reaches_the_engine(server: Server) -> None:
     chat = client.chat.completions.create(model=SERVED, messages=QUESTION, max_tokens=3, extra_body={
         "sparse_attention": {"mode": "block", "top_k": 64, "sink_tokens": 4, "local_tokens": 16}})
     assert chat.usage.completion_tokens == 3
+    # a budget of 64 of 400 tokens changes the numbers, where a server that dropped the field would answer
+    # exactly as dense does (both requests find the prompt in the prefix cache, put there by the first one)
+    long = dict(model=SERVED, prompt=[19556, 28, 957, 1462, 314] * 80, max_tokens=4, temperature=0, logprobs=1)
+    budget = {"mode": "block", "top_k": 64, "sink_tokens": 4, "local_tokens": 16}
+
+    def logprobs(**extra: Any) -> list[float]:
+        response = client.completions.create(**long, extra_body={"ignore_eos": True, **extra})
+        return response.choices[0].logprobs.token_logprobs
+
+    logprobs()
+    assert logprobs(sparse_attention=budget) != logprobs()
     with server.http() as http:
         for sparse, message in [({"mode": "native"}, "no built-in sparse indexer"),
                                 ({"mode": "block", "top_k": 8}, "must be at least sink_tokens + local_tokens"),
