@@ -549,9 +549,33 @@ def test_http_session_survives_a_server_restart(tmp_path: Path) -> None:
         assert http.get("/v1/sessions/trip").json()["summary"] == summary
 
 
+BLOCK_TOKENS = 16  # the server's default block size
+# the tiny random Llama (tests/tiny_models.py) for fast versions of the restart and shutdown tests: 2 layers x
+# (K, V) x 2 kv heads x head dim 16 x 4 bytes per token; a pool of 640 tokens, chunks of 64 (as TIERED below)
+TINY_KV_TOKEN_BYTES = 2 * 2 * 2 * 16 * 4
+TINY_CHUNK = 64
+TINY_TIERED = ["--max-model-len", "512", "--kv-chunk-tokens", str(TINY_CHUNK), "--max-num-batched-tokens", "256",
+               "--kv-cache-memory-bytes", str(640 * TINY_KV_TOKEN_BYTES), "--no-sparse-block-bounds"]
+
+
+def test_http_session_survives_a_server_restart_fast(tiny_model_dir, tmp_path: Path) -> None:
+    """The restart claim on a tiny model: a fresh process loads the session's KV from the directory."""
+    args = ["--model", str(tiny_model_dir("llama")), *TINY_TIERED]
+    store = str(tmp_path / "store")
+    turn1 = _prompt(20, 150)
+    with serve(store, tmp_path / "first.log", args) as http:
+        _complete(http, turn1, session_id="s")
+        stored = http.get("/v1/sessions/s").json()
+    # the full blocks of the prompt and the one generated token with KV: all turn 1's prompt tokens
+    assert stored["turns"] == 1 and stored["num_tokens"] == BLOCK_TOKENS * ((len(turn1) + 1) // BLOCK_TOKENS)
+    with serve(store, tmp_path / "second.log", args) as http:  # nothing is cached on the device
+        usage = _complete(http, turn1 + _prompt(21, 20), session_id="s")["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == stored["num_tokens"]
+        assert http.get("/v1/sessions/s").json()["turns"] == 2
+
+
 # -- /metrics: KV tiers and sessions; what a shutdown keeps ---------------------------------------------------
 KV_TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers x (K, V) x kv heads x head dim x 4 bytes
-BLOCK_TOKENS = 16  # the server's default block size
 TIERED = ["--max-model-len", "512", "--kv-chunk-tokens", "64", "--max-num-batched-tokens", "256",
           "--kv-cache-memory-bytes", str(640 * KV_TOKEN_BYTES), "--no-sparse-block-bounds"]
 
@@ -666,3 +690,41 @@ def test_http_shutdown_keeps_session_and_tier_kv(tmp_path: Path) -> None:
         assert info["turns"] == 1 and info["num_tokens"] >= 288  # the prompt's full blocks, at least
         resumed = _complete(http, prompt + _tokens(8, 20), session_id="cut")
         assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256  # chunk 4 holds generated tokens
+
+
+def test_http_shutdown_keeps_session_and_tier_kv_fast(tiny_model_dir, tmp_path: Path) -> None:
+    """The shutdown claim on a tiny model: SIGTERM while a session turn streams (its engine steps held, so it
+    is still running when the --shutdown-timeout cuts it) and after chunks went to the disk tier: the server
+    exits 0, and a restarted one finds the turn's KV in the session store and the chunks on disk."""
+    model = ["--model", str(tiny_model_dir("llama")), *TINY_TIERED, "--kv-disk-dir", str(tmp_path / "kv")]
+    store = str(tmp_path / "store")
+    evicted, prompt = _prompt(30, 300), _prompt(31, 2 * TINY_CHUNK)  # the cut turn's prompt: two whole chunks
+    log_path, pause = tmp_path / "first.log", tmp_path / "pause-steps"
+    with glmserve_process([*model, "--num-threads", "1", "--session-store", store, "--shutdown-timeout", "1"],
+                          log_path, step_pause=pause) as process, \
+            httpx.Client(base_url=process.base_url, timeout=300) as http:
+        wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", process.log)
+        _complete(http, evicted)
+        for seed in (32, 33):  # two prompts of most of the pool push every block of `evicted` out, to disk
+            _complete(http, _prompt(seed, 450))
+        body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True, "session_id": "cut"}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            for _ in range(3):
+                next(lines)
+            pause.touch()  # the turn stays in flight: no engine step runs until the stream was cut
+            process.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(httpx.RemoteProtocolError):  # cut short once the shutdown timeout is over
+                for _ in lines:
+                    pass
+            pause.unlink()
+        assert process.proc.wait(timeout=120) == 0, process.log()[-4000:]
+    assert log_path.read_text().count("Traceback") <= 1  # uvicorn logs the stream it cancelled
+    with serve(store, tmp_path / "second.log", model) as http:  # nothing on the device of a fresh process
+        from_disk = _complete(http, evicted)
+        assert from_disk["usage"]["prompt_tokens_details"]["cached_tokens"] == TINY_CHUNK * (len(evicted) // TINY_CHUNK)
+        info = http.get("/v1/sessions/cut").json()
+        assert info["turns"] == 1 and info["num_tokens"] >= len(prompt)  # the prompt's blocks, at least
+        resumed = _complete(http, prompt + _prompt(34, 20), session_id="cut")
+        # the prompt's two chunks; a third one holds generated tokens this turn does not have
+        assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
