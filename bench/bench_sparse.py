@@ -139,7 +139,8 @@ class Recorder:
 
     def measure(self, layer, q: torch.Tensor, g) -> None:
         modes = g.sparse.modes - {"dense"}
-        scores = {m: layer.indexers[m].unit_scores(q, g) for m in modes}
+        scoring = g.scoring_rows()
+        scores = {m: layer.indexers[m].unit_scores(q, scoring) for m in modes}
         units = {m: layer.indexers[m].unit_size for m in modes}
         keep = selection.decode_keep_mask(scores, units, g.context_lens, g.sparse, g.kv_slots.shape[1], g.sparse.pins)
         keys, _ = layer._gather(g.kv_slots, q.dtype)  # [Hkv, B, L, D]

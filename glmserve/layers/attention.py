@@ -31,7 +31,7 @@ from glmserve.errors import InvalidRequestError
 from glmserve.kv.slots import slots_of
 from glmserve.layers.cpu_kernels import paged_decode_lse_op, paged_decode_op
 from glmserve.layers.partial_attention import attention_with_lse, merge_attention
-from glmserve.sparse.indexer import Indexer
+from glmserve.sparse.indexer import Indexer, ScoringRows
 from glmserve.sparse.pinning import Observation
 from glmserve.sparse.selection import SparseRows, keep_mask, select_slots
 from glmserve.sparse.settings import SparseAttentionParams
@@ -67,6 +67,10 @@ class GroupMetadata:
     sparse: SparseRows | None = None  # decode group: per-row sparse settings; None = every row dense
     cold: ColdRows | None = None  # rows with offloaded chunks (their kv_slots list resident keys only)
     observe: Observation | None = None  # prefill group: rows whose prompt ends here choose their pinned units
+
+    def scoring_rows(self) -> ScoringRows:
+        """The decode group's rows as the sparse scorers read them (glmserve/sparse/indexer.py)."""
+        return ScoringRows(self.kv_slots, self.context_lens, self.block_tables)
 
 
 @dataclass
@@ -131,7 +135,8 @@ class PagedAttention:
         missing = modes - self.indexers.keys()
         if missing:
             raise InvalidRequestError(f"sparse attention mode(s) {sorted(missing)} have no scorer on this layer")
-        scores = {m: self.indexers[m].unit_scores(q, g) for m in modes}
+        scoring = g.scoring_rows()
+        scores = {m: self.indexers[m].unit_scores(q, scoring) for m in modes}
         units = {m: self.indexers[m].unit_size for m in modes}
         return select_slots(scores, units, g.context_lens, rows, g.kv_slots, rows.pins)
 
@@ -182,8 +187,9 @@ class PagedAttention:
         ctx = int(g.context_lens[row]) + span_end - span_start
         table = g.block_tables[row:row + 1]
         ctx_t = torch.tensor([ctx], device=q.device)
-        scores = indexer.unit_scores(q, GroupMetadata(kv_slots=table, key_mask=None, num_tokens=1,
-                                                      context_lens=ctx_t, block_tables=table))
+        positions = torch.arange(ctx, device=q.device)
+        slots = slots_of(table, positions[None], unit)[0]  # offloaded positions: the null block
+        scores = indexer.unit_scores(q, ScoringRows(slots[None], ctx_t, table))
         # offloaded blocks read the null block (kv/slots.py table_tensor): scored from the bounds kept with their chunks
         bounds = torch.cat([chunk.read_bounds(layer) for chunk in chunks]).to(q.device)
         scores[0, span_start // unit:span_end // unit] = indexer.bound_scores(q, bounds.view(1, bounds.shape[0], -1))[0]
@@ -192,7 +198,7 @@ class PagedAttention:
         picked = keep.nonzero()[:, 0]
         streamed = (picked >= span_start) & (picked < span_end)
         resident = picked[~streamed]
-        k, v = (part[:, 0] for part in self._gather(slots_of(table, resident[None], unit), q.dtype))  # [Hkv, L, D]
+        k, v = (part[:, 0] for part in self._gather(slots[resident][None], q.dtype))  # [Hkv, L, D] each
         cold = picked[streamed] - span_start
         if cold.numel():
             blocks_per_chunk = chunk_tokens // unit

@@ -30,14 +30,10 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from glmserve.layers.cpu_kernels import sparse_ops
-
-if TYPE_CHECKING:
-    from glmserve.layers.attention import GroupMetadata
+from glmserve.sparse.indexer import ScoringRows
 
 
 class BlockIndexer:
@@ -82,17 +78,17 @@ class BlockIndexer:
         both = torch.stack([keys.amin(2), keys.amax(2)]).permute(2, 0, 1, 3)  # [n, 2, Hkv, D]
         self.bounds.index_copy_(0, blocks, both.to(self.bounds.dtype))
 
-    def unit_scores(self, q: torch.Tensor, group: GroupMetadata) -> torch.Tensor:
+    def unit_scores(self, q: torch.Tensor, rows: ScoringRows) -> torch.Tensor:
         """q [B, H, D] -> [B, W]: per logical block, the sum over heads of the upper bound of the scaled logit."""
-        tables = group.block_tables  # [B, W]
+        tables = rows.block_tables  # [B, W]
         kernels = sparse_ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
         if kernels is not None:  # reads the bounds in place: no gather copy
-            units = (-(-group.context_lens // self.unit_size)).contiguous()
+            units = (-(-rows.context_lens // self.unit_size)).contiguous()
             return kernels.block_scores(q.contiguous(), self.bounds, tables.contiguous(), units, self.scale)
         b, w = tables.shape
         nb = self.bounds.shape[0]
-        rows = self.bounds.view(nb, -1).index_select(0, tables.reshape(-1)).view(b, w, -1)  # [B, W, 2 * Hkv * D]
-        return self.bound_scores(q, rows)
+        bounds = self.bounds.view(nb, -1).index_select(0, tables.reshape(-1)).view(b, w, -1)  # [B, W, 2 * Hkv * D]
+        return self.bound_scores(q, bounds)
 
     def bound_scores(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """q [B, H, D], bounds rows [B, W, 2 * Hkv * D] (a block's [2, Hkv, D] flattened) -> scores [B, W].

@@ -1,12 +1,16 @@
-"""The contract every sparse-attention scorer implements, and where scorers live on a model.
+"""The contract between sparse/ and the attention layers it scores, and where scorers live on a model.
 
-A scorer ("indexer") belongs to one attention layer (one `PagedAttention`) and serves one mode
-("block", "learned"). Each layer keeps its scorers in `PagedAttention.indexers: dict[mode, Indexer]`.
+sparse/ owns this contract and never imports layers/: a layer that runs sparse decode attention
+(glmserve/layers/attention.py `PagedAttention`) satisfies `ScoredLayer`, and hands its scorers the rows
+to score as `ScoringRows`.
+
+A scorer ("indexer") belongs to one attention layer and serves one mode ("block", "learned"). Each layer
+keeps its scorers in `ScoredLayer.indexers: dict[mode, Indexer]`.
 
     class Indexer(Protocol):
         unit_size: int
         def on_kv_written(self, slot_mapping, k, cache) -> None: ...
-        def unit_scores(self, q, group) -> torch.Tensor: ...
+        def unit_scores(self, q, rows) -> torch.Tensor: ...
 
 - `unit_size`: how many consecutive positions of a sequence one score covers. 16 (the KV block size)
   for the block indexer, 1 (token level) for the learned and native indexers. Unit u of a row covers
@@ -16,9 +20,9 @@ A scorer ("indexer") belongs to one attention layer (one `PagedAttention`) and s
   the scorer updates its own metadata (block bounds, its own key cache, ...) indexed by cache slot or
   block id (= slot // block_size), so that prefix-cache hits (same physical blocks) find it ready.
   Writes into a block always start at its offset 0 (a fresh or reused block), then run in order.
-- `unit_scores(q [B, H, D], group: GroupMetadata) -> [B, ceil(L / unit_size)]`: scores of the decode
-  group's queries (after rope, the model's dtype) for every unit of each row; `group.kv_slots` [B, L]
-  (slot of each key position, 0 past the context), `group.context_lens` [B], `group.block_tables`
+- `unit_scores(q [B, H, D], rows: ScoringRows) -> [B, ceil(L / unit_size)]`: scores of the decode
+  group's queries (after rope, the model's dtype) for every unit of each row; `rows.kv_slots` [B, L]
+  (slot of each key position, 0 past the context), `rows.context_lens` [B], `rows.block_tables`
   [B, W] (physical block ids) describe the rows. Higher = more worth attending. Units past a row's
   context may hold any finite value or -inf: selection never picks them.
 
@@ -29,12 +33,19 @@ into the attended slots; a scorer never selects by itself.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from glmserve.layers.attention import GroupMetadata, PagedAttention
+
+@dataclass
+class ScoringRows:
+    """The decode rows a scorer scores: where each row's keys are in the KV pool."""
+
+    kv_slots: torch.Tensor  # [B, L] slot of each key position (0 past the context)
+    context_lens: torch.Tensor  # [B] int64: keys per row
+    block_tables: torch.Tensor  # [B, W] physical block ids
 
 
 @runtime_checkable
@@ -43,10 +54,22 @@ class Indexer(Protocol):
 
     def on_kv_written(self, slot_mapping: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None: ...
 
-    def unit_scores(self, q: torch.Tensor, group: GroupMetadata) -> torch.Tensor: ...
+    def unit_scores(self, q: torch.Tensor, rows: ScoringRows) -> torch.Tensor: ...
 
 
-def paged_attention_layers(model: torch.nn.Module) -> list[PagedAttention]:
+class ScoredLayer(Protocol):
+    """What sparse/ reads of one attention layer: its shapes, its slice of the KV pool
+    ([2, kv_heads, slots, head_dim]), its position among the model's layers and its scorers by mode."""
+
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    kv_cache: torch.Tensor | None
+    layer_index: int
+    indexers: dict[str, Indexer]
+
+
+def paged_attention_layers(model: torch.nn.Module) -> list[ScoredLayer]:
     """The model's PagedAttention objects in layer order (empty for models with their own attention, MLA)."""
     from glmserve.layers.attention import PagedAttention
 
@@ -55,7 +78,7 @@ def paged_attention_layers(model: torch.nn.Module) -> list[PagedAttention]:
     return [a for a in found if isinstance(a, PagedAttention)]
 
 
-def attach_indexers(model: torch.nn.Module, mode: str, make: Callable[[int, PagedAttention], Indexer]) -> None:
+def attach_indexers(model: torch.nn.Module, mode: str, make: Callable[[int, ScoredLayer], Indexer]) -> None:
     """Gives every PagedAttention layer of `model` the scorer `make(layer_index, attn)` for `mode`."""
     layers = paged_attention_layers(model)
     if not layers:

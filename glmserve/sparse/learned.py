@@ -45,6 +45,7 @@ from torch import nn
 from glmserve.errors import IndexerMismatchError
 from glmserve.layers.cpu_kernels import sparse_ops
 from glmserve.paths import cache_dir
+from glmserve.sparse.indexer import ScoringRows
 from glmserve.sparse.selection import positions_upto
 
 FORMAT_NAME = "glmserve-learned-indexer"
@@ -238,22 +239,22 @@ class LearnedIndexer:
     def on_kv_written(self, slot_mapping: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
         self.keys.index_copy_(0, slot_mapping, self.weights.index_keys(k, self.layer).to(self.keys.dtype))
 
-    def unit_scores(self, q: torch.Tensor, group) -> torch.Tensor:
+    def unit_scores(self, q: torch.Tensor, rows: ScoringRows) -> torch.Tensor:
         """q [B, H, D] -> [B, L] score of every key position of each row (-inf past its context)."""
         qi, w = self.weights.index_queries(q, self.layer)  # [B, Hi, d], [B, Hi]
-        length = group.kv_slots.shape[1]
+        length = rows.kv_slots.shape[1]
         kernels = sparse_ops() if self.keys.device.type == "cpu" and qi.dtype == torch.float32 else None
         if kernels is not None:  # reads the index keys in place: no [B, L, d] gather copy
             return kernels.learned_scores(
-                qi.contiguous(), (w * self.weights.scale).contiguous(), self.keys, group.block_tables.contiguous(),
-                self.block_size, length, group.context_lens.contiguous(),
+                qi.contiguous(), (w * self.weights.scale).contiguous(), self.keys, rows.block_tables.contiguous(),
+                self.block_size, length, rows.context_lens.contiguous(),
                 self.weights.distance_bias[self.layer].float().contiguous(),
                 self.weights.sink_bias[self.layer].float().contiguous())
-        keys = self.keys[group.kv_slots].to(qi.dtype)  # [B, L, d] (index_select measured no faster on CPU)
+        keys = self.keys[rows.kv_slots].to(qi.dtype)  # [B, L, d] (index_select measured no faster on CPU)
         key_pos = positions_upto(length, keys.device)
         scores = self.weights.scores(qi.unsqueeze(1), w.unsqueeze(1), keys).squeeze(1)
-        scores += self.weights.position_bias((group.context_lens - 1)[:, None], key_pos, self.layer)
-        past_context = key_pos[None, :] >= group.context_lens[:, None]
+        scores += self.weights.position_bias((rows.context_lens - 1)[:, None], key_pos, self.layer)
+        past_context = key_pos[None, :] >= rows.context_lens[:, None]
         return scores.masked_fill_(past_context, float("-inf"))
 
 

@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from glmserve.kv.slots import slots_of
+from glmserve.sparse.indexer import ScoredLayer
 from glmserve.sparse.selection import NONE, SparseRows, unit_keep_mask
 from glmserve.sparse.settings import MODE_DEFAULTS
 
 if TYPE_CHECKING:
     from glmserve.kv.offload import ColdChunk, ColdSpan, RunningKVOffload
-    from glmserve.layers.attention import PagedAttention
 
 PIN_BUDGET = MODE_DEFAULTS["block"]["top_k"]  # threshold-only rows: pins take at most half of this budget
 PIN_BLOCK = 16  # pins are chosen by blocks of 16 positions (the block indexer's unit; whole blocks for tokens)
@@ -131,14 +131,14 @@ class Observation:
                    ctx.to(device), SparseRows.from_params(params, device),
                    [(row, spans[i].chunks) for row, i in enumerate(chosen) if spans[i] is not None], source)
 
-    def record(self, q: torch.Tensor, attn: PagedAttention) -> None:
+    def record(self, q: torch.Tensor, attn: ScoredLayer) -> None:
         """One layer's vote from its post-rope queries q [T, H, D] of the step (the layer's K/V is written)."""
         vote = block_mass(self.peak_attention(q, attn))
         self.votes = vote if self.votes is None else self.votes + vote
         for mode in self.rows.modes:  # every row observed pins its question
             self.unit_sizes[mode] = attn.indexers[mode].unit_size
 
-    def peak_attention(self, q: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
+    def peak_attention(self, q: torch.Tensor, attn: ScoredLayer) -> torch.Tensor:
         """[R, L]: per key position of the context, the most attention (dense softmax) that any observed query
         in any head gives it."""
         r, w = self.query_index.shape
