@@ -22,7 +22,8 @@ POOL_BLOCKS = 14  # 56 tokens: the first chunk, a chunk filling up, a step's tok
 def _pool_bytes(model_dir, blocks: int) -> int:
     """A KV budget of `blocks` usable blocks (K/V and block-indexer bounds) plus the null block."""
     probe = LLM(model=str(model_dir), dtype="float32", block_size=BS, max_model_len=64).engine
-    return (blocks + 1) * (probe.kv.io.bytes_per_block + block_bounds_bytes(probe.runner.model, torch.float32))
+    bounds = block_bounds_bytes(probe.runner.model.paged_attention_layers(), torch.float32)
+    return (blocks + 1) * (probe.kv.io.bytes_per_block + bounds)
 
 
 def _engine(model_dir, tmp_path, **kw) -> LLM:

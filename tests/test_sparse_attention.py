@@ -31,7 +31,6 @@ from glmserve.sparse import SparseAttentionParams, pinning, resolve_sparse_param
 from glmserve.sparse import block as block_module
 from glmserve.sparse import selection as selection_module
 from glmserve.sparse.block import BlockIndexer
-from glmserve.sparse.indexer import paged_attention_layers
 from glmserve.sparse.selection import SparseRows, compact, decode_keep_mask, keep_mask, select_slots
 
 BLOCK = 16
@@ -339,7 +338,7 @@ def test_block_selection_picks_the_top_blocks_of_brute_force_bounds(llm, backend
     seq = engine.requests["top-blocks"].seqs[0]
     while seq.num_computed_tokens < len(p):
         engine.step()
-    attn = paged_attention_layers(engine.runner.model)[1]
+    attn = engine.runner.model.paged_attention_layers()[1]
     dev = attn.kv_cache.device
     table = torch.tensor(seq.kv.block_table, device=dev)
     ctx = len(p)
@@ -379,7 +378,7 @@ def test_bounds_exact_after_prefix_hits_and_block_reuse(llm):
     bm = engine.kv.blocks
     blocks = [b for b, h in enumerate(bm.block_to_hash) if h is not None]
     assert len(blocks) > 10
-    for attn in paged_attention_layers(engine.runner.model):
+    for attn in engine.runner.model.paged_attention_layers():
         keys = attn.kv_cache[0]
         for block in blocks:
             check_bounds(attn.indexers["block"], keys, block, BLOCK)
@@ -400,7 +399,7 @@ def test_question_pins_reach_every_decode_step_of_their_sequence(llm, monkeypatc
     monkeypatch.setattr(PagedAttention, "select", recording)
     sparse = {"mode": "block", "top_k": 128, "sink_tokens": 4, "local_tokens": 16}
     llm.generate([prompt(40, 300)], GREEDY, sparse=sparse)
-    assert len(seen) == 5 * len(paged_attention_layers(llm.engine.runner.model))  # 5 decode steps, every layer
+    assert len(seen) == 5 * len(llm.engine.runner.model.paged_attention_layers())  # 5 decode steps, every layer
     for pins, attended, kv_slots, ctx in seen:
         pinned = pins[pins >= 0].tolist()
         assert 0 < len(pinned) * BLOCK <= (128 - 20) // 2
@@ -421,7 +420,7 @@ def test_bounds_follow_kv_loaded_straight_into_the_pool(llm):
     targets = torch.tensor(sorted(engine.kv.blocks.free_blocks)[-6:])  # free, bounds of other tokens (or none)
     engine.kv.io.scatter(targets, engine.kv.io.gather(source))
     engine.abort_request("loaded")
-    for attn in paged_attention_layers(engine.runner.model):
+    for attn in engine.runner.model.paged_attention_layers():
         for block in targets.tolist():
             check_bounds(attn.indexers["block"], attn.kv_cache[0], block, BLOCK)
 

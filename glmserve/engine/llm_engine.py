@@ -32,7 +32,7 @@ from glmserve.sparse.block import (
     gather_block_bounds,
     refresh_block_bounds,
 )
-from glmserve.sparse.indexer import available_modes
+from glmserve.sparse.indexer import ScoredLayer
 from glmserve.sparse.learned import attach_learned_indexers, find_learned_indexer, index_key_bytes_per_token
 from glmserve.sparse.settings import SparseAttentionParams, resolve_sparse_params
 
@@ -74,13 +74,14 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         loaded = load_model(config.model, config.tokenizer, self.device, self.dtype)
+        scored_layers = loaded.model.paged_attention_layers()  # where sparse scorers attach (none for MLA)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.model_name = config.served_model_name or loaded.name
         self.max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
         self.learned_indexer = find_learned_indexer(config.learned_indexer, config.model, loaded.model)
         bytes_per_block = (config.block_size * loaded.model.kv_bytes_per_token(kv_dtype)
-                           + self._sparse_bytes_per_block(loaded.model, kv_dtype))
+                           + self._sparse_bytes_per_block(scored_layers, kv_dtype))
         plan = plan_pool(kv_budget_bytes(config.kv_cache_memory_bytes, self.device), bytes_per_block,
                          config.block_size, self.max_model_len,
                          streaming_supported=bool(getattr(loaded.model, "supports_kv_streaming", False)),
@@ -88,7 +89,7 @@ class LLMEngine:
                          host_memory_bytes=config.kv_host_memory_bytes, disk_dir=config.kv_disk_dir,
                          device=self.device)
         self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, kv_dtype, self.device)
-        load_listeners, block_bounds = self._attach_sparse_indexers(loaded.model, plan.num_blocks, kv_dtype)
+        load_listeners, block_bounds = self._attach_sparse_indexers(scored_layers, plan.num_blocks, kv_dtype)
         default_mode = config.sparse_attention or ("native" if "native" in self.sparse_modes else "dense")
         self.default_sparse = self.resolve_sparse({"mode": default_mode})
         self.kv = KVStack.build(
@@ -104,33 +105,33 @@ class LLMEngine:
         self.restoring: dict[str, tuple[Request, PendingRestore]] = {}  # waiting for their session's KV
 
     # -- sparse attention -------------------------------------------------------------------------
-    def _sparse_bytes_per_block(self, model: torch.nn.Module, kv_dtype: torch.dtype) -> int:
+    def _sparse_bytes_per_block(self, layers: list[ScoredLayer], kv_dtype: torch.dtype) -> int:
         """Bytes per pool block of the sparse side pools: block-indexer bounds, learned-indexer keys."""
-        size = block_bounds_bytes(model, kv_dtype) if self.config.sparse_block_bounds else 0
+        size = block_bounds_bytes(layers, kv_dtype) if self.config.sparse_block_bounds else 0
         if self.learned_indexer is not None:
             size += self.config.block_size * index_key_bytes_per_token(self.learned_indexer)
         return size
 
-    def _attach_sparse_indexers(self, model: torch.nn.Module, num_blocks: int, kv_dtype: torch.dtype
+    def _attach_sparse_indexers(self, layers: list[ScoredLayer], num_blocks: int, kv_dtype: torch.dtype
                                 ) -> tuple[list[Callable[[torch.Tensor], None]], Callable | None]:
         """Attaches the block and learned indexers beside the pool; returns the KV load listeners that refresh
         them, and the block-bounds gather that offloaded chunks keep (None without the block indexer)."""
         config = self.config
-        if config.sparse_block_bounds and block_bounds_bytes(model, kv_dtype):
-            attach_block_indexers(model, num_blocks, config.block_size, kv_dtype, self.device)
+        if config.sparse_block_bounds and block_bounds_bytes(layers, kv_dtype):
+            attach_block_indexers(layers, num_blocks, config.block_size, kv_dtype, self.device)
         self.index_keys = None if self.learned_indexer is None else attach_learned_indexers(
-            model, self.learned_indexer, self.runner.kv_cache, config.block_size)
+            layers, self.learned_indexer, self.runner.kv_cache, config.block_size)
         listeners = [] if self.index_keys is None else [self.index_keys.refresh]
         if "block" not in self.sparse_modes:
             return listeners, None
         # loaded K/V never passes through attention: recompute its bounds
-        listeners.append(functools.partial(refresh_block_bounds, model))
-        return listeners, functools.partial(gather_block_bounds, model)
+        listeners.append(functools.partial(refresh_block_bounds, layers))
+        return listeners, functools.partial(gather_block_bounds, layers)
 
     @property
     def sparse_modes(self) -> tuple[str, ...]:
         """Sparse attention modes this engine can serve now (a learned indexer may be attached later)."""
-        return available_modes(self.runner.model)
+        return self.runner.model.sparse_modes()
 
     def resolve_sparse(self, sparse: SparseAttentionParams | dict | None) -> SparseAttentionParams:
         """A request's sparse settings: None = the server default; a dict overrides the server's flags

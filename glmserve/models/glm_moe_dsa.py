@@ -41,7 +41,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from glmserve.layers.attention import AttentionMetadata
+from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.rotary import RopeTables, rope_parameters
@@ -475,6 +475,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
         # optional hook (tests, analysis): called as f(layer index, token positions [T], Selection) per group
         # for every layer that runs the indexer
         self.selection_observer: Callable[[int, torch.Tensor, Selection], None] | None = None
+
+    def paged_attention_layers(self) -> list[PagedAttention]:
+        """None: MLA attention reads its own latent cache, where no block or learned scorer attaches."""
+        return []
+
+    def sparse_modes(self) -> tuple[str, ...]:
+        """Dense, and the model's own lightning indexer ("native")."""
+        return ("dense", "native")
 
     # -- KV cache ---------------------------------------------------------------------------------------------
     def _cache_widths(self) -> tuple[int, int]:

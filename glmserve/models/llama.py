@@ -16,6 +16,7 @@ from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.rotary import RotaryEmbedding
+from glmserve.sparse.indexer import attached_modes
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -115,6 +116,15 @@ class DecoderOnlyLM(nn.Module):
             layer.self_attn.attn.kv_cache = pool[i]
             layer.self_attn.attn.layer_index = i
         return pool
+
+    def paged_attention_layers(self) -> list[PagedAttention]:
+        """Each decoder layer's PagedAttention, in layer order: where sparse scorers attach
+        (glmserve/sparse/indexer.py `ScoredLayer`)."""
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def sparse_modes(self) -> tuple[str, ...]:
+        """Sparse attention modes this model serves now: dense, and each mode whose scorer every layer has."""
+        return ("dense", *attached_modes(self.paged_attention_layers()))
 
     def to_runtime(self, device: torch.device, dtype: torch.dtype) -> DecoderOnlyLM:
         self.rotary.to(device, dtype)

@@ -30,10 +30,12 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from glmserve.layers.cpu_kernels import sparse_ops
-from glmserve.sparse.indexer import ScoringRows
+from glmserve.sparse.indexer import ScoredLayer, ScoringRows, attach_indexers
 
 
 class BlockIndexer:
@@ -103,37 +105,29 @@ class BlockIndexer:
         return bound[..., 0] * self.scale  # [B, W]
 
 
-def block_bounds_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of key bounds per KV block over all of the model's paged attention layers."""
-    from glmserve.sparse.indexer import paged_attention_layers
-
+def block_bounds_bytes(layers: Sequence[ScoredLayer], dtype: torch.dtype) -> int:
+    """Bytes of key bounds per KV block over all of a model's paged attention `layers`."""
     size = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * a.num_kv_heads * a.head_dim * size for a in paged_attention_layers(model))
+    return sum(2 * layer.num_kv_heads * layer.head_dim * size for layer in layers)
 
 
-def gather_block_bounds(model: torch.nn.Module, blocks: torch.Tensor) -> torch.Tensor:
-    """The block indexer's bounds of `blocks` in every paged attention layer: [layers, n, 2, Hkv, D] (kept with
-    KV chunks that leave the pool, glmserve/kv/offload.py)."""
-    from glmserve.sparse.indexer import paged_attention_layers
-
-    bounds = [attn.indexers["block"].bounds for attn in paged_attention_layers(model)]
+def gather_block_bounds(layers: Sequence[ScoredLayer], blocks: torch.Tensor) -> torch.Tensor:
+    """The block indexer's bounds of `blocks` in every one of a model's `layers`: [layers, n, 2, Hkv, D] (kept
+    with KV chunks that leave the pool, glmserve/kv/offload.py)."""
+    bounds = [layer.indexers["block"].bounds for layer in layers]
     return torch.stack([b.index_select(0, blocks.to(b.device)) for b in bounds])
 
 
-def refresh_block_bounds(model: torch.nn.Module, blocks: torch.Tensor) -> None:
+def refresh_block_bounds(layers: Sequence[ScoredLayer], blocks: torch.Tensor) -> None:
     """After K/V of `blocks` was loaded straight into the pool (`KVBlockIO` load listener): every layer's
     block indexer recomputes their bounds."""
-    from glmserve.sparse.indexer import paged_attention_layers
-
-    for attn in paged_attention_layers(model):
-        if "block" in attn.indexers:
-            attn.indexers["block"].refresh(blocks, attn.kv_cache)
+    for layer in layers:
+        if "block" in layer.indexers:
+            layer.indexers["block"].refresh(blocks, layer.kv_cache)
 
 
-def attach_block_indexers(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+def attach_block_indexers(layers: Sequence[ScoredLayer], num_blocks: int, block_size: int, dtype: torch.dtype,
                           device: torch.device) -> None:
-    """A BlockIndexer for every paged attention layer of `model` (mode "block")."""
-    from glmserve.sparse.indexer import attach_indexers
-
-    attach_indexers(model, "block", lambda i, attn: BlockIndexer(
-        attn.num_kv_heads, attn.head_dim, num_blocks, block_size, attn.scale, dtype, device))
+    """A BlockIndexer for each of a model's paged attention `layers` (mode "block")."""
+    attach_indexers(layers, "block", lambda i, layer: BlockIndexer(
+        layer.num_kv_heads, layer.head_dim, num_blocks, block_size, layer.scale, dtype, device))

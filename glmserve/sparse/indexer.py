@@ -1,11 +1,13 @@
-"""The contract between sparse/ and the attention layers it scores, and where scorers live on a model.
+"""The contract between sparse/ and the attention layers it scores, and how scorers attach to them.
 
 sparse/ owns this contract and never imports layers/: a layer that runs sparse decode attention
 (glmserve/layers/attention.py `PagedAttention`) satisfies `ScoredLayer`, and hands its scorers the rows
 to score as `ScoringRows`.
 
 A scorer ("indexer") belongs to one attention layer and serves one mode ("block", "learned"). Each layer
-keeps its scorers in `ScoredLayer.indexers: dict[mode, Indexer]`.
+keeps its scorers in `ScoredLayer.indexers: dict[mode, Indexer]`. Models list their scored layers
+(`paged_attention_layers()`, empty for MLA models) and the modes they serve (`sparse_modes()`);
+sparse/ takes those lists and never walks a model.
 
     class Indexer(Protocol):
         unit_size: int
@@ -32,7 +34,7 @@ into the attended slots; a scorer never selects by itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -69,31 +71,14 @@ class ScoredLayer(Protocol):
     indexers: dict[str, Indexer]
 
 
-def paged_attention_layers(model: torch.nn.Module) -> list[ScoredLayer]:
-    """The model's PagedAttention objects in layer order (empty for models with their own attention, MLA)."""
-    from glmserve.layers.attention import PagedAttention
-
-    layers = getattr(model, "layers", [])
-    found = [getattr(getattr(layer, "self_attn", None), "attn", None) for layer in layers]
-    return [a for a in found if isinstance(a, PagedAttention)]
-
-
-def attach_indexers(model: torch.nn.Module, mode: str, make: Callable[[int, ScoredLayer], Indexer]) -> None:
-    """Gives every PagedAttention layer of `model` the scorer `make(layer_index, attn)` for `mode`."""
-    layers = paged_attention_layers(model)
+def attach_indexers(layers: Sequence[ScoredLayer], mode: str, make: Callable[[int, ScoredLayer], Indexer]) -> None:
+    """Gives each of a model's `layers` (in layer order) the scorer `make(layer_index, layer)` for `mode`."""
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no paged attention layers to attach a {mode!r} indexer to")
-    for i, attn in enumerate(layers):
-        attn.indexers[mode] = make(i, attn)
+        raise ValueError(f"no paged attention layers to attach a {mode!r} indexer to")
+    for i, layer in enumerate(layers):
+        layer.indexers[mode] = make(i, layer)
 
 
-def available_modes(model: torch.nn.Module) -> tuple[str, ...]:
-    """Sparse modes this model can serve: dense always, native with a built-in indexer, and every mode
-    whose scorer is attached to all of its paged attention layers."""
-    modes = ["dense"]
-    if getattr(model, "native_sparse_attention", False):
-        modes.append("native")
-    layers = paged_attention_layers(model)
-    if layers:
-        modes += [m for m in ("block", "learned") if all(m in a.indexers for a in layers)]
-    return tuple(modes)
+def attached_modes(layers: Sequence[ScoredLayer]) -> tuple[str, ...]:
+    """The scorer modes ("block", "learned") attached to every one of a model's `layers` (none without layers)."""
+    return tuple(m for m in ("block", "learned") if layers and all(m in layer.indexers for layer in layers))

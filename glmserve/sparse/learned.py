@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from torch import nn
 from glmserve.errors import IndexerMismatchError
 from glmserve.layers.cpu_kernels import sparse_ops
 from glmserve.paths import cache_dir
-from glmserve.sparse.indexer import ScoringRows
+from glmserve.sparse.indexer import ScoredLayer, ScoringRows, attach_indexers
 from glmserve.sparse.selection import positions_upto
 
 FORMAT_NAME = "glmserve-learned-indexer"
@@ -286,15 +287,13 @@ class IndexKeyPool:
         self.keys.index_copy_(1, slots, self.weights.index_keys(k.float()).to(self.keys.dtype))
 
 
-def attach_learned_indexers(model: nn.Module, weights: LearnedIndexerWeights, kv_cache: torch.Tensor,
+def attach_learned_indexers(layers: Sequence[ScoredLayer], weights: LearnedIndexerWeights, kv_cache: torch.Tensor,
                             block_size: int) -> IndexKeyPool:
-    """Allocates the index-key pool beside `kv_cache` and gives every paged attention layer of `model` its
+    """Allocates the index-key pool beside `kv_cache` and gives each of a model's paged attention `layers` its
     LearnedIndexer (mode "learned")."""
-    from glmserve.sparse.indexer import attach_indexers
-
     weights.to(kv_cache.device)
     pool = IndexKeyPool(weights, kv_cache, block_size)
-    attach_indexers(model, "learned", lambda i, attn: LearnedIndexer(weights, i, pool.keys[i], block_size))
+    attach_indexers(layers, "learned", lambda i, layer: LearnedIndexer(weights, i, pool.keys[i], block_size))
     return pool
 
 
@@ -303,11 +302,10 @@ def find_learned_indexer(option: str | None, model_path: str | None, model: nn.M
     """The engine's learned indexer: `option` a file path (must exist and match), "none" (off), or None:
     the default file of the model (`default_indexer_path`; model_path None = the embedded model) when
     there is one. Models without paged attention layers (MLA) take none."""
-    from glmserve.sparse.indexer import paged_attention_layers
-
-    if option == "none" or (option is None and not paged_attention_layers(model)):
+    scored = model.paged_attention_layers()
+    if option == "none" or (option is None and not scored):
         return None
-    if not paged_attention_layers(model):
+    if not scored:
         raise IndexerMismatchError(f"{type(model).__name__} has no paged attention layers for a learned indexer")
     identity = ModelIdentity.of(model)
     if option is None:
