@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 
 from glmserve.engine.outputs import TokenLogprob
+from glmserve.engine.sampler import sample
 from glmserve.engine.scheduler import ScheduledSeq
 from glmserve.engine.sequence import Sequence
 from glmserve.kv.offload import ColdSpan, RunningKVOffload
 from glmserve.kv.slots import slots_of, table_tensor
 from glmserve.layers.attention import AttentionMetadata, ColdRows, GroupMetadata
-from glmserve.layers.sampler import sample
 from glmserve.sparse.pinning import Observation, decode_pins
 from glmserve.sparse.selection import SparseRows
 from glmserve.sparse.settings import SparseAttentionParams
