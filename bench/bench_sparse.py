@@ -48,8 +48,8 @@ from glmserve.kv.slots import slots_of
 from glmserve.layers import attention as attention_module
 from glmserve.models.loader import load_model
 from glmserve.sparse import selection
-from glmserve.sparse.distill import DistillConfig
 from glmserve.sparse.learned import IndexerSpec, LearnedIndexerWeights, ModelIdentity, default_indexer_path
+from glmserve.training.indexer_distill import DistillConfig
 
 QUALITY_MODES = {
     "dense": {"mode": "dense"},

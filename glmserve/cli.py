@@ -135,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_train_indexer(args: argparse.Namespace) -> None:
-    from glmserve.sparse.distill import DistillConfig, train_and_save
+    from glmserve.training.indexer_distill import DistillConfig, train_and_save
 
     if args.num_threads:
         import torch
@@ -171,7 +171,7 @@ def add_train_indexer_args(parser: argparse.ArgumentParser) -> None:
                         "model or a read-only directory)")
     for name, (kind, text) in TRAIN_INDEXER_OPTIONS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS,
-                            help=f"{text} (default: glmserve/sparse/distill.py DistillConfig)")
+                            help=f"{text} (default: glmserve/training/indexer_distill.py DistillConfig)")
     parser.add_argument("--num-threads", type=int, default=None)
 
 

@@ -1,5 +1,5 @@
-"""Learned indexer (glmserve/sparse/learned.py, distill.py): distillation on a tiny random Llama, the
-teacher against transformers' attention weights, the file format, the paged pool of index keys in the
+"""Learned indexer (glmserve/sparse/learned.py, glmserve/training/indexer_distill.py): distillation on a tiny
+random Llama, the teacher against transformers' attention weights, the file format, the paged pool of index keys in the
 real engine (prefix-cache hits, chunked prefill), selection in "learned" mode, and `glmserve train-indexer`.
 """
 
@@ -24,7 +24,6 @@ from glmserve.layers.attention import GroupMetadata
 from glmserve.layers.cpu_kernels import sparse_ops
 from glmserve.models.loader import load_model
 from glmserve.sparse import learned
-from glmserve.sparse.distill import DistillConfig, distill, kl_per_layer, teacher_window
 from glmserve.sparse.indexer import Indexer
 from glmserve.sparse.learned import (
     DISTANCE_BUCKETS,
@@ -37,6 +36,7 @@ from glmserve.sparse.learned import (
     distance_bucket,
     find_learned_indexer,
 )
+from glmserve.training.indexer_distill import DistillConfig, distill, kl_per_layer, teacher_window
 
 CPU = torch.device("cpu")
 SMALL = DistillConfig(window=96, steps=40, dim=8, heads=2, lr=1e-2, queries_per_window=32, queries_per_step=32,

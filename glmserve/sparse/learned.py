@@ -1,5 +1,5 @@
 """Learned token-level indexer for models trained without one: a small per-layer scorer distilled from the
-model's own dense attention (training: glmserve/sparse/distill.py, CLI `glmserve train-indexer`).
+model's own dense attention (training: glmserve/training/indexer_distill.py, CLI `glmserve train-indexer`).
 
 Form: the lightning indexer of DeepSeek-V3.2 / GLM-5 DSA (DeepSeek-AI 2025, "DeepSeek-V3.2-Exp: Boosting
 Long-Context Efficiency with DeepSeek Sparse Attention", eq. 1; our native version is
