@@ -18,7 +18,7 @@ import torch
 from glmserve.layers.attention import GroupMetadata, PagedAttention
 from glmserve.sparse.block import BlockIndexer
 from glmserve.sparse.selection import SparseRows
-from glmserve.sparse.settings import SparseAttentionParams
+from glmserve.sparse_settings import SparseAttentionParams
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

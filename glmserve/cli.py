@@ -8,7 +8,7 @@ import sys
 from glmserve.config import EngineConfig
 from glmserve.errors import GlmServeError
 from glmserve.server.config import add_server_args, server_config_from_args
-from glmserve.sparse.settings import DEFAULT_DSA_THRESHOLD, MODES
+from glmserve.sparse_settings import DEFAULT_DSA_THRESHOLD, MODES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="host-RAM KV tier (default: 25%% of free RAM on CUDA, off on CPU)")
     g.add_argument("--kv-disk-dir", default=None, help="disk KV tier directory (default: off)")
     g.add_argument("--kv-disk-bytes", type=int, default=16 << 30, help="disk KV tier budget")
-    s = parser.add_argument_group("sparse decode attention (defaults per mode: glmserve/sparse/settings.py)")
+    s = parser.add_argument_group("sparse decode attention (defaults per mode: glmserve/sparse_settings.py)")
     s.add_argument("--sparse-attention", default=None, choices=list(MODES),
                    help="default mode (default: native for models with their own indexer, else dense)")
     s.add_argument("--sparse-top-k", type=int, default=None, help="token budget per decode query")

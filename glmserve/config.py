@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, fields
 
 from glmserve.errors import InvalidRequestError
-from glmserve.sparse.settings import resolve_sparse_params
+from glmserve.sparse_settings import resolve_sparse_params
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -40,7 +40,7 @@ class EngineConfig:
     kv_disk_dir: str | None = None  # disk tier directory; None: off (it writes GBs: the user chooses where)
     kv_disk_bytes: int = 16 << 30  # disk tier budget
     # sparse decode attention (glmserve/sparse/): the default mode (None: "native" for models with their own
-    # indexer, else "dense"); unset values fall back to each mode's defaults (glmserve/sparse/settings.py)
+    # indexer, else "dense"); unset values fall back to each mode's defaults (glmserve/sparse_settings.py)
     sparse_attention: str | None = None
     sparse_top_k: int | None = None  # token budget per decode query
     dsa_threshold: float | None = None  # threshold mode on min-max normalized scores (seeds: 0.35)

@@ -360,7 +360,7 @@ def test_small_budget_attends_the_learned_top_tokens(trained, tiny_model_dir):
     _run(engine, {"s": prompt}, sparse, max_tokens=4)
     assert len(recorder.calls) == 3
     from glmserve.sparse.selection import SparseRows
-    from glmserve.sparse.settings import SparseAttentionParams
+    from glmserve.sparse_settings import SparseAttentionParams
 
     rows = SparseRows.from_params([SparseAttentionParams(**sparse)], CPU)
     for q, slots, ctx, scores in list(recorder.calls):

@@ -27,11 +27,12 @@ from glmserve.config import EngineConfig
 from glmserve.errors import InvalidRequestError
 from glmserve.layers import attention
 from glmserve.layers.attention import GroupMetadata, PagedAttention
-from glmserve.sparse import SparseAttentionParams, pinning, resolve_sparse_params
 from glmserve.sparse import block as block_module
+from glmserve.sparse import pinning
 from glmserve.sparse import selection as selection_module
 from glmserve.sparse.block import BlockIndexer
 from glmserve.sparse.selection import SparseRows, compact, decode_keep_mask, keep_mask, select_slots
+from glmserve.sparse_settings import SparseAttentionParams, resolve_sparse_params
 
 BLOCK = 16
 

@@ -8,7 +8,7 @@ from glmserve.config import EngineConfig
 from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.outputs import RequestOutput
 from glmserve.engine.sampling import SamplingParams
-from glmserve.sparse.settings import SparseAttentionParams
+from glmserve.sparse_settings import SparseAttentionParams
 
 
 class LLM:

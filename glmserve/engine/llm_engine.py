@@ -34,7 +34,7 @@ from glmserve.sparse.block import (
 )
 from glmserve.sparse.indexer import ScoredLayer
 from glmserve.sparse.learned import attach_learned_indexers, find_learned_indexer, index_key_bytes_per_token
-from glmserve.sparse.settings import SparseAttentionParams, resolve_sparse_params
+from glmserve.sparse_settings import SparseAttentionParams, resolve_sparse_params
 
 RESTORE_POLL_S = 0.02  # with nothing else to run, how long a step waits for a session read
 

@@ -15,7 +15,7 @@ from glmserve.kv.slots import slots_of, table_tensor
 from glmserve.layers.attention import AttentionMetadata, ColdRows, GroupMetadata
 from glmserve.sparse.pinning import Observation, decode_pins
 from glmserve.sparse.selection import SparseRows
-from glmserve.sparse.settings import SparseAttentionParams
+from glmserve.sparse_settings import SparseAttentionParams
 
 
 class ModelRunner:

@@ -12,7 +12,7 @@ from glmserve.engine.detokenizer import IncrementalDetokenizer
 from glmserve.engine.outputs import TokenLogprob
 from glmserve.engine.sampling import SamplingParams
 from glmserve.kv.seq_kv import SeqKV
-from glmserve.sparse.settings import SparseAttentionParams
+from glmserve.sparse_settings import SparseAttentionParams
 
 _seq_counter = itertools.count()
 

@@ -34,7 +34,7 @@ from glmserve.layers.partial_attention import attention_with_lse, merge_attentio
 from glmserve.sparse.indexer import Indexer, ScoringRows
 from glmserve.sparse.pinning import Observation
 from glmserve.sparse.selection import SparseRows, keep_mask, select_slots
-from glmserve.sparse.settings import SparseAttentionParams
+from glmserve.sparse_settings import SparseAttentionParams
 
 if TYPE_CHECKING:
     from glmserve.kv.offload import ColdChunk, RunningKVOffload

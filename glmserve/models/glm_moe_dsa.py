@@ -20,7 +20,7 @@ Per query, the indexer scores every past token with `sum_h w_h * relu(q_h . k)` 
 group is longer than `index_topk`, every query sees all of its keys (the reference does the same: its
 top-k then covers the whole causal context), and attention is dense over the gathered context.
 
-Per-request sparse settings (glmserve/sparse/settings.py) reach the decode group: rows in "native" mode
+Per-request sparse settings (glmserve/sparse_settings.py) reach the decode group: rows in "native" mode
 without overrides keep the exact top-`index_topk` rule above; a row with its own `top_k` or `threshold`
 (or in "dense" mode) is selected by the generic rule of glmserve/sparse/selection.py on the indexer's
 token scores (unit size 1). Prefill always runs the model's own indexer.

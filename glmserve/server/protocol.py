@@ -54,7 +54,7 @@ class ChatMessage(_Request):
 
 
 class SparseAttentionRequest(BaseModel):
-    """glmserve extra: this request's sparse decode attention (glmserve/sparse/settings.py); unset fields
+    """glmserve extra: this request's sparse decode attention (glmserve/sparse_settings.py); unset fields
     keep the server's defaults, the engine validates the values (400 with the reason)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -40,7 +40,7 @@ from torch.nn.utils.rnn import pad_sequence
 from glmserve.kv.slots import slots_of
 from glmserve.sparse.indexer import ScoredLayer
 from glmserve.sparse.selection import NONE, SparseRows, unit_keep_mask
-from glmserve.sparse.settings import MODE_DEFAULTS
+from glmserve.sparse_settings import MODE_DEFAULTS
 
 if TYPE_CHECKING:
     from glmserve.kv.offload import ColdChunk, ColdSpan, RunningKVOffload

@@ -1,7 +1,7 @@
 """From unit scores and per-row settings to the key slots each decode query attends (batched, no
 Python loop per row, unit or token).
 
-The rule is the one documented in `glmserve.sparse.settings`: sinks and the local window always,
+The rule is the one documented in `glmserve.sparse_settings`: sinks and the local window always,
 then the best units by budget (top-k mode) or by min-max normalized score (threshold mode). Rows in
 different modes share one batch: each mode's keep mask is computed on that mode's scores and the
 rows take the mask of their own mode (`SparseRows.mode_ids`), dense rows keep their whole context.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from glmserve.layers.cpu_kernels import sparse_ops
-from glmserve.sparse.settings import MODES, SparseAttentionParams
+from glmserve.sparse_settings import MODES, SparseAttentionParams
 
 NONE = -1  # top_k / threshold not set
 _ARANGE: dict[torch.device, torch.Tensor] = {}

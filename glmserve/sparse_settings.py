@@ -1,5 +1,8 @@
 """Sparse decode attention settings: one request's choice, the server-wide defaults, and their merge.
 
+Plain validated values, no torch: they sit at the floor of config.py, which refuses bad server flags
+with them when an EngineConfig is built; sparse/ implements the rule below.
+
 A request attends either to its whole context ("dense") or to a selection of past tokens picked by a
 scorer ("block": Quest-style per-block key bounds; "learned": a small distilled per-layer scorer;
 "native": the model's own DSA lightning indexer, GLM-5.x / DeepSeek-V3.2). Selection rule (implemented
