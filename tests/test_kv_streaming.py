@@ -13,7 +13,7 @@ from glmserve.errors import InvalidRequestError
 from glmserve.layers import attention
 from glmserve.layers.partial_attention import attention_with_lse, merge_attention
 from glmserve.sparse.block import block_bounds_bytes
-from glmserve.sparse.pinning import Observation
+from glmserve.sparse.pinning import QuestionObservation
 
 BS, CHUNK, STEP = 4, 16, 16  # block size, chunk tokens, prefill tokens per step
 POOL_BLOCKS = 14  # 56 tokens: the first chunk, a chunk filling up, a step's tokens and a block (52) fit
@@ -144,8 +144,8 @@ def test_block_sparse_streaming_reads_only_chunks_with_selected_blocks(hf_llama,
     path, _ = hf_llama
     sparse = {"mode": "block", "top_k": top_k, "sink_tokens": 4, "local_tokens": 8, "observe_tokens": observe}
     observed = []  # each engine's votes over the whole context and the pins they chose
-    assign = Observation.assign
-    monkeypatch.setattr(Observation, "assign",
+    assign = QuestionObservation.assign
+    monkeypatch.setattr(QuestionObservation, "assign",
                         lambda self: (assign(self), observed.append((self.votes, self.sequences[0].sparse_pins))))
     prompt = _prompts((300,), seed=7)[0]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)

@@ -495,7 +495,7 @@ def test_native_top_k_and_threshold_per_request(tmp_path):
 
 
 def test_pins_see_the_sharpest_head_and_query():
-    """Observation.peak_attention: per key position, the most attention any observed query in any head gives
+    """QuestionObservation.peak_attention: per key position, the most attention any observed query in any head gives
     it, so one head's sharp look counts fully however many heads and queries look elsewhere."""
     hkv, group, d, length, window = 2, 3, 8, 64, 4
     keys = torch.zeros(hkv, length, d)
@@ -503,7 +503,7 @@ def test_pins_see_the_sharpest_head_and_query():
     q = torch.zeros(window, hkv * group, d)
     q[2, group + 1, 0] = 1.0  # one query of one head of that group looks for it
     rows = SparseRows.from_params([SparseAttentionParams("block", top_k=64)], torch.device("cpu"))
-    observed = pinning.Observation([], torch.arange(window)[None], torch.ones(1, window, dtype=torch.bool),
+    observed = pinning.QuestionObservation([], torch.arange(window)[None], torch.ones(1, window, dtype=torch.bool),
                                    torch.arange(length - window, length)[None], torch.arange(length)[None],
                                    torch.tensor([length]), rows)
     attn = SimpleNamespace(kv_cache=(keys, keys), num_kv_heads=hkv, head_dim=d, scale=1.0)

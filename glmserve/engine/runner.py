@@ -13,7 +13,7 @@ from glmserve.engine.sequence import Sequence
 from glmserve.kv.offload import ColdSpan, RunningKVOffload
 from glmserve.kv.slots import slots_of, table_tensor
 from glmserve.layers.attention import AttentionMetadata, ColdRows, GroupMetadata
-from glmserve.sparse.pinning import Observation, decode_pins
+from glmserve.sparse.pinning import QuestionObservation, decode_pins
 from glmserve.sparse.selection import SparseRows
 from glmserve.sparse_settings import SparseAttentionParams
 
@@ -81,7 +81,7 @@ class ModelRunner:
             rows = slice(num_decode, len(batch))
             first_token = (cu - lens)[rows]
             prefill = self._group(tables[rows], starts[rows], lens[rows], first_token - first_token[0], spans[rows])
-            prefill.observe = Observation.for_prefill([s.seq for s in batch[rows]], tables[rows], starts[rows],
+            prefill.observe = QuestionObservation.for_prefill([s.seq for s in batch[rows]], tables[rows], starts[rows],
                                                       lens[rows], first_token, bs, dev, spans[rows], self.offload)
         meta = AttentionMetadata(slot_mapping=slot_mapping.to(dev), decode=decode, prefill=prefill)
         return (torch.tensor(tokens, dtype=torch.long, device=dev), positions.to(dev), meta, logits_index.to(dev))

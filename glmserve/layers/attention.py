@@ -32,7 +32,7 @@ from glmserve.kv.slots import slots_of
 from glmserve.layers.cpu_kernels import paged_decode_lse_op, paged_decode_op
 from glmserve.layers.partial_attention import attention_with_lse, merge_attention
 from glmserve.sparse.indexer import Indexer, ScoringRows
-from glmserve.sparse.pinning import Observation
+from glmserve.sparse.pinning import QuestionObservation
 from glmserve.sparse.selection import SparseRows, keep_mask, select_slots
 from glmserve.sparse_settings import SparseAttentionParams
 
@@ -66,7 +66,7 @@ class GroupMetadata:
     block_tables: torch.Tensor | None = None  # [B, W] physical block ids, decode group
     sparse: SparseRows | None = None  # decode group: per-row sparse settings; None = every row dense
     cold: ColdRows | None = None  # rows with offloaded chunks (their kv_slots list resident keys only)
-    observe: Observation | None = None  # prefill group: rows whose prompt ends here choose their pinned units
+    observe: QuestionObservation | None = None  # prefill group: rows whose prompt ends here choose their pinned units
 
     def scoring_rows(self) -> ScoringRows:
         """The decode group's rows as the sparse scorers read them (glmserve/sparse/indexer.py)."""

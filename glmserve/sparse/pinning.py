@@ -87,7 +87,7 @@ def ascending_indices(mask: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class Observation:
+class QuestionObservation:
     """The rows of one prefill step whose chunk ends a pinned sparse sequence's prompt: their last queries,
     their context, and the layers' votes (filled while the model runs, turned into pins after)."""
 
@@ -106,7 +106,7 @@ class Observation:
     @classmethod
     def for_prefill(cls, sequences: list[Any], tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                     first_token: torch.Tensor, block_size: int, device: torch.device,
-                    spans: list[ColdSpan | None], source: RunningKVOffload | None) -> Observation | None:
+                    spans: list[ColdSpan | None], source: RunningKVOffload | None) -> QuestionObservation | None:
         """The prefill group's rows (tables [R, W], starts / lens / first_token [R]: first position, tokens of the
         chunk, flat index of its first token; `spans`: each row's offloaded chunks in `source`) restricted to
         those whose chunk ends a pinned sequence."""
