@@ -8,7 +8,7 @@ import sys
 from glmserve.config import EngineConfig
 from glmserve.errors import GlmServeError
 from glmserve.server.config import add_server_args, server_config_from_args
-from glmserve.sparse_settings import DEFAULT_DSA_THRESHOLD, MODES
+from glmserve.sparse_settings import MODES, SEEDS_THRESHOLD
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--sparse-attention", default=None, choices=list(MODES),
                    help="default mode (default: native for models with their own indexer, else dense)")
     s.add_argument("--sparse-top-k", type=int, default=None, help="token budget per decode query")
-    s.add_argument("--dsa-threshold", type=float, default=None,
-                   help=f"threshold mode on min-max normalized scores, in (0, 1] (seeds: {DEFAULT_DSA_THRESHOLD})")
+    s.add_argument("--sparse-threshold", "--dsa-threshold", dest="sparse_threshold", type=float, default=None,
+                   help=f"threshold mode on min-max normalized scores, in (0, 1] (seeds: {SEEDS_THRESHOLD}; "
+                        "--dsa-threshold is the seeds' name)")
     s.add_argument("--sparse-sink-tokens", type=int, default=None, help="first tokens always attended")
     s.add_argument("--sparse-local-tokens", type=int, default=None, help="most recent tokens always attended")
     s.add_argument("--no-sparse-block-bounds", dest="sparse_block_bounds", action="store_false",

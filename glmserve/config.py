@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields
 
 from glmserve.errors import InvalidRequestError
 from glmserve.sparse_settings import resolve_sparse_params
@@ -43,7 +43,7 @@ class EngineConfig:
     # indexer, else "dense"); unset values fall back to each mode's defaults (glmserve/sparse_settings.py)
     sparse_attention: str | None = None
     sparse_top_k: int | None = None  # token budget per decode query
-    dsa_threshold: float | None = None  # threshold mode on min-max normalized scores (seeds: 0.35)
+    sparse_threshold: float | None = None  # threshold mode on min-max normalized scores (seeds: 0.35)
     sparse_sink_tokens: int | None = None
     sparse_local_tokens: int | None = None
     sparse_block_bounds: bool = True  # keep the block indexer's key bounds (1/block_size of K/V memory)
@@ -55,8 +55,16 @@ class EngineConfig:
     session_store: str | None = None
     session_ttl_s: float = 86400.0  # a session unused this long is dropped
     session_max_bytes: int = 8 << 30  # over this, the least recently used sessions are dropped whole
+    # the seeds' name of sparse_threshold (every sparse mode uses it, not only DSA): accepted when building the
+    # config, folded into sparse_threshold, not kept as a field of its own
+    dsa_threshold: InitVar[float | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, dsa_threshold: float | None) -> None:
+        if dsa_threshold is not None:
+            if self.sparse_threshold is not None and self.sparse_threshold != dsa_threshold:
+                raise InvalidRequestError(f"sparse_threshold {self.sparse_threshold!r} and its alias dsa_threshold "
+                                          f"{dsa_threshold!r} differ; give one")
+            self.sparse_threshold = dsa_threshold
         self.validate()
 
     def validate(self) -> None:
@@ -88,7 +96,7 @@ class EngineConfig:
 
     def sparse_flags(self) -> dict[str, int | float | None]:
         """The server-wide sparse settings given explicitly (None = the mode's default)."""
-        return {"top_k": self.sparse_top_k, "threshold": self.dsa_threshold,
+        return {"top_k": self.sparse_top_k, "threshold": self.sparse_threshold,
                 "sink_tokens": self.sparse_sink_tokens, "local_tokens": self.sparse_local_tokens}
 
     @classmethod

@@ -43,7 +43,7 @@ from typing import Any
 from glmserve.errors import InvalidRequestError
 
 MODES = ("dense", "block", "learned", "native")
-DEFAULT_DSA_THRESHOLD = 0.35  # the seeds' dsa_threshold (named in the CLI help and docs)
+SEEDS_THRESHOLD = 0.35  # the seeds' dsa_threshold (named in the CLI help and docs; no mode's default)
 PINNED_MODES = ("block", "learned")  # modes whose decode selection keeps question pins (observe_tokens)
 
 # per mode, what an unset field becomes (request value first, then the server's flag, then this)

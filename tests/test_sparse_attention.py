@@ -23,6 +23,7 @@ from test_glm_moe_dsa import make_model as make_dsa_model
 from transformers import AutoModelForCausalLM
 
 from glmserve import LLM, SamplingParams
+from glmserve.cli import build_parser, engine_config_from_args
 from glmserve.config import EngineConfig
 from glmserve.errors import InvalidRequestError
 from glmserve.layers import attention
@@ -75,6 +76,21 @@ def test_resolve_request_over_server_over_mode_defaults():
         resolve_sparse_params("block", {"topk": 5})
     with pytest.raises(InvalidRequestError, match="must be at least"):
         EngineConfig(sparse_attention="block", sparse_top_k=100)
+
+
+def test_sparse_threshold_and_its_seed_alias_dsa_threshold():
+    """`sparse_threshold` / `--sparse-threshold` is the general name; the seeds' `dsa_threshold` /
+    `--dsa-threshold` still works, validated the same way."""
+    for config in (EngineConfig(sparse_threshold=0.4), EngineConfig(dsa_threshold=0.4),
+                   EngineConfig(sparse_threshold=0.4, dsa_threshold=0.4)):
+        assert config.sparse_threshold == 0.4 and config.sparse_flags()["threshold"] == 0.4
+    for flag in ("--sparse-threshold", "--dsa-threshold"):
+        config = engine_config_from_args(build_parser().parse_args(["generate", flag, "0.5", "hi"]))
+        assert config.sparse_threshold == 0.5
+    with pytest.raises(InvalidRequestError, match=re.escape("threshold must be in (0, 1]")):
+        EngineConfig(dsa_threshold=1.5)
+    with pytest.raises(InvalidRequestError, match="differ"):
+        EngineConfig(sparse_threshold=0.3, dsa_threshold=0.4)
 
 
 # -- selection ---------------------------------------------------------------------------------------------------
