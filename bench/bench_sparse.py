@@ -46,6 +46,7 @@ import torch
 from glmserve import LLM, SamplingParams
 from glmserve.kv.slots import slots_of
 from glmserve.layers import attention as attention_module
+from glmserve.layers.partial_attention import gather_kv
 from glmserve.models.loader import load_model
 from glmserve.sparse import selection
 from glmserve.sparse.learned import IndexerSpec, LearnedIndexerWeights, ModelIdentity, default_indexer_path
@@ -143,7 +144,7 @@ class Recorder:
         scores = {m: layer.indexers[m].unit_scores(q, scoring) for m in modes}
         units = {m: layer.indexers[m].unit_size for m in modes}
         keep = selection.decode_keep_mask(scores, units, g.context_lens, g.sparse, g.kv_slots.shape[1], g.sparse.pins)
-        keys, _ = layer._gather(g.kv_slots, q.dtype)  # [Hkv, B, L, D]
+        keys, _ = gather_kv(layer.kv_cache, g.kv_slots, q.dtype)  # [Hkv, B, L, D]
         b = q.shape[0]
         qg = q.view(b, layer.num_kv_heads, -1, layer.head_dim).transpose(0, 1)
         logits = torch.matmul(qg, keys.transpose(-1, -2)) * layer.scale  # [Hkv, B, g, L]

@@ -12,7 +12,8 @@ from glmserve.engine.scheduler import ScheduledSeq
 from glmserve.engine.sequence import Sequence
 from glmserve.kv.offload import ColdSpan, RunningKVOffload
 from glmserve.kv.slots import slots_of, table_tensor
-from glmserve.layers.attention import AttentionMetadata, ColdRows, GroupMetadata
+from glmserve.layers.attention import AttentionMetadata, GroupMetadata
+from glmserve.layers.offloaded_attention import ColdRows
 from glmserve.sparse.pinning import QuestionObservation, decode_pins
 from glmserve.sparse.selection import SparseRows
 from glmserve.sparse_settings import SparseAttentionParams

@@ -5,7 +5,8 @@ the normalizer: with lse_X = log sum_j exp(s_j) over part X,
     out = out_A * exp(lse_A - lse) + out_B * exp(lse_B - lse),   lse = log(exp(lse_A) + exp(lse_B)).
 This is the merge of blockwise/flash attention (Milakov & Gimelshein 2018, "Online normalizer calculation for
 softmax"; Dao et al. 2022, FlashAttention); KV streaming (glmserve/kv/offload.py) uses it to attend to chunks
-that are not in the pool one at a time.
+that are not in the pool one at a time. Also here: the gather of K/V by slot and the paged decode attention
+with its log-sum-exp that both the pool and the offloaded chunks go through.
 
 On CPU the log-sum-exp comes from PyTorch's own flash kernel (`_scaled_dot_product_flash_attention_for_cpu`
 returns it; grouped-query heads supported); elsewhere from matmuls in query tiles of bounded size.
@@ -14,6 +15,8 @@ returns it; grouped-query heads supported); elsewhere from matmuls in query tile
 from __future__ import annotations
 
 import torch
+
+from glmserve.layers.cpu_kernels import paged_decode_lse_op
 
 QUERY_TILE = 256  # queries per matmul tile on the generic path
 
@@ -50,3 +53,31 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     out = out_a * torch.exp(lse_a - lse)[..., None].to(out_a.dtype) + out_b * torch.exp(lse_b - lse)[..., None].to(
         out_b.dtype)
     return out, lse
+
+
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] slots of `cache` ([2, Hkv, slots, D]) -> keys, values [Hkv, B, L, D] in `dtype`."""
+    b, length = slots.shape
+    flat = slots.reshape(-1)
+    shape = (cache.shape[1], b, length, cache.shape[3])
+    return cache[0].index_select(1, flat).view(shape).to(dtype), cache[1].index_select(1, flat).view(shape).to(dtype)
+
+
+def paged_attention_with_lse(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode queries q [B, H, D] over the first `lengths` [B] of `slots` [B, L] in `cache` ([2, Hkv, slots, D])
+    -> out [B, H, D], log-sum-exp [B, H] (float32). On CPU in float32 our C++ kernel reads K/V in place."""
+    kernel = paged_decode_lse_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+    if kernel is not None:
+        out, lse = kernel(q.contiguous(), cache[0], cache[1], slots, lengths, scale)
+        return out, lse
+    keys, values = gather_kv(cache, slots, q.dtype)  # [Hkv, B, L, D]
+    mask = torch.arange(slots.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, L]
+    out, lse = attention_with_lse(q[:, :, None], keys.transpose(0, 1), values.transpose(0, 1), scale,
+                                  mask[:, None, None, :])
+    return out[:, :, 0], lse[:, :, 0]
+
+
+def every_key(length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [1, L], lengths [1]) for `paged_attention_with_lse` over all `length` keys of a one-row cache."""
+    return torch.arange(length, device=device)[None], torch.tensor([length], device=device)
