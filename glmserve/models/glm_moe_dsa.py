@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +42,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
+from glmserve.layers.param_loading import Shard, copy_into
 from glmserve.layers.rotary import RopeTables, rope_parameters
 from glmserve.models.llama import GatedMLP
+from glmserve.models.weights import CheckpointLayout, LoadsCheckpoint
 from glmserve.sparse.selection import SparseRows, compact, keep_mask
 
 TILE_ELEMENTS = 1 << 24  # bound on the elements of one score/gather tile (queries are processed in tiles)
@@ -375,6 +375,13 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(e, hidden, inter))
 
+    def load_parameter(self, param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None:
+        """One expert's matrix (Shard.part 0: gate, 1: up of gate_up_proj), or the whole 3D tensor."""
+        dst = param.data if shard.expert is None else param.data[shard.expert]
+        if shard.part is not None:
+            dst = dst[shard.part * self.intermediate_size:(shard.part + 1) * self.intermediate_size]
+        copy_into(dst, tensor)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert; one batched matmul pair per expert that got any token."""
         top_k = ids.shape[1]
@@ -434,21 +441,27 @@ def _mlp_layer_types(config: PretrainedConfig) -> list[str]:
     return list(types)
 
 
-_FUSED_PARTS = {
-    "q_a_proj": ("qkv_a_proj", 0),
-    "kv_a_proj_with_mqa": ("qkv_a_proj", 1),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_EXPERT_TENSOR = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
-
-
-class GlmMoeDsaForCausalLM(nn.Module):
+class GlmMoeDsaForCausalLM(LoadsCheckpoint, nn.Module):
     """Embedding, MLA + DSA decoder layers (dense MLP for the first `first_k_dense_replace`, MoE after),
     final norm, LM head. Every layer writes its latent rows; layers whose `indexer_types` entry is "full"
-    also write indexer keys and select, "shared" layers reuse the previous full layer's selection."""
+    also write indexer keys and select, "shared" layers reuse the previous full layer's selection.
 
+    Checkpoints ship experts per expert (`experts.{e}.gate_proj.weight`) or, as transformers holds them
+    in memory, as 3D tensors (`experts.gate_up_proj`); both load. Layers past num_hidden_layers (the MTP
+    layer) are skipped."""
+
+    checkpoint_layout = CheckpointLayout(
+        fused={
+            "q_a_proj.{kind}": ("qkv_a_proj.{kind}", 0),
+            "kv_a_proj_with_mqa.{kind}": ("qkv_a_proj.{kind}", 1),
+            "experts.{expert}.gate_proj.weight": ("experts.gate_up_proj", 0),
+            "experts.{expert}.up_proj.weight": ("experts.gate_up_proj", 1),
+            "experts.{expert}.down_proj.weight": ("experts.down_proj", None),
+            "gate_proj.{kind}": ("gate_up_proj.{kind}", 0),
+            "up_proj.{kind}": ("gate_up_proj.{kind}", 1),
+        },
+        skip_layers_beyond_config=True,
+    )
     indexer_rope = staticmethod(rope_interleaved)
     native_sparse_attention = True  # the engine offers the "native" sparse mode
 
@@ -534,51 +547,6 @@ class GlmMoeDsaForCausalLM(nn.Module):
                     self.selection_observer(i, g.token_pos, sel)
         x = self.norm(x[logits_index])
         return self.lm_head(x).float()
-
-    # -- weights ----------------------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hugging Face names; experts either per expert (`experts.{e}.gate_proj.weight`, as checkpoints
-        ship) or as the 3D tensors transformers uses in memory. Layers past num_hidden_layers (the MTP
-        layer) are skipped. Every parameter must be filled exactly once."""
-        params = dict(self.named_parameters())
-        filled: Counter[str] = Counter()
-        for name, tensor in weights:
-            name = name[len("model."):] if name.startswith("model.") else name
-            layer = _LAYER_INDEX.match(name)
-            if "rotary_emb." in name or (layer and int(layer.group(1)) >= self.num_layers):
-                continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            target, region = self._place(name, params)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            dst = region(params[target].data)
-            if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            filled[target] += tensor.numel()
-        wrong = [n for n, p in params.items() if filled[n] != p.numel()]
-        if wrong:
-            raise ValueError(f"checkpoint lacks (or repeats) {len(wrong)} tensors, e.g. {wrong[:5]}")
-
-    def _place(self, name: str, params: dict) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
-        """(our parameter, the slice of it) for one checkpoint tensor."""
-        expert = _EXPERT_TENSOR.match(name)
-        if expert:
-            prefix, e, part = expert.group(1), int(expert.group(2)), expert.group(3)
-            inter = self.config.moe_intermediate_size
-            if part == "down_proj":
-                return f"{prefix}.down_proj", lambda p: p[e]
-            start = 0 if part == "gate_proj" else inter
-            return f"{prefix}.gate_up_proj", lambda p: p[e, start:start + inter]
-        module_path, _, kind = name.rpartition(".")
-        owner, _, part = module_path.rpartition(".")
-        if part in _FUSED_PARTS and f"{owner}.{_FUSED_PARTS[part][0]}.{kind}" in params:
-            fused, shard = _FUSED_PARTS[part]
-            sizes = self.get_submodule(f"{owner}.{fused}").output_sizes
-            start = sum(sizes[:shard])
-            return f"{owner}.{fused}.{kind}", lambda p: p[start:start + sizes[shard]]
-        return name, lambda p: p
 
 
 class DeepseekV32ForCausalLM(GlmMoeDsaForCausalLM):

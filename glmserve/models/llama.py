@@ -16,6 +16,7 @@ from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.rotary import RotaryEmbedding
+from glmserve.models.weights import CheckpointLayout, LoadsCheckpoint
 from glmserve.sparse.indexer import attached_modes
 
 
@@ -75,9 +76,16 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DecoderOnlyLM(nn.Module):
+class DecoderOnlyLM(LoadsCheckpoint, nn.Module):
     """Embedding, a stack of decoder layers, final norm and LM head; subclasses pick the layer."""
 
+    checkpoint_layout = CheckpointLayout(fused={
+        "q_proj.{kind}": ("qkv_proj.{kind}", 0),
+        "k_proj.{kind}": ("qkv_proj.{kind}", 1),
+        "v_proj.{kind}": ("qkv_proj.{kind}", 2),
+        "gate_proj.{kind}": ("gate_up_proj.{kind}", 0),
+        "up_proj.{kind}": ("gate_up_proj.{kind}", 1),
+    })
     interleaved_rope = False
     supports_kv_streaming = True  # PagedAttention layers: chunks can leave the pool (glmserve/kv/offload.py)
 
@@ -139,15 +147,6 @@ class DecoderOnlyLM(nn.Module):
             x = layer(x, cos_sin, meta)
         x = self.norm(x[logits_index])
         return self.lm_head(x).float()
-
-    def load_weights(self, weights) -> None:
-        from glmserve.models.weights import load_weights
-
-        load_weights(self, ((_strip_model_prefix(n), t) for n, t in weights))
-
-
-def _strip_model_prefix(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
 
 
 class LlamaForCausalLM(DecoderOnlyLM):

@@ -1,61 +1,112 @@
-"""Copies checkpoint tensors (Hugging Face names) into a model, filling fused layers by part."""
+"""The weight loader: checkpoint tensors (Hugging Face names) into a model's parameters, one at a time.
+
+Every model declares once, as `checkpoint_layout`, how its checkpoints name what it fuses (q|k|v into
+qkv_proj, gate|up into gate_up_proj, per-expert matrices into 3D expert tensors). `load_weights` maps
+each checkpoint tensor to (our parameter, `Shard`) and hands it to the module that owns the parameter
+(glmserve/layers/param_loading.py: its own `load_parameter` if it has one, else a plain copy).
+Hugging Face safetensors and GGUF checkpoints (glmserve/models/gguf_loader.py yields Hugging Face
+names) both load through here.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from glmserve.layers.linear import MergedLinear
+from glmserve.layers.param_loading import WHOLE, LoadsParameters, Shard, load_whole
 
-# checkpoint part name -> (fused module name, shard index)
-DEFAULT_FUSED_PARTS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+_PLACEHOLDERS = {"{kind}": r"(?P<kind>weight|bias)", "{expert}": r"(?P<expert>\d+)"}
+_LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
 
 
-def load_weights(
-    model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    fused_parts: dict[str, tuple[str, int]] = DEFAULT_FUSED_PARTS,
-    ignore: tuple[str, ...] = ("rotary_emb.inv_freq",),
-) -> None:
-    """Loads every parameter exactly once; missing or unexpected names are an error."""
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    loaded: set[str] = set()
-    tied = getattr(model, "tie_word_embeddings", False)
-    for name, tensor in weights:
-        if any(s in name for s in ignore) or (tied and name == "lm_head.weight"):
-            continue
-        module_path, _, param_kind = name.rpartition(".")
-        owner_path, _, part = module_path.rpartition(".")
-        if part in fused_parts and f"{owner_path}.{fused_parts[part][0]}" in modules:
-            fused_path = f"{owner_path}.{fused_parts[part][0]}"
-            module = modules[fused_path]
-            assert isinstance(module, MergedLinear)
-            target = f"{fused_path}.{param_kind}"
-            module.load_shard(params[target], fused_parts[part][1], tensor)
-            loaded.add(f"{target}#{fused_parts[part][1]}")
-            continue
-        if name not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        if params[name].shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
-        params[name].data.copy_(tensor)
-        loaded.add(name)
-    missing = [n for n in params if n not in loaded and not _fused_complete(n, loaded, modules)]
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+@dataclass(frozen=True)
+class _FusedRule:
+    pattern: re.Pattern
+    target: str
+    part: int | None
+
+    def place(self, name: str) -> tuple[str, Shard] | None:
+        m = self.pattern.match(name)
+        if m is None:
+            return None
+        expert = m.groupdict().get("expert")
+        target = m["prefix"] + self.target.format(kind=m.groupdict().get("kind"))
+        return target, Shard(self.part, None if expert is None else int(expert))
 
 
-def _fused_complete(param_name: str, loaded: set[str], modules: dict[str, nn.Module]) -> bool:
-    module = modules.get(param_name.rpartition(".")[0])
-    if not isinstance(module, MergedLinear):
-        return False
-    return all(f"{param_name}#{i}" in loaded for i in range(len(module.output_sizes)))
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """How a model's checkpoints name its parameters, declared once per model class.
+
+    fused: checkpoint tensor -> (our parameter, part of it; None: all of it), both as name suffixes with
+    the placeholders `{kind}` (weight or bias) and `{expert}` (an expert's index: the shard's expert).
+    A rule applies only where its parameter exists; a name that no rule maps is our parameter's name.
+    skip_layers_beyond_config: layers past num_hidden_layers (GLM-5's MTP layer) are not loaded.
+    """
+
+    fused: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)
+    skip_layers_beyond_config: bool = False
+    _rules: tuple[_FusedRule, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        rules = []
+        for source, (target, part) in self.fused.items():
+            regex = re.escape(source)
+            for placeholder, group in _PLACEHOLDERS.items():
+                regex = regex.replace(re.escape(placeholder), group)
+            rules.append(_FusedRule(re.compile(rf"(?P<prefix>(?:.*\.)?){regex}$"), target, part))
+        object.__setattr__(self, "_rules", tuple(rules))
+
+    def place(self, name: str, params: Mapping[str, nn.Parameter]) -> tuple[str, Shard]:
+        """(our parameter, shard) for the checkpoint tensor `name` (without the `model.` prefix)."""
+        for rule in self._rules:
+            placed = rule.place(name)
+            if placed is not None and placed[0] in params:
+                return placed
+        return name, WHOLE
+
+
+class LoadsCheckpoint:
+    """Mixin of our causal LMs: `load_weights` fills every parameter from Hugging Face-named tensors."""
+
+    checkpoint_layout: ClassVar[CheckpointLayout] = CheckpointLayout()
+
+    def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads every parameter exactly once, as `checkpoint_layout` says; a tensor with no place in
+        the model, a shape mismatch and a parameter left (partly) unfilled are errors."""
+        layout = self.checkpoint_layout
+        params = dict(self.named_parameters())
+        filled: Counter[str] = Counter()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if self._not_ours(name):
+                continue
+            target, shard = layout.place(name, params)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            owner = self.get_submodule(target.rpartition(".")[0])
+            load = owner.load_parameter if isinstance(owner, LoadsParameters) else load_whole
+            try:
+                load(params[target], tensor, shard)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from exc
+            filled[target] += tensor.numel()
+        wrong = [n for n, p in params.items() if filled[n] != p.numel()]
+        if wrong:
+            raise ValueError(f"checkpoint lacks (or repeats) {len(wrong)} tensors, e.g. {wrong[:5]}")
+
+    def _not_ours(self, name: str) -> bool:
+        """Tensors a checkpoint may hold that are no parameters of ours."""
+        if "rotary_emb." in name:  # rotary buffers some checkpoints save; our tables are computed
+            return True
+        if getattr(self, "tie_word_embeddings", False) and name == "lm_head.weight":
+            return True
+        layer = _LAYER_INDEX.match(name)
+        return (self.checkpoint_layout.skip_layers_beyond_config and layer is not None
+                and int(layer.group(1)) >= self.config.num_hidden_layers)

@@ -1,0 +1,49 @@
+"""How a layer's parameters are filled from checkpoint tensors, one tensor at a time.
+
+A checkpoint tensor may be one piece of a parameter of ours (`Shard`: a part of a fused matrix such as
+q of qkv_proj, of one expert of a 3D expert tensor). A module that owns such parameters, or stores them
+in its own layout (later: packed quantized weights and their scales), implements `LoadsParameters`;
+any other parameter is filled by `load_whole`. glmserve/models/weights.py decides which tensor goes where.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The piece of a parameter one checkpoint tensor fills: part `part` of a fused matrix (None: all of
+    it), of expert `expert` (None: a parameter that is not per expert)."""
+
+    part: int | None = None
+    expert: int | None = None
+
+
+WHOLE = Shard()
+
+
+@runtime_checkable
+class LoadsParameters(Protocol):
+    """A module that places checkpoint tensors into its parameters itself; each call fills as many
+    elements of `param` as `tensor` has (the loader counts them to find parameters left unfilled)."""
+
+    def load_parameter(self, param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None: ...
+
+
+def copy_into(dst: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copies `tensor` into `dst` (a parameter's data or a view of it); shapes must be equal."""
+    if dst.shape != tensor.shape:
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
+    dst.copy_(tensor)
+
+
+def load_whole(param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None:
+    """The loader of a parameter whose module has none of its own: the tensor is all of it."""
+    if shard != WHOLE:
+        raise ValueError(f"{shard} of a parameter that is not fused")
+    copy_into(param.data, tensor)
