@@ -468,10 +468,7 @@ class GlmMoeDsaForCausalLM(LoadsCheckpoint, nn.Module):
             for i in range(self.num_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # tied by load_weights
         # optional hook (tests, analysis): called as f(layer index, token positions [T], Selection) per group
         # for every layer that runs the indexer
         self.selection_observer: Callable[[int, torch.Tensor, Selection], None] | None = None

@@ -99,10 +99,7 @@ class DecoderOnlyLM(LoadsCheckpoint, nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([self.make_layer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # tied by load_weights
 
     def make_layer(self, config: PretrainedConfig, index: int) -> nn.Module:
         raise NotImplementedError

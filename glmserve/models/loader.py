@@ -65,8 +65,6 @@ def _build(hf_config: PretrainedConfig, weights: Iterator[tuple[str, torch.Tenso
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    if model.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
     model.rotary.to(device, dtype)
     model.load_weights(weights)
     return model.eval()

@@ -79,8 +79,11 @@ class LoadsCheckpoint:
 
     def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads every parameter exactly once, as `checkpoint_layout` says; a tensor with no place in
-        the model, a shape mismatch and a parameter left (partly) unfilled are errors."""
+        the model, a shape mismatch and a parameter left (partly) unfilled are errors. Ties lm_head to
+        the embedding first where the config says so."""
         layout = self.checkpoint_layout
+        if self._ties_word_embeddings():
+            self.lm_head.weight = self.embed_tokens.weight
         params = dict(self.named_parameters())
         filled: Counter[str] = Counter()
         for name, tensor in weights:
@@ -105,8 +108,13 @@ class LoadsCheckpoint:
         """Tensors a checkpoint may hold that are no parameters of ours."""
         if "rotary_emb." in name:  # rotary buffers some checkpoints save; our tables are computed
             return True
-        if getattr(self, "tie_word_embeddings", False) and name == "lm_head.weight":
+        if name == "lm_head.weight" and self._ties_word_embeddings():
             return True
         layer = _LAYER_INDEX.match(name)
         return (self.checkpoint_layout.skip_layers_beyond_config and layer is not None
                 and int(layer.group(1)) >= self.config.num_hidden_layers)
+
+    def _ties_word_embeddings(self) -> bool:
+        """The one place where lm_head and the embedding are tied (a model built on the meta device and
+        moved by `to_empty` holds two tensors again, so tying belongs to loading, not to construction)."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
