@@ -17,7 +17,9 @@ from glmserve.sparse.learned import FILE_SUFFIX as INDEXER_FILE_SUFFIX
 
 
 @dataclass
-class LoadedModel:
+class ModelAndTokenizer:
+    """What `load_model` returns: the model with its config, tokenizer, stop ids and name."""
+
     model: torch.nn.Module
     hf_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
@@ -70,7 +72,8 @@ def _build(hf_config: PretrainedConfig, weights: Iterator[tuple[str, torch.Tenso
     return model.eval()
 
 
-def load_model(path: str | None, tokenizer_path: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_model(path: str | None, tokenizer_path: str | None, device: torch.device,
+               dtype: torch.dtype) -> ModelAndTokenizer:
     """path None loads the embedded default model (SmolLM2-135M-Instruct GGUF)."""
     if path is None:
         from glmserve.models.gguf_loader import embedded_default_gguf
@@ -91,7 +94,7 @@ def load_model(path: str | None, tokenizer_path: str | None, device: torch.devic
     else:
         raise UnsupportedModelError(f"{location} is neither a .gguf file nor a model directory with config.json")
     model = _build(hf_config, weights, device, dtype)
-    return LoadedModel(
+    return ModelAndTokenizer(
         model=model,
         hf_config=hf_config,
         tokenizer=tokenizer,

@@ -23,7 +23,7 @@ from glmserve.engine.sampling import SamplingParams
 from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation
 from glmserve.server.protocol import ChatMessage
-from glmserve.server.state import LoadedModel, ServingContext
+from glmserve.server.state import ServedModel, ServingContext
 
 SUMMARY_MAX_TOKENS = 512
 SUMMARY_HEADER = "Summary of the earlier conversation:"
@@ -66,7 +66,7 @@ def _stored_summary(stored: dict | None, turns: list[ChatMessage]) -> Summary | 
     return summary
 
 
-async def anchor_messages(messages: list[ChatMessage], session_id: str, model: LoadedModel,
+async def anchor_messages(messages: list[ChatMessage], session_id: str, model: ServedModel,
                           ctx: ServingContext) -> list[ChatMessage]:
     """The messages to send to the engine for this turn (see the module docstring)."""
     if not ctx.engine.sessions_enabled:
@@ -91,7 +91,7 @@ async def anchor_messages(messages: list[ChatMessage], session_id: str, model: L
     return _compose(system, summary, turns)
 
 
-async def _summarize(ctx: ServingContext, model: LoadedModel, previous: Summary | None,
+async def _summarize(ctx: ServingContext, model: ServedModel, previous: Summary | None,
                      turns: list[ChatMessage]) -> tuple[str, int]:
     """The model's summary of `previous` + `turns`, and its length in tokens."""
     lines = [f"{SUMMARY_HEADER} {previous.text}"] if previous else []

@@ -25,7 +25,7 @@ from glmserve.server.protocol import (
 )
 from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
 from glmserve.server.sessions_routes import request_session_id
-from glmserve.server.state import LoadedModel, ServingContext
+from glmserve.server.state import ServedModel, ServingContext
 from glmserve.server.usage import usage_of
 
 
@@ -67,7 +67,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
 
 
 async def _stream(
-    body: ChatCompletionRequest, generation: Generation, model: LoadedModel, model_id: str
+    body: ChatCompletionRequest, generation: Generation, model: ServedModel, model_id: str
 ) -> AsyncIterator[str]:
     """Chunks as OpenAI sends them: a role delta, content deltas, a finish delta per choice,
     then (stream_options.include_usage) a usage chunk with no choices, then [DONE]."""

@@ -21,7 +21,7 @@ from glmserve.server.params import sampling_params
 from glmserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
 from glmserve.server.sessions_routes import request_session_id
-from glmserve.server.state import LoadedModel, ServingContext
+from glmserve.server.state import ServedModel, ServingContext
 from glmserve.server.usage import usage_of
 
 
@@ -63,7 +63,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     return json_response(response)
 
 
-def _echo_text(body: CompletionRequest, model: LoadedModel, prompt: str | list[int]) -> str:
+def _echo_text(body: CompletionRequest, model: ServedModel, prompt: str | list[int]) -> str:
     if not body.echo:
         return ""
     return prompt if isinstance(prompt, str) else model.decode(prompt)
@@ -79,7 +79,7 @@ async def _finals(generations: list[Generation]) -> list[RequestOutput]:
 class _ChoiceBuilder:
     """Turns cumulative engine outputs into (delta) choices; tracks what each choice has sent."""
 
-    def __init__(self, body: CompletionRequest, model: LoadedModel, echoes: list[str]) -> None:
+    def __init__(self, body: CompletionRequest, model: ServedModel, echoes: list[str]) -> None:
         self._n = body.n
         self._want_logprobs = body.logprobs is not None
         self._formatter = model.formatter

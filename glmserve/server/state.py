@@ -18,8 +18,9 @@ from glmserve.server.metrics import ServerMetrics
 from glmserve.server.protocol import ChatMessage
 
 
-class LoadedModel:
-    """Helpers that need the loaded engine: aliases, tokenization, token formatting."""
+class ServedModel:
+    """The model this server serves, as the handlers use it: aliases, tokenization, token formatting
+    (built once the engine has loaded it)."""
 
     def __init__(self, engine: LLMEngine, aliases: dict[str, str]) -> None:
         self._engine = engine
@@ -48,13 +49,13 @@ class ServingContext:
     engine: AsyncEngine
     metrics: ServerMetrics
     config: ServerConfig
-    _loaded: LoadedModel | None = field(default=None, init=False)
+    _loaded: ServedModel | None = field(default=None, init=False)
 
     def on_engine_loaded(self, engine: LLMEngine) -> None:
         """Engine hook: build the model helpers (a bad alias fails startup here)."""
-        self._loaded = LoadedModel(engine, self.config.aliases)
+        self._loaded = ServedModel(engine, self.config.aliases)
 
-    def loaded(self) -> LoadedModel:
+    def loaded(self) -> ServedModel:
         """The model helpers; 503 while the model is loading or after the engine stopped."""
         if self._loaded is None or self.engine.state is not EngineState.READY:
             raise ServiceUnavailableError(
