@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -38,6 +39,8 @@ def isolate_home() -> Path:
 
 
 ISOLATED_ROOT = isolate_home()
+
+from glmserve.kernels import available_isas  # noqa: E402 (after the home is isolated)
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +84,31 @@ def smollm2():
 
     return LLM(model=None, dtype="float32", max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048,
                kv_cache_memory_bytes=256 << 20)
+
+
+def _use_kernels(isa: str, monkeypatch) -> str:
+    """Routes every kernel call to the C++ variant `isa`; skips when its kernels did not build or
+    GLMSERVE_TORCH_ONLY=1 turns them off."""
+    from glmserve import kernels
+
+    monkeypatch.setenv("GLMSERVE_CPU_ISA", isa)
+    missing = [name for name in kernels.OPS if kernels.op(name, torch.device("cpu"), torch.float32) is None]
+    if missing:
+        pytest.skip(f"C++ kernels unavailable ({isa}): {', '.join(missing)}")
+    return isa
+
+
+@pytest.fixture(params=available_isas())
+def cpu_isa(request, monkeypatch) -> str:
+    """Each instruction-set variant of the C++ kernels this CPU runs (GLMSERVE_CPU_ISA), so that the AVX2
+    build is tested on an AVX-512 machine too."""
+    return _use_kernels(request.param, monkeypatch)
+
+
+@pytest.fixture(params=[*available_isas(), "torch"])
+def kernel_backend(request, monkeypatch) -> str:
+    """Each C++ kernel variant (as `cpu_isa`), then the pure PyTorch paths (GLMSERVE_TORCH_ONLY=1)."""
+    if request.param == "torch":
+        monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")
+        return request.param
+    return _use_kernels(request.param, monkeypatch)

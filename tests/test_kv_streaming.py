@@ -10,7 +10,6 @@ from transformers import AutoModelForCausalLM
 
 from glmserve import LLM, SamplingParams
 from glmserve.errors import InvalidRequestError
-from glmserve.layers import attention, partial_attention
 from glmserve.layers.partial_attention import attention_with_lse, merge_attention
 from glmserve.sparse.block import block_bounds_bytes
 from glmserve.sparse.pinning import QuestionObservation
@@ -45,13 +44,9 @@ def _prompts(lengths, seed=0) -> list[list[int]]:
     return [torch.randint(2, 300, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
-def test_sequences_longer_than_the_pool_match_the_reference(hf_llama, tmp_path, monkeypatch, backend):
+def test_sequences_longer_than_the_pool_match_the_reference(hf_llama, tmp_path, kernel_backend):
     """Three prompts of 150-260 tokens on a pool of ~60 tokens, decoded together: every prefill chunk and
     decode step attends to chunks streamed back from disk; top-5 logprobs of 24 steps match transformers."""
-    if backend == "torch":
-        monkeypatch.setattr(attention, "paged_decode_op", lambda: None)
-        monkeypatch.setattr(partial_attention, "paged_decode_lse_op", lambda: None)
     path, hf_model = hf_llama
     llm = _engine(path, tmp_path)
     engine = llm.engine

@@ -21,9 +21,7 @@ from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.sampling import SamplingParams
 from glmserve.errors import IndexerMismatchError, InvalidRequestError
 from glmserve.layers.attention import GroupMetadata
-from glmserve.layers.cpu_kernels import sparse_ops
 from glmserve.models.loader import load_model
-from glmserve.sparse import learned
 from glmserve.sparse.indexer import Indexer
 from glmserve.sparse.learned import (
     DISTANCE_BUCKETS,
@@ -111,10 +109,9 @@ def _scorer(dim: int, heads: int, num_slots: int, key_dtype: torch.dtype, gen: t
     return LearnedIndexer(weights.requires_grad_(False), 0, keys, block_size=16)
 
 
-@pytest.mark.skipif(sparse_ops() is None, reason="C++ CPU kernels unavailable")
 @pytest.mark.parametrize("dim,heads,key_dtype", [(32, 4, torch.float32), (8, 2, torch.float32),
                                                   (32, 4, torch.bfloat16)])
-def test_cpu_kernel_scores_equal_torch_path(dim, heads, key_dtype, monkeypatch):
+def test_cpu_kernel_scores_equal_torch_path(dim, heads, key_dtype, cpu_isa, monkeypatch):
     """learned_scores (csrc/sparse.cpp) reads the index keys in place through shuffled block tables; rows of
     contexts around the exact/log and the last distance buckets, the sink positions and a partial last block."""
     gen = torch.Generator().manual_seed(11)
@@ -124,7 +121,7 @@ def test_cpu_kernel_scores_equal_torch_path(dim, heads, key_dtype, monkeypatch):
     group = _paged_rows(contexts, 16, num_blocks, gen)
     q = torch.randn((len(contexts), 9, 64), generator=gen)
     fast = indexer.unit_scores(q, group)
-    monkeypatch.setattr(learned, "sparse_ops", lambda: None)
+    monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")
     reference = indexer.unit_scores(q, group)
     assert fast.shape == reference.shape == group.kv_slots.shape
     past = torch.arange(group.kv_slots.shape[1])[None, :] >= group.context_lens[:, None]
@@ -132,8 +129,7 @@ def test_cpu_kernel_scores_equal_torch_path(dim, heads, key_dtype, monkeypatch):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(sparse_ops() is None, reason="C++ CPU kernels unavailable")
-def test_cpu_kernel_distance_buckets_are_exact():
+def test_cpu_kernel_distance_buckets_are_exact(cpu_isa):
     """With no content score and bias = bucket index, the kernel's integer buckets equal distance_bucket for
     every distance below 100,000 (the half-octave edges included)."""
     gen = torch.Generator().manual_seed(3)

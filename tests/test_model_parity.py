@@ -13,20 +13,8 @@ from transformers import AutoModelForCausalLM
 from glmserve import LLM, SamplingParams
 
 
-@pytest.fixture(params=["cpp-kernel", "torch-only"])
-def attention_backend(request, monkeypatch):
-    """Decode attention through our C++ kernel (when it builds) and through the PyTorch fallback."""
-    from glmserve.layers import attention
-
-    if request.param == "torch-only":
-        monkeypatch.setattr(attention, "paged_decode_op", lambda: None)
-    elif attention.paged_decode_op() is None:
-        pytest.skip("C++ kernels unavailable here")
-    return request.param
-
-
 @pytest.mark.parametrize("arch", list(CONFIGS))
-def test_logits_match_transformers(arch, tiny_model_dir, attention_backend):
+def test_logits_match_transformers(arch, tiny_model_dir, kernel_backend):
     path = tiny_model_dir(arch)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(model=str(path), block_size=4, max_num_batched_tokens=24, max_num_seqs=8,

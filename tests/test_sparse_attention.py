@@ -26,28 +26,13 @@ from glmserve import LLM, SamplingParams
 from glmserve.cli import build_parser, engine_config_from_args
 from glmserve.config import EngineConfig
 from glmserve.errors import InvalidRequestError
-from glmserve.layers import attention
 from glmserve.layers.attention import GroupMetadata, PagedAttention
-from glmserve.sparse import block as block_module
 from glmserve.sparse import pinning
-from glmserve.sparse import selection as selection_module
 from glmserve.sparse.block import BlockIndexer
 from glmserve.sparse.selection import SparseRows, compact, decode_keep_mask, keep_mask, select_slots
 from glmserve.sparse_settings import SparseAttentionParams, resolve_sparse_params
 
 BLOCK = 16
-
-
-@pytest.fixture(params=["kernel", "torch"])
-def backend(request, monkeypatch):
-    """The C++ kernels (decode attention, block scores) or the pure PyTorch paths."""
-    if request.param == "torch":
-        monkeypatch.setattr(attention, "paged_decode_op", lambda: None)
-        monkeypatch.setattr(block_module, "sparse_ops", lambda: None)
-        monkeypatch.setattr(selection_module, "sparse_ops", lambda: None)
-    elif attention.paged_decode_op() is None or block_module.sparse_ops() is None:
-        pytest.skip("C++ kernels unavailable")
-    return request.param
 
 
 # -- settings ----------------------------------------------------------------------------------------------------
@@ -127,7 +112,7 @@ def random_params(gen: torch.Generator, mode: str) -> SparseAttentionParams:
 
 
 @pytest.mark.parametrize("unit", [1, 4, BLOCK])
-def test_selection_matches_reference_rule(unit, backend):
+def test_selection_matches_reference_rule(unit, kernel_backend):
     gen = torch.Generator().manual_seed(unit)
     b, length = 24, 300
     ctx = torch.randint(1, length + 1, (b,), generator=gen)
@@ -154,9 +139,9 @@ def test_selection_matches_reference_rule(unit, backend):
 
 
 @pytest.mark.parametrize("unit", [1, 4, BLOCK])
-def test_pinned_units_are_kept_within_the_budget(unit, backend):
+def test_pinned_units_are_kept_within_the_budget(unit, kernel_backend):
     """Rows with pinned units (glmserve/sparse/pinning.py; some past the context, in the sinks or the local
-    window, repeated, or -1): the C++ kernel (backend "kernel") and the torch path both give the reference."""
+    window, repeated, or -1): the C++ kernels (every variant) and the torch path both give the reference."""
     gen = torch.Generator().manual_seed(100 + unit)
     b, length = 24, 300
     num_units = math.ceil(length / unit)
@@ -196,10 +181,9 @@ def test_pins_take_the_observed_mass_by_block_within_half_the_budget():
     assert pinning.choose_pins(votes, BLOCK, ctx, wide).tolist() == [list(range(1, 21))]
 
 
-@pytest.mark.skipif(selection_module.sparse_ops() is None, reason="C++ kernels unavailable")
 @pytest.mark.parametrize("unit", [1, BLOCK])
 @pytest.mark.parametrize("kind", ["ties", "distinct"])
-def test_selection_kernel_on_long_rows_equals_torch_path(unit, kind):
+def test_selection_kernel_on_long_rows_equals_torch_path(unit, kind, cpu_isa):
     """The kernel's select of the budget's cut (sampled bound, else radix) on rows of thousands of units, with
     pins: scores that repeat (a few values, -0.0 beside 0.0, -inf; one row all equal) or all distinct, against
     the torch path's stable sort."""
@@ -242,7 +226,7 @@ def test_threshold_semantics():
     assert keep_mask(flat, 1, ctx, rows, 10).all()  # all equal: every candidate normalizes to 1
 
 
-def test_equal_scores_go_to_the_earlier_unit(backend):
+def test_equal_scores_go_to_the_earlier_unit(kernel_backend):
     scores = torch.tensor([[0.0, 1.0, 0.5, 1.0, 1.0, 0.5, 1.0, 0.0, 0.0, 0.0]])
     rows = SparseRows.from_params([SparseAttentionParams("learned", top_k=3, local_tokens=1)], torch.device("cpu"))
     slots, lengths = select_slots({"learned": scores}, {"learned": 1}, torch.tensor([10]), rows,
@@ -259,7 +243,7 @@ def check_bounds(indexer: BlockIndexer, keys: torch.Tensor, block: int, count: i
     torch.testing.assert_close(indexer.hi[block], written.amax(1), rtol=0, atol=0)
 
 
-def test_block_bounds_are_exact_and_bound_every_key(backend):
+def test_block_bounds_are_exact_and_bound_every_key(kernel_backend):
     gen = torch.Generator().manual_seed(0)
     hkv, h, d, unit, num_blocks = 2, 6, 8, 4, 12
     ix = BlockIndexer(hkv, d, num_blocks, unit, scale=d**-0.5, dtype=torch.float32, device=torch.device("cpu"))
@@ -322,12 +306,12 @@ def assert_same(a, b, atol: float = 0.0) -> None:
         assert max(abs(p - q) for (_, p), (_, q) in zip(x, y)) <= atol
 
 
-def test_budget_covering_context_equals_dense(llm, backend):
+def test_budget_covering_context_equals_dense(llm, kernel_backend):
     p = prompt(1, 200)
     dense = llm.generate([p], GREEDY)[0]
     for sparse in (SparseAttentionParams("block", top_k=256, sink_tokens=4, local_tokens=16),
                    {"mode": "block"}):  # the mode's default budget, 2048 tokens
-        assert_same(llm.generate([p], GREEDY, sparse=sparse)[0], dense, atol=0 if backend == "kernel" else 1e-5)
+        assert_same(llm.generate([p], GREEDY, sparse=sparse)[0], dense, atol=0 if kernel_backend != "torch" else 1e-5)
 
 
 def test_small_budget_attends_fewer_tokens_and_changes_output(llm, monkeypatch):
@@ -348,7 +332,7 @@ def test_small_budget_attends_fewer_tokens_and_changes_output(llm, monkeypatch):
     assert top_logprobs(sparse) != top_logprobs(dense)
 
 
-def test_block_selection_picks_the_top_blocks_of_brute_force_bounds(llm, backend):
+def test_block_selection_picks_the_top_blocks_of_brute_force_bounds(llm, kernel_backend):
     engine = llm.engine
     p = prompt(3, 250)
     engine.add_request("top-blocks", p, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
@@ -442,7 +426,7 @@ def test_bounds_follow_kv_loaded_straight_into_the_pool(llm):
             check_bounds(attn.indexers["block"], attn.kv_cache[0], block, BLOCK)
 
 
-def test_mixed_rows_in_one_batch_equal_each_row_alone(llm, backend):
+def test_mixed_rows_in_one_batch_equal_each_row_alone(llm, kernel_backend):
     prompts = [prompt(20, 150), prompt(21, 220), prompt(22, 90), prompt(23, 260)]
     settings = [None, {"mode": "block", "top_k": 48, "sink_tokens": 4, "local_tokens": 16},
                 {"mode": "block", "threshold": 0.5, "sink_tokens": 0, "local_tokens": 8},

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from glmserve import kernels
 from glmserve.errors import InvalidRequestError
-from glmserve.layers.cpu_kernels import paged_decode_op
 from glmserve.layers.offloaded_attention import ColdRows, decode_offloaded, prefill_offloaded
 from glmserve.layers.partial_attention import attention_with_lse, gather_kv, paged_attention_with_lse
 from glmserve.sparse.indexer import Indexer, ScoringRows
@@ -110,7 +110,7 @@ class PagedAttention:
 
     def _decode(self, q: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         slots, lengths = (g.kv_slots, g.context_lens) if g.sparse is None else self.select(q, g)
-        kernel = paged_decode_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+        kernel = kernels.op("paged_decode", q.device, q.dtype)
         if kernel is not None and g.cold is None:  # reads K/V in place from the pool: no gather copy
             return kernel(q.contiguous(), self.kv_cache[0], self.kv_cache[1], slots, lengths, self.scale)
         apart = set() if g.cold is None else g.cold.select_apart()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from glmserve.layers.cpu_kernels import paged_decode_lse_op
+from glmserve import kernels
 
 QUERY_TILE = 256  # queries per matmul tile on the generic path
 
@@ -67,7 +67,7 @@ def paged_attention_with_lse(q: torch.Tensor, cache: torch.Tensor, slots: torch.
                              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode queries q [B, H, D] over the first `lengths` [B] of `slots` [B, L] in `cache` ([2, Hkv, slots, D])
     -> out [B, H, D], log-sum-exp [B, H] (float32). On CPU in float32 our C++ kernel reads K/V in place."""
-    kernel = paged_decode_lse_op() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+    kernel = kernels.op("paged_decode_lse", q.device, q.dtype)
     if kernel is not None:
         out, lse = kernel(q.contiguous(), cache[0], cache[1], slots, lengths, scale)
         return out, lse

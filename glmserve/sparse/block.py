@@ -18,7 +18,7 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
   blocks whose K/V is loaded straight into the pool (KV tiers, sessions) are recomputed from the pool
   (`refresh`, a `KVBlockIO` load listener);
 - on CPU in float32 both the bounds update and the scores run in our C++ kernels
-  (glmserve/layers/csrc/sparse.cpp; the scores read each row's bounds in place by block table);
+  (glmserve/kernels/csrc/sparse.cpp; the scores read each row's bounds in place by block table);
   elsewhere scatter min/max and a gather + one matrix-vector product compute the same numbers;
 - one score per block and decode row: the sum over the query heads of their scaled upper bounds
   (selection is per row for all heads, since our decode kernel takes one slot list per row). We first
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from glmserve.layers.cpu_kernels import sparse_ops
+from glmserve import kernels
 from glmserve.sparse.indexer import ScoredLayer, ScoringRows, attach_indexers
 
 
@@ -58,9 +58,9 @@ class BlockIndexer:
     def on_kv_written(self, slot_mapping: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
         """k [T, Hkv, D] was written at slot_mapping [T]: blocks written from offset 0 restart from that key,
         then every new key is folded in."""
-        kernels = sparse_ops() if k.device.type == "cpu" and k.dtype == torch.float32 else None
-        if kernels is not None:  # one sequential pass in C++: a few microseconds per decode token
-            kernels.bounds_update(slot_mapping.contiguous(), k.contiguous(), self.bounds, self.unit_size)
+        bounds_update = kernels.op("bounds_update", k.device, k.dtype)
+        if bounds_update is not None:  # one sequential pass in C++: a few microseconds per decode token
+            bounds_update(slot_mapping.contiguous(), k.contiguous(), self.bounds, self.unit_size)
             return
         blocks = slot_mapping // self.unit_size
         keys = k.to(self.bounds.dtype)
@@ -83,10 +83,10 @@ class BlockIndexer:
     def unit_scores(self, q: torch.Tensor, rows: ScoringRows) -> torch.Tensor:
         """q [B, H, D] -> [B, W]: per logical block, the sum over heads of the upper bound of the scaled logit."""
         tables = rows.block_tables  # [B, W]
-        kernels = sparse_ops() if q.device.type == "cpu" and q.dtype == torch.float32 else None
-        if kernels is not None:  # reads the bounds in place: no gather copy
+        block_scores = kernels.op("block_scores", q.device, q.dtype)
+        if block_scores is not None:  # reads the bounds in place: no gather copy
             units = (-(-rows.context_lens // self.unit_size)).contiguous()
-            return kernels.block_scores(q.contiguous(), self.bounds, tables.contiguous(), units, self.scale)
+            return block_scores(q.contiguous(), self.bounds, tables.contiguous(), units, self.scale)
         b, w = tables.shape
         nb = self.bounds.shape[0]
         bounds = self.bounds.view(nb, -1).index_select(0, tables.reshape(-1)).view(b, w, -1)  # [B, W, 2 * Hkv * D]

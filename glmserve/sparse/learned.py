@@ -43,8 +43,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from glmserve import kernels
 from glmserve.errors import IndexerMismatchError
-from glmserve.layers.cpu_kernels import sparse_ops
 from glmserve.paths import cache_dir
 from glmserve.sparse.indexer import ScoredLayer, ScoringRows, attach_indexers
 from glmserve.sparse.selection import positions_upto
@@ -225,7 +225,7 @@ class LearnedIndexer:
     """One layer's learned scorer over its paged pool of index keys; implements
     `glmserve.sparse.indexer.Indexer` at token level (unit_size 1).
 
-    On CPU in float32 the decode scores come from our C++ kernel (glmserve/layers/csrc/sparse.cpp,
+    On CPU in float32 the decode scores come from our C++ kernel (glmserve/kernels/csrc/sparse.cpp,
     `learned_scores`), which reads the index keys in place through the block tables; elsewhere one gather of
     the rows' keys and two matmuls compute the same numbers."""
 
@@ -244,9 +244,9 @@ class LearnedIndexer:
         """q [B, H, D] -> [B, L] score of every key position of each row (-inf past its context)."""
         qi, w = self.weights.index_queries(q, self.layer)  # [B, Hi, d], [B, Hi]
         length = rows.kv_slots.shape[1]
-        kernels = sparse_ops() if self.keys.device.type == "cpu" and qi.dtype == torch.float32 else None
-        if kernels is not None:  # reads the index keys in place: no [B, L, d] gather copy
-            return kernels.learned_scores(
+        learned_scores = kernels.op("learned_scores", self.keys.device, qi.dtype)
+        if learned_scores is not None:  # reads the index keys in place: no [B, L, d] gather copy
+            return learned_scores(
                 qi.contiguous(), (w * self.weights.scale).contiguous(), self.keys, rows.block_tables.contiguous(),
                 self.block_size, length, rows.context_lens.contiguous(),
                 self.weights.distance_bias[self.layer].float().contiguous(),

@@ -12,7 +12,7 @@ Public functions (callable on their own, e.g. by benchmarks):
 - `decode_keep_mask(scores_by_mode, unit_sizes, context_lens, rows, length)`: mixed modes;
 - `compact(keep, kv_slots) -> (positions [B, L_sel], slots [B, L_sel], lengths [B])`, ascending;
 - `select_slots(scores_by_mode, unit_sizes, context_lens, rows, kv_slots) -> (slots, lengths)`: what decode
-  attention uses; on CPU with one scorer in the group, our C++ kernel (glmserve/layers/csrc/sparse.cpp)
+  attention uses; on CPU with one scorer in the group, our C++ kernel (glmserve/kernels/csrc/sparse.cpp)
   applies the same rule per row without the [B, L] masks, else `decode_keep_mask` + `compact`.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glmserve.layers.cpu_kernels import sparse_ops
+from glmserve import kernels
 from glmserve.sparse_settings import MODES, SparseAttentionParams
 
 NONE = -1  # top_k / threshold not set
@@ -178,12 +178,12 @@ def select_slots(scores_by_mode: dict[str, torch.Tensor], unit_sizes: dict[str, 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The slots [B, L_sel] (ascending positions, slot 0 past each length) and lengths [B] each decode row
     attends to; `scores_by_mode` and `pins` as in `decode_keep_mask`."""
-    ops = sparse_ops() if kv_slots.device.type == "cpu" else None
-    if ops is not None and len(scores_by_mode) == 1:  # one scorer: its rows and dense rows (no budget: whole)
+    kernel = kernels.op("select_slots", kv_slots.device, torch.float32)  # it takes the scores as float32
+    if kernel is not None and len(scores_by_mode) == 1:  # one scorer: its rows and dense rows (no budget: whole)
         (mode, scores), = scores_by_mode.items()
         mine = rows.rows_in(mode)
         no_pins = torch.empty((kv_slots.shape[0], 0), dtype=torch.long, device=kv_slots.device)
-        slots, lengths = ops.select_slots(
+        slots, lengths = kernel(
             scores.float().contiguous(), unit_sizes[mode], context_lens.contiguous(),
             torch.where(mine, rows.top_k, NONE), torch.where(mine, rows.threshold, NONE),
             rows.sink_tokens.contiguous(), rows.local_tokens.contiguous(), kv_slots.contiguous(),

@@ -1,0 +1,49 @@
+"""The one dispatcher: a caller asks for an op by name for its tensors' device and dtype and gets the C++
+op of the active instruction-set variant, or None to take its PyTorch path.
+
+Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
+  paged_decode(q [B,H,D], k_cache [Hkv,S,D], v_cache, slots [B,L] i64, ctx_lens [B] i64, scale) -> out [B,H,D]
+  paged_decode_lse(same arguments) -> [out [B,H,D], lse [B,H]]: also each head's log-sum-exp of scores
+  bounds_update(slots [T] i64, keys [T,Hkv,D], bounds [blocks,2,Hkv,D], block_size) (in place)
+  block_scores(q [B,H,D], bounds [blocks,2,Hkv,D], tables [B,W] i64, num_units [B] i64, scale) -> [B,W]
+  learned_scores(qi [B,Hi,d], w [B,Hi] (times the scale), keys [slots,d] f32 or bf16, tables [B,W] i64,
+                 block_size, length, ctx [B] i64, distance_bias [NB], sink_bias [S]) -> [B,length]
+  select_slots(scores [B,U], unit_size, ctx [B], top_k [B], threshold [B], sink [B], local [B],
+               kv_slots [B,L], pins [B,P] i64 (pinned units, -1 = none)) -> [slots [B,W], lengths [B]]
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from glmserve.kernels.build import load
+from glmserve.kernels.isa import active_isa
+
+OPS: dict[str, str] = {  # op -> the source (extension) that defines it
+    "paged_decode": "paged_decode",
+    "paged_decode_lse": "paged_decode",
+    "bounds_update": "sparse",
+    "block_scores": "sparse",
+    "learned_scores": "sparse",
+    "select_slots": "sparse",
+}
+DTYPES = (torch.float32,)  # every op's query / score dtype
+
+
+def torch_only() -> bool:
+    """GLMSERVE_TORCH_ONLY=1: no C++ kernel is used (every caller takes its PyTorch path)."""
+    return os.environ.get("GLMSERVE_TORCH_ONLY") == "1"
+
+
+def op(name: str, device: torch.device, dtype: torch.dtype) -> Callable | None:
+    """The C++ op `name` (one of OPS) for tensors of `dtype` on `device`, from the active instruction-set
+    variant; None where the caller takes its PyTorch path: another device or dtype, GLMSERVE_TORCH_ONLY=1,
+    or a kernel that could not be built."""
+    source = OPS[name]
+    if device.type != "cpu" or dtype not in DTYPES or torch_only():
+        return None
+    module = load(source, active_isa())
+    return None if module is None else getattr(module, name)

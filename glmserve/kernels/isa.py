@@ -1,0 +1,69 @@
+"""The instruction-set variants our C++ kernels are compiled for (the same source, built once per variant
+with its compiler flags), which of them this CPU runs, and which one is active (GLMSERVE_CPU_ISA forces one).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from glmserve.errors import InvalidRequestError
+
+ISA_ENV = "GLMSERVE_CPU_ISA"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the kernels: `cflags` enable the instruction sets that `cpu_flags` (as /proc/cpuinfo
+    spells them) must all be present to run it."""
+
+    name: str
+    cflags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+
+
+VARIANTS: tuple[Variant, ...] = (  # best first
+    Variant("avx512", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+            frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})),
+    Variant("avx2", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),  # also AMD EPYC without AVX-512
+    Variant("scalar", (), frozenset()),  # the compiler's baseline: any CPU
+)
+BY_NAME = {v.name: v for v in VARIANTS}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none: only the scalar variant runs)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+@functools.cache
+def available_isas() -> tuple[str, ...]:
+    """The variants this CPU can run, best first (always ends with "scalar")."""
+    return tuple(v.name for v in VARIANTS if v.cpu_flags <= cpu_flags())
+
+
+def active_isa() -> str:
+    """The variant the dispatcher uses: GLMSERVE_CPU_ISA when set (for tests and benchmarks), else the best
+    one this CPU runs."""
+    return _checked(os.environ.get(ISA_ENV) or available_isas()[0])
+
+
+@functools.cache
+def _checked(name: str) -> str:
+    if name not in BY_NAME:
+        raise InvalidRequestError(f"{ISA_ENV}={name!r}: must be one of {', '.join(BY_NAME)}")
+    missing = BY_NAME[name].cpu_flags - cpu_flags()
+    if missing:
+        raise InvalidRequestError(f"{ISA_ENV}={name}: this CPU lacks {', '.join(sorted(missing))} "
+                                  f"(it runs {', '.join(available_isas())})")
+    return name

@@ -1,0 +1,43 @@
+"""The kernel dispatcher (glmserve/kernels/): which instruction-set variant is active and forced, the
+PyTorch fallback by device, dtype and GLMSERVE_TORCH_ONLY."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glmserve import kernels
+from glmserve.errors import InvalidRequestError
+
+CPU = torch.device("cpu")
+
+
+def test_variants_are_best_first_and_scalar_always_runs():
+    isas = kernels.available_isas()
+    assert isas[-1] == "scalar"
+    assert list(isas) == [v for v in ("avx512", "avx2", "scalar") if v in isas]
+    assert "avx2" in isas or "avx512" not in isas  # an AVX-512 CPU runs the AVX2 build too
+
+
+def test_the_forced_variant_is_the_one_called(cpu_isa):
+    assert kernels.active_isa() == cpu_isa
+    for name in kernels.OPS:
+        assert kernels.op(name, CPU, torch.float32).__module__ == f"glmserve_{kernels.OPS[name]}_{cpu_isa}"
+
+
+def test_best_variant_by_default(monkeypatch):
+    monkeypatch.delenv("GLMSERVE_CPU_ISA", raising=False)
+    assert kernels.active_isa() == kernels.available_isas()[0]
+
+
+def test_forcing_an_unknown_variant_fails_clearly(monkeypatch):
+    monkeypatch.setenv("GLMSERVE_CPU_ISA", "sse9")
+    with pytest.raises(InvalidRequestError, match="must be one of avx512, avx2, scalar"):
+        kernels.active_isa()
+
+
+def test_torch_path_for_other_devices_dtypes_and_torch_only(cpu_isa, monkeypatch):
+    assert kernels.op("paged_decode", torch.device("meta"), torch.float32) is None
+    assert kernels.op("paged_decode", CPU, torch.bfloat16) is None
+    monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")
+    assert all(kernels.op(name, CPU, torch.float32) is None for name in kernels.OPS)
