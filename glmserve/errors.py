@@ -31,3 +31,7 @@ class IndexerMismatchError(GlmServeError, ValueError):
 
 class EngineOverloadedError(GlmServeError):
     """The waiting queue is full; the caller should retry later."""
+
+
+class KernelBuildError(GlmServeError):
+    """A C++ kernel failed to build where the kernels are required (CI=true)."""

@@ -87,8 +87,8 @@ def smollm2():
 
 
 def _use_kernels(isa: str, monkeypatch) -> str:
-    """Routes every kernel call to the C++ variant `isa`; skips when its kernels did not build or
-    GLMSERVE_TORCH_ONLY=1 turns them off."""
+    """Routes every kernel call to the C++ variant `isa`; skips when its kernels did not build (with CI=true
+    a failed build raises instead, so the test fails) or GLMSERVE_TORCH_ONLY=1 turns them off."""
     from glmserve import kernels
 
     monkeypatch.setenv("GLMSERVE_CPU_ISA", isa)

@@ -1,7 +1,11 @@
 """The kernel dispatcher (glmserve/kernels/): which instruction-set variant is active and forced, the
-PyTorch fallback by device, dtype and GLMSERVE_TORCH_ONLY."""
+PyTorch fallback by device, dtype and GLMSERVE_TORCH_ONLY, and setup's build step failing under CI=true."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -41,3 +45,14 @@ def test_torch_path_for_other_devices_dtypes_and_torch_only(cpu_isa, monkeypatch
     assert kernels.op("paged_decode", CPU, torch.bfloat16) is None
     monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")
     assert all(kernels.op(name, CPU, torch.float32) is None for name in kernels.OPS)
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_setup_build_fails_under_ci_when_a_kernel_does_not_build(tmp_path, ci):
+    """`python -m glmserve.kernels` with no working compiler: exit 1 with CI=true, else 0 (PyTorch path)."""
+    env = {**os.environ, "CI": ci, "CXX": "false", "TORCH_EXTENSIONS_DIR": str(tmp_path),
+           "GLMSERVE_TORCH_ONLY": "0"}
+    run = subprocess.run([sys.executable, "-m", "glmserve.kernels"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == (1 if ci else 0), run.stderr
+    assert "glmserve_paged_decode_scalar: unavailable" in run.stdout
