@@ -1,6 +1,6 @@
 """Dense attention over the paged KV cache (pure PyTorch, CPU and CUDA).
 
-Per step the runner builds one `AttentionMetadata` shared by every layer. The flat batch
+Per step layers/paged_metadata.py builds one `AttentionMetadata` shared by every layer. The flat batch
 holds decode tokens first (one per sequence), then prefill chunks. Each layer:
 1. writes its new K/V into the cache pool at `slot_mapping` (one index_copy_),
 2. decode group: gathers each sequence's keys/values by slot index and runs one batched

@@ -38,9 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from glmserve.layers.attention import AttentionMetadata, PagedAttention
+from glmserve.layers.attention import PagedAttention
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
+from glmserve.layers.paged_metadata import StepRows, key_slots, padded_queries
 from glmserve.layers.param_loading import Shard, copy_into
 from glmserve.layers.rotary import RopeTables, inverse_frequencies, rope_parameters
 from glmserve.models.llama import GatedMLP
@@ -115,27 +116,42 @@ class GroupView:
     sparse: SparseRows | None = None  # decode group: per-row sparse settings (None: the model's own rule)
 
 
-def group_views(positions: torch.Tensor, meta: AttentionMetadata) -> list[GroupView]:
-    """The runner's groups, made uniform: decode is Q = 1, a fresh causal prefill reads its own new slots."""
-    views = []
-    start = 0
-    for g in (meta.decode, meta.prefill):
-        if g is None:
-            continue
-        n = g.num_tokens
-        tokens = slice(start, start + n)
-        pos = positions[tokens]
-        local = torch.arange(n, device=positions.device)
-        if g.fresh_causal:  # one sequence from position 0: key position j is its j-th new token
-            kv_slots, query_index, valid_index = meta.slot_mapping[tokens].unsqueeze(0), local.unsqueeze(0), local
-        elif g.query_index is None:  # decode: one query per row
-            kv_slots, query_index, valid_index = g.kv_slots, local.unsqueeze(1), local
+@dataclass
+class MlaMetadata:
+    """A step's attention metadata for MLA: where each new token's latent row goes, and the groups."""
+
+    slot_mapping: torch.Tensor  # [T]
+    groups: list[GroupView]  # decode first, then prefill (those present)
+
+
+def mla_metadata(step: StepRows) -> MlaMetadata:
+    """The step's decode and prefill groups as MLA reads them: every row's whole context (this model's KV
+    does not stream), decode rows with their sparse settings (the model's own indexer: always)."""
+    n, b = step.num_decode, len(step.lens)
+    groups = ([_mla_group(step, slice(0, n), decode=True)] if n else []) + (
+        [_mla_group(step, slice(n, b), decode=False)] if n < b else [])
+    return MlaMetadata(step.slot_mapping, groups)
+
+
+def _mla_group(step: StepRows, rows: slice, decode: bool) -> GroupView:
+    """Decode is Q = 1; a fresh causal prefill (one sequence from position 0) reads its own new slots."""
+    dev = step.device
+    starts, lens, first = step.starts[rows], step.lens[rows], step.first_tokens[rows]
+    tokens = slice(int(first[0]), int(first[0] + lens.sum()))
+    pos = step.positions[tokens]
+    local = torch.arange(tokens.stop - tokens.start, device=dev)
+    if not decode and len(lens) == 1 and int(starts[0]) == 0:  # key position j is its j-th new token
+        kv_slots, query_index, valid_index = step.slot_mapping[tokens].unsqueeze(0), local.unsqueeze(0), local
+    else:
+        kv_slots = key_slots(step.tables[rows], starts + lens, step.block_size)[2].to(dev)
+        if decode:
+            query_index, valid_index = local.unsqueeze(1), local
         else:
-            kv_slots, query_index, valid_index = g.kv_slots, g.query_index, g.valid_index
-        views.append(GroupView(tokens, kv_slots, query_index, valid_index, pos[query_index], pos,
-                               valid_index // query_index.shape[1], g.context_lens, g.sparse))
-        start += n
-    return views
+            query_index, valid_index = (t.to(dev) for t in padded_queries(lens, first - first[0]))
+    context_lens = (starts + lens).to(dev) if decode else None
+    sparse = SparseRows.from_params(step.sparse[rows], dev, step.decode_pins) if decode else None
+    return GroupView(tokens, kv_slots, query_index, valid_index, pos[query_index], pos,
+                     valid_index // query_index.shape[1], context_lens, sparse)
 
 
 @dataclass
@@ -517,12 +533,16 @@ class GlmMoeDsaForCausalLM(LoadsCheckpoint, nn.Module):
                 pool[num_slots * latent_width:].view(-1, num_slots, self.config.index_head_dim)]
 
     # -- forward ----------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def attention_metadata(self, step: StepRows) -> MlaMetadata:
+        """The step's groups for MLA (`mla_metadata`)."""
+        return mla_metadata(step)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: MlaMetadata,
                 logits_index: torch.Tensor) -> torch.Tensor:
         """Flat batch in, logits of the rows in `logits_index` out ([S, vocab], float32)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions)
-        groups = group_views(positions, meta)
+        groups = meta.groups
         selections = None
         for i, layer in enumerate(self.layers):
             x, selections = layer(x, cos_sin, meta.slot_mapping, groups, selections)

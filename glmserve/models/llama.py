@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
+from glmserve.layers.paged_metadata import StepRows, paged_metadata
 from glmserve.layers.rotary import RotaryEmbedding
 from glmserve.models.weights import CheckpointLayout, LoadsCheckpoint
 from glmserve.sparse.indexer import attached_modes
@@ -134,6 +135,10 @@ class DecoderOnlyLM(LoadsCheckpoint, nn.Module):
     def to_runtime(self, device: torch.device, dtype: torch.dtype) -> DecoderOnlyLM:
         self.rotary.to(device, dtype)
         return self.to(device=device, dtype=dtype)
+
+    def attention_metadata(self, step: StepRows) -> AttentionMetadata:
+        """The step's groups for paged attention (layers/paged_metadata.py)."""
+        return paged_metadata(step)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_index: torch.Tensor) -> torch.Tensor:
