@@ -132,10 +132,6 @@ class DecoderOnlyLM(LoadsCheckpoint, nn.Module):
         """Sparse attention modes this model serves now: dense, and each mode whose scorer every layer has."""
         return ("dense", *attached_modes(self.paged_attention_layers()))
 
-    def to_runtime(self, device: torch.device, dtype: torch.dtype) -> DecoderOnlyLM:
-        self.rotary.to(device, dtype)
-        return self.to(device=device, dtype=dtype)
-
     def attention_metadata(self, step: StepRows) -> AttentionMetadata:
         """The step's groups for paged attention (layers/paged_metadata.py)."""
         return paged_metadata(step)
