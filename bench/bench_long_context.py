@@ -1,4 +1,4 @@
-"""Peak RSS and decode speed against context length with a fixed KV pool: KV streaming vs all-in-memory.
+"""Peak RSS and decode speed against context length with a fixed KV pool: KV offload vs all-in-memory.
 
 Random weights of SmolLM2-135M's shape (speed and memory do not depend on the values), positions raised to
 the longest context. For each context length and mode, one fresh process (so that its peak RSS belongs to
@@ -102,9 +102,9 @@ def run_one(model_dir: Path, context: int, mode: str, pool_tokens: int, steps: i
         }
         if offload is not None:
             s = offload.stats
-            result.update(offloaded_chunks=s.offloaded_chunks, streamed_slices=s.streamed_slices,
+            result.update(offloaded_chunks=s.offloaded_chunks, read_slices=s.read_slices,
                           skipped_slices=s.skipped_slices,
-                          stream_wait_s_per_step=round(s.stream_seconds / len(times), 3))
+                          stream_wait_s_per_step=round(s.read_wait_seconds / len(times), 3))
         llm.engine.close()
         return result
 

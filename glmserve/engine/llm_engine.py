@@ -84,7 +84,7 @@ class LLMEngine:
                            + self._sparse_bytes_per_block(scored_layers, kv_dtype))
         plan = plan_pool(kv_budget_bytes(config.kv_cache_memory_bytes, self.device), bytes_per_block,
                          config.block_size, self.max_model_len,
-                         streaming_supported=bool(getattr(loaded.model, "supports_kv_streaming", False)),
+                         offload_supported=bool(getattr(loaded.model, "supports_kv_offload", False)),
                          chunk_tokens=config.kv_chunk_tokens, max_num_batched_tokens=config.max_num_batched_tokens,
                          host_memory_bytes=config.kv_host_memory_bytes, disk_dir=config.kv_disk_dir,
                          device=self.device)
@@ -258,7 +258,7 @@ class LLMEngine:
         short (abort, shutdown), and sample 0 may have finished and been saved already."""
         session_id = self.requests[seq.request_id].session_id
         if session_id is not None and seq.index == 0 and self.kv.sessions is not None and not seq.is_finished:
-            resident = seq.kv.resident_prefix_blocks()  # a streamed sequence saves up to its first offloaded block
+            resident = seq.kv.resident_prefix_blocks()  # up to its first offloaded block, if any
             computed = min(seq.num_computed_tokens, resident * self.config.block_size)
             self.kv.sessions.save(session_id, seq.token_ids, seq.kv.block_table[:resident], computed, partial)
 
@@ -324,7 +324,7 @@ class LLMEngine:
         )
 
     def storage_stats(self) -> StorageStats:
-        """KV tier, session store and KV streaming traffic and bytes, read now (safe from any thread)."""
+        """KV tier, session store and KV offload traffic and bytes, read now (safe from any thread)."""
         tiers, sessions, offload = self.kv.tiers, self.kv.sessions, self.kv.offload
         host = tiers.host if tiers is not None else None
         disk = tiers.disk if tiers is not None else None
@@ -334,7 +334,7 @@ class LLMEngine:
             disk_tier_bytes=disk.nbytes if disk is not None else 0,
             sessions=dataclasses.replace(sessions.stats) if sessions is not None else None,
             session_store_bytes=sessions.store_bytes() if sessions is not None else 0,
-            streaming=offload.snapshot() if offload is not None else None,
+            offload=offload.snapshot() if offload is not None else None,
         )
 
     # -- sessions (safe from any thread: the server calls these from worker threads) -------------------

@@ -58,7 +58,7 @@ class EngineStats:
 @dataclass(frozen=True)
 class StorageStats:
     """A snapshot of the KV kept below the device pool (`LLMEngine.storage_stats`, for the server's /metrics): what
-    the KV tiers (glmserve/kv/tiers.py), the session store (glmserve/kv/session_io.py) and KV streaming of
+    the KV tiers (glmserve/kv/tiers.py), the session store (glmserve/kv/session_io.py) and KV offload of
     sequences longer than the pool (glmserve/kv/offload.py) moved, and the bytes they hold. Counters are copied
     as they are at that moment; a Redis session store answers its size over the network."""
 
@@ -67,4 +67,4 @@ class StorageStats:
     disk_tier_bytes: int
     sessions: SessionStats | None  # None: sessions are off
     session_store_bytes: int
-    streaming: OffloadStats | None = None  # None: the pool holds max_model_len (no KV streaming)
+    offload: OffloadStats | None = None  # None: the pool holds max_model_len (no KV offload)

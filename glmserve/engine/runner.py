@@ -25,7 +25,7 @@ class ModelRunner:
         self.device = device
         # block 0 is the null block: never allocated, zeroed, the target of padded slot indices
         self.kv_cache = model.bind_kv_cache(num_blocks * block_size, kv_dtype, device, zero_slots=block_size)
-        self.offload: RunningKVOffload | None = None  # KV streaming of sequences longer than the pool
+        self.offload: RunningKVOffload | None = None  # KV offload of sequences longer than the pool
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int, TokenLogprob | None]]:

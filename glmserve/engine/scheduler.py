@@ -4,7 +4,7 @@ Each step: running sequences first (decodes and unfinished prefill chunks), then
 ones in (priority, arrival) order while the token budget and `max_num_seqs` allow. When KV
 blocks run out, the running sequence that would be scheduled last is preempted: its blocks
 are freed and it goes back to the waiting queue to be recomputed (its prefix may still hit
-the cache). With KV streaming (`offload`, glmserve/kv/offload.py) the scheduler first moves old
+the cache). With KV offload (`offload`, glmserve/kv/offload.py) the scheduler first moves old
 chunks of running sequences out of the pool: the one being scheduled, then the others from the
 last scheduled; only when none can go does it preempt.
 """
@@ -99,7 +99,7 @@ class Scheduler:
 
     def _offload_one(self, first: Sequence | None) -> bool:
         """Moves one old KV chunk of a running sequence out of the pool (`first`'s, else the last scheduled
-        one with a chunk to spare); False when streaming is off or nothing can go."""
+        one with a chunk to spare); False when offload is off or nothing can go."""
         if self.offload is None:
             return False
         candidates = ([first] if first is not None else []) + self.running[::-1]
@@ -117,7 +117,7 @@ class Scheduler:
                 continue
             if self.offload is None or not hits:
                 return False
-            # streaming: a cached prefix as large as the pool leaves no room to go on; its tail is recomputed
+            # offload: a cached prefix as large as the pool leaves no room to go on; its tail is recomputed
             # (and offloaded in turn) instead of waiting for room that never comes
             hits = hits[:max(0, len(hits) - self.offload.chunk_blocks)]
         self.waiting.pop(0)

@@ -15,7 +15,7 @@ The map, from the token up:
   it back as cached blocks. Chunks are named by their last block hash and `kv_identity` (`kv_io.py`).
 - **Running offload** (`offload.py`): a running sequence longer than the pool keeps its first chunk and its tail
   resident; older chunks go to pinned host memory or an unlinked scratch file (keyed by `SeqKV.kv_id`, their
-  table entries `OFFLOADED`), and attention streams them back layer by layer.
+  table entries `OFFLOADED`), and attention reads them back layer by layer.
 - **Sessions**: `session_store.py` `SessionStore` (a session's chunks and record in a `ChunkStore`: disk, or Redis
   `redis_store.py` shared by replicas; TTL and size cap) and `session_io.py` `SessionKV` (a finished turn's KV
   saved from the pool, the next turn's prefix restored into it, in background threads).

@@ -1,25 +1,25 @@
-"""Running sequences longer than the device pool: their older KV chunks leave the pool and stream back.
+"""Running sequences longer than the device pool: their older KV chunks leave the pool and read back.
 
 The seeds keep a 200K-token context alive on limited memory by splitting its KV into chunks (2,048 tokens)
 and keeping only the working set in fast memory. Here a running sequence keeps resident its first chunk
-(attention sinks) and everything after its cold span; when the pool runs short (the scheduler asks before it
+(attention sinks) and everything after its offloaded span; when the pool runs short (the scheduler asks before it
 preempts anyone), the oldest fully computed resident chunk after the first is copied out
 (`KVBlockIO.gather`: one batched copy, layer-major, so one layer of a chunk is one contiguous byte range),
 its blocks are released from the sequence (block-table entries become `OFFLOADED`) and the chunk joins
-the sequence's cold span. Each attention layer then merges the resident part with every cold chunk's layer
+the sequence's offloaded span. Each attention layer then merges the resident part with every offloaded chunk's layer
 slice, read one at a time with read-ahead (glmserve/layers/partial_attention.py: partial softmax results
 merged by their log-sum-exp), so memory stays at the pool plus a few layer slices whatever the context.
 
-Where cold chunks live: on CUDA, pinned host memory while the host budget lasts (one layer slice copies to the
+Where offloaded chunks live: on CUDA, pinned host memory while the host budget lasts (one layer slice copies to the
 GPU at full speed); then files under `<kv_disk_dir>/running`. A file is unlinked as soon as it is created
 (`tempfile.TemporaryFile`), so a crash leaves nothing behind; it is private scratch of this process and this
 sequence, dropped when the sequence finishes or is preempted (a preempted sequence recomputes, as it does
 without offload). Layer slices are read with `os.preadv` straight into tensors (no page-cache mapping in the
 process: RSS stays flat).
 
-Scope: models whose attention layers are `PagedAttention` (Llama family, Qwen, GLM-4: `supports_kv_streaming`).
-Block-sparse decode of a row with a cold span scores the offloaded blocks from the block indexer's key bounds
-kept with each chunk and reads back only the blocks holding a selected token (`ColdChunk.read_blocks`); rows
+Scope: models whose attention layers are `PagedAttention` (Llama family, Qwen, GLM-4: `supports_kv_offload`).
+Block-sparse decode of a row with a offloaded span scores the offloaded blocks from the block indexer's key bounds
+kept with each chunk and reads back only the blocks holding a selected token (`OffloadedChunk.read_blocks`); rows
 in other sparse modes decode densely (their scorers keep nothing for offloaded tokens).
 """
 
@@ -44,7 +44,7 @@ from glmserve.kv.seq_kv import SeqKV
 READ_AHEAD = 2  # layer slices read ahead of the one being attended
 
 
-class ColdChunk:
+class OffloadedChunk:
     """One chunk of one sequence's KV outside the pool, readable one layer at a time.
 
     Layout (from `KVBlockIO.gather` on a `[layers, 2, kv_heads, slots, head_dim]` pool): `[layers, 2, kv_heads,
@@ -126,16 +126,16 @@ class OffloadStats:
     offloaded_chunks: int = 0
     offloaded_bytes: int = 0  # currently held outside the pool (a gauge)
     offload_seconds: float = 0.0  # gather + copy out, in the engine step
-    streamed_slices: int = 0  # layer slices read back by attention
+    read_slices: int = 0  # layer slices read back by attention
     skipped_slices: int = 0  # layer slices sparse decode did not need (no selected token in the chunk)
-    stream_seconds: float = 0.0  # waiting for layer slices in attention
+    read_wait_seconds: float = 0.0  # waiting for layer slices in attention
 
 
 @dataclass
-class ColdSpan:
+class OffloadedSpan:
     """A sequence's offloaded chunks, contiguous from `start` (the end of its first chunk)."""
 
-    chunks: list[ColdChunk] = field(default_factory=list)
+    chunks: list[OffloadedChunk] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -147,7 +147,7 @@ class ColdSpan:
 
 
 class RunningKVOffload:
-    """Offloads and streams back the KV chunks of running sequences (see the module docstring)."""
+    """Offloads and reads back the KV chunks of running sequences (see the module docstring)."""
 
     def __init__(self, blocks: BlockManager, io: KVBlockIO, chunk_tokens: int, num_layers: int,
                  host_bytes: int, disk_dir: str | None, disk_bytes: int,
@@ -155,7 +155,7 @@ class RunningKVOffload:
         """`block_bounds(blocks)`: the block indexer's bounds of `blocks` for every layer ([layers, n, ...]),
         kept with each chunk so that sparse decode can score it; None when the block indexer is off."""
         if len(io.layout) != 1:
-            raise ValueError("KV streaming needs a pool of [layers, 2, kv_heads, slots, head_dim]")
+            raise ValueError("KV offload needs a pool of [layers, 2, kv_heads, slots, head_dim]")
         self.blocks = blocks
         self.io = io
         self.chunk_tokens = chunk_tokens
@@ -167,12 +167,12 @@ class RunningKVOffload:
         self.disk_bytes = disk_bytes if disk_dir else 0
         self.host_used = 0
         self.disk_used = 0
-        self.spans: dict[int, ColdSpan] = {}  # SeqKV.kv_id -> its cold span
+        self.spans: dict[int, OffloadedSpan] = {}  # SeqKV.kv_id -> its offloaded span
         self.stats = OffloadStats()
-        self.reader = ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="glmserve-kv-stream")
+        self.reader = ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="glmserve-kv-offload")
         self.lock = threading.Lock()  # stats updated from attention (engine thread) and readers
 
-    def span(self, kv: SeqKV) -> ColdSpan | None:
+    def span(self, kv: SeqKV) -> OffloadedSpan | None:
         return self.spans.get(kv.kv_id)
 
     # -- offload --------------------------------------------------------------------------------------------
@@ -189,13 +189,13 @@ class RunningKVOffload:
         if chunk is None:
             return False
         self.blocks.release_blocks(kv, first, last)
-        self.spans.setdefault(kv.kv_id, ColdSpan()).chunks.append(chunk)
+        self.spans.setdefault(kv.kv_id, OffloadedSpan()).chunks.append(chunk)
         self.stats.offloaded_chunks += 1
         self.stats.offloaded_bytes += chunk.nbytes
         self.stats.offload_seconds += time.perf_counter() - start_time
         return True
 
-    def _copy_out(self, blocks: list[int], start: int) -> ColdChunk | None:
+    def _copy_out(self, blocks: list[int], start: int) -> OffloadedChunk | None:
         groups, width = self.io.layout[0]
         layer_shape = (2, groups // (2 * self.num_layers), len(blocks) * self.io.block_size, width)
         index = torch.tensor(blocks, dtype=torch.long)
@@ -203,7 +203,7 @@ class RunningKVOffload:
         bounds = self.block_bounds(index) if self.block_bounds is not None else None
         if bounds is not None:
             parts.append(bounds.to(parts[0].dtype).reshape(-1))
-        chunk = ColdChunk(start, layer_shape, None if bounds is None else tuple(bounds.shape[1:]), parts[0].dtype,
+        chunk = OffloadedChunk(start, layer_shape, None if bounds is None else tuple(bounds.shape[1:]), parts[0].dtype,
                           self.num_layers)
         size = chunk.nbytes
         data = torch.cat(parts).view(torch.uint8) if len(parts) > 1 else parts[0].view(torch.uint8)
@@ -227,7 +227,7 @@ class RunningKVOffload:
         return chunk
 
     def drop(self, kv: SeqKV) -> None:
-        """The sequence finished or was preempted: its cold chunks are deleted."""
+        """The sequence finished or was preempted: its offloaded chunks are deleted."""
         span = self.spans.pop(kv.kv_id, None)
         for chunk in span.chunks if span is not None else []:
             if chunk.host is not None:
@@ -237,9 +237,9 @@ class RunningKVOffload:
             self.stats.offloaded_bytes -= chunk.nbytes
             chunk.close()
 
-    # -- streaming ------------------------------------------------------------------------------------------
-    def stream_layer(self, chunks: list[ColdChunk], layer: int, device: torch.device, dtype: torch.dtype
-                     ) -> Iterator[torch.Tensor]:
+    # -- reading back -----------------------------------------------------------------------------------------
+    def read_layer_slices(self, chunks: list[OffloadedChunk], layer: int, device: torch.device, dtype: torch.dtype
+                          ) -> Iterator[torch.Tensor]:
         """Each chunk's layer slice ([2, kv_heads, tokens, head_dim], on `device` in `dtype`), in order, the next
         `READ_AHEAD` being read in background threads meanwhile."""
         pending = [self.reader.submit(chunk.read_layer, layer) for chunk in chunks[:READ_AHEAD]]
@@ -250,8 +250,8 @@ class RunningKVOffload:
                 pending.append(self.reader.submit(chunks[i + READ_AHEAD].read_layer, layer))
             kv = data.to(device, dtype=dtype, non_blocking=True)
             with self.lock:
-                self.stats.streamed_slices += 1
-                self.stats.stream_seconds += time.perf_counter() - start
+                self.stats.read_slices += 1
+                self.stats.read_wait_seconds += time.perf_counter() - start
             yield kv
 
     def snapshot(self) -> OffloadStats:
@@ -263,9 +263,9 @@ class RunningKVOffload:
         with self.lock:
             self.stats.skipped_slices += slices
 
-    def count_streamed(self, slices: int) -> None:
+    def count_read_slices(self, slices: int) -> None:
         with self.lock:
-            self.stats.streamed_slices += slices
+            self.stats.read_slices += slices
 
     def close(self) -> None:
         for span in self.spans.values():

@@ -34,11 +34,11 @@ def kv_budget_bytes(configured: int | None, device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """The pool's size and whether sequences longer than it stream their KV (glmserve/kv/offload.py)."""
+    """The pool's size and whether sequences longer than it offload their KV (glmserve/kv/offload.py)."""
 
     num_blocks: int  # pool blocks, the null block included
     block_size: int
-    streaming: bool
+    offloads: bool
     host_bytes: int  # host memory the tiers and the offload may use
 
     @property
@@ -47,24 +47,24 @@ class PoolPlan:
 
 
 def plan_pool(budget_bytes: int, bytes_per_block: int, block_size: int, max_model_len: int, *,
-              streaming_supported: bool, chunk_tokens: int, max_num_batched_tokens: int,
+              offload_supported: bool, chunk_tokens: int, max_num_batched_tokens: int,
               host_memory_bytes: int | None, disk_dir: str | None, device: torch.device) -> PoolPlan:
     """As many blocks as `budget_bytes` holds at `bytes_per_block` (KV and side pools). A pool shorter than
-    `max_model_len` needs streaming: a model whose attention supports it and somewhere to put the chunks (a disk
+    `max_model_len` needs KV offload: a model whose attention supports it and somewhere to put the chunks (a disk
     dir, or a host budget); raises InvalidRequestError otherwise, or when the pool cannot hold the smallest
-    streaming working set (the first chunk, a chunk filling up, one step's tokens, one block)."""
+    offload's working set (the first chunk, a chunk filling up, one step's tokens, one block)."""
     host_bytes = host_tier_budget(host_memory_bytes, device)
     plan = PoolPlan(budget_bytes // bytes_per_block, block_size, False, host_bytes)
     if plan.usable_tokens >= max_model_len:
         return plan
-    if not (streaming_supported and (disk_dir is not None or host_bytes > 0)):
+    if not (offload_supported and (disk_dir is not None or host_bytes > 0)):
         raise InvalidRequestError(
             f"KV cache budget holds {plan.usable_tokens} tokens, less than max_model_len {max_model_len}; raise "
-            "kv_cache_memory_bytes, lower max_model_len, or give kv_disk_dir to stream longer sequences' KV"
+            "kv_cache_memory_bytes, lower max_model_len, or give kv_disk_dir to offload longer sequences' KV"
         )
     need = 2 * chunk_tokens + max_num_batched_tokens + block_size
     if plan.usable_tokens < need:
-        raise InvalidRequestError(f"KV cache budget holds {plan.usable_tokens} tokens; streaming KV chunks needs at "
+        raise InvalidRequestError(f"KV cache budget holds {plan.usable_tokens} tokens; offloading KV chunks needs at "
                                   f"least {need} (two chunks and one step's tokens)")
     return PoolPlan(plan.num_blocks, block_size, True, host_bytes)
 
@@ -102,7 +102,7 @@ class KVStack:
         if tiers is not None:
             blocks.attach_tiers(tiers)
         offload = RunningKVOffload(blocks, io, chunk_tokens, model.num_layers, plan.host_bytes, disk_dir, disk_bytes,
-                                   block_bounds) if plan.streaming else None
+                                   block_bounds) if plan.offloads else None
         return cls(blocks, io, identity, tiers, offload, sessions)
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed
 `on_kv_written`) and the selection rule pick; both decode paths take those slots + lengths. Prefill
 stays dense.
 
-KV streaming (glmserve/kv/offload.py): rows whose sequence has chunks outside the pool (`cold`) see
+KV offload (glmserve/kv/offload.py): rows whose sequence has chunks outside the pool (`offloaded`) see
 only their resident keys in `kv_slots`; glmserve/layers/offloaded_attention.py completes them.
 """
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from glmserve import kernels
 from glmserve.errors import InvalidRequestError
-from glmserve.layers.offloaded_attention import ColdRows, decode_offloaded, prefill_offloaded
+from glmserve.layers.offloaded_attention import OffloadedRows, decode_offloaded, prefill_offloaded
 from glmserve.layers.partial_attention import attention_with_lse, gather_kv, paged_attention_with_lse
 from glmserve.sparse.indexer import Indexer, ScoringRows
 from glmserve.sparse.pinning import QuestionObservation
@@ -44,7 +44,7 @@ class GroupMetadata:
     context_lens: torch.Tensor | None = None  # [B] int64, decode group: keys per sequence
     block_tables: torch.Tensor | None = None  # [B, W] physical block ids, decode group
     sparse: SparseRows | None = None  # decode group: per-row sparse settings; None = every row dense
-    cold: ColdRows | None = None  # rows with offloaded chunks (their kv_slots list resident keys only)
+    offloaded: OffloadedRows | None = None  # rows with offloaded chunks (their kv_slots list resident keys only)
     observe: QuestionObservation | None = None  # prefill group: rows whose prompt ends here choose their pinned units
 
     def scoring_rows(self) -> ScoringRows:
@@ -111,15 +111,15 @@ class PagedAttention:
     def _decode(self, q: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         slots, lengths = (g.kv_slots, g.context_lens) if g.sparse is None else self.select(q, g)
         kernel = kernels.op("paged_decode", q.device, q.dtype)
-        if kernel is not None and g.cold is None:  # reads K/V in place from the pool: no gather copy
+        if kernel is not None and g.offloaded is None:  # reads K/V in place from the pool: no gather copy
             return kernel(q.contiguous(), self.kv_cache[0], self.kv_cache[1], slots, lengths, self.scale)
-        apart = set() if g.cold is None else g.cold.select_apart()
+        apart = set() if g.offloaded is None else g.offloaded.select_apart()
         if apart:  # their dense resident part is not needed: one key each
             lengths = lengths.clone()
             lengths[sorted(apart)] = 1
         out, lse = paged_attention_with_lse(q, self.kv_cache, slots, lengths, self.scale)
-        if g.cold is not None:
-            decode_offloaded(self, q, out, lse, g.cold, apart, g.context_lens, g.block_tables)
+        if g.offloaded is not None:
+            decode_offloaded(self, q, out, lse, g.offloaded, apart, g.context_lens, g.block_tables)
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
@@ -132,14 +132,14 @@ class PagedAttention:
         keys, values = gather_kv(self.kv_cache, g.kv_slots, q.dtype)
         b, qlen = g.query_index.shape
         qp = q[g.query_index.reshape(-1)].view(b, qlen, self.num_heads, self.head_dim).transpose(1, 2)
-        if g.cold is None:
+        if g.offloaded is None:
             out = F.scaled_dot_product_attention(
                 qp, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=g.key_mask, scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )  # [B, H, Q, D]
         else:  # rows with offloaded chunks merge in each chunk's keys (all before their queries)
             out, lse = attention_with_lse(qp, keys.transpose(0, 1), values.transpose(0, 1), self.scale, g.key_mask)
-            prefill_offloaded(self, qp, out, lse, g.cold)
+            prefill_offloaded(self, qp, out, lse, g.offloaded)
         out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)
         return out[g.valid_index]
 

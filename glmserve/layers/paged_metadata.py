@@ -14,12 +14,12 @@ import torch
 
 from glmserve.kv.slots import slots_of
 from glmserve.layers.attention import AttentionMetadata, GroupMetadata
-from glmserve.layers.offloaded_attention import ColdRows
+from glmserve.layers.offloaded_attention import OffloadedRows
 from glmserve.sparse.selection import SparseRows
 from glmserve.sparse_settings import SparseAttentionParams
 
 if TYPE_CHECKING:
-    from glmserve.kv.offload import ColdSpan, RunningKVOffload
+    from glmserve.kv.offload import OffloadedSpan, RunningKVOffload
     from glmserve.sparse.pinning import QuestionObservation
 
 
@@ -38,7 +38,7 @@ class StepRows:
     sparse: list[SparseAttentionParams]  # each row's sparse settings
     pins: list[torch.Tensor | None]  # each row's question pins (sparse/pinning.py)
     decode_pins: torch.Tensor | None  # the decode rows' pins as one [B, P] tensor (-1 padding), or None
-    spans: list[ColdSpan | None]  # each row's offloaded chunks in `offload`, or None
+    spans: list[OffloadedSpan | None]  # each row's offloaded chunks in `offload`, or None
     offload: RunningKVOffload | None
     observe: QuestionObservation | None  # prefill rows whose prompt ends here choose their pinned units
 
@@ -53,16 +53,16 @@ class StepRows:
 
 
 def key_slots(tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-              cold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              offloaded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows' resident keys: (positions [B, L], in_context [B, L], slots [B, L]) for rows of `context_lens`
-    keys whose (start, length) `cold` [B, 2] are offloaded (None: all resident). Slots past a row's keys
+    keys whose (start, length) `offloaded` [B, 2] are offloaded (None: all resident). Slots past a row's keys
     (padding, the unwritten tail of its last block) are the zeroed null block's: masked scores times
     uninitialized values could otherwise give NaN."""
-    cold = torch.zeros((len(context_lens), 2), dtype=torch.long) if cold is None else cold
-    cold_start, cold_len = cold[:, :1], cold[:, 1:]
-    resident = context_lens - cold_len[:, 0]
+    offloaded = torch.zeros((len(context_lens), 2), dtype=torch.long) if offloaded is None else offloaded
+    offloaded_start, offloaded_len = offloaded[:, :1], offloaded[:, 1:]
+    resident = context_lens - offloaded_len[:, 0]
     j = torch.arange(int(resident.max()))[None, :]
-    key_pos = torch.where(j < cold_start, j, j + cold_len)
+    key_pos = torch.where(j < offloaded_start, j, j + offloaded_len)
     in_context = j < resident[:, None]
     slots = torch.where(in_context, slots_of(tables, key_pos, block_size), 0)
     return key_pos, in_context, slots
@@ -89,14 +89,14 @@ def _decode_group(step: StepRows, rows: slice) -> GroupMetadata:
     dev = step.device
     g = _group(step, rows, None)
     spans = step.spans[rows]
-    # a row that streams offloaded chunks selects apart (ColdRows.params, see PagedAttention._decode)
+    # a row with offloaded chunks selects apart (OffloadedRows.params, see PagedAttention._decode)
     params = [p if sp is None else SparseAttentionParams() for p, sp in zip(step.sparse[rows], spans)]
-    if g.cold is not None:
-        g.cold.params = [step.sparse[r] for r in g.cold.rows]
-        g.cold.pins = [step.pins[r] for r in g.cold.rows]
+    if g.offloaded is not None:
+        g.offloaded.params = [step.sparse[r] for r in g.offloaded.rows]
+        g.offloaded.pins = [step.pins[r] for r in g.offloaded.rows]
     if any(p.mode != "dense" for p in params):  # rows all dense: the dense fast path
         g.sparse = SparseRows.from_params(params, dev, step.decode_pins)
-    if g.sparse is not None or g.cold is not None:
+    if g.sparse is not None or g.offloaded is not None:
         g.block_tables = step.tables[rows].to(dev)
     return g
 
@@ -116,18 +116,19 @@ def _group(step: StepRows, rows: slice, query_offsets: torch.Tensor | None) -> G
     num_tokens = int(lens.sum())
     if query_offsets is not None and len(lens) == 1 and int(starts[0]) == 0:
         return GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=num_tokens, fresh_causal=True)
-    cold = torch.tensor([(sp.start, sp.length) if sp else (0, 0) for sp in spans], dtype=torch.long).view(-1, 2)
-    key_pos, in_context, kv_slots = key_slots(tables, starts + lens, step.block_size, cold)
-    cold_rows = [i for i, sp in enumerate(spans) if sp is not None]
-    group_cold = ColdRows(cold_rows, [spans[i].chunks for i in cold_rows], step.offload) if cold_rows else None
+    offloaded = torch.tensor([(sp.start, sp.length) if sp else (0, 0) for sp in spans], dtype=torch.long).view(-1, 2)
+    key_pos, in_context, kv_slots = key_slots(tables, starts + lens, step.block_size, offloaded)
+    offloaded_rows = [i for i, sp in enumerate(spans) if sp is not None]
+    group_offloaded = (OffloadedRows(offloaded_rows, [spans[i].chunks for i in offloaded_rows], step.offload)
+                       if offloaded_rows else None)
     if query_offsets is None:  # decode: one query per row
         mask = in_context[:, None, :]  # [B, 1, L] against scores [Hkv, B, g, L]
         return GroupMetadata(kv_slots=kv_slots.to(dev), key_mask=mask.to(dev), num_tokens=num_tokens,
-                             context_lens=(starts + lens - cold[:, 1]).to(dev), cold=group_cold)
+                             context_lens=(starts + lens - offloaded[:, 1]).to(dev), offloaded=group_offloaded)
     query_pos = starts[:, None] + torch.arange(int(lens.max()))[None, :]  # [B, Q]
     mask = ((key_pos[:, None, :] <= query_pos[:, :, None]) & in_context[:, None, :])[:, None]  # [B, 1, Q, L]
     query_index, valid = padded_queries(lens, query_offsets)
     return GroupMetadata(
         kv_slots=kv_slots.to(dev), key_mask=mask.to(dev), num_tokens=num_tokens,
-        query_index=query_index.to(dev), valid_index=valid.to(dev), cold=group_cold,
+        query_index=query_index.to(dev), valid_index=valid.to(dev), offloaded=group_offloaded,
     )

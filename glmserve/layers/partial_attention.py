@@ -4,7 +4,7 @@ Softmax attention over keys split into parts A and B equals the parts' outputs w
 the normalizer: with lse_X = log sum_j exp(s_j) over part X,
     out = out_A * exp(lse_A - lse) + out_B * exp(lse_B - lse),   lse = log(exp(lse_A) + exp(lse_B)).
 This is the merge of blockwise/flash attention (Milakov & Gimelshein 2018, "Online normalizer calculation for
-softmax"; Dao et al. 2022, FlashAttention); KV streaming (glmserve/kv/offload.py) uses it to attend to chunks
+softmax"; Dao et al. 2022, FlashAttention); KV offload (glmserve/kv/offload.py) uses it to attend to chunks
 that are not in the pool one at a time. Also here: the gather of K/V by slot and the paged decode attention
 with its log-sum-exp that both the pool and the offloaded chunks go through.
 

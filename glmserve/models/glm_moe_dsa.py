@@ -126,7 +126,7 @@ class MlaMetadata:
 
 def mla_metadata(step: StepRows) -> MlaMetadata:
     """The step's decode and prefill groups as MLA reads them: every row's whole context (this model's KV
-    does not stream), decode rows with their sparse settings (the model's own indexer: always)."""
+    does not offload), decode rows with their sparse settings (the model's own indexer: always)."""
     n, b = step.num_decode, len(step.lens)
     groups = ([_mla_group(step, slice(0, n), decode=True)] if n else []) + (
         [_mla_group(step, slice(n, b), decode=False)] if n < b else [])

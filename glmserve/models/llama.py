@@ -88,7 +88,7 @@ class DecoderOnlyLM(LoadsCheckpoint, nn.Module):
         "up_proj.{kind}": ("gate_up_proj.{kind}", 1),
     })
     interleaved_rope = False
-    supports_kv_streaming = True  # PagedAttention layers: chunks can leave the pool (glmserve/kv/offload.py)
+    supports_kv_offload = True  # PagedAttention layers: chunks can leave the pool (glmserve/kv/offload.py)
 
     def __init__(self, config: PretrainedConfig, max_positions: int):
         super().__init__()

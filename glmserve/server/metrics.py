@@ -39,13 +39,13 @@ TIER_COUNTERS = {
     "kv_tier_write_seconds": ("write_seconds", "Seconds the disk writer thread spent writing chunks"),
     "kv_tier_load_seconds": ("load_seconds", "Seconds spent loading chunks back into the device pool"),
 }
-# the same for glmserve/kv/offload.py OffloadStats (KV streaming of sequences longer than the pool)
-STREAM_COUNTERS = {
+# the same for glmserve/kv/offload.py OffloadStats (KV offload of sequences longer than the pool)
+OFFLOAD_COUNTERS = {
     "kv_stream_offloaded_chunks": ("offloaded_chunks", "KV chunks of running sequences moved out of the device pool"),
     "kv_stream_offload_seconds": ("offload_seconds", "Seconds engine steps spent copying chunks out"),
-    "kv_stream_read_slices": ("streamed_slices", "Offloaded chunk layer slices read back by attention"),
+    "kv_stream_read_slices": ("read_slices", "Offloaded chunk layer slices read back by attention"),
     "kv_stream_skipped_slices": ("skipped_slices", "Offloaded chunk layer slices sparse decode did not need to read"),
-    "kv_stream_wait_seconds": ("stream_seconds", "Seconds attention waited for offloaded layer slices"),
+    "kv_stream_wait_seconds": ("read_wait_seconds", "Seconds attention waited for offloaded layer slices"),
 }
 # the same for glmserve/kv/session_io.py SessionStats
 SESSION_COUNTERS = {
@@ -198,10 +198,10 @@ class _StorageCollector(Collector):
         if stats.tiers is not None:
             yield from _counters(TIER_COUNTERS, stats.tiers)
             yield _tier_bytes(stats)
-        if stats.streaming is not None:
-            yield from _counters(STREAM_COUNTERS, stats.streaming)
+        if stats.offload is not None:
+            yield from _counters(OFFLOAD_COUNTERS, stats.offload)
             yield GaugeMetricFamily(f"{PREFIX}_kv_stream_bytes", "Bytes of running sequences' KV held outside the "
-                                    "device pool (host memory or scratch files)", value=stats.streaming.offloaded_bytes)
+                                    "device pool (host memory or scratch files)", value=stats.offload.offloaded_bytes)
         if stats.sessions is not None:
             yield from _counters(SESSION_COUNTERS, stats.sessions)
             yield GaugeMetricFamily(f"{PREFIX}_session_store_bytes", "Bytes held by the session store (KV chunks "

@@ -43,7 +43,7 @@ from glmserve.sparse.selection import NONE, SparseRows, unit_keep_mask
 from glmserve.sparse_settings import MODE_DEFAULTS
 
 if TYPE_CHECKING:
-    from glmserve.kv.offload import ColdChunk, ColdSpan, RunningKVOffload
+    from glmserve.kv.offload import OffloadedChunk, OffloadedSpan, RunningKVOffload
 
 PIN_BUDGET = MODE_DEFAULTS["block"]["top_k"]  # threshold-only rows: pins take at most half of this budget
 PIN_BLOCK = 16  # pins are chosen by blocks of 16 positions (the block indexer's unit; whole blocks for tokens)
@@ -98,7 +98,7 @@ class QuestionObservation:
     kv_slots: torch.Tensor  # [R, L] slot of each context position (0 past the context)
     context_lens: torch.Tensor  # [R]
     rows: SparseRows
-    cold: list[tuple[int, list[ColdChunk]]] = field(default_factory=list)  # rows whose sequence has chunks offloaded
+    offloaded: list[tuple[int, list[OffloadedChunk]]] = field(default_factory=list)  # rows with chunks offloaded
     source: RunningKVOffload | None = None  # where those chunks are (glmserve/kv/offload.py)
     votes: torch.Tensor | None = None  # [R, blocks]: the block scores of every layer so far, summed
     unit_sizes: dict[str, int] = field(default_factory=dict)  # pinned mode in the group -> its scorer's unit
@@ -106,7 +106,7 @@ class QuestionObservation:
     @classmethod
     def for_prefill(cls, sequences: list[Any], tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                     first_token: torch.Tensor, block_size: int, device: torch.device,
-                    spans: list[ColdSpan | None], source: RunningKVOffload | None) -> QuestionObservation | None:
+                    spans: list[OffloadedSpan | None], source: RunningKVOffload | None) -> QuestionObservation | None:
         """The prefill group's rows (tables [R, W], starts / lens / first_token [R]: first position, tokens of the
         chunk, flat index of its first token; `spans`: each row's offloaded chunks in `source`) restricted to
         those whose chunk ends a pinned sequence."""
@@ -145,8 +145,8 @@ class QuestionObservation:
         hkv, d = attn.num_kv_heads, attn.head_dim
         queries = q[self.query_index.reshape(-1)].view(r, w, hkv, -1, d).float()  # [R, W, Hkv, g, D]
         keys = attn.kv_cache[0].index_select(1, self.kv_slots.reshape(-1)).view(hkv, r, -1, d).float()
-        for row, chunks in self.cold:  # offloaded positions read the null block (kv/slots.py): read their keys back
-            for chunk, kv in zip(chunks, self.source.stream_layer(chunks, attn.layer_index, q.device, keys.dtype)):
+        for row, chunks in self.offloaded:  # their positions read the null block (kv/slots.py): read keys back
+            for chunk, kv in zip(chunks, self.source.read_layer_slices(chunks, attn.layer_index, q.device, keys.dtype)):
                 keys[:, row, chunk.start:chunk.start + chunk.tokens] = kv[0]
         logits = torch.einsum("rwhgd,hrld->rwhgl", queries, keys) * attn.scale
         key_pos = torch.arange(keys.shape[2], device=q.device)

@@ -6,7 +6,7 @@
 // (sequence, kv head) pairs with at::parallel_for. Layouts follow glmserve/layers/attention.py:
 // q [B, H, D] float32, cache k/v [Hkv, slots, D] (float32 or bfloat16), slots [B, L] int64,
 // context lengths [B] int64, out [B, H, D] float32; `paged_decode_lse` also returns each head's
-// log-sum-exp of scores [B, H] (float32), to merge with attention over keys elsewhere (KV streaming).
+// log-sum-exp of scores [B, H] (float32), to merge with attention over keys elsewhere (KV offload).
 // The split into a score pass and a value pass follows the textbook softmax(QK^T)V; see also
 // vLLM's csrc/cpu/attention.cpp for the paged layout idea (read, not copied).
 #include <ATen/ATen.h>

@@ -1,4 +1,4 @@
-"""Sequences longer than the KV pool: old chunks leave the pool and stream back through attention
+"""Sequences longer than the KV pool: old chunks leave the pool and read back through attention
 (glmserve/kv/offload.py), checked against transformers' reference on the whole context."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _pool_bytes(model_dir, blocks: int) -> int:
 
 
 def _engine(model_dir, tmp_path, **kw) -> LLM:
-    """An engine on a pool of POOL_BLOCKS blocks streaming to tmp_path (unless `kw` says otherwise)."""
+    """An engine on a pool of POOL_BLOCKS blocks offloading to tmp_path (unless `kw` says otherwise)."""
     kw.setdefault("kv_cache_memory_bytes", _pool_bytes(model_dir, POOL_BLOCKS))
     kw.setdefault("max_model_len", 400)
     return LLM(model=str(model_dir), dtype="float32", block_size=BS, kv_chunk_tokens=CHUNK,
@@ -57,7 +57,7 @@ def test_sequences_longer_than_the_pool_match_the_reference(hf_llama, tmp_path, 
         check_against_reference(hf_model, prompt, out.outputs[0])
     offload = engine.kv.offload
     assert offload.stats.offloaded_chunks >= (260 + 24) // CHUNK - 3
-    assert offload.stats.streamed_slices > 0
+    assert offload.stats.read_slices > 0
     # nothing left behind: no spans, no bytes outside the pool, every block back
     assert not offload.spans and offload.disk_used == 0 and offload.stats.offloaded_bytes == 0
     stats = engine.stats()
@@ -101,14 +101,14 @@ def test_pool_too_small_or_no_room_for_chunks_is_a_clear_error(tiny_model_dir, t
     path = tiny_model_dir("llama")
     with pytest.raises(InvalidRequestError, match="kv_disk_dir"):
         LLM(model=str(path), dtype="float32", block_size=BS, max_model_len=400, kv_cache_memory_bytes=20_000)
-    with pytest.raises(InvalidRequestError, match="streaming KV chunks needs at least"):
+    with pytest.raises(InvalidRequestError, match="offloading KV chunks needs at least"):
         _engine(path, tmp_path, kv_cache_memory_bytes=20_000)
-    # a pool that holds max_model_len needs no streaming, however small: no minimum applies
+    # a pool that holds max_model_len needs no offload, however small: no minimum applies
     small = _engine(path, tmp_path, max_model_len=40, kv_cache_memory_bytes=_pool_bytes(path, 11))
     assert small.engine.kv.blocks.num_usable_blocks * BS < 2 * CHUNK + STEP + BS and small.engine.kv.offload is None
     from test_glm_moe_dsa import make_model
 
-    with pytest.raises(InvalidRequestError, match="kv_disk_dir"):  # MLA attention does not stream
+    with pytest.raises(InvalidRequestError, match="kv_disk_dir"):  # MLA attention does not offload
         LLM(model=str(make_model("glm_moe_dsa", tmp_path / "glm5")), dtype="float32", block_size=BS, max_model_len=400,
             kv_cache_memory_bytes=20_000, kv_disk_dir=str(tmp_path / "kv"))
 
@@ -154,7 +154,7 @@ def test_block_sparse_streaming_reads_only_chunks_with_selected_blocks(hf_llama,
         assert torch.allclose(votes, whole_votes, atol=1e-5)
         assert pins.tolist() == whole_pins.tolist() and len(pins) == 16 // BS
     offload = llm.engine.kv.offload
-    assert offload.stats.skipped_slices > 0 and offload.stats.streamed_slices > 0
+    assert offload.stats.skipped_slices > 0 and offload.stats.read_slices > 0
     assert offload.host_used == 0 and offload.disk_used == 0  # dropped when the request finished
     assert (tmp_path / "kv" / "running").exists() == (where == "disk")  # host: no chunk went to disk
 
