@@ -111,6 +111,21 @@ def random_params(gen: torch.Generator, mode: str) -> SparseAttentionParams:
     return SparseAttentionParams(mode, top_k=top_k, threshold=threshold, sink_tokens=sink, local_tokens=local)
 
 
+@pytest.mark.parametrize("length", [5, BLOCK])
+def test_selection_of_one_row_within_one_unit(length, kernel_backend):
+    """A single row whose keys fit in one block (a short prompt's first decode step): the token mask must not
+    be a broadcast view of the one unit (the torch path once wrote into such a view and failed)."""
+    params = SparseAttentionParams("block", top_k=2048, sink_tokens=4, local_tokens=16)
+    rows = SparseRows.from_params([params], torch.device("cpu"))
+    ctx = torch.tensor([length])
+    scores = torch.randn(1, 1, generator=torch.Generator().manual_seed(length))
+    keep = decode_keep_mask({"block": scores}, {"block": BLOCK}, ctx, rows, length)
+    assert keep[0].nonzero()[:, 0].tolist() == sorted(reference_keep(scores[0], BLOCK, length, params, length))
+    kv_slots = torch.arange(1, length + 1)[None]
+    slots, lengths = select_slots({"block": scores}, {"block": BLOCK}, ctx, rows, kv_slots)
+    assert lengths.tolist() == [length] and slots[0, :length].tolist() == kv_slots[0].tolist()
+
+
 @pytest.mark.parametrize("unit", [1, 4, BLOCK])
 def test_selection_matches_reference_rule(unit, kernel_backend):
     gen = torch.Generator().manual_seed(unit)

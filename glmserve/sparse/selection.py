@@ -129,11 +129,11 @@ def keep_mask(scores: torch.Tensor, unit_size: int, context_lens: torch.Tensor, 
               length: int, pins: torch.Tensor | None = None) -> torch.Tensor:
     """scores [B, U] (U >= ceil(length / unit_size)) -> keep [B, length] bool, every row under this scorer;
     `pins` [B, P]: each row's pinned units (-1 = none), kept within its budget."""
-    b = scores.shape[0]
     num_units = -(-length // unit_size)
     unit_keep, _ = unit_keep_mask(scores, unit_size, context_lens, rows, num_units, pins)
     # to tokens (few [B, length] ops: this is the part that grows with the context)
-    keep = unit_keep[:, :, None].expand(b, num_units, unit_size).reshape(b, -1)[:, :length]
+    # (repeat_interleave, not expand + reshape: a single unit would stay a stride-0 view the ORs below write to)
+    keep = unit_keep.repeat_interleave(unit_size, dim=1)[:, :length]
     pos = positions_upto(length, scores.device)[None, :]
     keep |= pos < rows.sink_tokens[:, None]  # sinks
     keep |= pos >= (context_lens - rows.local_tokens)[:, None]  # local window
