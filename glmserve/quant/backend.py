@@ -1,0 +1,60 @@
+"""The backends a quantized linear layer runs on, and the registry that picks one.
+
+A backend takes a QuantizedWeight (canonical form) once at load, repacks it into its own layout (`prepare`;
+the canonical tensors are then dropped by the caller) and multiplies activations by it (`apply`). `reference`
+(dequantize, then matmul) is the oracle every other backend is tested against. Selection: the highest
+priority backend whose `supports` accepts the weight's spec, the activation spec and the device (each
+backend checks the instruction set it needs itself); GLMSERVE_QUANT_BACKEND=<name> forces one (tests,
+benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+import torch
+
+from glmserve.errors import InvalidRequestError
+from glmserve.quant.spec import QuantSpec
+from glmserve.quant.weight import QuantizedWeight
+
+BACKEND_ENV = "GLMSERVE_QUANT_BACKEND"
+
+
+class LinearBackend(Protocol):
+    name: str
+
+    def supports(self, weight: QuantSpec, activations: QuantSpec | None, device: torch.device) -> bool: ...
+
+    def prepare(self, weight: QuantizedWeight, activations: QuantSpec | None, device: torch.device) -> Any:
+        """The weight in this backend's layout (an opaque object of tensors), made once at load."""
+
+    def apply(self, prepared: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [tokens, in_features] float -> [tokens, out_features] in x's dtype."""
+
+
+_REGISTRY: list[tuple[int, LinearBackend]] = []
+
+
+def register(backend: LinearBackend, priority: int) -> None:
+    """Higher priority wins among the backends that support a weight; `reference` has priority 0."""
+    _REGISTRY.append((priority, backend))
+    _REGISTRY.sort(key=lambda entry: -entry[0])
+
+
+def backend_names() -> list[str]:
+    return [b.name for _, b in _REGISTRY]
+
+
+def select(weight: QuantSpec, activations: QuantSpec | None, device: torch.device) -> LinearBackend:
+    forced = os.environ.get(BACKEND_ENV)
+    for _, backend in _REGISTRY:
+        if forced and backend.name != forced:
+            continue
+        if backend.supports(weight, activations, device):
+            return backend
+    if forced:
+        raise InvalidRequestError(f"{BACKEND_ENV}={forced}: no such backend for {weight} on {device} "
+                                  f"(registered: {', '.join(backend_names())})")
+    raise InvalidRequestError(f"no backend runs {weight} (activations {activations}) on {device}")

@@ -1,0 +1,37 @@
+"""A linear layer's weight in canonical form: integer (or float8/float4) codes plus scales, laid out
+[out_features, in_features] with groups along in_features. The reference backend computes from it, checkpoints
+are read into and written from it, and every other backend repacks it once at load (then it is dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from glmserve.quant.spec import QuantSpec
+
+
+@dataclass
+class QuantizedWeight:
+    """w[o, i] = (codes[o, i] - zeros[o, g]) * scales[o, g] (+ mins[o, g]) (* global_scale), g = the group
+    (or channel / block) of (o, i) under `spec`.
+
+    codes: int8 [out, in]: int8 values, or int4 values unpacked one per byte (signed [-8, 7] when symmetric,
+      [0, 15] otherwise); float8_e4m3fn [out, in] for fp8; uint8 E2M1 codes (0..15) for NVFP4.
+    scales: float32 / float16 / float8_e4m3fn (NVFP4) [out, groups] (channel: [out, 1]; tensor: [1, 1];
+      block: [ceil(out / rows), ceil(in / cols)]).
+    zeros: int8 zero points like scales (asymmetric compressed-tensors), else None.
+    mins: float additive offsets like scales (GGUF Q4_1's per-block minimum), else None.
+    global_scale: fp32 scalar (NVFP4), else None."""
+
+    spec: QuantSpec
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
