@@ -14,8 +14,8 @@ from glmserve.quant.spec import QuantSpec
 
 @dataclass
 class QuantizedWeight:
-    """w[o, i] = (codes[o, i] - zeros[o, g]) * scales[o, g] (+ mins[o, g]) (* global_scale), g = the group
-    (or channel / block) of (o, i) under `spec`.
+    """w[o, i] = (value(codes[o, i]) - zeros[o, g]) * scales[o, g] / global_scale + mins[o, g], g = the group
+    (or channel / block) of (o, i) under `spec`; absent parts drop out (reference.dequantize is the formula).
 
     codes: int8 [out, in]: int8 values, or int4 values unpacked one per byte (signed [-8, 7] when symmetric,
       [0, 15] otherwise); float8_e4m3fn [out, in] for fp8; uint8 E2M1 codes (0..15) for NVFP4.
@@ -23,7 +23,7 @@ class QuantizedWeight:
       block: [ceil(out / rows), ceil(in / cols)]).
     zeros: int8 zero points like scales (asymmetric compressed-tensors), else None.
     mins: float additive offsets like scales (GGUF Q4_1's per-block minimum), else None.
-    global_scale: fp32 scalar (NVFP4), else None."""
+    global_scale: fp32 scalar divisor of the scales (NVFP4, as compressed-tensors stores it), else None."""
 
     spec: QuantSpec
     codes: torch.Tensor
