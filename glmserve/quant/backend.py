@@ -10,6 +10,7 @@ benchmarks).
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Protocol
 
@@ -35,6 +36,17 @@ class LinearBackend(Protocol):
 
 
 _REGISTRY: list[tuple[int, LinearBackend]] = []
+# modules that register a backend when imported; one that does not exist (yet) is skipped
+BUILTIN_BACKENDS = ("glmserve.quant.reference", "glmserve.quant.cpu_backend", "glmserve.quant.cuda_backend")
+
+
+def load_builtin_backends() -> None:
+    for module in BUILTIN_BACKENDS:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
 
 
 def register(backend: LinearBackend, priority: int) -> None:
@@ -44,10 +56,12 @@ def register(backend: LinearBackend, priority: int) -> None:
 
 
 def backend_names() -> list[str]:
+    load_builtin_backends()
     return [b.name for _, b in _REGISTRY]
 
 
 def select(weight: QuantSpec, activations: QuantSpec | None, device: torch.device) -> LinearBackend:
+    load_builtin_backends()
     forced = os.environ.get(BACKEND_ENV)
     for _, backend in _REGISTRY:
         if forced and backend.name != forced:

@@ -18,10 +18,11 @@ class QuantizedWeight:
     (or channel / block) of (o, i) under `spec`; absent parts drop out (reference.dequantize is the formula).
 
     codes: int8 [out, in]: int8 values, or int4 values unpacked one per byte (signed [-8, 7] when symmetric,
-      [0, 15] otherwise); float8_e4m3fn [out, in] for fp8; uint8 E2M1 codes (0..15) for NVFP4.
+      [0, 15] otherwise; uint8 [0, 255] for asymmetric int8); float8_e4m3fn [out, in] for fp8;
+      uint8 E2M1 codes (0..15) for NVFP4.
     scales: float32 / float16 / float8_e4m3fn (NVFP4) [out, groups] (channel: [out, 1]; tensor: [1, 1];
       block: [ceil(out / rows), ceil(in / cols)]).
-    zeros: int8 zero points like scales (asymmetric compressed-tensors), else None.
+    zeros: integer zero points like scales (asymmetric compressed-tensors), else None.
     mins: float additive offsets like scales (GGUF Q4_1's per-block minimum), else None.
     global_scale: fp32 scalar divisor of the scales (NVFP4, as compressed-tensors stores it), else None."""
 

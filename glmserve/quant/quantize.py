@@ -1,0 +1,104 @@
+"""Round-to-nearest quantization of a float weight [out, in] into a canonical QuantizedWeight, for every
+compressed-tensors format we run (int8/int4 by tensor, channel, group or block, symmetric or with zero
+points; float8 E4M3; NVFP4). Scales follow compressed-tensors' calculate_qparams
+(compressed_tensors/quantization/utils/helpers.py): symmetric int: amax / qmax; asymmetric: (max - min) /
+(2^bits - 1) with an integer zero point; float8: amax / 448; NVFP4: a global scale 448 * 6 / amax and a
+float8 scale per 16 inputs. Calibrated methods (GPTQ, AWQ) build on the same functions."""
+
+from __future__ import annotations
+
+import torch
+
+from glmserve.quant.reference import E2M1_VALUES
+from glmserve.quant.spec import QuantSpec
+from glmserve.quant.weight import QuantizedWeight
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+FP4_MAX = 6.0
+
+
+def grouped(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """w [out, in] as [out, groups, group_len] (channel: one group per row; tensor: one group; block:
+    [row_blocks, col_blocks, rows * cols]) so that scales are reductions over the last dim."""
+    out, inp = w.shape
+    if spec.strategy == "tensor":
+        return w.reshape(1, 1, -1)
+    if spec.strategy == "channel":
+        return w.reshape(out, 1, inp)
+    if spec.strategy in ("group", "tensor_group"):
+        g = spec.group_size
+        if inp % g:
+            raise ValueError(f"in_features {inp} is not a multiple of the group size {g}")
+        return w.reshape(out, inp // g, g)
+    if spec.strategy == "block":
+        r, c = spec.block_structure
+        pad_r, pad_c = -out % r, -inp % c
+        p = torch.nn.functional.pad(w, (0, pad_c, 0, pad_r))
+        return p.reshape((out + pad_r) // r, r, (inp + pad_c) // c, c).permute(0, 2, 1, 3).flatten(2)
+    raise ValueError(f"strategy {spec.strategy!r} does not describe a weight")
+
+
+def ungrouped(g: torch.Tensor, spec: QuantSpec, shape: tuple[int, int]) -> torch.Tensor:
+    """The inverse of `grouped`."""
+    out, inp = shape
+    if spec.strategy == "block":
+        r, c = spec.block_structure
+        rb, cb = g.shape[:2]
+        return g.reshape(rb, cb, r, c).permute(0, 2, 1, 3).reshape(rb * r, cb * c)[:out, :inp]
+    return g.reshape(out, inp)
+
+
+def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
+    """Round-to-nearest `w` [out, in] under `spec` (a weight spec: not dynamic)."""
+    if spec.gguf_type is not None:
+        raise ValueError("GGUF block formats are quantized by glmserve.quant.gguf_blocks")
+    w = w.detach().to(torch.float32)
+    if spec.type == "float" and spec.num_bits == 8:
+        return _quantize_fp8(w, spec)
+    if spec.type == "float" and spec.num_bits == 4:
+        return _quantize_nvfp4(w, spec)
+    return _quantize_int(w, spec)
+
+
+def _squeeze(t: torch.Tensor) -> torch.Tensor:
+    return t.squeeze(-1)
+
+
+def _quantize_int(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
+    g = grouped(w, spec)
+    if spec.symmetric:
+        qmax = 2 ** (spec.num_bits - 1) - 1
+        scale = (g.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(1e-12)
+        codes = torch.round(g / scale).clamp(-qmax - 1, qmax)
+        zeros = None
+    else:
+        levels = 2 ** spec.num_bits - 1
+        lo = g.amin(dim=-1, keepdim=True).clamp(max=0)
+        hi = g.amax(dim=-1, keepdim=True).clamp(min=0)
+        scale = ((hi - lo) / levels).clamp_min(1e-12)
+        zero = torch.round(-lo / scale).clamp(0, levels)
+        codes = torch.round(g / scale + zero).clamp(0, levels)
+        zeros = _squeeze(zero).to(torch.int8 if spec.num_bits < 8 else torch.int16)
+    return QuantizedWeight(spec, ungrouped(codes, spec, w.shape).to(torch.int8 if spec.symmetric or spec.num_bits < 8
+                                                                      else torch.uint8),
+                           _squeeze(scale), zeros=zeros)
+
+
+def _quantize_fp8(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
+    g = grouped(w, spec)
+    scale = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    codes = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight(spec, ungrouped(codes.float(), spec, w.shape).to(torch.float8_e4m3fn), _squeeze(scale))
+
+
+def _quantize_nvfp4(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
+    g = grouped(w, spec)  # [out, in / 16, 16]
+    global_scale = (FP8_MAX * FP4_MAX / w.abs().amax().clamp_min(1e-12)).reshape(())
+    block_scale = (g.abs().amax(dim=-1, keepdim=True) / FP4_MAX * global_scale).clamp(max=FP8_MAX)
+    block_scale = block_scale.to(torch.float8_e4m3fn)
+    effective = (block_scale.float() / global_scale).clamp_min(1e-12)
+    values = torch.tensor(E2M1_VALUES[:8])
+    scaled = g / effective
+    nearest = (scaled.abs().unsqueeze(-1) - values).abs().argmin(dim=-1)  # magnitude code 0..7
+    codes = (nearest + 8 * (scaled < 0)).to(torch.uint8)
+    return QuantizedWeight(spec, ungrouped(codes, spec, w.shape), _squeeze(block_scale), global_scale=global_scale)
