@@ -19,6 +19,7 @@ class GatewaySettings:
     standby_urls: list[str] = field(default_factory=list)
     backend_urls: list[str] = field(default_factory=list)  # `glmserve gateway` only
     replicas: int = 1  # gateways sharing one key's limits (the per-process fallback divides by it)
+    default_max_tokens: int = 4096  # completion tokens reserved for a request that sets no max_tokens
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewaySettings:

@@ -1,0 +1,455 @@
+"""GatewayMiddleware: keys, limits, billing and /v1/usage around any OpenAI-compatible ASGI app.
+
+    app = GatewayMiddleware(inner_app, settings, registry=my_registry, tokenizer=None)
+
+Constructor:
+  app        the wrapped ASGI app (glmserve's FastAPI server, or the gateway's proxy)
+  settings   GatewaySettings: keys_file (None: no authentication, requests billed to the key "anonymous"),
+             redis_url (None: in-memory limits), ledger_url (None: SQLite under glmserve.paths.cache_dir()),
+             prices_file (None: cost 0), replicas (the per-process fallback holds 1/replicas of each limit),
+             request_timeout_s (sizes the concurrency lease), default_max_tokens (reserved when a request sets none)
+  registry   prometheus CollectorRegistry the host exports at /metrics (glmserve/gateway/metrics.py names);
+             None: a new one, at `middleware.registry`
+  tokenizer  optional callable text -> token count, for exact prompt sizes at admission (else a chars/4 estimate);
+             either way the reservation is reconciled with the real usage at the end
+  limiter, ledger, prices   injected parts (tests, or a host that shares them); default: built from settings
+
+What it does per HTTP request:
+  /health, /v1/health, /metrics: no key needed; the JSON of /health and /v1/health gets a "gateway" object
+  (limit backend, Redis up/down, keys loaded, last keys-file error).
+  Any other /v1/... path needs a key (`Authorization: Bearer KEY`, or `api-key` / `x-api-key`): 401 otherwise.
+  GET /v1/usage is answered here (the caller's key; an admin key may pass ?key=NAME or ?key=*; ?since=YYYY-MM-DD).
+  POST /v1/chat/completions and /v1/completions are admitted against the key's model list (404) and limits (429),
+  the wrapped app's response gets x-ratelimit-* headers, and its usage is billed: one ledger row per answered
+  request id, written before the usage reaches the client; then the reservation is settled.
+
+What it expects from the wrapped app: OpenAI-compatible responses with `usage` (prompt_tokens, completion_tokens,
+`prompt_tokens_details.cached_tokens`) and an `id`. For `"stream": true` the middleware sets
+`stream_options.include_usage: true` in the request body it passes on and reads the usage chunk (`choices: []`);
+if the client did not ask for usage, that chunk is removed from what the client sees. A response that is not 200,
+or a stream that ends without usage (client gone, backend cut), writes no row: the request's token reservation
+stays taken (so disconnecting is no way around a TPM limit) and its budget reservation is given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from urllib.parse import parse_qs
+
+from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from glmserve.gateway.keys import ANONYMOUS_KEY, ApiKey, KeyStore
+from glmserve.gateway.ledger import Ledger, LedgerRow, now_ms
+from glmserve.gateway.limits import Ask, Limiter, Ticket, budget_period, make_limiter
+from glmserve.gateway.metrics import GatewayMetrics
+from glmserve.gateway.openai_errors import error_body, ratelimit_headers, retry_headers, send_json
+from glmserve.gateway.prices import PriceTable, format_usd
+from glmserve.gateway.settings import GatewaySettings
+from glmserve.gateway.usage_stream import SSEUsageFilter, Usage, usage_of
+
+logger = logging.getLogger(__name__)
+
+BILLED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+OPEN_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
+HEALTH_PATHS = frozenset({"/health", "/v1/health"})
+USAGE_PATH = "/v1/usage"
+CHARS_PER_TOKEN = 4
+MESSAGE_OVERHEAD_TOKENS = 8  # role markers and separators a chat template adds per message
+
+
+@dataclass
+class _Admitted:
+    """One admitted request on its way through the wrapped app."""
+
+    key: ApiKey
+    model: str
+    ticket: Ticket
+    streamed: bool
+    usage: Usage | None = None
+    response_id: str | None = None
+
+
+def _prompt_text(body: dict) -> tuple[str, int]:
+    """The request's prompt text and its number of messages (chat) or prompts (completions)."""
+    if "messages" in body:
+        parts = []
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            parts.append(str(content or ""))
+        return "\n".join(parts), max(1, len(parts))
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        return "\n".join(p if isinstance(p, str) else " " * (CHARS_PER_TOKEN * len(p)) for p in prompt), len(prompt)
+    if isinstance(prompt, list):  # one prompt of token ids
+        return " " * (CHARS_PER_TOKEN * len(prompt)), 1
+    return str(prompt), 1
+
+
+class GatewayMiddleware:
+    def __init__(self, app: ASGIApp, settings: GatewaySettings, *, registry: CollectorRegistry | None = None,
+                 tokenizer: Callable[[str], int | None] | None = None, limiter: Limiter | None = None,
+                 ledger: Ledger | None = None, prices: PriceTable | None = None) -> None:
+        self.app = app
+        self.settings = settings
+        self.keys = KeyStore(settings.keys_file) if settings.keys_file else None
+        self.limiter = limiter or make_limiter(settings.redis_url, settings.replicas)
+        self.ledger = ledger or Ledger(settings.ledger_url)
+        self.prices = prices or (PriceTable.load(settings.prices_file) if settings.prices_file else PriceTable.empty())
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry, self.limiter.backend_state)
+        self.tokenizer = tokenizer
+        self.lease_s = max(600.0, 5 * settings.request_timeout_s)
+
+    # -- entry -------------------------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if path in OPEN_PATHS or not path.startswith("/v1/"):
+            if path in HEALTH_PATHS:
+                await self.app(scope, receive, self._health_send(send))
+            else:
+                await self.app(scope, receive, send)
+            return
+        key = self._authenticate(scope)
+        if key is None:
+            await self._unauthorized(scope, send)
+            return
+        if path == USAGE_PATH and scope["method"] == "GET":
+            await self._usage(scope, key, send)
+        elif path in BILLED_PATHS and scope["method"] == "POST":
+            await self._billed(scope, receive, send, key)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def on_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.limiter.close()
+                await asyncio.to_thread(self.ledger.close)
+            await send(message)
+
+        await self.app(scope, receive, on_send)
+
+    # -- keys --------------------------------------------------------------------------------------------------
+    def _authenticate(self, scope: Scope) -> ApiKey | None:
+        if self.keys is None:
+            return ANONYMOUS_KEY
+        secret = _secret(scope)
+        return self.keys.lookup(secret) if secret else None
+
+    async def _unauthorized(self, scope: Scope, send: Send) -> None:
+        secret = _secret(scope)
+        if not secret:
+            self.metrics.auth_failures.labels("missing").inc()
+            message = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
+                       "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+        else:
+            self.metrics.auth_failures.labels("unknown").inc()
+            shown = f"{secret[:3]}***{secret[-4:]}" if len(secret) > 10 else "***"
+            message = f"Incorrect API key provided: {shown}."
+        await send_json(send, 401, error_body(message, "invalid_request_error", "invalid_api_key"))
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    def _prompt_tokens(self, body: dict) -> int:
+        text, parts = _prompt_text(body)
+        if self.tokenizer is not None:
+            counted = self.tokenizer(text)
+            if counted is not None:
+                return counted + MESSAGE_OVERHEAD_TOKENS * parts * ("messages" in body)
+        return math.ceil(len(text) / CHARS_PER_TOKEN) + MESSAGE_OVERHEAD_TOKENS * parts
+
+    def _max_tokens(self, body: dict, key: ApiKey, prompt_tokens: int) -> tuple[int, bool]:
+        """Completion tokens to reserve per choice, and whether the client set them."""
+        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
+            return asked, True
+        default = self.settings.default_max_tokens
+        if key.tpm is not None:  # leave the room the key has rather than refuse for a limit it did not set
+            default = max(1, min(default, key.tpm - prompt_tokens))
+        return default, False
+
+    async def _billed(self, scope: Scope, receive: Receive, send: Send, key: ApiKey) -> None:
+        raw = await _read_body(receive)
+        try:
+            body = json.loads(raw) if raw else {}
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):  # not JSON: the app answers 400; counted as a request of the raw size
+            body = {"prompt": raw.decode(errors="replace")}
+            forward = raw
+        else:
+            forward = None
+        model = str(body.get("model") or "")
+        if not key.allows_model(model):
+            self.metrics.rejections.labels("model").inc()
+            await send_json(send, 404, error_body(
+                f"The model `{model}` does not exist or you do not have access to it.", "invalid_request_error",
+                "model_not_found", "model"))
+            return
+        prompt_tokens = self._prompt_tokens(body)
+        per_choice, _ = self._max_tokens(body, key, prompt_tokens)
+        n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 1) > 0 else 1
+        prompts = _prompt_text(body)[1] if "prompt" in body else 1
+        tokens = prompt_tokens + per_choice * n * prompts
+        if key.tpm is not None and tokens > key.tpm:
+            await self._too_large(send, key, tokens)
+            return
+        cost = self.prices.cost(model, prompt_tokens, 0, per_choice * n * prompts).cost_micro
+        ticket = await self.limiter.admit(key, Ask(f"gw-{uuid.uuid4().hex}", tokens, cost, self.lease_s))
+        if not ticket.decision.admitted:
+            await self._refuse(send, ticket)
+            return
+        self.metrics.admitted.labels(key.name).inc()
+        streamed = bool(body.get("stream"))
+        client_wants_usage = True
+        if streamed and forward is None:
+            options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+            client_wants_usage = bool(options.get("include_usage"))
+            body["stream_options"] = {**options, "include_usage": True}
+        payload = forward if forward is not None else (json.dumps(body).encode() if streamed else raw)
+        state = _Admitted(key, model, ticket, streamed)
+        try:
+            await self.app(_with_length(scope, len(payload)), _replay(payload, receive),
+                           self._billing_send(send, state, client_wants_usage))
+        finally:
+            await self._settle(state)
+
+    async def _too_large(self, send: Send, key: ApiKey, tokens: int) -> None:
+        self.metrics.rejections.labels("too_large").inc()
+        message = (f"Request too large for key {key.name} on tokens per min (TPM): Limit {key.tpm}, Requested "
+                   f"{tokens}. The input or output tokens must be reduced in order to run successfully.")
+        await send_json(send, 429, error_body(message, "tokens", "rate_limit_exceeded"), {"x-should-retry": "false"})
+
+    async def _refuse(self, send: Send, ticket: Ticket) -> None:
+        d, key = ticket.decision, ticket.key
+        self.metrics.rejections.labels(d.reason or "unknown").inc()
+        headers = ratelimit_headers(d)
+        if d.reason == "budget":
+            message = (f"You exceeded your current quota: key {key.name} has a budget of "
+                       f"${format_usd(int(d.limit))} per {key.budget_period}, ${format_usd(int(d.used))} used, this "
+                       f"request may cost up to ${format_usd(int(d.requested))}.")
+            await send_json(send, 429, error_body(message, "insufficient_quota", "insufficient_quota"),
+                            {**headers, "x-should-retry": "false"})
+            return
+        what = {"requests": "requests (burst)", "requests_per_minute": "requests per min (RPM)",
+                "tokens": "tokens per min (TPM)", "concurrency": "concurrent requests"}[d.reason or "requests"]
+        wait_ms = max(1, math.ceil(d.wait_s * 1000))
+        message = (f"Rate limit reached for key {key.name} on {what}: Limit {_fmt(d.limit)}, Used {_fmt(d.used)}, "
+                   f"Requested {_fmt(d.requested)}. Please try again in {wait_ms}ms.")
+        kind = "tokens" if d.reason == "tokens" else "requests"
+        await send_json(send, 429, error_body(message, kind, "rate_limit_exceeded"),
+                        {**headers, **retry_headers(d.wait_s)})
+
+    # -- the response ------------------------------------------------------------------------------------------
+    def _billing_send(self, send: Send, state: _Admitted, client_wants_usage: bool) -> Send:
+        ok = False
+        sse: SSEUsageFilter | None = None
+        buffered: list[bytes] = []
+
+        async def on_send(message: Message) -> None:
+            nonlocal ok, sse
+            if message["type"] == "http.response.start":
+                ok = message["status"] == 200
+                headers = list(message.get("headers", []))
+                content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+                if ok and content_type.startswith(b"text/event-stream"):
+                    sse = SSEUsageFilter(strip_usage_chunk=not client_wants_usage)
+                headers += [(k.encode(), v.encode()) for k, v in ratelimit_headers(state.ticket.decision).items()]
+                await send({**message, "headers": headers})
+                return
+            if message["type"] != "http.response.body" or not ok:
+                await send(message)
+                return
+            more = message.get("more_body", False)
+            if sse is not None:
+                events, usage = sse.feed(message.get("body", b""), final=not more)
+                if usage is not None and state.usage is None:
+                    state.usage, state.response_id = usage, sse.response_id
+                    await self._bill(state)
+                if events or not more:
+                    await send({"type": "http.response.body", "body": events, "more_body": more})
+                return
+            buffered.append(message.get("body", b""))
+            if more:
+                return
+            whole = b"".join(buffered)
+            state.usage, state.response_id = usage_of(whole)
+            if state.usage is not None:
+                await self._bill(state)
+            await send({"type": "http.response.body", "body": whole, "more_body": False})
+
+        return on_send
+
+    async def _bill(self, state: _Admitted) -> None:
+        usage = state.usage
+        assert usage is not None
+        cost = self.prices.cost(state.model, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+        row = LedgerRow(request_id=state.response_id or state.ticket.ask.request_id, ts_ms=now_ms(),
+                        key_name=state.key.name, model=state.model, prompt_tokens=usage.prompt_tokens,
+                        cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
+                        price_version=self.prices.version, cost_micro=cost.cost_micro,
+                        list_cost_micro=cost.list_micro, streamed=state.streamed)
+        try:
+            written = await asyncio.to_thread(self.ledger.record, row)
+        except Exception:  # the client still gets its answer; the failure is logged and counted
+            logger.exception("ledger write failed for %s", row.request_id)
+            self.metrics.ledger_errors.inc()
+            return
+        if written:
+            self.metrics.ledger_rows.inc()
+            name = state.key.name
+            self.metrics.tokens.labels(name, "prompt").inc(usage.prompt_tokens)
+            self.metrics.tokens.labels(name, "cached").inc(usage.cached_tokens)
+            self.metrics.tokens.labels(name, "completion").inc(usage.completion_tokens)
+            self.metrics.cost.labels(name).inc(cost.cost_micro)
+            self.metrics.list_cost.labels(name).inc(cost.list_micro)
+
+    async def _settle(self, state: _Admitted) -> None:
+        ticket = state.ticket
+        if state.usage is None:
+            self.metrics.unbilled.labels("no_usage").inc()
+            used_tokens, cost = ticket.ask.tokens, 0
+        else:
+            used_tokens = state.usage.prompt_tokens + state.usage.completion_tokens
+            cost = self.prices.cost(state.model, state.usage.prompt_tokens, state.usage.cached_tokens,
+                                    state.usage.completion_tokens).cost_micro
+        await self.limiter.settle(ticket, used_tokens, cost)
+
+    # -- /v1/usage and health ----------------------------------------------------------------------------------
+    async def _usage(self, scope: Scope, key: ApiKey, send: Send) -> None:
+        query = parse_qs(scope.get("query_string", b"").decode())
+        who = query.get("key", [key.name])[0]
+        if who != key.name and not key.admin:
+            await send_json(send, 403, error_body("Only an admin key may read another key's usage.",
+                                                  "invalid_request_error", "forbidden", "key"))
+            return
+        since_text = query.get("since", [None])[0]
+        try:
+            since = (datetime.strptime(since_text, "%Y-%m-%d").replace(tzinfo=timezone.utc) if since_text
+                     else _period_start(key))
+        except ValueError:
+            await send_json(send, 400, error_body("`since` must be a date, YYYY-MM-DD.", "invalid_request_error",
+                                                  None, "since"))
+            return
+        sums = await asyncio.to_thread(self.ledger.summary, int(since.timestamp() * 1000),
+                                       None if who == "*" else who)
+        data = [_summary_json(s) for s in sums]
+        totals = {f: sum(d[f] for d in data) for f in ("requests", "prompt_tokens", "cached_tokens",
+                                                        "completion_tokens", "cost_micro_usd", "list_cost_micro_usd",
+                                                        "saving_micro_usd")}
+        body = {"object": "usage", "key": who, "since": since.date().isoformat(), "data": data, "total": totals}
+        if who == key.name and key.budget_micro is not None:
+            body["budget"] = {"period": key.budget_period, "limit_micro_usd": key.budget_micro}
+        await send_json(send, 200, body)
+
+    def health(self) -> dict[str, object]:
+        state = dict(self.limiter.backend_state())
+        if self.keys is not None:
+            state["keys"] = len(self.keys.keys)
+            state["keys_error"] = self.keys.last_error
+        return state
+
+    def _health_send(self, send: Send) -> Send:
+        parts: list[bytes] = []
+        start: Message | None = None
+
+        async def on_send(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body" or start is None:
+                await send(message)
+                return
+            parts.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = b"".join(parts)
+            try:
+                doc = json.loads(body)
+                doc["gateway"] = self.health()
+                body = json.dumps(doc).encode()
+            except (ValueError, TypeError):
+                pass
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+        return on_send
+
+
+def _fmt(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.2f}"
+
+
+def _period_start(key: ApiKey) -> datetime:
+    period, _ = budget_period(key.budget_period)
+    fmt = "%Y-%m-%d" if key.budget_period == "day" else "%Y-%m"
+    return datetime.strptime(period, fmt).replace(tzinfo=timezone.utc)
+
+
+def _summary_json(s) -> dict:
+    return {"key": s.key_name, "model": s.model, "requests": s.requests, "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens, "completion_tokens": s.completion_tokens,
+            "cost_micro_usd": s.cost_micro, "list_cost_micro_usd": s.list_cost_micro,
+            "saving_micro_usd": s.saving_micro, "cost_usd": format_usd(s.cost_micro)}
+
+
+def _secret(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", []):
+        lname = name.lower()
+        if lname == b"authorization":
+            text = value.decode("latin-1").strip()
+            return text[7:].strip() if text[:7].lower() == "bearer " else text
+        if lname in (b"api-key", b"x-api-key"):
+            return value.decode("latin-1").strip()
+    return None
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields `body` once, then passes the client's later messages (disconnect) through."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _with_length(scope: Scope, length: int) -> Scope:
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(length).encode()))
+    return {**scope, "headers": headers}
+
