@@ -7,10 +7,7 @@ when the binary is missing; `.ci/run` installs it.
 
 from __future__ import annotations
 
-import shutil
 import signal
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from parity import assert_same_output
+from redis_server import REDIS_BIN, free_port, redis_server
 from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
 
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
@@ -27,42 +25,15 @@ from glmserve.kv.redis_store import RedisChunkStore
 from glmserve.kv.session_io import SessionKV
 from glmserve.kv.session_store import META_SUFFIX, SessionStore, session_key
 
-REDIS_BIN = shutil.which("redis-server")
 needs_redis = pytest.mark.skipif(REDIS_BIN is None, reason="redis-server is not installed (.ci/run installs it)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if REDIS_BIN is None:
         pytest.skip("redis-server is not installed (.ci/run installs it)")
-    port = _free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError("redis-server did not start") from None
-                time.sleep(0.05)
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 _prefixes = iter(range(1_000_000))
@@ -443,7 +414,7 @@ def test_sessions_off(tiny_model_dir) -> None:
     assert not engine.has_unfinished_requests()
     with pytest.raises(InvalidRequestError, match="cannot reach Redis"):
         LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")),
-                               session_store=f"redis://127.0.0.1:{_free_port()}/0", **ENGINE))
+                               session_store=f"redis://127.0.0.1:{free_port()}/0", **ENGINE))
 
 
 # -- the HTTP API: a real `glmserve serve` on the embedded SmolLM2 ----------------------------------------
