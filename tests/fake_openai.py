@@ -1,5 +1,6 @@
 """A small OpenAI-compatible backend (pure ASGI) for the gateway tests, and a launcher that serves it behind
-GatewayMiddleware under uvicorn: `python tests/fake_openai.py [gateway options]` (port 0; logs the port).
+GatewayMiddleware under uvicorn: `python tests/fake_openai.py [gateway options]` (port 0; logs the port; the
+gateway's metrics at /metrics).
 
 Usage it reports is a function of the request, so a test can check the ledger against it: prompt_tokens is the
 prompt's length in characters // 4 + 1, cached_tokens half of that, completion_tokens = max_tokens (default 5)
@@ -90,6 +91,7 @@ async def _send_json(send, status: int, doc: dict) -> None:
 
 def main() -> None:
     import uvicorn
+    from prometheus_client import generate_latest
 
     from glmserve.gateway.admission import GatewayMiddleware
     from glmserve.gateway.settings import GatewaySettings, add_gateway_options
@@ -98,7 +100,16 @@ def main() -> None:
     add_gateway_options(parser)
     args = parser.parse_args()
     logging.basicConfig(level="INFO")
-    app = GatewayMiddleware(fake_backend, GatewaySettings.from_args(args))
+    gateway = GatewayMiddleware(fake_backend, GatewaySettings.from_args(args))
+
+    async def app(scope, receive, send) -> None:  # /metrics from the gateway's registry, the rest through it
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            payload = generate_latest(gateway.registry)
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        await gateway(scope, receive, send)
+
     uvicorn.run(app, host="127.0.0.1", port=0, log_level="info")
 
 

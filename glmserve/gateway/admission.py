@@ -395,7 +395,7 @@ class GatewayMiddleware:
 
 
 def _fmt(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:.2f}"
+    return str(round(value))  # requests and tokens are whole; a bucket refills by fractions in between
 
 
 def _period_start(key: ApiKey) -> datetime:

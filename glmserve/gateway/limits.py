@@ -298,7 +298,11 @@ class RedisLimiter:
 
         self.url = url
         self.prefix = prefix
-        self._redis = aioredis.from_url(url, socket_connect_timeout=0.25, socket_timeout=0.5)
+        # a bounded pool: a burst waits for a connection rather than opening one per request (a slow connect under
+        # load is no outage); a Redis that is down refuses the connection at once
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=16, timeout=2.0,
+                                                        socket_connect_timeout=1.0, socket_timeout=1.0)
+        self._redis = aioredis.Redis(connection_pool=pool)
         self._admit = self._redis.register_script(ADMIT_LUA)
         self._settle = self._redis.register_script(SETTLE_LUA)
         self.fallback = MemoryLimiter(divisor=max(1, replicas))

@@ -83,9 +83,17 @@ class PriceTable:
     @classmethod
     def load(cls, path: str | Path) -> PriceTable:
         try:
-            data = tomllib.loads(Path(path).read_text(), parse_float=Decimal)
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
             raise PriceFileError(f"cannot read the price file {path}: {exc}") from exc
+        return cls.load_text(text, str(path))
+
+    @classmethod
+    def load_text(cls, text: str, path: str = "<prices>") -> PriceTable:
+        try:
+            data = tomllib.loads(text, parse_float=Decimal)
+        except tomllib.TOMLDecodeError as exc:
+            raise PriceFileError(f"cannot parse the price file {path}: {exc}") from exc
         version = data.get("version")
         if not isinstance(version, str) or not version:
             raise PriceFileError(f"{path}: needs a `version` string (recorded on every ledger row)")
