@@ -35,3 +35,12 @@ def test_contract_catches_an_upward_import(tmp_path: Path) -> None:
     result = _lint(ROOT / "pyproject.toml", tmp_path)
     assert result.returncode != 0
     assert "glmserve.kv.upward -> glmserve.engine.sequence" in result.stdout
+
+
+def test_gateway_contract_catches_torch(tmp_path: Path) -> None:
+    """gateway/ importing torch (even through a helper module of its own) breaks the HTTP-only contract."""
+    shutil.copytree(ROOT / "glmserve", tmp_path / "glmserve", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    (tmp_path / "glmserve" / "gateway" / "tensor_helper.py").write_text('"""Offends."""\nimport torch  # noqa: F401\n')
+    result = _lint(ROOT / "pyproject.toml", tmp_path)
+    assert result.returncode != 0
+    assert "glmserve.gateway.tensor_helper -> torch" in result.stdout
