@@ -1,4 +1,4 @@
-"""Command line: `glmserve generate | chat | serve`. With no --model, the embedded SmolLM2 runs."""
+"""Command line: `glmserve generate | chat | serve | billing`. With no --model, the embedded SmolLM2 runs."""
 
 from __future__ import annotations
 
@@ -135,6 +135,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     sys.exit(run_server(engine_config_from_args(args), server_config_from_args(args)))
 
 
+def cmd_billing_report(args: argparse.Namespace) -> None:
+    from glmserve.gateway.billing import report
+
+    print(report(args.ledger, args.since, args.key, as_json=args.json))
+
+
 def cmd_train_indexer(args: argparse.Namespace) -> None:
     from glmserve.training.indexer_distill import DistillConfig, train_and_save
 
@@ -193,6 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(handler=cmd_serve)
+    billing = sub.add_parser("billing", help="the gateway's billing ledger")
+    billing_sub = billing.add_subparsers(dest="billing_command", required=True)
+    billing_report = billing_sub.add_parser("report", help="cost per key and model, with and without the cached-input "
+                                            "discount, and the saving")
+    billing_report.add_argument("--ledger", default=None, metavar="sqlite:///PATH|postgresql://...",
+                                help="the ledger (default: the SQLite file under the glmserve cache directory)")
+    billing_report.add_argument("--since", default=None, metavar="YYYY-MM-DD", help="rows from this UTC date on")
+    billing_report.add_argument("--key", default=None, metavar="NAME", help="one key only")
+    billing_report.add_argument("--json", action="store_true", help="JSON instead of a table")
+    billing_report.set_defaults(handler=cmd_billing_report)
     train = sub.add_parser("train-indexer", help="distill a learned sparse-attention indexer from the model's "
                            "dense attention (CPU, float32)")
     add_train_indexer_args(train)

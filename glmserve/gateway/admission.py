@@ -1,6 +1,6 @@
 """GatewayMiddleware: keys, limits, billing and /v1/usage around any OpenAI-compatible ASGI app.
 
-    app = GatewayMiddleware(inner_app, settings, registry=my_registry, tokenizer=None)
+    app = GatewayMiddleware(inner_app, settings, registry=my_registry, tokenizer=None, parts=None)
 
 Constructor:
   app        the wrapped ASGI app (glmserve's FastAPI server, or the gateway's proxy)
@@ -12,7 +12,8 @@ Constructor:
              None: a new one, at `middleware.registry`
   tokenizer  optional callable text -> token count, for exact prompt sizes at admission (else a chars/4 estimate);
              either way the reservation is reconciled with the real usage at the end
-  limiter, ledger, prices   injected parts (tests, or a host that shares them); default: built from settings
+  parts      GatewayParts (keys, limiter, ledger, prices) built beforehand (GatewayParts.build(settings) raises a
+             typed error on a bad keys, price or ledger setting, so a host can fail its start); None: built here
 
 What it does per HTTP request:
   /health, /v1/health, /metrics: no key needed; the JSON of /health and /v1/health gets a "gateway" object
@@ -63,6 +64,7 @@ HEALTH_PATHS = frozenset({"/health", "/v1/health"})
 USAGE_PATH = "/v1/usage"
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 8  # role markers and separators a chat template adds per message
+TOKENIZE_INLINE_CHARS = 8192  # longer prompts are counted in a worker thread, off the event loop
 
 
 @dataclass
@@ -95,16 +97,30 @@ def _prompt_text(body: dict) -> tuple[str, int]:
     return str(prompt), 1
 
 
+@dataclass
+class GatewayParts:
+    """The stateful parts of admission and billing."""
+
+    keys: KeyStore | None  # None: no authentication
+    limiter: Limiter
+    ledger: Ledger
+    prices: PriceTable
+
+    @classmethod
+    def build(cls, settings: GatewaySettings) -> GatewayParts:
+        return cls(keys=KeyStore(settings.keys_file) if settings.keys_file else None,
+                   limiter=make_limiter(settings.redis_url, settings.replicas),
+                   ledger=Ledger(settings.ledger_url),
+                   prices=PriceTable.load(settings.prices_file) if settings.prices_file else PriceTable.empty())
+
+
 class GatewayMiddleware:
     def __init__(self, app: ASGIApp, settings: GatewaySettings, *, registry: CollectorRegistry | None = None,
-                 tokenizer: Callable[[str], int | None] | None = None, limiter: Limiter | None = None,
-                 ledger: Ledger | None = None, prices: PriceTable | None = None) -> None:
+                 tokenizer: Callable[[str], int | None] | None = None, parts: GatewayParts | None = None) -> None:
         self.app = app
         self.settings = settings
-        self.keys = KeyStore(settings.keys_file) if settings.keys_file else None
-        self.limiter = limiter or make_limiter(settings.redis_url, settings.replicas)
-        self.ledger = ledger or Ledger(settings.ledger_url)
-        self.prices = prices or (PriceTable.load(settings.prices_file) if settings.prices_file else PriceTable.empty())
+        parts = parts or GatewayParts.build(settings)
+        self.keys, self.limiter, self.ledger, self.prices = parts.keys, parts.limiter, parts.ledger, parts.prices
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, self.limiter.backend_state)
         self.tokenizer = tokenizer
@@ -165,10 +181,11 @@ class GatewayMiddleware:
         await send_json(send, 401, error_body(message, "invalid_request_error", "invalid_api_key"))
 
     # -- admission ---------------------------------------------------------------------------------------------
-    def _prompt_tokens(self, body: dict) -> int:
+    async def _prompt_tokens(self, body: dict) -> int:
         text, parts = _prompt_text(body)
         if self.tokenizer is not None:
-            counted = self.tokenizer(text)
+            counted = (self.tokenizer(text) if len(text) < TOKENIZE_INLINE_CHARS
+                       else await asyncio.to_thread(self.tokenizer, text))
             if counted is not None:
                 return counted + MESSAGE_OVERHEAD_TOKENS * parts * ("messages" in body)
         return math.ceil(len(text) / CHARS_PER_TOKEN) + MESSAGE_OVERHEAD_TOKENS * parts
@@ -201,7 +218,7 @@ class GatewayMiddleware:
                 f"The model `{model}` does not exist or you do not have access to it.", "invalid_request_error",
                 "model_not_found", "model"))
             return
-        prompt_tokens = self._prompt_tokens(body)
+        prompt_tokens = await self._prompt_tokens(body)
         per_choice, _ = self._max_tokens(body, key, prompt_tokens)
         n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 1) > 0 else 1
         prompts = _prompt_text(body)[1] if "prompt" in body else 1

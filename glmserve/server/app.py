@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from glmserve.config import EngineConfig
 from glmserve.engine.async_engine import AsyncEngine, EngineState
+from glmserve.gateway.admission import GatewayMiddleware, GatewayParts
 from glmserve.server.aliases import check_aliases
 from glmserve.server.config import ServerConfig
 from glmserve.server.errors import install_error_handlers
@@ -135,6 +136,11 @@ def create_app(
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     app.add_exception_handler(ClientDisconnectedError, on_disconnect)
+    # keys, limits and billing inside the HTTP counters (so that 401s and 429s are counted there too); the parts
+    # are built now so that a bad keys or price file fails the start, not the first request
+    parts = GatewayParts.build(server_config.gateway)
+    app.add_middleware(GatewayMiddleware, settings=server_config.gateway, registry=metrics_.registry,
+                       tokenizer=serving.count_tokens, parts=parts)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics_)
     app.include_router(router)
     app.include_router(sessions_router)

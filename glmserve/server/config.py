@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from glmserve.gateway.settings import GatewaySettings, add_gateway_options
+
 
 @dataclass
 class ServerConfig:
@@ -27,6 +29,10 @@ class ServerConfig:
     # earlier turns replaced by a summary; the last `session_summary_keep` messages stay verbatim
     session_summary_threshold: int = 4096
     session_summary_keep: int = 4
+    # completion tokens any request may generate (None: the context's room); responses say when it bit
+    max_tokens_cap: int | None = None
+    # keys, limits and billing (glmserve/gateway/admission.py) in front of the routes
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -35,6 +41,8 @@ class ServerConfig:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.session_summary_threshold < 1 or self.session_summary_keep < 1:
             raise ValueError("session_summary_threshold and session_summary_keep must be >= 1")
         for alias, canonical in self.aliases.items():
@@ -83,6 +91,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="prompt tokens above which a session_summary request has its earlier turns summarized")
     g.add_argument("--session-summary-keep", type=int, default=4,
                    help="most recent messages kept verbatim when earlier turns are summarized")
+    g.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
+                   help="completion tokens any request may generate (default: what the context leaves); responses "
+                        "report the effective max_tokens and its source in x-glmserve-max-tokens* headers")
+    add_gateway_options(parser)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -95,4 +107,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         session_summary_threshold=args.session_summary_threshold,
         session_summary_keep=args.session_summary_keep,
+        max_tokens_cap=args.max_tokens_cap,
+        gateway=GatewaySettings.from_args(args),
     )

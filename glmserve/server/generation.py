@@ -20,6 +20,7 @@ from glmserve.engine.sampling import SamplingParams
 from glmserve.errors import EngineOverloadedError, PromptTooLongError
 from glmserve.server.errors import APIError, BadRequestError, ServiceUnavailableError
 from glmserve.server.metrics import RequestTracker, ServerMetrics
+from glmserve.server.params import TokenBudget
 
 T = TypeVar("T")
 CLIENT_FINISH_REASONS = ("stop", "length")
@@ -61,10 +62,12 @@ class Generation:
         request_id: str,
         sparse: dict[str, Any] | None = None,
         session_id: str | None = None,
+        budget: TokenBudget | None = None,
     ) -> None:
         self._engine = engine
         self.request_id = request_id
-        self._tracker: RequestTracker = metrics.track()
+        self._tracker: RequestTracker = (metrics.track(budget.source, budget.lost) if budget is not None
+                                         else metrics.track())
         self._outputs = engine.generate(prompt, params, request_id, sparse=sparse, session_id=session_id)
         self._first: RequestOutput | None = None
         self.last: RequestOutput | None = None

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 PREFIX = "glmserve"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
-TRACKED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+TRACKED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/usage"})
 # counter name (without _total) -> (stats field, help), for glmserve/kv/tiers.py TierStats
 TIER_COUNTERS = {
     "kv_tier_saved_chunks": ("saved_chunks", "KV chunks copied out of the device pool into the host or disk tier"),
@@ -102,19 +102,30 @@ class ServerMetrics:
         self.cached_tokens = Counter(
             f"{PREFIX}_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=reg
         )
+        self.finished_by_limit = Counter(
+            f"{PREFIX}_request_finished_by_limit", "Finished choices by finish reason and by what set their "
+            "max_tokens (client, context, server_cap)", ["finish_reason", "limit_source"], registry=reg
+        )
+        self.budget_lost = Counter(
+            f"{PREFIX}_output_budget_lost_tokens", "Completion tokens a server cap took from what the client asked "
+            "(counted for choices the cap stopped: finish_reason length)", registry=reg
+        )
         self.finish_counts: dict[str, int] = {}
         reg.register(_EngineCollector(engine, self))
         reg.register(_StorageCollector(engine))
 
-    def track(self) -> RequestTracker:
-        return RequestTracker(self)
+    def track(self, limit_source: str = "client", budget_lost: int = 0) -> RequestTracker:
+        return RequestTracker(self, limit_source, budget_lost)
 
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def record_finish(self, reason: str) -> None:
+    def record_finish(self, reason: str, limit_source: str = "client", budget_lost: int = 0) -> None:
         self.finished.labels(reason).inc()
+        self.finished_by_limit.labels(reason, limit_source).inc()
+        if reason == "length" and limit_source == "server_cap":
+            self.budget_lost.inc(budget_lost)
         self.finish_counts[reason] = self.finish_counts.get(reason, 0) + 1
 
     def truncation_rate(self) -> float:
@@ -125,8 +136,10 @@ class ServerMetrics:
 class RequestTracker:
     """Latency and token accounting of one engine request, fed with its outputs in order."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, limit_source: str = "client", budget_lost: int = 0) -> None:
         self._m = metrics
+        self._limit_source = limit_source
+        self._budget_lost = budget_lost
         self.arrival = time.monotonic()
         self._last: float | None = None
         self._tokens = 0
@@ -154,7 +167,7 @@ class RequestTracker:
             self._m.generation_tokens.inc(tokens)
             for completion in output.outputs:
                 if completion.finish_reason is not None:
-                    self._m.record_finish(completion.finish_reason)
+                    self._m.record_finish(completion.finish_reason, self._limit_source, self._budget_lost)
 
 
 class _EngineCollector(Collector):

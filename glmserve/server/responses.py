@@ -19,9 +19,9 @@ DONE = "data: [DONE]\n\n"
 _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def json_response(payload: BaseModel) -> Response:
+def json_response(payload: BaseModel, headers: dict[str, str] | None = None) -> Response:
     """200 with the model serialized by pydantic (non-finite floats become null)."""
-    return Response(payload.model_dump_json(), media_type="application/json")
+    return Response(payload.model_dump_json(), media_type="application/json", headers=headers)
 
 
 def event(payload: BaseModel) -> str:
@@ -42,8 +42,9 @@ class SSEResponse(StreamingResponse):
     """A streaming response that calls `on_close` however it ends: finished, failed, or cut
     short by a client disconnect (even one that comes before the first event)."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=_HEADERS)
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={**_HEADERS, **(headers or {})})
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

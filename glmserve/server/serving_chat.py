@@ -13,7 +13,7 @@ from glmserve.server.anchoring import anchor_messages
 from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation, cancel_on_disconnect, start_all
 from glmserve.server.logprobs import chat_logprobs
-from glmserve.server.params import sampling_params
+from glmserve.server.params import sampling_params, token_budget
 from glmserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -40,12 +40,14 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
                                   param="session_summary")
         messages = await anchor_messages(messages, session_id, model, ctx)
     prompt_ids = model.chat_prompt(messages)
-    params = sampling_params(body, len(prompt_ids), model.max_model_len)
+    budget = token_budget(body.token_limit(), len(prompt_ids), model.max_model_len, ctx.config.max_tokens_cap)
+    params = sampling_params(body, budget)
     generation = Generation(ctx.engine, ctx.metrics, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}",
-                            sparse=body.sparse_overrides(), session_id=session_id)
+                            sparse=body.sparse_overrides(), session_id=session_id, budget=budget)
     await cancel_on_disconnect(raw, start_all([generation]))
     if body.stream:
-        return SSEResponse(_stream(body, generation, model, model_id), on_close=generation.abort)
+        return SSEResponse(_stream(body, generation, model, model_id), on_close=generation.abort,
+                           headers=budget.headers())
     try:
         final = await cancel_on_disconnect(raw, generation.final())
     finally:
@@ -63,7 +65,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     response = ChatCompletionResponse(
         id=generation.request_id, model=model_id, choices=choices, usage=usage_of([final])
     )
-    return json_response(response)
+    return json_response(response, headers=budget.headers())
 
 
 async def _stream(

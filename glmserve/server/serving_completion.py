@@ -17,7 +17,7 @@ from glmserve.engine.outputs import CompletionOutput, RequestOutput
 from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation, abort_all, cancel_on_disconnect, merge_outputs, start_all
 from glmserve.server.logprobs import completion_logprobs
-from glmserve.server.params import sampling_params
+from glmserve.server.params import sampling_params, tightest, token_budget
 from glmserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
 from glmserve.server.sessions_routes import request_session_id
@@ -35,24 +35,28 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     if session_id is not None and len(prompts) > 1:
         raise BadRequestError("a request with a session_id takes one prompt", param="prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    budgets = [token_budget(body.token_limit(), len(ids), model.max_model_len, ctx.config.max_tokens_cap)
+               for ids in prompts]
     generations = [
         Generation(
             ctx.engine,
             ctx.metrics,
             ids,
-            sampling_params(body, len(ids), model.max_model_len),
+            sampling_params(body, budget),
             f"{request_id}-{i}",
             sparse=body.sparse_overrides(),
             session_id=session_id,
+            budget=budget,
         )
-        for i, ids in enumerate(prompts)
+        for i, (ids, budget) in enumerate(zip(prompts, budgets))
     ]
+    headers = tightest(budgets).headers()
     echoes = [_echo_text(body, model, p) for p in body.prompts()]
     await cancel_on_disconnect(raw, start_all(generations))
     if body.stream:
         builder = _ChoiceBuilder(body, model, echoes)
         events = _stream(body, generations, builder, request_id, model_id)
-        return SSEResponse(events, on_close=lambda: abort_all(generations))
+        return SSEResponse(events, on_close=lambda: abort_all(generations), headers=headers)
     try:
         finals = await cancel_on_disconnect(raw, _finals(generations))
     finally:
@@ -60,7 +64,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     builder = _ChoiceBuilder(body, model, echoes)
     choices = [choice for p, final in enumerate(finals) for c in final.outputs if (choice := builder.delta(p, c))]
     response = CompletionResponse(id=request_id, model=model_id, choices=choices, usage=usage_of(finals))
-    return json_response(response)
+    return json_response(response, headers=headers)
 
 
 def _echo_text(body: CompletionRequest, model: ServedModel, prompt: str | list[int]) -> str:

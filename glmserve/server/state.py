@@ -55,6 +55,10 @@ class ServingContext:
         """Engine hook: build the model helpers (a bad alias fails startup here)."""
         self._loaded = ServedModel(engine, self.config.aliases)
 
+    def count_tokens(self, text: str) -> int | None:
+        """Tokens of `text` for the gateway's admission (None until the model is loaded)."""
+        return len(self._loaded.encode(text)) if self._loaded is not None else None
+
     def loaded(self) -> ServedModel:
         """The model helpers; 503 while the model is loading or after the engine stopped."""
         if self._loaded is None or self.engine.state is not EngineState.READY:

@@ -1,0 +1,120 @@
+"""`glmserve serve` with the gateway inside (keys, limits, billing) on a tiny random-weight model, driven by the
+official `openai` client: 401 without a key, usage billed to the SQLite ledger streamed or not, the server's
+effective max_tokens and its source in the headers and metrics (the output budget a server cap took), the
+gateway's metrics beside the server's, `glmserve billing report` over the same ledger; and without --keys, usage
+lands in the ledger under the anonymous key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_process import STARTUP_TIMEOUT_S, ServerProcess, glmserve_process, wait_for
+
+from glmserve.gateway.ledger import Ledger
+
+SERVED = "tiny"
+CAP = 6
+KEY = "sk-team-a-0123456789"
+PRICES = '''
+version = "serve-1"
+[[model]]
+name = "tiny"
+[[model.tier]]
+input = "3.0"
+cached_input = "0.3"
+output = "15.0"
+'''
+
+
+def _ready(process: ServerProcess) -> None:
+    def ready() -> bool:
+        return httpx.get(f"{process.base_url}/v1/health").status_code == 200
+
+    wait_for(ready, STARTUP_TIMEOUT_S, "readiness", process.log)
+
+
+def _metric(base_url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    work = tmp_path_factory.mktemp("serve-gateway")
+    (work / "keys.toml").write_text(f'[[key]]\nname = "team-a"\nkey = "{KEY}"\nrpm = 1000\ntpm = 100000\n')
+    (work / "prices.toml").write_text(PRICES)
+    ledger = work / "ledger.sqlite3"
+    args = ["--model", str(tiny_model_dir("llama")), "--served-model-name", SERVED, "--max-model-len", "128",
+            "--kv-cache-memory-bytes", str(8 << 20), "--num-threads", "1", "--max-tokens-cap", str(CAP),
+            "--keys", str(work / "keys.toml"), "--prices", str(work / "prices.toml"), "--ledger", f"sqlite:///{ledger}"]
+    with glmserve_process(args, work / "server.log") as process:
+        _ready(process)
+        yield process, ledger
+
+
+def test_serve_bills_through_the_gateway_and_reports_the_token_budget(served) -> None:
+    process, ledger_path = served
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="sk-nope", max_retries=0).completions.create(
+            model=SERVED, prompt="hello", max_tokens=3)
+    client = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    raw = client.completions.with_raw_response.create(model=SERVED, prompt="hello there", max_tokens=20,
+                                                      extra_body={"ignore_eos": True})
+    whole = raw.parse()
+    assert raw.headers["x-glmserve-max-tokens"] == str(CAP) and raw.headers["x-glmserve-max-tokens-source"] == \
+        "server_cap" and raw.headers["x-glmserve-max-tokens-requested"] == "20"
+    assert raw.headers["x-ratelimit-limit-requests"] == "1000" and "x-ratelimit-remaining-tokens" in raw.headers
+    assert whole.usage.completion_tokens == CAP and whole.choices[0].finish_reason == "length"
+    small = client.completions.with_raw_response.create(model=SERVED, prompt="hello there", max_tokens=2)
+    assert small.headers["x-glmserve-max-tokens-source"] == "client"
+    chunks = list(client.completions.create(model=SERVED, prompt="hello there", max_tokens=20, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert all(c.usage is None for c in chunks)  # the usage chunk the gateway asked for is not shown
+
+    rows = {r.request_id: r for r in Ledger(f"sqlite:///{ledger_path}").rows()}
+    assert len(rows) == 3 and {r.key_name for r in rows.values()} == {"team-a"}
+    row = rows[whole.id]
+    assert (row.prompt_tokens, row.completion_tokens) == (whole.usage.prompt_tokens, CAP)
+    assert row.cached_tokens == whole.usage.prompt_tokens_details.cached_tokens
+    streamed = rows[chunks[0].id]
+    assert streamed.streamed and streamed.completion_tokens == CAP and streamed.prompt_tokens == row.prompt_tokens
+    # same tokens, same price: the streamed request costs what the non-streamed one did (cache hits aside)
+    if streamed.cached_tokens == row.cached_tokens:
+        assert streamed.cost_micro == row.cost_micro
+
+    base = process.base_url
+    assert _metric(base, "glmserve_request_finished_by_limit_total", finish_reason="length",
+                   limit_source="server_cap") == 2
+    assert _metric(base, "glmserve_output_budget_lost_tokens_total") == 2 * (20 - CAP)
+    assert _metric(base, "glmserve_gateway_auth_failures_total", reason="unknown") == 1
+    assert _metric(base, "glmserve_gateway_key_tokens_total", key="team-a", kind="completion") == 2 * CAP + 2
+    assert _metric(base, "glmserve_http_requests_total", endpoint="/v1/completions", status="401") == 1
+    health = httpx.get(f"{base}/v1/health").json()
+    assert health["gateway"]["backend"] == "memory" and health["gateway"]["keys"] == 1
+
+    out = subprocess.run([sys.executable, "-m", "glmserve.cli", "billing", "report", "--ledger",
+                          f"sqlite:///{ledger_path}"], capture_output=True, text=True, check=True).stdout
+    assert "team-a" in out and "without_cache_usd" in out and "TOTAL" in out
+
+
+def test_serve_without_keys_bills_the_anonymous_key(tiny_model_dir, tmp_path: Path, isolated_root: Path) -> None:
+    args = ["--model", str(tiny_model_dir("llama")), "--served-model-name", SERVED, "--max-model-len", "128",
+            "--kv-cache-memory-bytes", str(8 << 20), "--num-threads", "1"]
+    with glmserve_process(args, tmp_path / "server.log") as process:
+        _ready(process)
+        client = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="anything", max_retries=0, timeout=60)
+        done = client.completions.create(model=SERVED, prompt="hi", max_tokens=3)
+        usage = httpx.get(f"{process.base_url}/v1/usage").json()
+    rows = Ledger(f"sqlite:///{isolated_root / 'glmserve-cache' / 'ledger.sqlite3'}").rows()
+    mine = [r for r in rows if r.request_id == done.id]
+    assert len(mine) == 1 and mine[0].key_name == "anonymous" and mine[0].cost_micro == 0
+    assert mine[0].completion_tokens == done.usage.completion_tokens
+    assert usage["key"] == "anonymous" and usage["total"]["requests"] >= 1
