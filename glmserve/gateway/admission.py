@@ -16,7 +16,7 @@ Constructor:
              typed error on a bad keys, price or ledger setting, so a host can fail its start); None: built here
 
 What it does per HTTP request:
-  /health, /v1/health, /metrics: no key needed; the JSON of /health and /v1/health gets a "gateway" object
+  /health, /v1/health, /metrics: no key needed; the JSON of /v1/health gets a "gateway" object
   (limit backend, Redis up/down, keys loaded, last keys-file error).
   Any other /v1/... path needs a key (`Authorization: Bearer KEY`, or `api-key` / `x-api-key`): 401 otherwise.
   GET /v1/usage is answered here (the caller's key; an admin key may pass ?key=NAME or ?key=*; ?since=YYYY-MM-DD).
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 BILLED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
-HEALTH_PATHS = frozenset({"/health", "/v1/health"})
+HEALTH_PATH = "/v1/health"  # readiness; liveness (/health) stays as the host answers it
 USAGE_PATH = "/v1/usage"
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 8  # role markers and separators a chat template adds per message
@@ -136,7 +136,7 @@ class GatewayMiddleware:
             return
         path = scope.get("path", "")
         if path in OPEN_PATHS or not path.startswith("/v1/"):
-            if path in HEALTH_PATHS:
+            if path == HEALTH_PATH:
                 await self.app(scope, receive, self._health_send(send))
             else:
                 await self.app(scope, receive, send)
