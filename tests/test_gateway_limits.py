@@ -263,3 +263,35 @@ def test_many_limiters_on_one_redis_admit_exactly_the_burst(redis_url: str, tmp_
     tickets = asyncio.run(run())
     assert sum(t.decision.admitted for t in tickets) == 20
     assert not any(t.decision.local for t in tickets)
+
+
+def test_the_middleware_says_when_redis_is_down_and_still_limits(tmp_path: Path) -> None:
+    """Around the fake backend (in process, over httpx's ASGI transport): with Redis unreachable the gateway still
+    answers, enforces 1/N of the burst, and says so in /v1/health and its metrics."""
+    import httpx
+    from fake_openai import fake_backend
+    from prometheus_client import generate_latest
+
+    from glmserve.gateway.admission import GatewayMiddleware
+    from glmserve.gateway.settings import GatewaySettings
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nname = "a"\nkey = "sk-a-0123456789"\nrps = 0.001\nburst = 4\n')
+    settings = GatewaySettings(keys_file=str(keys), redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                               ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}", replicas=2)
+    app = GatewayMiddleware(fake_backend, settings)
+
+    async def run() -> tuple[list[int], dict]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            codes = [(await http.post("/v1/chat/completions", json=body,
+                                      headers={"Authorization": "Bearer sk-a-0123456789"})).status_code
+                     for _ in range(4)]
+            return codes, (await http.get("/v1/health")).json()
+
+    codes, health = asyncio.run(run())
+    assert codes == [200, 200, 429, 429]  # burst 4 over 2 gateways: 2 here
+    assert health["gateway"]["redis"] == "down" and "divided by 2" in health["gateway"]["fallback"]
+    text = generate_latest(app.registry).decode()
+    assert 'glmserve_gateway_limit_backend_up{backend="redis"} 0.0' in text
+    assert "glmserve_gateway_limit_fallback 1.0" in text

@@ -28,8 +28,9 @@ What it expects from the wrapped app: OpenAI-compatible responses with `usage` (
 `prompt_tokens_details.cached_tokens`) and an `id`. For `"stream": true` the middleware sets
 `stream_options.include_usage: true` in the request body it passes on and reads the usage chunk (`choices: []`);
 if the client did not ask for usage, that chunk is removed from what the client sees. A response that is not 200,
-or a stream that ends without usage (client gone, backend cut), writes no row: the request's token reservation
-stays taken (so disconnecting is no way around a TPM limit) and its budget reservation is given back.
+or a stream that ends without usage (client gone, backend cut), writes no row; the budget reservation is given
+back, and the token reservation too when the app answered an error, but not when a 200 ended without usage (so
+disconnecting is no way around a TPM limit).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class _Admitted:
     streamed: bool
     usage: Usage | None = None
     response_id: str | None = None
+    status: int | None = None  # the wrapped app's HTTP status
 
 
 def _prompt_text(body: dict) -> tuple[str, int]:
@@ -281,6 +283,7 @@ class GatewayMiddleware:
         async def on_send(message: Message) -> None:
             nonlocal ok, sse
             if message["type"] == "http.response.start":
+                state.status = message["status"]
                 ok = message["status"] == 200
                 headers = list(message.get("headers", []))
                 content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
@@ -338,7 +341,10 @@ class GatewayMiddleware:
 
     async def _settle(self, state: _Admitted) -> None:
         ticket = state.ticket
-        if state.usage is None:
+        if state.usage is None and state.status not in (None, 200):  # the backend refused it: nothing was used
+            self.metrics.unbilled.labels("backend_error").inc()
+            used_tokens, cost = 0, 0
+        elif state.usage is None:  # cut short: the tokens stay taken, nothing is billed
             self.metrics.unbilled.labels("no_usage").inc()
             used_tokens, cost = ticket.ask.tokens, 0
         else:
