@@ -60,6 +60,11 @@ key = "sk-narrow-0123456789"
 models = ["allowed-model"]
 
 [[key]]
+name = "boss"
+key = "sk-boss-0123456789"
+admin = true
+
+[[key]]
 name = "shared"
 key = "sk-shared-0123456789"
 rps = 0.001
@@ -218,7 +223,11 @@ def test_stream_and_non_stream_cost_the_same_and_the_ledger_matches_what_clients
     assert usage["total"]["cost_micro_usd"] == sum(r[8] for r in mine)
     assert usage["total"]["saving_micro_usd"] == sum(r[9] - r[8] for r in mine) > 0
     forbidden = httpx.get(f"{gw.base_url}/v1/usage?key=poor", headers={"Authorization": "Bearer sk-open-0123456789"})
-    assert forbidden.status_code == 403
+    assert forbidden.status_code == 403 and forbidden.json()["error"]["code"] == "forbidden"
+    every = httpx.get(f"{gw.base_url}/v1/usage?key=*&since=2000-01-01",
+                      headers={"Authorization": "Bearer sk-boss-0123456789"}).json()
+    assert {d["key"] for d in every["data"]} == {r[2] for r in rows.values()}
+    assert every["total"]["cost_micro_usd"] == sum(r[8] for r in rows.values())
 
 
 def test_random_client_disconnects_leave_the_ledger_equal_to_the_usage_clients_saw(gw: Gateway) -> None:
@@ -336,4 +345,3 @@ def test_a_gateway_killed_with_sigkill_leaves_only_whole_rows(tmp_path: Path) ->
     for r in rows:  # and no row is half written: each is whole and priced from its own tokens
         assert r.key_name == "open" and r.model == "m" and r.price_version == "test-1"
         assert r.cost_micro == prices.cost(r.model, r.prompt_tokens, r.cached_tokens, r.completion_tokens).cost_micro
-    assert len(rows) - len(seen) <= 200 - len(seen)
