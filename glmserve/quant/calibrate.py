@@ -1,0 +1,149 @@
+"""Calibration: per-layer input statistics from a float model run on calibration text, and GPTQ.
+
+`collect_stats` hooks every named nn.Linear of a float model and accumulates, per layer, the input Gram matrix
+H = sum_tokens x x^T (GPTQ's Hessian up to a factor 2) and the per-input-channel absmax (outlier detection).
+Layers fed the very same input tensor in a forward pass (q/k/v, gate/up) share one accumulator. The statistics
+come from the float model in one pass (not GPTQ's sequential re-run through already-quantized layers).
+
+`gptq` follows Frantar et al. 2022 (arXiv 2210.17323), Algorithm 1 and the authors' reference implementation
+(gptq.py, `fasterquant`): dampen H by `damp` times its mean diagonal, take the upper Cholesky factor of H^-1,
+quantize columns left to right in blocks of 128, spreading each column's error over the not-yet-quantized
+columns; group scales (and zero points) are set from the error-updated weights when a group's first column is
+reached, so the result is an ordinary group-wise QuantizedWeight that every backend runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from glmserve.quant.quantize import quantize
+from glmserve.quant.spec import QuantSpec
+from glmserve.quant.weight import QuantizedWeight
+
+
+@dataclass
+class InputStats:
+    """One layer input's statistics: Gram matrix [in, in] (float64), channel absmax [in], token count."""
+
+    gram: torch.Tensor
+    absmax: torch.Tensor
+    tokens: int = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+        self.gram.addmm_(x.T, x)
+        self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0).to(self.absmax.dtype))
+        self.tokens += x.shape[0]
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        return self.gram / max(self.tokens, 1)
+
+
+def linear_layers(model: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, torch.nn.Linear]:
+    wanted = None if names is None else set(names)
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and (wanted is None or n in wanted)}
+
+
+@torch.no_grad()
+def collect_stats(model: torch.nn.Module, batches: Iterable[torch.Tensor], names: Iterable[str],
+                  progress=None) -> dict[str, InputStats]:
+    """Run `model(input_ids)` on each batch [1, tokens] and return the input statistics of the layers `names`."""
+    layers = linear_layers(model, names)
+    stats: dict[str, InputStats] = {}
+    seen: dict[int, InputStats] = {}  # data_ptr of an input tensor in the current forward -> its accumulator
+
+    def hook(name: str):
+        def pre(module: torch.nn.Module, args: tuple) -> None:
+            x = args[0]
+            shared = seen.get(x.data_ptr())
+            if shared is None:
+                if name not in stats:
+                    n = x.shape[-1]
+                    stats[name] = InputStats(torch.zeros(n, n, dtype=torch.float64), torch.zeros(n))
+                shared = stats[name]
+                shared.add(x)
+                seen[x.data_ptr()] = shared
+            else:
+                stats.setdefault(name, shared)
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
+    try:
+        for ids in batches:
+            seen.clear()
+            model(ids)
+            if progress is not None:
+                progress.update(1)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def _codes_for(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+    """Integer codes of the columns `w` [out, k] under one scale (and zero point) per row, as quantize() rounds."""
+    if zero is None:
+        qmax = 2 ** (spec.num_bits - 1) - 1
+        return torch.round(w / scale).clamp(-qmax - 1, qmax)
+    return torch.round(w / scale + zero).clamp(0, 2 ** spec.num_bits - 1)
+
+
+def _value(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    return (codes if zero is None else codes - zero) * scale
+
+
+def gptq_supports(spec: QuantSpec) -> bool:
+    return spec.type == "int" and spec.strategy in ("group", "channel") and spec.gguf_type is None
+
+
+@torch.no_grad()
+def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 0.01,
+         block: int = 128) -> QuantizedWeight:
+    """GPTQ-quantize `w` [out, in] (int, group or channel strategy) given its input Hessian [in, in]."""
+    if not gptq_supports(spec):
+        raise ValueError(f"GPTQ quantizes integer group/channel weights, not {spec}")
+    out_f, in_f = w.shape
+    group = spec.group_size if spec.strategy == "group" else in_f
+    if in_f % group:
+        raise ValueError(f"in_features {in_f} is not a multiple of the group size {group}")
+    W = w.detach().to(torch.float64).clone()
+    H = hessian.to(torch.float64).clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += torch.eye(in_f, dtype=H.dtype) * damp * torch.diag(H).mean()
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+    codes = torch.empty(out_f, in_f)
+    scales = torch.empty(out_f, in_f // group)
+    zeros = None if spec.symmetric else torch.empty(out_f, in_f // group)
+    group_spec = QuantSpec(spec.num_bits, "int", spec.symmetric, "channel")
+    scale = zero = None
+    for b0 in range(0, in_f, block):
+        b1 = min(b0 + block, in_f)
+        W1, Hinv1 = W[:, b0:b1].clone(), Hinv[b0:b1, b0:b1]
+        err1 = torch.zeros_like(W1)
+        for i in range(b1 - b0):
+            col = b0 + i
+            if col % group == 0:  # this group's scale from the error-updated weights (later blocks included)
+                cols = torch.cat([W1[:, i:], W[:, b1:]], dim=1)[:, :group]
+                q = quantize(cols.float(), group_spec)
+                scale = q.scales.to(torch.float64)
+                zero = None if q.zeros is None else q.zeros.to(torch.float64)
+                scales[:, col // group] = q.scales.squeeze(1)
+                if zeros is not None:
+                    zeros[:, col // group] = q.zeros.squeeze(1).float()
+            c = _codes_for(W1[:, i:i + 1], scale, zero, spec)
+            codes[:, col] = c.squeeze(1).float()
+            err = (W1[:, i:i + 1] - _value(c, scale, zero)) / Hinv1[i, i]
+            W1[:, i:] -= err @ Hinv1[i:i + 1, i:]
+            err1[:, i:i + 1] = err
+        W[:, b1:] -= err1 @ Hinv[b0:b1, b1:]
+    rtn = quantize(w, spec)  # the canonical dtypes for this spec
+    return QuantizedWeight(spec, codes.to(rtn.codes.dtype), scales.to(rtn.scales.dtype),
+                           zeros=None if zeros is None else zeros.to(rtn.zeros.dtype))

@@ -1,0 +1,156 @@
+"""GPTQ, layer sensitivity and recipes: checks that fail when the method does not do its job."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from glmserve.errors import InvalidRequestError
+from glmserve.quant.calibrate import collect_stats, gptq
+from glmserve.quant.quantize import quantize
+from glmserve.quant.recipe import load_recipe, parse_recipe, uniform
+from glmserve.quant.reference import dequantize
+from glmserve.quant.sensitivity import allocate, bits_per_weight, measure, units
+from glmserve.quant.spec import QuantSpec
+
+W4G32 = QuantSpec(4, "int", True, "group", group_size=32)
+W4G32_ASYM = QuantSpec(4, "int", False, "group", group_size=32)
+W8 = QuantSpec(8, "int", True, "channel")
+
+
+def _correlated_inputs(tokens: int, dim: int, seed: int) -> torch.Tensor:
+    """Samples of one distribution (fixed mixing; `seed` draws the samples): strongly correlated channels (a
+    low-rank signal plus noise) of different magnitude, as real activations have."""
+    mix = torch.randn(16, dim, generator=torch.Generator().manual_seed(1234)) * torch.logspace(-0.5, 0.5, dim)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, 16, generator=g) @ mix + 0.1 * torch.randn(tokens, dim, generator=g)
+
+
+@pytest.mark.parametrize("spec", [W4G32, W4G32_ASYM, QuantSpec(4, "int", True, "channel")])
+def test_gptq_reduces_layer_output_error_vs_rtn(spec):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.05
+    layer = torch.nn.Sequential(torch.nn.Linear(128, 96, bias=False))
+    layer[0].weight.data = w
+    x_calib, x_test = _correlated_inputs(2048, 128, 1), _correlated_inputs(1024, 128, 2)
+    stats = collect_stats(layer, [x_calib], ["0"])["0"]
+    assert stats.tokens == 2048
+    torch.testing.assert_close(stats.hessian, (x_calib.double().T @ x_calib.double()) / 2048)
+    q = gptq(w, stats.hessian, spec)
+    assert q.codes.dtype == quantize(w, spec).codes.dtype and q.scales.shape == quantize(w, spec).scales.shape
+
+    def err(qw):
+        return ((x_test @ dequantize(qw).T - x_test @ w.T) ** 2).mean().item()
+
+    assert err(q) < 0.5 * err(quantize(w, spec))  # held-out samples, not the calibration ones
+
+
+def test_shared_inputs_share_one_accumulator():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    stats = collect_stats(Two(), [torch.randn(1, 5, 8)], ["a", "b"])
+    assert stats["a"] is stats["b"] and stats["a"].tokens == 5
+
+
+class _Stack(torch.nn.Module):
+    """Three near-identity linear layers; the middle one has a column of huge weights on an input channel that
+    is always zero: harmless in float, but its per-row scale rounds every other weight of the row away."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l0, self.l1, self.l2 = (torch.nn.Linear(64, 64, bias=False) for _ in range(3))
+        for layer in (self.l0, self.l1, self.l2):
+            layer.weight.data = torch.eye(64) + 0.02 * torch.randn(64, 64)
+        self.l0.weight.data[0] = 0.0
+        self.l1.weight.data[:, 0] = 50.0
+
+    def forward(self, x):
+        return self.l2(self.l1(self.l0(x)))
+
+
+def test_sensitivity_ranks_the_damaged_layer_first_and_gives_it_the_bits():
+    model = _Stack()
+    x = torch.randn(256, 64)
+    x[:, 0] = 0.0
+    target = model(x).detach()
+
+    def loss(m):
+        return ((m(x) - target) ** 2).mean().item()
+
+    names = ["l0", "l1", "l2"]
+    cands = {"w8": W8, "w4": QuantSpec(4, "int", True, "channel")}
+    deltas = measure(model, loss, units(names), cands)
+    assert max(deltas, key=lambda u: deltas[u]["w4"]) == ("l1",)
+    assert all(d["w8"] < d["w4"] for d in deltas.values())
+    bits = {u: {c: bits_per_weight(s, 64) for c, s in cands.items()} for u in deltas}
+    params = {u: 64 * 64 for u in deltas}
+    budget = (bits_per_weight(W8, 64) + 2 * bits_per_weight(cands["w4"], 64)) / 3  # one unit may have 8 bits
+    choice = allocate(deltas, bits, params, budget)
+    assert choice == {("l0",): "w4", ("l1",): "w8", ("l2",): "w4"}
+    with pytest.raises(InvalidRequestError, match="below the cheapest"):
+        allocate(deltas, bits, params, 3.0)
+
+
+def test_units_fuse_qkv_and_gate_up():
+    names = ["m.layers.0.self_attn.q_proj", "m.layers.0.self_attn.k_proj", "m.layers.0.self_attn.v_proj",
+             "m.layers.0.self_attn.o_proj", "m.layers.0.mlp.gate_proj", "m.layers.0.mlp.up_proj",
+             "m.layers.0.mlp.down_proj"]
+    assert [len(u) for u in units(names)] == [3, 1, 2, 1]
+
+
+def test_bits_per_weight():
+    assert bits_per_weight(W4G32, 576) == 4.5
+    assert bits_per_weight(W4G32_ASYM, 576) == 4 + 20 / 32
+    assert bits_per_weight(QuantSpec(4, "float", True, "tensor_group", group_size=16), 64, 64) == 4.5 + 32 / 4096
+    assert bits_per_weight(None, 10) == 16
+
+
+LLAMA = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj",
+         "model.layers.0.mlp.down_proj", "lm_head"]
+KNOWN = ["fp8", "nvfp4", "w4a16", "int8", "w8a8"]
+
+
+def test_seeds_recipe_file_as_written():
+    recipe = load_recipe("examples/quant/seeds_mixed.yaml")
+    assert recipe.activation_threshold == 6.0
+    assert recipe.assign(LLAMA, KNOWN) == {
+        "model.layers.0.self_attn.q_proj": "fp8", "model.layers.0.self_attn.o_proj": "fp8",
+        "model.layers.0.mlp.gate_proj": "nvfp4", "model.layers.0.mlp.down_proj": "nvfp4"}
+    assert any("group_size 128" in n for n in recipe.notes)
+
+
+def test_rules_recipe_json(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"rules": [{"pattern": "*.mlp.down_proj", "scheme": "int8"},
+                                          {"pattern": "re:.*layers\\.0\\..*", "scheme": "w4a16"},
+                                          {"pattern": "lm_head", "scheme": "int8"}], "default": "none"}))
+    assert load_recipe(path).assign(LLAMA, KNOWN) == {
+        "model.layers.0.self_attn.q_proj": "w4a16", "model.layers.0.self_attn.o_proj": "w4a16",
+        "model.layers.0.mlp.gate_proj": "w4a16", "model.layers.0.mlp.down_proj": "int8", "lm_head": "int8"}
+    assert uniform("w8a8").assign(LLAMA, KNOWN) == {n: "w8a8" for n in LLAMA if n != "lm_head"}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"rules": [{"pattern": "*"}]}, "needs 'pattern' and 'scheme'"),
+    ({"attention_layers": {"type": "fp8", "scheme": "E5M2"}}, "unsupported type/scheme"),
+    ({"activation_threshold": -1}, "positive number"),
+    ({"atention_layers": {}}, "unknown keys"),
+    ([1, 2], "a recipe is a mapping"),
+])
+def test_bad_recipes_are_typed_errors(bad, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        parse_recipe(bad)
+
+
+def test_unknown_scheme_in_recipe():
+    with pytest.raises(InvalidRequestError, match="unknown scheme 'int3'"):
+        parse_recipe({"rules": [{"pattern": "*", "scheme": "int3"}]}).assign(LLAMA, KNOWN)
