@@ -1,4 +1,5 @@
-"""Command line: `glmserve generate | chat | serve | billing`. With no --model, the embedded SmolLM2 runs."""
+"""Command line: `glmserve generate | chat | serve | billing | train-indexer | quantize`. With no --model, the
+embedded SmolLM2 runs."""
 
 from __future__ import annotations
 
@@ -159,6 +160,88 @@ def cmd_train_indexer(args: argparse.Namespace) -> None:
     print(f"saved {path}")
 
 
+QUANTIZE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def add_quantize_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="'default' (the embedded SmolLM2 GGUF), a .gguf file or an HF model folder")
+    parser.add_argument("--scheme", default=None, help="one scheme for every linear layer but lm_head "
+                        "(int8, w8a8, w4a16, w4a16-asym, fp8, fp8-block, nvfp4; NAME@gN sets an int group size)")
+    parser.add_argument("--recipe", default=None, metavar="FILE", help="YAML/JSON recipe: module patterns -> "
+                        "schemes, or the seeds' form (examples/quant/seeds_mixed.yaml)")
+    parser.add_argument("--bits-budget", type=float, default=None, metavar="B",
+                        help="choose per-layer schemes by measured sensitivity under B bits per weight")
+    parser.add_argument("--candidates", default=None, help="schemes a --bits-budget chooses from (comma-"
+                        "separated; default int8,w4a16,w4a16@g64)")
+    parser.add_argument("--calib", nargs="+", default=None, metavar="FILE", help="calibration text file(s)")
+    parser.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    parser.add_argument("--method", default="rtn", choices=["rtn", "gptq"], help="round to nearest, or GPTQ "
+                        "(needs --calib)")
+    parser.add_argument("--dtype", default="auto", choices=list(QUANTIZE_DTYPES),
+                        help="dtype of the tensors kept in float (auto: the source's)")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--num-threads", type=int, default=None)
+
+
+def run_quantize(model: str, out: str, *, scheme: str | None = None, recipe: str | None = None,
+                 bits_budget: float | None = None, candidates: str | None = None, calib: list[str] | None = None,
+                 calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto"):
+    """Quantize `model` into a compressed-tensors folder `out`; returns (float model, pipeline Result)."""
+    from pathlib import Path
+
+    import torch
+
+    from glmserve.errors import InvalidRequestError
+    from glmserve.models.hf_float import load_float
+    from glmserve.quant import pipeline
+    from glmserve.quant.perplexity import token_windows
+    from glmserve.quant.recipe import load_recipe, uniform
+
+    if sum(x is not None for x in (scheme, recipe, bits_budget)) != 1:
+        raise InvalidRequestError("give exactly one of --scheme, --recipe, --bits-budget")
+    if scheme is not None:
+        pipeline.scheme_specs(scheme)
+    plan = pipeline.Plan(recipe=load_recipe(recipe) if recipe else uniform(scheme) if scheme else None,
+                         bits_budget=bits_budget, method=method)
+    if candidates:
+        plan.candidates = tuple(c.strip() for c in candidates.split(","))
+    if pipeline.needs_calibration(plan) and not calib:
+        raise InvalidRequestError("this needs calibration text: give --calib FILE (GPTQ, --bits-budget and a "
+                                  "recipe's activation_threshold measure activations)")
+    ckpt = load_float(model)
+    windows = None
+    if calib:
+        text = "\n\n".join(Path(f).read_text(encoding="utf-8") for f in calib)
+        windows = token_windows(ckpt.tokenizer, text, seq_len, calib_tokens)
+    result = pipeline.quantize_model(ckpt.model, plan, windows)
+    torch_dtype = None if QUANTIZE_DTYPES[dtype] is None else getattr(torch, QUANTIZE_DTYPES[dtype])
+    pipeline.save(Path(out), ckpt.model, ckpt.tokenizer, result, torch_dtype)
+    return ckpt.model, result
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    from glmserve.quant.pipeline import weight_bytes
+
+    model, result = run_quantize(args.model, args.out, scheme=args.scheme, recipe=args.recipe,
+                                 bits_budget=args.bits_budget, candidates=args.candidates, calib=args.calib,
+                                 calib_tokens=args.calib_tokens, seq_len=args.seq_len, method=args.method,
+                                 dtype=args.dtype)
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    counts: dict[str, int] = {}
+    for s in result.schemes.values():
+        counts[s] = counts.get(s, 0) + 1
+    served, bf16 = weight_bytes(model, result)
+    print("layers: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    print(f"weights {served / 2**20:.1f} MiB served vs {bf16 / 2**20:.1f} MiB in bf16 ({1 - served / bf16:.1%} "
+          f"smaller); wrote {args.out}")
+
+
 # DistillConfig fields settable from the command line (unset ones keep DistillConfig's defaults)
 TRAIN_INDEXER_OPTIONS = {
     "steps": (int, "optimizer steps"), "window": (int, "tokens per teacher window"),
@@ -213,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "dense attention (CPU, float32)")
     add_train_indexer_args(train)
     train.set_defaults(handler=cmd_train_indexer)
+    quant = sub.add_parser("quantize", help="write a quantized compressed-tensors safetensors folder")
+    add_quantize_args(quant)
+    quant.set_defaults(handler=cmd_quantize)
     return parser
 
 

@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glmserve.errors import InvalidRequestError, UnsupportedModelError
+from glmserve.quant.reference import dequantize
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
@@ -59,6 +60,15 @@ class QuantizedModule:
     weight: QuantizedWeight
     input_activations: QuantSpec | None = None
     outliers: OutlierColumns | None = None
+
+
+def dense_weight(module: QuantizedModule, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight the module computes with: dequantized, its outlier columns (zero in the quantized part)
+    put back."""
+    w = dequantize(module.weight, dtype)
+    if module.outliers is not None:
+        w[:, module.outliers.columns] = module.outliers.weight.to(dtype)
+    return w
 
 
 # ---- QuantSpec <-> QuantizationArgs ----

@@ -1,0 +1,194 @@
+"""The core of `glmserve quantize`: a float transformers model -> per-layer formats (a scheme, a recipe, or a
+bits-per-weight budget by measured sensitivity) -> QuantizedModules (round to nearest or GPTQ, outlier columns
+kept in float) -> a compressed-tensors safetensors folder."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from glmserve.errors import InvalidRequestError
+from glmserve.quant.calibrate import InputStats, collect_stats, gptq, gptq_supports, linear_layers
+from glmserve.quant.compressed_tensors import OutlierColumns, QuantizedModule, save_checkpoint
+from glmserve.quant.perplexity import mean_nll
+from glmserve.quant.quantize import quantize
+from glmserve.quant.recipe import NONE, Recipe
+from glmserve.quant.sensitivity import allocate, bits_per_weight, measure, units
+from glmserve.quant.spec import QuantSpec
+
+METHODS = ("rtn", "gptq")
+INT8_TOKEN = QuantSpec(8, "int", True, "token", dynamic=True)
+FP8_TOKEN = QuantSpec(8, "float", True, "token", dynamic=True)
+# Scheme name -> (weight spec, activation spec): the compressed-tensors schemes this command writes.
+# TODO(quant-core): read these from glmserve/quant/schemes.py once it is on main.
+SCHEMES: dict[str, tuple[QuantSpec, QuantSpec | None]] = {
+    "int8": (QuantSpec(8, "int", True, "channel"), None),
+    "w8a8": (QuantSpec(8, "int", True, "channel"), INT8_TOKEN),
+    "w4a16": (QuantSpec(4, "int", True, "group", group_size=32), None),
+    "w4a16-asym": (QuantSpec(4, "int", False, "group", group_size=32), None),
+    "fp8": (QuantSpec(8, "float", True, "channel"), FP8_TOKEN),
+    "fp8-block": (QuantSpec(8, "float", True, "block", block_structure=(128, 128)), None),
+    "nvfp4": (QuantSpec(4, "float", True, "tensor_group", group_size=16), None),
+}
+DEFAULT_CANDIDATES = ("int8", "w4a16", "w4a16@g64")
+_GROUP_SUFFIX = re.compile(r"^(?P<base>[a-z0-9-]+)@g(?P<group>\d+)$")
+
+
+def scheme_specs(name: str) -> tuple[QuantSpec, QuantSpec | None]:
+    """A scheme by name; `NAME@gN` is a grouped int scheme with group size N (e.g. w4a16@g64)."""
+    m = _GROUP_SUFFIX.match(name)
+    base = m["base"] if m else name
+    if base not in SCHEMES:
+        raise InvalidRequestError(f"unknown scheme {name!r} (known: {', '.join(SCHEMES)}; NAME@gN sets a group)")
+    w, a = SCHEMES[base]
+    if m:
+        if w.type != "int" or w.strategy not in ("group", "channel"):
+            raise InvalidRequestError(f"{base} has no group size to set")
+        w = replace(w, strategy="group", group_size=int(m["group"]))
+    return w, a
+
+
+@dataclass
+class Plan:
+    """What to do: per-layer schemes come from `recipe`, or from a sensitivity allocation over `candidates`
+    under `bits_budget`; `method` quantizes integer layers (GPTQ needs calibration)."""
+
+    recipe: Recipe | None = None
+    bits_budget: float | None = None
+    candidates: Sequence[str] = DEFAULT_CANDIDATES
+    method: str = "rtn"
+    gptq_damp: float = 0.01
+
+
+@dataclass
+class Result:
+    modules: dict[str, QuantizedModule]
+    schemes: dict[str, str]  # module name -> scheme name
+    notes: list[str] = field(default_factory=list)
+    sensitivity: dict[tuple[str, ...], dict[str, float]] | None = None
+
+
+def needs_calibration(plan: Plan) -> bool:
+    return plan.method == "gptq" or plan.bits_budget is not None or (
+        plan.recipe is not None and plan.recipe.activation_threshold is not None)
+
+
+def choose_schemes(model: torch.nn.Module, plan: Plan,
+                   calib: Sequence[torch.Tensor] | None) -> tuple[dict[str, str], dict | None]:
+    """Module name -> scheme name, and the measured sensitivities when a bits budget chose them."""
+    layers = linear_layers(model)
+    names = [n for n in layers if n != "lm_head" and not n.endswith(".lm_head")]
+    if plan.bits_budget is None:
+        if plan.recipe is None:
+            raise InvalidRequestError("give a scheme, a recipe or a bits budget")
+        known = {r.scheme for r in plan.recipe.rules} | {plan.recipe.default}
+        for s in known - {NONE}:
+            scheme_specs(s)  # a typed error for an unknown name
+        return plan.recipe.assign(list(layers), known), None
+    if calib is None:
+        raise InvalidRequestError("--bits-budget measures layer sensitivity on calibration text: give --calib")
+    cands = {c: scheme_specs(c)[0] for c in plan.candidates}
+    unit_list = units(names)
+    progress = tqdm(total=len(unit_list) * len(cands), desc="sensitivity", unit="eval")
+    deltas = measure(model, lambda m: mean_nll(m, calib), unit_list, cands, progress)
+    progress.close()
+    bits = {u: {c: bits_per_weight(s, layers[u[0]].in_features, layers[u[0]].out_features) for c, s in cands.items()}
+            for u in unit_list}
+    params = {u: sum(layers[n].weight.numel() for n in u) for u in unit_list}
+    choice = allocate(deltas, bits, params, plan.bits_budget)
+    return {n: choice[u] for u in unit_list for n in u}, deltas
+
+
+def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Tensor] | None = None) -> Result:
+    """Quantize the linear layers of a float model per `plan` (the model is left unchanged)."""
+    if plan.method not in METHODS:
+        raise InvalidRequestError(f"method {plan.method!r} is not one of {METHODS}")
+    if needs_calibration(plan) and not calib:
+        raise InvalidRequestError("this plan needs calibration text (--calib): GPTQ, a bits budget and "
+                                  "activation_threshold all measure activations")
+    notes = list(plan.recipe.notes) if plan.recipe else []
+    schemes, deltas = choose_schemes(model, plan, calib)
+    layers = linear_layers(model, schemes)
+    stats: dict[str, InputStats] = {}
+    threshold = plan.recipe.activation_threshold if plan.recipe else None
+    if plan.method == "gptq" or threshold is not None:
+        progress = tqdm(total=len(calib), desc="calibrate", unit="window")
+        stats = collect_stats(model, calib, schemes, progress)
+        progress.close()
+    modules = {}
+    for name in tqdm(schemes, desc="quantize", unit="layer"):
+        spec, act = scheme_specs(schemes[name])
+        w = layers[name].weight.detach().float()
+        outliers, hessian = None, None
+        if name in stats:
+            hessian = stats[name].hessian.clone()
+        if threshold is not None:
+            cols = torch.nonzero(stats[name].absmax > threshold).flatten()
+            if len(cols):
+                outliers = OutlierColumns(cols, w[:, cols].clone())
+                w = w.clone()
+                w[:, cols] = 0.0
+                hessian[cols, :] = 0.0  # GPTQ: these inputs are not quantized, nothing to compensate into
+                hessian[:, cols] = 0.0
+        if plan.method == "gptq" and gptq_supports(spec):
+            q = gptq(w, hessian, spec, damp=plan.gptq_damp)
+        else:
+            q = quantize(w, spec)
+        modules[name] = QuantizedModule(q, act, outliers)
+    if plan.method == "gptq" and any(not gptq_supports(m.weight.spec) for m in modules.values()):
+        notes.append("GPTQ applies to integer group/channel weights; fp8 and nvfp4 layers are rounded to nearest")
+    if threshold is not None:
+        kept = sum(len(m.outliers.columns) for m in modules.values() if m.outliers is not None)
+        notes.append(f"activation_threshold {threshold}: {kept} input columns kept in float across "
+                     f"{sum(m.outliers is not None for m in modules.values())} layers")
+    return Result(modules, schemes, notes, deltas)
+
+
+def float_tensors(model: torch.nn.Module, modules: Mapping[str, QuantizedModule], dtype: torch.dtype | None) -> dict:
+    """Every tensor of the model but the quantized weights (lm_head left out when tied to the embeddings)."""
+    quantized = {f"{n}.weight" for n in modules}
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    out = {}
+    for name, t in model.state_dict().items():
+        if name in quantized or (tied and name == "lm_head.weight"):
+            continue
+        out[name] = t.detach().to(dtype or t.dtype).clone()
+    return out
+
+
+def save(out_dir: Path, model: torch.nn.Module, tokenizer, result: Result, dtype: torch.dtype | None = None) -> None:
+    """The compressed-tensors folder: weights, config.json with quantization_config, tokenizer files."""
+    ignore = [n for n in linear_layers(model) if n not in result.modules]
+    config = model.config.to_dict()
+    if "lm_head" in result.modules:  # a quantized lm_head is its own tensor, no longer the embeddings
+        config["tie_word_embeddings"] = False
+    if dtype is not None:
+        config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    save_checkpoint(out_dir, result.modules, float_tensors(model, result.modules, dtype), config, ignore)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def weight_bytes(model: torch.nn.Module, result: Result | None) -> tuple[float, float]:
+    """(bytes of the weights served this way, bytes in bf16): quantized layers at their bits per weight
+    (16-bit scales), outlier columns and every other tensor at 16 bits; tied tensors counted once."""
+    seen, total, bf16 = set(), 0.0, 0.0
+    layers = linear_layers(model)
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        bf16 += p.numel() * 2
+        module = name.removesuffix(".weight")
+        m = None if result is None else result.modules.get(module)
+        if m is None or not name.endswith(".weight"):
+            total += p.numel() * 2
+            continue
+        out_f, in_f = layers[module].weight.shape
+        k = 0 if m.outliers is None else len(m.outliers.columns)
+        total += out_f * in_f * bits_per_weight(m.weight.spec, in_f, out_f) / 8 + out_f * k * 2
+    return total, bf16

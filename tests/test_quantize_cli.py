@@ -1,0 +1,121 @@
+"""`glmserve quantize` on tiny random-weight models: every scheme -> save -> reload equals what was written and
+computes close to the float model; recipes with outlier columns, GPTQ and a bits budget end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from glmserve.cli import main, run_quantize
+from glmserve.quant.compressed_tensors import dense_weight, load_checkpoint
+from glmserve.quant.pipeline import SCHEMES
+from tests.tiny_models import CORPUS, make_tiny_model
+
+CALIB = "\n".join(CORPUS[:8])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+def _float_logits(model_dir, ids):
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _quantized_logits(model_dir, out_dir, ids):
+    """The float model with each layer's weight replaced by what the checkpoint computes with."""
+    _, modules, rest = load_checkpoint(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    names = dict(model.named_modules())
+    with torch.no_grad():
+        for name, m in modules.items():
+            names[name].weight.copy_(dense_weight(m))
+        params = dict(model.named_parameters())
+        for name, t in rest.items():
+            params[name].copy_(t)
+        return model(ids).logits
+
+
+def _same_module(a, b):
+    assert a.weight.spec == b.weight.spec and a.input_activations == b.input_activations
+    for field in ("codes", "scales", "zeros", "global_scale"):
+        x, y = getattr(a.weight, field), getattr(b.weight, field)
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.dtype == y.dtype
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.dtype == torch.float8_e4m3fn \
+                else torch.equal(x, y)
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_each_scheme_round_trips_and_stays_close(tiny, tmp_path, scheme):
+    out = tmp_path / "q"
+    _, result = run_quantize(str(tiny), str(out), scheme=scheme)
+    config, modules, rest = load_checkpoint(out)
+    assert set(modules) == set(result.modules) and "lm_head" not in modules
+    for name in modules:
+        _same_module(result.modules[name], modules[name])
+    assert config["quantization_config"]["ignore"] == ["lm_head"]
+    assert "lm_head.weight" in rest and "model.embed_tokens.weight" in rest
+    assert (out / "tokenizer.json").exists()
+    ids = torch.tensor([[0, 5, 17, 42, 99, 7, 3, 250]])
+    ref, got = _float_logits(tiny, ids), _quantized_logits(tiny, out, ids)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    # int8 keeps ~8 bits, fp8 E4M3 3 mantissa bits, the 4-bit formats fewer (a random model amplifies them)
+    bound = 0.03 if scheme in ("int8", "w8a8") else 0.15 if scheme.startswith("fp8") else 0.35
+    assert rel < bound, rel
+
+
+def test_cli_recipe_with_outliers_gptq_end_to_end(tiny, tmp_path, capsys):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("attention_layers: {type: fp8, scheme: E4M3}\nffn_layers: {type: int4}\n"
+                      "activation_threshold: 0.5\n")
+    out = tmp_path / "q"
+    main(["quantize", str(tiny), "--recipe", str(recipe), "--calib", str(calib), "--method", "gptq",
+          "--seq-len", "32", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert "MiB in bf16" in printed.out and "columns kept in float" in printed.err
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision"
+    _, modules, _ = load_checkpoint(out)
+    assert modules["model.layers.0.self_attn.q_proj"].weight.spec.type == "float"
+    assert modules["model.layers.0.mlp.down_proj"].weight.spec.num_bits == 4
+    with_outliers = [m for m in modules.values() if m.outliers is not None]
+    assert with_outliers
+    for m in with_outliers:  # the quantized part holds nothing in the float columns
+        assert torch.count_nonzero(dense_weight(m)[:, m.outliers.columns] - m.outliers.weight) == 0
+
+
+def test_cli_bits_budget_mixes_formats(tiny, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    out = tmp_path / "q"
+    _, result = run_quantize(str(tiny), str(out), bits_budget=5.0, candidates="int8,w4a16", calib=[str(calib)],
+                             seq_len=32)
+    assert set(result.schemes.values()) == {"int8", "w4a16"}
+    assert result.sensitivity is not None
+    for unit in (("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                  "model.layers.0.self_attn.v_proj"), ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj")):
+        assert len({result.schemes[n] for n in unit}) == 1  # fused layers share a format
+    _, modules, _ = load_checkpoint(out)
+    assert {n: m.weight.spec.num_bits for n, m in modules.items()} == {
+        n: 8 if s == "int8" else 4 for n, s in result.schemes.items()}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scheme", "int3"], "unknown scheme 'int3'"),
+    (["--scheme", "w4a16", "--method", "gptq"], "needs calibration text"),
+    (["--scheme", "w4a16", "--bits-budget", "5"], "exactly one of"),
+])
+def test_cli_errors(tiny, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", str(tiny), "--out", str(tmp_path / "q"), *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
