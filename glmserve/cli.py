@@ -184,16 +184,17 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None)
 
 
-def run_quantize(model: str, out: str, *, scheme: str | None = None, recipe: str | None = None,
+def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | None = None,
                  bits_budget: float | None = None, candidates: str | None = None, calib: list[str] | None = None,
                  calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto"):
-    """Quantize `model` into a compressed-tensors folder `out`; returns (float model, pipeline Result)."""
+    """Quantize `model` (a path, 'default', or a loaded models.hf_float.FloatCheckpoint, left unchanged) into a
+    compressed-tensors folder `out`; returns (float model, pipeline Result)."""
     from pathlib import Path
 
     import torch
 
     from glmserve.errors import InvalidRequestError
-    from glmserve.models.hf_float import load_float
+    from glmserve.models.hf_float import FloatCheckpoint, load_float
     from glmserve.quant import pipeline
     from glmserve.quant.perplexity import token_windows
     from glmserve.quant.recipe import load_recipe, uniform
@@ -209,7 +210,7 @@ def run_quantize(model: str, out: str, *, scheme: str | None = None, recipe: str
     if pipeline.needs_calibration(plan) and not calib:
         raise InvalidRequestError("this needs calibration text: give --calib FILE (GPTQ, --bits-budget and a "
                                   "recipe's activation_threshold measure activations)")
-    ckpt = load_float(model)
+    ckpt = model if isinstance(model, FloatCheckpoint) else load_float(model)
     windows = None
     if calib:
         text = "\n\n".join(Path(f).read_text(encoding="utf-8") for f in calib)
