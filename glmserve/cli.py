@@ -174,7 +174,8 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", default=None, help="schemes a --bits-budget chooses from (comma-"
                         "separated; default int8,w4a16,w4a16@g64)")
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE", help="calibration text file(s)")
-    parser.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most")
+    parser.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most, an "
+                        "equal share from each file")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     parser.add_argument("--method", default="rtn", choices=["rtn", "gptq"], help="round to nearest, or GPTQ "
                         "(needs --calib)")
@@ -213,8 +214,9 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
     ckpt = model if isinstance(model, FloatCheckpoint) else load_float(model)
     windows = None
     if calib:
-        text = "\n\n".join(Path(f).read_text(encoding="utf-8") for f in calib)
-        windows = token_windows(ckpt.tokenizer, text, seq_len, calib_tokens)
+        windows = [w for f in calib  # each file gets an equal share of the tokens (e.g. English and Chinese)
+                   for w in token_windows(ckpt.tokenizer, Path(f).read_text(encoding="utf-8"), seq_len,
+                                          max(calib_tokens // len(calib), 2))]
     result = pipeline.quantize_model(ckpt.model, plan, windows)
     torch_dtype = None if QUANTIZE_DTYPES[dtype] is None else getattr(torch, QUANTIZE_DTYPES[dtype])
     pipeline.save(Path(out), ckpt.model, ckpt.tokenizer, result, torch_dtype)
