@@ -35,8 +35,10 @@ CONFIGS = {
 }
 
 
-def _read(files: list[str]) -> str:
-    return "\n\n".join(Path(f).read_text(encoding="utf-8") for f in files)
+def _windows(tokenizer, files: list[str], seq_len: int, tokens: int):
+    """An equal share of `tokens` from each file (English and Chinese)."""
+    return [w for f in files for w in token_windows(tokenizer, Path(f).read_text(encoding="utf-8"), seq_len,
+                                                     tokens // len(files))]
 
 
 @torch.no_grad()
@@ -69,7 +71,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ckpt = load_float(args.model)
-    heldout = token_windows(ckpt.tokenizer, _read(args.heldout), args.seq_len, args.eval_tokens)
+    heldout = _windows(ckpt.tokenizer, args.heldout, args.seq_len, args.eval_tokens)
     t0 = time.time()
     base = perplexity(ckpt.model, heldout)
     _, bf16 = weight_bytes(ckpt.model, None)
