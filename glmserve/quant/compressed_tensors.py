@@ -224,9 +224,9 @@ def quantization_config(modules: Mapping[str, QuantizedModule], ignore: Iterable
                                        "input_activations": None if a is None else spec_to_args(a),
                                        "output_activations": None, "format": fmt}
     mixed = len(formats) > 1
-    if not mixed:
+    if not mixed:  # one format: only the top-level key, as before per-group formats existed
         for group in config_groups.values():
-            group["format"] = None
+            del group["format"]
     return {"quant_method": QUANT_METHOD, "format": MIXED if mixed else next(iter(formats), "dense"),
             "quantization_status": "compressed", "config_groups": config_groups, "ignore": sorted(ignore),
             "kv_cache_scheme": None, "global_compression_ratio": None}
