@@ -64,6 +64,10 @@ def test_each_scheme_round_trips_and_stays_close(tiny, tmp_path, scheme):
     assert config["quantization_config"]["ignore"] == ["lm_head"]
     assert "lm_head.weight" in rest and "model.embed_tokens.weight" in rest
     assert (out / "tokenizer.json").exists()
+    if scheme == "nvfp4":  # one global scale per fused layer (q|k|v, gate|up), as vLLM runs them
+        att = [modules[f"model.layers.0.self_attn.{p}_proj"].weight.global_scale for p in "qkv"]
+        assert torch.equal(att[0], att[1]) and torch.equal(att[0], att[2])
+        assert not torch.equal(att[0], modules["model.layers.0.self_attn.o_proj"].weight.global_scale)
     ids = torch.tensor([[0, 5, 17, 42, 99, 7, 3, 250]])
     ref, got = _float_logits(tiny, ids), _quantized_logits(tiny, out, ids)
     rel = ((got - ref).norm() / ref.norm()).item()

@@ -237,10 +237,15 @@ def save_checkpoint(out_dir: Path, modules: Mapping[str, QuantizedModule], float
     """model.safetensors (each module's tensors as `<module>.<suffix>`, then the float tensors by name) and
     config.json (`hf_config` plus the quantization_config). Written to temporary names, then renamed."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.contiguous() for name, t in float_tensors.items()}
+    tensors = dict(float_tensors)
     for name, module in modules.items():
         for suffix, t in encode(module).items():
-            tensors[f"{name}.{suffix}"] = t.contiguous()
+            tensors[f"{name}.{suffix}"] = t
+    seen: set[int] = set()
+    for name, t in tensors.items():  # safetensors stores no shared memory (a fused layer's one global scale)
+        t = t.contiguous()
+        tensors[name] = t.clone() if t.data_ptr() in seen else t
+        seen.add(t.data_ptr())
     config = {**hf_config, "quantization_config": quantization_config(modules, ignore)}
     tmp_weights, tmp_config = out_dir / (WEIGHTS_FILE + ".tmp"), out_dir / "config.json.tmp"
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})

@@ -20,6 +20,7 @@ from glmserve.quant.quantize import quantize
 from glmserve.quant.recipe import NONE, Recipe
 from glmserve.quant.sensitivity import allocate, bits_per_weight, measure, units
 from glmserve.quant.spec import QuantSpec
+from glmserve.quant.weight import QuantizedWeight
 
 METHODS = ("rtn", "gptq")
 INT8_TOKEN = QuantSpec(8, "int", True, "token", dynamic=True)
@@ -121,25 +122,25 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
         stats = collect_stats(model, calib, schemes, progress)
         progress.close()
     modules = {}
-    for name in tqdm(schemes, desc="quantize", unit="layer"):
-        spec, act = scheme_specs(schemes[name])
-        w = layers[name].weight.detach().float()
-        outliers, hessian = None, None
-        if name in stats:
-            hessian = stats[name].hessian.clone()
-        if threshold is not None:
-            cols = torch.nonzero(stats[name].absmax > threshold).flatten()
-            if len(cols):
-                outliers = OutlierColumns(cols, w[:, cols].clone())
-                w = w.clone()
-                w[:, cols] = 0.0
-                hessian[cols, :] = 0.0  # GPTQ: these inputs are not quantized, nothing to compensate into
-                hessian[:, cols] = 0.0
-        if plan.method == "gptq" and gptq_supports(spec):
-            q = gptq(w, hessian, spec, damp=plan.gptq_damp)
+    progress = tqdm(total=len(schemes), desc="quantize", unit="layer")
+    for unit in units(list(schemes)):
+        parts = [_prepare(layers[name].weight, stats.get(name), threshold) for name in unit]
+        spec, act = scheme_specs(schemes[unit[0]])
+        if spec.strategy == "tensor_group" and len({schemes[n] for n in unit}) == 1:
+            # NVFP4's fp32 global scale is one per fused layer (q|k|v, gate|up), as vLLM runs them and as
+            # llm-compressor writes them: quantize the stacked rows, then split
+            joint = quantize(torch.cat([w for w, _, _ in parts]), spec)
+            quantized = _split_rows(joint, [w.shape[0] for w, _, _ in parts])
         else:
-            q = quantize(w, spec)
-        modules[name] = QuantizedModule(q, act, outliers)
+            quantized = []
+            for name, (w, hessian, _) in zip(unit, parts, strict=True):
+                spec = scheme_specs(schemes[name])[0]
+                gptq_it = plan.method == "gptq" and gptq_supports(spec)
+                quantized.append(gptq(w, hessian, spec, damp=plan.gptq_damp) if gptq_it else quantize(w, spec))
+        for name, q, (_, _, outliers) in zip(unit, quantized, parts, strict=True):
+            modules[name] = QuantizedModule(q, scheme_specs(schemes[name])[1], outliers)
+        progress.update(len(unit))
+    progress.close()
     if plan.method == "gptq" and any(not gptq_supports(m.weight.spec) for m in modules.values()):
         notes.append("GPTQ applies to integer group/channel weights; fp8 and nvfp4 layers are rounded to nearest")
     if threshold is not None:
@@ -147,6 +148,33 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
         notes.append(f"activation_threshold {threshold}: {kept} input columns kept in float across "
                      f"{sum(m.outliers is not None for m in modules.values())} layers")
     return Result(modules, schemes, notes, deltas)
+
+
+def _prepare(weight: torch.Tensor, stats: InputStats | None, threshold: float | None):
+    """(weight to quantize, its Hessian or None, outlier columns or None): input columns whose activation
+    absmax exceeds `threshold` are taken out of the weight (zeroed) and kept in float."""
+    w = weight.detach().float()
+    hessian = None if stats is None else stats.hessian.clone()
+    outliers = None
+    if threshold is not None:
+        cols = torch.nonzero(stats.absmax > threshold).flatten()
+        if len(cols):
+            outliers = OutlierColumns(cols, w[:, cols].clone())
+            w = w.clone()
+            w[:, cols] = 0.0
+            hessian[cols, :] = 0.0  # GPTQ: these inputs are not quantized, nothing to compensate into
+            hessian[:, cols] = 0.0
+    return w, hessian, outliers
+
+
+def _split_rows(q: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
+    """A row-grouped weight (channel / group / tensor_group scales) cut back into its stacked parts."""
+    def cut(t: torch.Tensor | None) -> list:
+        return [None] * len(rows) if t is None else list(torch.split(t, rows, dim=0))
+
+    return [QuantizedWeight(q.spec, c.clone(), s.clone(), zeros=None if z is None else z.clone(),
+                            global_scale=q.global_scale)
+            for c, s, z in zip(cut(q.codes), cut(q.scales), cut(q.zeros), strict=True)]
 
 
 def float_tensors(model: torch.nn.Module, modules: Mapping[str, QuantizedModule], dtype: torch.dtype | None) -> dict:
