@@ -154,3 +154,21 @@ def test_bad_recipes_are_typed_errors(bad, message):
 def test_unknown_scheme_in_recipe():
     with pytest.raises(InvalidRequestError, match="unknown scheme 'int3'"):
         parse_recipe({"rules": [{"pattern": "*", "scheme": "int3"}]}).assign(LLAMA, KNOWN)
+
+
+def test_mean_nll_batches_windows_without_changing_the_result():
+    from types import SimpleNamespace
+
+    from glmserve.quant.perplexity import mean_nll
+
+    emb = torch.nn.Embedding(50, 50)
+
+    def model(ids):
+        return SimpleNamespace(logits=emb(ids))
+
+    windows = [torch.randint(0, 50, (1, 7)) for _ in range(5)] + [torch.randint(0, 50, (1, 4))]
+    with torch.no_grad():
+        by_hand = [torch.nn.functional.cross_entropy(emb(w[0, :-1]), w[0, 1:], reduction="sum") for w in windows]
+    expected = sum(by_hand).item() / sum(w.shape[1] - 1 for w in windows)
+    assert abs(mean_nll(model, windows, batch=1) - expected) < 1e-5
+    assert abs(mean_nll(model, windows, batch=4) - expected) < 1e-5

@@ -27,14 +27,19 @@ def token_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None = N
 
 
 @torch.no_grad()
-def mean_nll(model: torch.nn.Module, windows: Sequence[torch.Tensor]) -> float:
+def mean_nll(model: torch.nn.Module, windows: Sequence[torch.Tensor], batch: int = 8) -> float:
     """Mean negative log-likelihood per predicted token over the windows (each window predicts its own tokens
-    2..T from the previous ones)."""
+    2..T from the previous ones); windows of one length run `batch` at a time."""
     total, count = 0.0, 0
-    for ids in windows:
-        logits = model(ids).logits[0, :-1].float()
-        total += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
-        count += ids.shape[1] - 1
+    by_len: dict[int, list[torch.Tensor]] = {}
+    for w in windows:
+        by_len.setdefault(w.shape[1], []).append(w)
+    for same in by_len.values():
+        for i in range(0, len(same), batch):
+            ids = torch.cat(same[i:i + batch])
+            logits = model(ids).logits[:, :-1].float()
+            total += F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+            count += ids[:, 1:].numel()
     return total / count
 
 
