@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
     "rtn-w4a16": dict(scheme="w4a16"),
     "gptq-w4a16": dict(scheme="w4a16", method="gptq"),
-    "mixed-sensitivity": dict(bits_budget=None, candidates="int8,w4a16@g64"),  # budget: w4a16's bits
+    "mixed-sensitivity": dict(bits_budget=None, candidates="int8,w4a16-g64"),  # budget: w4a16's bits
     "seeds-recipe": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml")),
     "rtn-int8": dict(scheme="int8"),
 }

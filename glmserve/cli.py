@@ -166,13 +166,13 @@ QUANTIZE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "
 def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="'default' (the embedded SmolLM2 GGUF), a .gguf file or an HF model folder")
     parser.add_argument("--scheme", default=None, help="one scheme for every linear layer but lm_head "
-                        "(int8, w8a8, w4a16, w4a16-asym, fp8, fp8-block, nvfp4; NAME@gN sets an int group size)")
+                        "(int8, w8a8, w4a16, w4a16-asym, w4a16-g64, fp8, fp8-block, nvfp4)")
     parser.add_argument("--recipe", default=None, metavar="FILE", help="YAML/JSON recipe: module patterns -> "
                         "schemes, or the seeds' form (examples/quant/seeds_mixed.yaml)")
     parser.add_argument("--bits-budget", type=float, default=None, metavar="B",
                         help="choose per-layer schemes by measured sensitivity under B bits per weight")
     parser.add_argument("--candidates", default=None, help="schemes a --bits-budget chooses from (comma-"
-                        "separated; default int8,w4a16,w4a16@g64)")
+                        "separated; default int8,w4a16,w4a16-g64)")
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE", help="calibration text file(s)")
     parser.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most, an "
                         "equal share from each file")

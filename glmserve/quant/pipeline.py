@@ -4,9 +4,8 @@ kept in float) -> a compressed-tensors safetensors folder."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,7 +13,7 @@ from tqdm import tqdm
 
 from glmserve.errors import InvalidRequestError
 from glmserve.quant.calibrate import InputStats, collect_stats, gptq, gptq_supports, linear_layers
-from glmserve.quant.compressed_tensors import OutlierColumns, QuantizedModule, save_checkpoint
+from glmserve.quant.compressed_tensors import OutlierColumns, QuantizedModule, save_checkpoint, spec_to_args
 from glmserve.quant.perplexity import mean_nll
 from glmserve.quant.quantize import quantize
 from glmserve.quant.recipe import NONE, Recipe
@@ -32,26 +31,22 @@ SCHEMES: dict[str, tuple[QuantSpec, QuantSpec | None]] = {
     "w8a8": (QuantSpec(8, "int", True, "channel"), INT8_TOKEN),
     "w4a16": (QuantSpec(4, "int", True, "group", group_size=32), None),
     "w4a16-asym": (QuantSpec(4, "int", False, "group", group_size=32), None),
+    "w4a16-g64": (QuantSpec(4, "int", True, "group", group_size=64), None),
+    "w4a16-asym-g64": (QuantSpec(4, "int", False, "group", group_size=64), None),
     "fp8": (QuantSpec(8, "float", True, "channel"), FP8_TOKEN),
-    "fp8-block": (QuantSpec(8, "float", True, "block", block_structure=(128, 128)), None),
+    "fp8-block": (QuantSpec(8, "float", True, "block", block_structure=(128, 128)), FP8_TOKEN),
     "nvfp4": (QuantSpec(4, "float", True, "tensor_group", group_size=16), None),
 }
-DEFAULT_CANDIDATES = ("int8", "w4a16", "w4a16@g64")
-_GROUP_SUFFIX = re.compile(r"^(?P<base>[a-z0-9-]+)@g(?P<group>\d+)$")
+DEFAULT_CANDIDATES = ("int8", "w4a16", "w4a16-g64")
 
 
 def scheme_specs(name: str) -> tuple[QuantSpec, QuantSpec | None]:
-    """A scheme by name; `NAME@gN` is a grouped int scheme with group size N (e.g. w4a16@g64)."""
-    m = _GROUP_SUFFIX.match(name)
-    base = m["base"] if m else name
-    if base not in SCHEMES:
-        raise InvalidRequestError(f"unknown scheme {name!r} (known: {', '.join(SCHEMES)}; NAME@gN sets a group)")
-    w, a = SCHEMES[base]
-    if m:
-        if w.type != "int" or w.strategy not in ("group", "channel"):
-            raise InvalidRequestError(f"{base} has no group size to set")
-        w = replace(w, strategy="group", group_size=int(m["group"]))
-    return w, a
+    """(weight spec, activation spec) of a scheme this command can write (a compressed-tensors format)."""
+    if name not in SCHEMES:
+        raise InvalidRequestError(f"unknown scheme {name!r} (known: {', '.join(SCHEMES)})")
+    weight, activations = SCHEMES[name]
+    spec_to_args(weight)  # a typed error for a format compressed-tensors cannot hold
+    return weight, activations
 
 
 @dataclass
