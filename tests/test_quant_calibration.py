@@ -60,6 +60,24 @@ def test_shared_inputs_share_one_accumulator():
     assert stats["a"] is stats["b"] and stats["a"].tokens == 5
 
 
+def test_inputs_that_only_reuse_freed_memory_are_not_shared():
+    class Seq(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+        def forward(self, x):  # b's input is a new tensor, possibly at the address a's freed input had
+            return self.b(torch.relu(self.a(x * 2.0)) + 1.0)
+
+    x = torch.randn(1, 64, 8)
+    model = Seq()
+    stats = collect_stats(model, [x], ["a", "b"])
+    assert stats["a"] is not stats["b"]
+    with torch.no_grad():
+        hb = (torch.relu(model.a(x * 2.0)) + 1.0).reshape(-1, 8).double()
+    torch.testing.assert_close(stats["b"].gram, hb.T @ hb)
+
+
 class _Stack(torch.nn.Module):
     """Three near-identity linear layers; the middle one has a column of huge weights on an input channel that
     is always zero: harmless in float, but its per-row scale rounds every other weight of the row away."""

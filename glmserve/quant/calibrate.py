@@ -2,7 +2,7 @@
 
 `collect_stats` hooks every named nn.Linear of a float model and accumulates, per layer, the input Gram matrix
 H = sum_tokens x x^T (GPTQ's Hessian up to a factor 2) and the per-input-channel absmax (outlier detection).
-Layers fed the very same input tensor in a forward pass (q/k/v, gate/up) share one accumulator. The statistics
+Layers fed the very same input tensor object in a forward pass (q/k/v, gate/up) share one accumulator. The statistics
 come from the float model in one pass (not GPTQ's sequential re-run through already-quantized layers).
 
 `gptq` follows Frantar et al. 2022 (arXiv 2210.17323), Algorithm 1 and the authors' reference implementation
@@ -55,21 +55,22 @@ def collect_stats(model: torch.nn.Module, batches: Iterable[torch.Tensor], names
     """Run `model(input_ids)` on each batch [1, tokens] and return the input statistics of the layers `names`."""
     layers = linear_layers(model, names)
     stats: dict[str, InputStats] = {}
-    seen: dict[int, InputStats] = {}  # data_ptr of an input tensor in the current forward -> its accumulator
+    # id of an input tensor in the current forward -> (the tensor, its accumulator); holding the tensor keeps
+    # its id from being reused by a later one within the pass
+    seen: dict[int, tuple[torch.Tensor, InputStats]] = {}
 
     def hook(name: str):
         def pre(module: torch.nn.Module, args: tuple) -> None:
             x = args[0]
-            shared = seen.get(x.data_ptr())
-            if shared is None:
-                if name not in stats:
-                    n = x.shape[-1]
-                    stats[name] = InputStats(torch.zeros(n, n, dtype=torch.float64), torch.zeros(n))
-                shared = stats[name]
-                shared.add(x)
-                seen[x.data_ptr()] = shared
-            else:
-                stats.setdefault(name, shared)
+            hit = seen.get(id(x))
+            if hit is not None and hit[0] is x:
+                stats.setdefault(name, hit[1])
+                return
+            if name not in stats:
+                n = x.shape[-1]
+                stats[name] = InputStats(torch.zeros(n, n, dtype=torch.float64), torch.zeros(n))
+            stats[name].add(x)
+            seen[id(x)] = (x, stats[name])
         return pre
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
