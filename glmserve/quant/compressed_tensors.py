@@ -120,11 +120,11 @@ def _pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     u = torch.nn.functional.pad(u, (0, -cols % per_word))
     if bits == 4:
         u = u[:, 0::2] | (u[:, 1::2] << 4)
-    return u.contiguous().view(torch.int32)
+    return u.contiguous().flatten().view(torch.int32).reshape(rows, -1)  # flatten: a [1, n] view may keep odd strides
 
 
 def _unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    u = packed.contiguous().view(torch.uint8)
+    u = packed.contiguous().flatten().view(torch.uint8).reshape(packed.shape[0], -1)
     if bits == 4:
         u = torch.stack((u & 0xF, u >> 4), dim=-1).flatten(-2)
     return (u[:, :cols].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
