@@ -142,6 +142,14 @@ def cmd_billing_report(args: argparse.Namespace) -> None:
     print(report(args.ledger, args.since, args.key, as_json=args.json))
 
 
+def cmd_gateway(args: argparse.Namespace) -> None:
+    from glmserve.gateway.app import run_gateway
+    from glmserve.gateway.proxy_options import ProxyOptions
+    from glmserve.gateway.settings import GatewaySettings
+
+    sys.exit(run_gateway(GatewaySettings.from_args(args), ProxyOptions.from_args(args), args.host, args.port))
+
+
 def cmd_train_indexer(args: argparse.Namespace) -> None:
     from glmserve.training.indexer_distill import DistillConfig, train_and_save
 
@@ -268,6 +276,16 @@ def add_train_indexer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None)
 
 
+def add_gateway_cli_args(parser: argparse.ArgumentParser) -> None:
+    from glmserve.gateway.proxy_options import add_proxy_options
+    from glmserve.gateway.settings import add_gateway_options
+
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    add_proxy_options(parser)
+    add_gateway_options(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -295,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     billing_report.add_argument("--key", default=None, metavar="NAME", help="one key only")
     billing_report.add_argument("--json", action="store_true", help="JSON instead of a table")
     billing_report.set_defaults(handler=cmd_billing_report)
+    gateway = sub.add_parser("gateway", help="OpenAI-compatible gateway in front of replicas (port 8080)")
+    add_gateway_cli_args(gateway)
+    gateway.set_defaults(handler=cmd_gateway)
     train = sub.add_parser("train-indexer", help="distill a learned sparse-attention indexer from the model's "
                            "dense attention (CPU, float32)")
     add_train_indexer_args(train)

@@ -1,0 +1,90 @@
+"""`glmserve gateway`: the ASGI app in front of the backends. `/health` is liveness, `/v1/health` readiness (at
+least one backend healthy), `/metrics` the `glmserve_gateway_*` metrics, `/v1/models` the external ids of the
+model-ID table; every other path is forwarded (proxy.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from glmserve.errors import InvalidRequestError
+from glmserve.gateway.backends import BackendPool
+from glmserve.gateway.models_map import ModelMap
+from glmserve.gateway.proxy import Proxy
+from glmserve.gateway.proxy_metrics import ProxyMetrics
+from glmserve.gateway.proxy_options import ProxyOptions
+from glmserve.gateway.settings import GatewaySettings
+
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+def build_proxy(settings: GatewaySettings, options: ProxyOptions) -> Proxy:
+    models = ModelMap.load(options.models_file) if options.models_file else ModelMap.empty()
+    if not settings.backend_urls and not models.pools:
+        raise InvalidRequestError("glmserve gateway needs at least one --backend URL (or [pools] in --models)")
+    unpooled = [r.external for r in models.routes.values() if r.pool is None]
+    if unpooled and not settings.backend_urls:
+        raise InvalidRequestError(f"--models: {unpooled} name no pool, and there is no --backend for them")
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=options.connect_timeout_s, read=None, write=options.connect_timeout_s,
+                              pool=options.connect_timeout_s),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256), trust_env=False)
+    pool = BackendPool(client, settings.probe_interval_s, settings.unhealthy_after, options.eject_after,
+                       options.breaker_cooldown_s)
+    default_group = pool.group(settings.backend_urls)
+    for url in settings.standby_urls:
+        pool.add(url, standby=True)
+    return Proxy(pool, default_group, models, options, settings.request_timeout_s, ProxyMetrics(pool),
+                 client)
+
+
+def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGIApp:
+    proxy = build_proxy(settings, options)
+    pool = proxy.pool
+
+    async def liveness(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readiness(_: Request) -> Response:
+        ready = pool.ready()
+        return JSONResponse({"status": "ready" if ready else "no_healthy_backend", "backends": pool.describe()},
+                            status_code=200 if ready else 503, headers=None if ready else {"retry-after": "1"})
+
+    async def metrics(_: Request) -> Response:
+        content, media_type = proxy.metrics.render()
+        return Response(content, media_type=media_type)
+
+    async def models(request: Request) -> Response:
+        if proxy.models.routes:
+            return JSONResponse(proxy.models.model_list())
+        return await proxy.handle(request)
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.stop()
+            await asyncio.shield(proxy.client.aclose())
+
+    routes = [Route("/health", liveness), Route("/v1/health", readiness), Route("/metrics", metrics),
+              Route("/v1/models", models), Route("/{path:path}", proxy.handle, methods=ALL_METHODS)]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.proxy = proxy
+    return app
+
+
+def run_gateway(settings: GatewaySettings, options: ProxyOptions, host: str, port: int) -> int:
+    app = create_gateway_app(settings, options)
+    uvicorn.run(app, host=host, port=port, access_log=False, log_level="info", timeout_graceful_shutdown=30)
+    return 0

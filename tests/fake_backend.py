@@ -1,0 +1,159 @@
+"""A fast fake OpenAI-compatible backend for the gateway's tests and benchmark: a real uvicorn server whose
+behaviour a test sets through `POST /control` (slow first byte, a stream that stalls or is cut after some
+chunks, 5xx answers, a failing health check). It counts requests and the ones whose client went away.
+
+    python tests/fake_backend.py --name a --port 0      # prints uvicorn's "Uvicorn running on ..." line
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+DEFAULTS: dict[str, Any] = {
+    "delay_s": 0.0,  # before the answer (non-streamed) or the first chunk (streamed)
+    "chunks": 3,  # content chunks of a stream
+    "chunk_gap_s": 0.0,
+    "stall_after": None,  # a stream stops sending (forever) after this many chunks
+    "cut_after": None,  # a stream's connection is dropped after this many chunks
+    "status": 200,  # answers to completions with this status (5xx: an OpenAI error body)
+    "health_status": 200,
+}
+
+
+class State:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.control = dict(DEFAULTS)
+        self.requests = 0
+        self.disconnects = 0
+        self.in_flight = 0
+        self.models: list[str] = []
+        self.session_ids: list[str | None] = []
+        self.request_ids: list[str | None] = []
+
+
+class _Cut(Exception):
+    """Raised inside a stream: uvicorn drops the connection without ending the chunked body."""
+
+
+def completion(state: State, model: str, text: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{state.name}-{state.requests}", "object": "chat.completion", "created": 0,
+            "model": model, "system_fingerprint": state.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                      "prompt_tokens_details": {"cached_tokens": 0}}}
+
+
+def chunk(state: State, model: str, delta: dict[str, Any], finish: str | None = None) -> bytes:
+    body = {"id": f"chatcmpl-{state.name}-{state.requests}", "object": "chat.completion.chunk", "created": 0,
+            "model": model, "system_fingerprint": state.name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+async def _sleep_unless_gone(request: Request, seconds: float, state: State) -> bool:
+    """Sleeps; False (and counted) when the client disconnects first."""
+    if seconds <= 0:
+        return True
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    done, _ = await asyncio.wait((watcher,), timeout=seconds)
+    watcher.cancel()
+    if done:
+        state.disconnects += 1
+        return False
+    return True
+
+
+def create_app(state: State) -> Starlette:
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        state.requests += 1
+        model = body.get("model", "")
+        state.models.append(model)
+        state.session_ids.append(request.headers.get("x-session-id") or body.get("session_id"))
+        state.request_ids.append(request.headers.get("x-request-id"))
+        control = state.control
+        if control["status"] >= 400:
+            error = {"error": {"message": f"{state.name} fails on purpose", "type": "server_error", "param": None,
+                               "code": None}}
+            return JSONResponse(error, status_code=control["status"])
+        if not body.get("stream"):
+            state.in_flight += 1
+            try:
+                if not await _sleep_unless_gone(request, control["delay_s"], state):
+                    return Response(status_code=499)
+                return JSONResponse(completion(state, model, f"hello from {state.name}"))
+            finally:
+                state.in_flight -= 1
+        return StreamingResponse(stream(request, model, dict(control)), media_type="text/event-stream")
+
+    async def stream(request: Request, model: str, control: dict[str, Any]):
+        state.in_flight += 1
+        try:
+            await asyncio.sleep(control["delay_s"])
+            yield chunk(state, model, {"role": "assistant", "content": ""})
+            for i in range(control["chunks"]):
+                if control["stall_after"] is not None and i >= control["stall_after"]:
+                    await asyncio.sleep(3600)
+                if control["cut_after"] is not None and i >= control["cut_after"]:
+                    raise _Cut()
+                await asyncio.sleep(control["chunk_gap_s"])
+                yield chunk(state, model, {"content": f"{state.name}{i} "})
+            yield chunk(state, model, {}, "stop")
+            yield b"data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            state.disconnects += 1
+            raise
+        finally:
+            state.in_flight -= 1
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": state.name}, status_code=state.control["health_status"])
+
+    async def metrics(_: Request) -> Response:
+        return Response(f"glmserve_num_requests_running {state.in_flight}\nglmserve_num_requests_waiting 0\n")
+
+    async def control(request: Request) -> Response:
+        if request.method == "POST":
+            update = await request.json()
+            if update.pop("reset", False):
+                state.control = dict(DEFAULTS)
+                state.requests = state.disconnects = 0
+                state.models.clear()
+                state.session_ids.clear()
+                state.request_ids.clear()
+            state.control.update(update)
+        return JSONResponse({"name": state.name, "control": state.control, "requests": state.requests,
+                             "disconnects": state.disconnects, "in_flight": state.in_flight, "models": state.models,
+                             "session_ids": state.session_ids, "request_ids": state.request_ids})
+
+    routes = [Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/health", health),
+              Route("/metrics", metrics), Route("/control", control, methods=["GET", "POST"])]
+    return Starlette(routes=routes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--name", default="fake")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    uvicorn.run(create_app(State(args.name)), host=args.host, port=args.port, access_log=False, log_level="info")
+
+
+if __name__ == "__main__":
+    main()
