@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
+import sys
 from typing import Any
 
 import uvicorn
@@ -152,6 +154,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn re-raises the signal once it has stopped
     uvicorn.run(create_app(State(args.name)), host=args.host, port=args.port, access_log=False, log_level="info")
 
 

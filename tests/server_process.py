@@ -50,10 +50,17 @@ def glmserve_process(args: list[str], log_path: Path, load_gate: Path | None = N
     controls = {name: str(path) for name, path in ((LOAD_GATE_ENV, load_gate), (STEP_PAUSE_ENV, step_pause))
                 if path is not None}
     launcher = [str(CONTROLLED_SERVE)] if controls else ["-m", "glmserve.cli"]
-    env = {**os.environ, **controls}
+    with listening_process([sys.executable, *launcher, "serve", "--port", "0", *args], log_path,
+                           {**os.environ, **controls}) as server:
+        yield server
+
+
+@contextmanager
+def listening_process(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """Starts a uvicorn server process (`argv`, output to `log_path`) and yields once it listens (its port read
+    from uvicorn's "Uvicorn running on" line). On exit a still-running one gets SIGTERM and must exit with 0."""
     with log_path.open("wb") as log_file:
-        proc = subprocess.Popen([sys.executable, *launcher, "serve", "--port", "0", *args],
-                                stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, "", log_path)
 
     def port() -> int | None:

@@ -5,8 +5,10 @@ model-ID table; every other path is forwarded (proxy.py)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import FrameType
 
 import httpx
 import uvicorn
@@ -84,7 +86,13 @@ def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGI
     return app
 
 
+def _exit_cleanly(signum: int, _: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
 def run_gateway(settings: GatewaySettings, options: ProxyOptions, host: str, port: int) -> int:
+    """Serves until SIGTERM/SIGINT; uvicorn re-raises the signal after its graceful shutdown, which exits 0."""
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     app = create_gateway_app(settings, options)
     uvicorn.run(app, host=host, port=port, access_log=False, log_level="info", timeout_graceful_shutdown=30)
     return 0
