@@ -20,6 +20,7 @@ import anyio
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from glmserve.gateway.backends import Backend, BackendPool
 from glmserve.gateway.models_map import ModelMap
@@ -114,6 +115,7 @@ class Proxy:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {k: v for k, v in request.headers.items() if k not in HOP_BY_HOP}
         headers["x-request-id"] = request_id
+        headers["accept-encoding"] = "identity"  # bodies are rewritten (model echo): none compressed
         stream = payload.get("stream") is True
         session = request.headers.get("x-session-id") or payload.get("session_id")
         prompt = prompt_text(payload) if payload else ""
@@ -242,10 +244,10 @@ class Proxy:
         try:
             try:
                 response = await self._send(request, backend, call, started)
-                if response.status_code != 200:  # a 4xx: no stream to relay
+                if response.status_code != 200:  # a 4xx: no stream to relay (but the backend answered)
                     body = await response.aread()
                     await response.aclose()
-                    backend.breaker.on_release()
+                    backend.breaker.on_success()
                     return self._relay_whole(response, body, call, started, backend)
                 chunks = response.aiter_raw()
                 first = await self._guarded(request, max(0.0, call.timeout_s - (time.perf_counter() - started)),
@@ -264,9 +266,9 @@ class Proxy:
             self.metrics.first_byte.labels(backend.url).observe(time.perf_counter() - started)
             headers = {k: v for k, v in response.headers.items() if k not in RESPONSE_SKIP}
             headers["x-request-id"] = rid
+            lease = _StreamLease(backend, response, started, self.metrics)
             handed_over = True
-            return StreamingResponse(self._relay_stream(backend, response, chunks, first, call, started),
-                                     headers=headers)
+            return _RelayedStream(self._relay_stream(lease, chunks, first, call), lease, headers=headers)
         finally:
             if not handed_over:
                 if response is not None:
@@ -274,10 +276,10 @@ class Proxy:
                         await response.aclose()
                 backend.in_flight -= 1
 
-    async def _relay_stream(self, backend: Backend, response: httpx.Response, chunks: AsyncIterator[bytes],
-                            first: bytes, call: _Request, started: float) -> AsyncIterator[bytes]:
+    async def _relay_stream(self, lease: _StreamLease, chunks: AsyncIterator[bytes], first: bytes,
+                            call: _Request) -> AsyncIterator[bytes]:
         relay = EventRelay(call.echo_model)
-        verdict: bool | None = None
+        verdict: bool | None = None  # None: the client left
         try:
             out = relay.feed(first)
             if out:
@@ -309,13 +311,44 @@ class Proxy:
             verdict = False
             yield error_event("The connection to the backend was lost mid-stream.", "upstream_stream_cut")
         finally:
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
-            backend.in_flight -= 1
-            if verdict is True:
-                backend.breaker.on_success()
-            elif verdict is False:
-                backend.breaker.on_failure()
-            else:  # the client left
-                backend.breaker.on_release()
-            self.metrics.duration.labels(backend.url).observe(time.perf_counter() - started)
+            await lease.close(verdict)
+
+
+class _StreamLease:
+    """A relayed stream's hold on its backend: released once, by the relay's end or by the response's own end
+    (a client gone before the relay started never runs the relay's `finally`)."""
+
+    def __init__(self, backend: Backend, response: httpx.Response, started: float, metrics: ProxyMetrics) -> None:
+        self.backend = backend
+        self.response = response
+        self.started = started
+        self.metrics = metrics
+        self.closed = False
+
+    async def close(self, verdict: bool | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            await self.response.aclose()
+        self.backend.in_flight -= 1
+        breaker = self.backend.breaker
+        if verdict is True:
+            breaker.on_success()
+        elif verdict is False:
+            breaker.on_failure()
+        else:
+            breaker.on_release()
+        self.metrics.duration.labels(self.backend.url).observe(time.perf_counter() - self.started)
+
+
+class _RelayedStream(StreamingResponse):
+    def __init__(self, content: AsyncIterator[bytes], lease: _StreamLease, headers: dict[str, str]) -> None:
+        super().__init__(content, headers=headers)
+        self.lease = lease
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.lease.close(None)
