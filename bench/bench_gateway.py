@@ -50,7 +50,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
+@dataclass(eq=False)
 class Proc:
     argv: list[str]
     log: Path
@@ -115,10 +115,17 @@ class Connections:
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def call(self) -> int:
-        conn = self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
+        reused = bool(self.idle)
+        conn = self.idle.pop() if reused else await asyncio.open_connection("127.0.0.1", self.port)
         reader, writer = conn
         writer.write(self.request)
-        head = await reader.readuntil(b"\r\n\r\n")
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (OSError, asyncio.IncompleteReadError):
+            if not reused:
+                raise
+            writer.close()  # the server closed it while idle (keep-alive timeout): once more on a new one
+            return await self.call()
         status = int(head[9:12])
         length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
         await reader.readexactly(length)
@@ -129,20 +136,19 @@ class Connections:
 async def open_loop(targets: dict[str, Connections], rate: float, seconds: float) -> dict[str, list[float]]:
     """Sends `rate` requests/s to every target for `seconds`, interleaved; latencies (s) per target."""
     latencies: dict[str, list[float]] = {name: [] for name in targets}
-    errors: dict[str, int] = {name: 0 for name in targets}
+    errors: dict[str, dict[str, int]] = {name: {} for name in targets}
     loop = asyncio.get_running_loop()
     tasks = []
 
     async def one(name: str, scheduled: float) -> None:
         try:
             status = await targets[name].call()
-        except (OSError, asyncio.IncompleteReadError):
-            errors[name] += 1
-            return
-        if status != 200:
-            errors[name] += 1
-        else:
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            status = type(exc).__name__
+        if status == 200:
             latencies[name].append(loop.time() - scheduled)
+        else:
+            errors[name][str(status)] = errors[name].get(str(status), 0) + 1
 
     names = list(targets)
     interval = 1.0 / (rate * len(names))
@@ -155,9 +161,13 @@ async def open_loop(targets: dict[str, Connections], rate: float, seconds: float
             await asyncio.sleep(delay)
         tasks.append(asyncio.ensure_future(one(names[i % len(names)], scheduled)))
     await asyncio.gather(*tasks)
-    if any(errors.values()):
-        print(f"  errors: {errors}", file=sys.stderr)
-    return latencies
+    return latencies, errors
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -177,10 +187,17 @@ def run_overhead(args: argparse.Namespace) -> dict:
     async def measure() -> None:
         targets = {"direct": Connections(backend.port, "/v1/chat/completions", body),
                    "gateway": Connections(gw.port, "/v1/chat/completions", body)}
-        await open_loop(targets, 50, 2)  # warm-up: connections, code paths
+        await open_loop(targets, 20, 2)  # warm-up: connections, code paths
         for rate in args.rates:
-            lat = await open_loop(targets, rate, args.seconds)
-            row = {"rate_rps": rate, "seconds": args.seconds, "n": {k: len(v) for k, v in lat.items()}}
+            cpu_before = {p: cpu_seconds(p.proc.pid) for p in (backend, gw)}
+            lat, errors = await open_loop(targets, rate, args.seconds)
+            n = {k: len(v) for k, v in lat.items()}
+            cpu = {p: cpu_seconds(p.proc.pid) - cpu_before[p] for p in (backend, gw)}
+            row = {"rate_rps": rate, "seconds": args.seconds, "ok": n, "errors": errors,
+                   "load_average_1m": os.getloadavg()[0],
+                   # CPU per request: the gateway's own, and the backend's (which serves both paths)
+                   "gateway_cpu_ms_per_request": round(cpu[gw] * 1e3 / max(1, n["gateway"]), 3),
+                   "backend_cpu_ms_per_request": round(cpu[backend] * 1e3 / max(1, n["gateway"] + n["direct"]), 3)}
             for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
                 d, g = pct(lat["direct"], q) * 1e3, pct(lat["gateway"], q) * 1e3
                 row[label] = {"direct_ms": round(d, 3), "gateway_ms": round(g, 3), "added_ms": round(g - d, 3)}
