@@ -11,4 +11,14 @@ SQLite ledger) and in `glmserve gateway --backend URL ...` in front of replicas 
   usage_stream.py  usage out of JSON bodies and SSE streams
   openai_errors.py OpenAI's error bodies and x-ratelimit headers
   metrics.py    Prometheus counters of admission and billing
+  app.py        `glmserve gateway`: the ASGI app in front of the backends (/health, /v1/health, /metrics, /v1/models)
+  proxy.py      forwarding: timeouts (connect, first byte, idle), retries elsewhere, SSE error on a cut stream
+  proxy_options.py  the options of `glmserve gateway` alone (--backend, --models, timeouts, ejection, routing)
+  backends.py   the pool: /v1/health probes, load from /metrics, in-flight counts, standbys
+  breaker.py    a circuit breaker per backend (passive ejection)
+  router.py     session -> consistent hashing with bounded loads, else prefix affinity, else least loaded
+  models_map.py the model-ID adapter (external ids -> canonical model and backend pool)
+  sse.py        SSE relay: whole events, the model id echoed, [DONE] noticed; error events
+  retry_budget.py  retries capped as a share of traffic
+  proxy_metrics.py glmserve_gateway_* metrics of the proxy
 """
