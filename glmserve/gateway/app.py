@@ -5,6 +5,7 @@ model-ID table; every other path is forwarded (proxy.py)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -93,6 +94,7 @@ def _exit_cleanly(signum: int, _: FrameType | None) -> None:
 def run_gateway(settings: GatewaySettings, options: ProxyOptions, host: str, port: int) -> int:
     """Serves until SIGTERM/SIGINT; uvicorn re-raises the signal after its graceful shutdown, which exits 0."""
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = create_gateway_app(settings, options)
     uvicorn.run(app, host=host, port=port, access_log=False, log_level="info", timeout_graceful_shutdown=30)
     return 0
