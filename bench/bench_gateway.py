@@ -292,9 +292,12 @@ def run_fault(args: argparse.Namespace) -> dict:
     with running(*replicas, gw):
         asyncio.run(drive())
         metrics = httpx.get(gw.url + "/metrics").text
-    retries = sum(float(line.rsplit(None, 1)[1]) for line in metrics.splitlines()
-                  if line.startswith("glmserve_gateway_retries_total"))
-    result = {"clients": 32, "seconds": args.seconds, "timeline": timeline, "retries": retries,
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(None, 1)[1]) for line in metrics.splitlines() if line.startswith(name))
+
+    result = {"clients": 32, "seconds": args.seconds, "timeline": timeline,
+              "retries": total("glmserve_gateway_retries_total"),
+              "retries_refused": total("glmserve_gateway_retries_refused_total"),
               **{k: v for k, v in vars(counts).items() if k != "failures"}, "first_failures": counts.failures[:5]}
     print(json.dumps(result, indent=1))
     return {"fault": result}

@@ -17,7 +17,7 @@ class ProxyOptions:
     first_token_s_per_1k: float = 2.0  # ... plus this per 1,000 prompt tokens (estimated), capped by request_timeout
     idle_timeout_s: float = 30.0  # the longest gap between two chunks of a stream
     max_retries: int = 2
-    retry_budget: float = 0.1  # retries as a share of requests (over the last 10 s)
+    retry_budget: float = 0.1  # retries as a share of requests (over the last 60 s)
     eject_after: int = 3  # consecutive connect errors / 5xx (each within 2 s of the last) that open the breaker
     breaker_cooldown_s: float = 5.0  # open -> half-open
     prefix_chars: int = 256  # prefix affinity hashes this many leading characters of the rendered prompt
@@ -61,7 +61,7 @@ def add_proxy_options(parser: argparse.ArgumentParser) -> None:
                    help="longest gap between two stream chunks")
     g.add_argument("--max-retries", type=int, default=d.max_retries, metavar="N")
     g.add_argument("--retry-budget", type=float, default=d.retry_budget, metavar="SHARE",
-                   help="retries allowed as a share of the requests of the last 10 s")
+                   help="retries allowed as a share of the requests of the last 60 s (plus 10)")
     g.add_argument("--eject-after", type=int, default=d.eject_after, metavar="N",
                    help="consecutive connect errors or 5xx (within 2 s of each other) that open a backend's breaker")
     g.add_argument("--breaker-cooldown", type=float, default=d.breaker_cooldown_s, metavar="S",

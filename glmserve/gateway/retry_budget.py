@@ -1,6 +1,8 @@
 """Retries capped as a share of traffic (the retry budget of Finagle's `RetryBudget` and Envoy's
 `retry_budget`): over a sliding window, retries may not exceed `share` of the requests, plus a small floor
-so that a quiet gateway can still retry a failed request."""
+so that a quiet gateway can still retry a failed request. The window is a minute: a replica that dies holds
+about its share of the gateway's concurrency in flight at once, and long generations make few requests per
+second, so a 10 s window would refuse some of the retries that one death needs."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections import deque
 
 
 class RetryBudget:
-    def __init__(self, share: float, window_s: float = 10.0, floor: int = 3, clock=time.monotonic) -> None:
+    def __init__(self, share: float, window_s: float = 60.0, floor: int = 3, clock=time.monotonic) -> None:
         self.share = share
         self.window_s = window_s
         self.floor = floor
