@@ -114,18 +114,18 @@ class Connections:
                         f"Content-Length: {len(body)}\r\n\r\n").encode() + body
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
-    async def call(self) -> int:
-        reused = bool(self.idle)
+    async def call(self, fresh: bool = False) -> int:
+        reused = bool(self.idle) and not fresh
         conn = self.idle.pop() if reused else await asyncio.open_connection("127.0.0.1", self.port)
         reader, writer = conn
         writer.write(self.request)
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except (OSError, asyncio.IncompleteReadError):
+            writer.close()
             if not reused:
                 raise
-            writer.close()  # the server closed it while idle (keep-alive timeout): once more on a new one
-            return await self.call()
+            return await self.call(fresh=True)  # closed by the server while idle (keep-alive timeout)
         status = int(head[9:12])
         length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
         await reader.readexactly(length)
