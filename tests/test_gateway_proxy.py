@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -145,6 +146,23 @@ def test_model_table_errors_are_clear() -> None:
         ModelMap.parse({"models": {"x": {"pool": "p"}}, "pools": {"p": ["http://h"]}})
     with pytest.raises(InvalidRequestError, match="non-empty list of http"):
         ModelMap.parse({"models": {"x": "y"}, "pools": {"p": ["ftp://h"]}})
+
+
+def test_keys_and_billing_wrap_the_proxy(fake, tmp_path: Path) -> None:
+    """`glmserve gateway` runs the admission middleware around the proxy: no key, no backend call; an answered
+    request leaves one ledger row."""
+    keys, ledger = tmp_path / "keys.toml", tmp_path / "ledger.sqlite3"
+    keys.write_text('[[key]]\nname = "team"\nkey = "sk-team-0123456789"\n')
+    with gateway(tmp_path, [fake["a"]], "--keys", str(keys), "--ledger", f"sqlite:///{ledger}") as gw:
+        with pytest.raises(openai.AuthenticationError):
+            gw.client().chat.completions.create(model="m", messages=HELLO)
+        assert fake["a"].state()["requests"] == 0
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="sk-team-0123456789", max_retries=0, timeout=60)
+        assert client.chat.completions.create(model="m", messages=HELLO).usage.total_tokens == 7
+        assert gw.metric("glmserve_gateway_auth_failures_total", reason="missing") + \
+            gw.metric("glmserve_gateway_auth_failures_total", reason="unknown") == 1
+    with sqlite3.connect(ledger) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM ledger").fetchone()[0] == 1
 
 
 # ---------------------------------------------------------------------- streams cut, timeouts, disconnects

@@ -1,6 +1,7 @@
 """`glmserve gateway`: the ASGI app in front of the backends. `/health` is liveness, `/v1/health` readiness (at
 least one backend healthy), `/metrics` the `glmserve_gateway_*` metrics, `/v1/models` the external ids of the
-model-ID table; every other path is forwarded (proxy.py)."""
+model-ID table; every other path is forwarded (proxy.py). GatewayMiddleware (admission.py: keys, limits, billing,
+/v1/usage) wraps it all."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from glmserve.errors import InvalidRequestError
+from glmserve.gateway.admission import GatewayMiddleware
 from glmserve.gateway.backends import BackendPool
 from glmserve.gateway.models_map import ModelMap
 from glmserve.gateway.proxy import Proxy
@@ -83,8 +85,8 @@ def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGI
     routes = [Route("/health", liveness), Route("/v1/health", readiness), Route("/metrics", metrics),
               Route("/v1/models", models), Route("/{path:path}", proxy.handle, methods=ALL_METHODS)]
     app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.proxy = proxy
-    return app
+    # keys, limits, billing and /v1/usage around the proxy; its metrics join the proxy's on /metrics
+    return GatewayMiddleware(app, settings, registry=proxy.metrics.registry)
 
 
 def _exit_cleanly(signum: int, _: FrameType | None) -> None:
