@@ -55,7 +55,7 @@ class Runner:
 
 
 RUNNERS = (
-    Runner(OURS, "ours.py", REPO / ".venv" / "bin" / "python"),
+    Runner(OURS, "ours.py", Path(sys.executable)),  # the project venv running this script: the code at HEAD
     Runner("llamacpp", "peer_llamacpp.py", wl.BENCH_DIR / "llamacpp" / "bin" / "python"),
     Runner("vllm", "peer_vllm.py", wl.BENCH_DIR / "vllm" / "bin" / "python", hf_model=True),
     Runner("transformers", "peer_transformers.py", wl.BENCH_DIR / "transformers" / "bin" / "python", hf_model=True),
@@ -115,7 +115,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         ours = results.get(OURS, {}).get(metric) if ratio_cols else None
         for peer in peers if ratio_cols else ():
             theirs = results[peer].get(metric)
-            cells.append(f"{ours / theirs:.2f}×" if ours and theirs else "—")
+            unlike = metric in results[peer].get("details", {}).get("unlike", ())  # e.g. a batch run serially
+            cells.append(f"{ours / theirs:.2f}×" if ours and theirs and not unlike else "—")
         arrow = " (↓)" if metric in LOWER_IS_BETTER else ""
         lines.append(f"| {metric}{arrow} | " + " | ".join(cells) + " |")
     notes = [f"- {k}: {m}: {n}" for k in keys for m, n in results[k].get("notes", {}).items() if n != "not requested"]
@@ -125,7 +126,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         lines
         + [
             "",
-            "(↓) lower is better; ratios are ours/peer.",
+            "(↓) lower is better; ratios are ours/peer; no ratio where the peer ran the workload unlike us "
+            "(its note says how).",
             "",
             "Versions:",
             *versions,

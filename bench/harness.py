@@ -9,8 +9,9 @@ prints one JSON object (the common schema, see `METRICS`) as the last line of st
 
 Definitions:
   prefill_N_tok_s      prompt tokens / latency of a max_tokens=1 request (median of repeats)
-  decode_bK_tok_s      K*(T-1) / (latency(T new tokens) - latency(1 new token)), on distinct
-                       same-length prompts: the decode rate with the prefill cost taken out
+  decode_bK_tok_s      tokens generated / wall time of the decode steps of a K-prompt batch, timed
+                       from the step after which every prompt is computed (each has its first token)
+                       to the end: prefill is outside the window (median of repeats)
   throughput_64_tok_s  generated tokens / wall time, all 64 requests submitted at once
   prefix_*_ttft_s      latency of a max_tokens=1 request with a 4,000-token prefix: the first
                        time (cold) and then with other suffixes (warm, median)
@@ -55,6 +56,8 @@ class Engine(ABC):
     name: str = "engine"
     #: metric -> caveat printed with the results (a metric that fails is null with its error here)
     notes: dict[str, str] = {}
+    #: metrics this engine measures differently from ours (e.g. a batch run serially): reported, no ratio
+    unlike: frozenset[str] = frozenset()
 
     @abstractmethod
     def load(self, args: argparse.Namespace) -> None:
@@ -63,6 +66,11 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         """Greedy, ignore_eos, all prompts submitted together; returns generated-token counts."""
+
+    @abstractmethod
+    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+        """Runs `generate(prompts, max_tokens)` step by step: (time.perf_counter() after a step, tokens
+        generated so far over all prompts) for every step that produced tokens."""
 
     def version(self) -> str:
         return "unknown"
@@ -129,11 +137,14 @@ def timed(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     return time.perf_counter() - start, sum(counts)
 
 
-def decode_rate(engine: Engine, first: list[list[int]], full: list[list[int]], new_tokens: int) -> float:
-    """Decode tok/s for a batch: the (T-1)-token difference between a T-token and a 1-token run."""
-    t_first, _ = timed(engine, first, 1)
-    t_full, produced = timed(engine, full, new_tokens)
-    return (produced - len(full)) / max(t_full - t_first, 1e-9)
+def decode_rate(timeline: list[tuple[float, int]], batch: int) -> float:
+    """Decode tok/s of a batch from its step timeline: the steps after the one where all `batch` prompts
+    have their first token (so no prefill is left), until the last step."""
+    ready = next(i for i, (_, produced) in enumerate(timeline) if produced >= batch)
+    (t_ready, n_ready), (t_end, n_end) = timeline[ready], timeline[-1]
+    if n_end <= n_ready:
+        raise ValueError("no decode step after the prompts were computed (max_tokens too small)")
+    return (n_end - n_ready) / max(t_end - t_ready, 1e-9)
 
 
 class Suite:
@@ -159,6 +170,8 @@ class Suite:
         print(f"[{self.engine.name}] {metric} ...", file=sys.stderr, flush=True)
         try:
             self.result[metric] = round(fn(), 4)
+        except NotImplementedError as exc:  # the engine cannot run this workload: its note says why
+            self.notes.setdefault(metric, f"not supported: {exc}")
         except Exception as exc:  # one broken workload must not lose the others
             self.notes[metric] = f"failed: {type(exc).__name__}: {exc}"[:500]
         print(f"[{self.engine.name}] {metric} = {self.result[metric]}", file=sys.stderr, flush=True)
@@ -170,9 +183,10 @@ class Suite:
             rates.append(len(prompt) / latency)
         return statistics.median(rates)
 
-    def decode_b1(self) -> float:
-        pairs = zip(self.work.decode_b1_first, self.work.decode_b1)
-        return statistics.median(decode_rate(self.engine, [a], [b], self.work.decode_tokens) for a, b in pairs)
+    def decode(self, batches: list[list[list[int]]]) -> float:
+        """Median over the repeats (distinct batches) of the decode-window rate."""
+        tokens = self.work.decode_tokens
+        return statistics.median(decode_rate(self.engine.decode_timeline(b, tokens), len(b)) for b in batches)
 
     def throughput(self) -> float:
         latency, produced = timed(self.engine, self.work.throughput, self.work.decode_tokens)
@@ -197,13 +211,11 @@ class Suite:
         w = self.work
         self.measure("prefill_512_tok_s", lambda: self.prefill("512"))
         self.measure("prefill_2048_tok_s", lambda: self.prefill("2048"))
-        self.measure("decode_b1_tok_s", self.decode_b1)
+        self.measure("decode_b1_tok_s", lambda: self.decode([[p] for p in w.decode_b1]))
         self.measure("prefix_cold_ttft_s", self.prefix_cold)
         self.measure("prefix_warm_ttft_s", self.prefix_warm)
         self.measure("prefill_8192_tok_s", lambda: self.prefill("8192"))
-        self.measure(
-            "decode_b32_tok_s", lambda: decode_rate(self.engine, w.decode_b32_first, w.decode_b32, w.decode_tokens)
-        )
+        self.measure("decode_b32_tok_s", lambda: self.decode(w.decode_b32))
         self.measure("throughput_64_tok_s", self.throughput)
 
 
@@ -251,6 +263,7 @@ def run_main(make_engine: Callable[[], Engine], argv: list[str] | None = None) -
             "decode_tokens": work.decode_tokens,
             "threads": wl.THREADS,
             "loadavg_1m_start_end": [load_start, round(os.getloadavg()[0], 2)],
+            "unlike": sorted(engine.unlike),
         },
     }
     print(RESULT_MARKER + json.dumps(result), flush=True)

@@ -9,7 +9,9 @@ engine's default dtype; prefix caching is on. The API contract is docs/ENGINE_AP
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import time
 
 import harness
 import workloads as wl
@@ -31,6 +33,7 @@ class OursEngine(harness.Engine):
         self._dtype = args.dtype or "auto"
         self._llm = LLM(model=None, dtype=self._dtype, enable_prefix_caching=True, num_threads=wl.THREADS)
         self._cached_tokens: list[int] = []
+        self._ids = itertools.count()
 
     def version(self) -> str:
         import importlib.metadata
@@ -46,6 +49,19 @@ class OursEngine(harness.Engine):
         outputs = self._llm.generate(prompts, params)
         self._cached_tokens = [o.num_cached_tokens or 0 for o in outputs]
         return [len(o.outputs[0].token_ids) for o in outputs]
+
+    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+        engine = self._llm.engine
+        params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for prompt in prompts:
+            engine.add_request(f"bench-{next(self._ids)}", prompt, params)
+        timeline: list[tuple[float, int]] = []
+        counts: dict[str, int] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                counts[out.request_id] = len(out.outputs[0].token_ids)
+            timeline.append((time.perf_counter(), sum(counts.values())))
+        return timeline
 
     def extra(self) -> dict[str, object]:
         return {"last_request_cached_tokens": self._cached_tokens}

@@ -10,6 +10,7 @@ for every request: transformers has no cross-request prefix cache).
 from __future__ import annotations
 
 import argparse
+import time
 
 import harness
 import workloads as wl
@@ -42,7 +43,7 @@ class TransformersEngine(harness.Engine):
 
         return f"transformers {transformers.__version__}, torch {torch.__version__}, {self._dtype}"
 
-    def _batch(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    def _batch(self, prompts: list[list[int]], max_tokens: int, streamer: object = None) -> list[int]:
         torch = self._torch
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
@@ -58,6 +59,7 @@ class TransformersEngine(harness.Engine):
                 max_new_tokens=max_tokens,
                 min_new_tokens=max_tokens,  # ignore_eos
                 pad_token_id=self._pad,
+                streamer=streamer,
             )
         return [out.shape[1] - width] * len(prompts)
 
@@ -66,6 +68,21 @@ class TransformersEngine(harness.Engine):
         for start in range(0, len(prompts), BATCH):
             counts += self._batch(prompts[start : start + BATCH], max_tokens)
         return counts
+
+    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+        if len(prompts) > BATCH:
+            raise NotImplementedError(f"one static batch holds at most {BATCH} prompts")
+        calls: list[float] = []
+
+        class Clock:  # transformers' streamer protocol: put(the prompt ids), then put(the [B] new tokens) per step
+            def put(self, value: object) -> None:
+                calls.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        self._batch(prompts, max_tokens, Clock())
+        return [(t, i * len(prompts)) for i, t in enumerate(calls)][1:]
 
 
 if __name__ == "__main__":

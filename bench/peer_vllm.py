@@ -10,7 +10,9 @@ threads are bound to cores 0-1 (vLLM's "auto" binding reserves one of the 2 core
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import time
 
 import harness
 import workloads as wl
@@ -36,6 +38,7 @@ class VllmEngine(harness.Engine):
             enable_prefix_caching=True,
             seed=0,
         )
+        self._ids = itertools.count()
 
     def version(self) -> str:
         import vllm
@@ -46,6 +49,20 @@ class VllmEngine(harness.Engine):
         params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outputs]
+
+    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+        """The offline LLM's own engine, stepped by hand (what `LLM.generate` does inside)."""
+        engine = self._llm.llm_engine
+        params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for prompt in prompts:
+            engine.add_request(f"bench-{next(self._ids)}", {"prompt_token_ids": prompt}, params)
+        timeline: list[tuple[float, int]] = []
+        counts: dict[str, int] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                counts[out.request_id] = len(out.outputs[0].token_ids)
+            timeline.append((time.perf_counter(), sum(counts.values())))
+        return timeline
 
 
 if __name__ == "__main__":

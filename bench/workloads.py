@@ -11,8 +11,9 @@ Workloads (all greedy, ignore_eos, 2 threads):
   startup         one 16-token prompt, 1 new token, timed from process launch
   prefill_N       N-token context (the 8,192 case is 8,191 prompt tokens + 1 generated: the
                   model's context is 8,192), 1 new token; tok/s = prompt tokens / latency
-  decode_b1       512-token prompt, DECODE_TOKENS new tokens; decode tok/s excludes prefill
-  decode_b32      32 prompts of 512 tokens, DECODE_TOKENS new tokens each
+  decode_b1       512-token prompt, DECODE_TOKENS new tokens; only the decode steps are timed
+  decode_b32      32 prompts of 128 tokens, DECODE_TOKENS new tokens each; only the decode steps
+                  (after every prompt has its first token) are timed
   throughput      64 requests (prompt lengths uniform 100..1000), DECODE_TOKENS new tokens each
   prefix          a 4,000-token shared prefix + distinct 32-token suffixes: cold then warm TTFT
 Each timed run uses prompts no other run shares, so prefix caches only help where intended.
@@ -37,6 +38,7 @@ MODEL_CONTEXT = 8192
 PREFILL_LENGTHS = (512, 2048, 8192)
 DECODE_PROMPT_LEN = 512
 DECODE_BATCH = 32
+DECODE_BATCH_PROMPT_LEN = 128  # short: 32 prompts' prefill is outside the timed window but still run
 THROUGHPUT_REQUESTS = 64
 THROUGHPUT_PROMPT_RANGE = (100, 1000)
 PREFIX_LEN = 4000
@@ -69,10 +71,8 @@ class Workloads:
     startup: list[int]
     warmup: list[int]
     prefill: dict[str, list[list[int]]]  # str(length) -> `repeats` distinct prompts
-    decode_b1_first: list[list[int]]  # for the max_tokens=1 baseline, distinct from the next
-    decode_b1: list[list[int]]
-    decode_b32_first: list[list[int]]
-    decode_b32: list[list[int]]
+    decode_b1: list[list[int]]  # `repeats` distinct prompts
+    decode_b32: list[list[list[int]]]  # `repeats` distinct batches
     throughput: list[list[int]]
     prefix_cold: list[int]
     prefix_warm: list[list[int]]  # same prefix as prefix_cold, other suffixes
@@ -151,10 +151,8 @@ def build(tokenizer: object, quick: bool) -> Workloads:
         startup=make.tokens(STARTUP_PROMPT_LEN),
         warmup=make.tokens(64),
         prefill={str(n): make.batch(repeats, min(n, MODEL_CONTEXT - 1)) for n in PREFILL_LENGTHS},
-        decode_b1_first=make.batch(repeats, DECODE_PROMPT_LEN),
         decode_b1=make.batch(repeats, DECODE_PROMPT_LEN),
-        decode_b32_first=make.batch(DECODE_BATCH, DECODE_PROMPT_LEN),
-        decode_b32=make.batch(DECODE_BATCH, DECODE_PROMPT_LEN),
+        decode_b32=[make.batch(DECODE_BATCH, DECODE_BATCH_PROMPT_LEN) for _ in range(repeats)],
         throughput=[make.tokens(n) for n in make.lengths(requests, *THROUGHPUT_PROMPT_RANGE)],
         prefix_cold=prefix + make.tokens(SUFFIX_LEN),
         prefix_warm=[prefix + make.tokens(SUFFIX_LEN) for _ in range(repeats)],
