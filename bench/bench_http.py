@@ -219,7 +219,7 @@ def server_command(key: str, port: int, peer_dtype: str) -> tuple[list[str], dic
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if key == "ours":
         return [
-            str(REPO / ".venv" / "bin" / "python"),
+            sys.executable,  # the project venv running this script: the code at HEAD
             "-m",
             "glmserve.cli",
             "serve",
@@ -268,26 +268,38 @@ def server_command(key: str, port: int, peer_dtype: str) -> tuple[list[str], dic
 
 
 SERVERS = ("ours", "llamacpp", "vllm")
+# each server's readiness route (200 once it can generate), relative to http://host:port
+READY_PATHS = {"ours": "/v1/health", "llamacpp": "/health", "vllm": "/health"}
 
 
-def wait_ready(proc: subprocess.Popen[bytes], base_url: str, timeout_s: float) -> float:
-    """Poll GET /models until it answers 200; seconds waited. Raises if the process exits first."""
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, interval_s: float = 1.0) -> float:
+    """Poll GET `url` until it answers 200; seconds waited. Raises if the process exits first."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before becoming ready")
         try:
-            if httpx.get(f"{base_url}/models", timeout=5).status_code == 200:
+            if httpx.get(url, timeout=5).status_code == 200:
                 return time.monotonic() - start
         except httpx.HTTPError:
             pass
-        time.sleep(1.0)
+        time.sleep(interval_s)
     raise TimeoutError(f"server not ready after {timeout_s:.0f}s")
 
 
+@dataclass
+class Launched:
+    """A running server: its OpenAI base URL, process, seconds from launch to ready, command line."""
+
+    base_url: str
+    proc: subprocess.Popen[bytes]
+    ready_s: float
+    command: str
+
+
 @contextmanager
-def launched(key: str, log: Path, peer_dtype: str) -> Iterator[tuple[str, float, str]]:
-    """Start server `key`, yield (base_url, startup seconds, command line); always stop it afterwards."""
+def launched(key: str, log: Path, peer_dtype: str, poll_s: float = 1.0) -> Iterator[Launched]:
+    """Start server `key`, wait for its readiness route (polled every `poll_s`), yield it; always stop it."""
     port = free_port()
     cmd, extra_env = server_command(key, port, peer_dtype)
     print(f"== {key}: {' '.join(cmd)} (log {log})", file=sys.stderr, flush=True)
@@ -297,8 +309,8 @@ def launched(key: str, log: Path, peer_dtype: str) -> Iterator[tuple[str, float,
             cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **extra_env}, start_new_session=True
         )
         try:
-            base_url = f"http://127.0.0.1:{port}/v1"
-            yield base_url, wait_ready(proc, base_url, READY_TIMEOUT_S), " ".join(cmd)
+            ready = wait_ready(proc, f"http://127.0.0.1:{port}{READY_PATHS[key]}", READY_TIMEOUT_S, poll_s)
+            yield Launched(f"http://127.0.0.1:{port}/v1", proc, ready, " ".join(cmd))
         finally:
             _stop(proc)
 
@@ -377,10 +389,10 @@ def main() -> None:
                 entry.update(asyncio.run(bench_url(args.base_url, prompts, levels, args.quick)))
             else:
                 log = wl.BENCH_DIR / "logs" / f"http-{key}.log"
-                with launched(key, log, args.peer_dtype) as (base_url, ready_s, cmd):
-                    entry["startup_s"] = round(ready_s, 2)
-                    entry["server_command"] = cmd
-                    entry.update(asyncio.run(bench_url(base_url, prompts, levels, args.quick)))
+                with launched(key, log, args.peer_dtype) as server:
+                    entry["startup_s"] = round(server.ready_s, 2)
+                    entry["server_command"] = server.command
+                    entry.update(asyncio.run(bench_url(server.base_url, prompts, levels, args.quick)))
         except Exception as exc:  # one failing server must not lose the others' results
             entry["error"] = f"{type(exc).__name__}: {exc}"[:1000]
         report["servers"][key] = entry

@@ -99,7 +99,17 @@ class TreeRssSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            self.peak_kb = max(self.peak_kb, sum(_rss_kb(pid) for pid in _tree(os.getpid())))
+            self.peak_kb = max(self.peak_kb, tree_rss_kb(os.getpid()))
+
+
+def tree_rss_kb(root: int) -> int:
+    """Summed VmRSS (KiB) of process `root` and its descendants."""
+    return sum(_rss_kb(pid) for pid in _tree(root))
+
+
+def hwm_kb(pid: int) -> int:
+    """The process's peak RSS so far (VmHWM, KiB)."""
+    return _status_kb(pid, "VmHWM")
 
 
 def _status_kb(pid: int, field: str) -> int:
@@ -250,7 +260,7 @@ def run_main(make_engine: Callable[[], Engine], argv: list[str] | None = None) -
         suite.result["startup_s"] = round(startup, 3)
         suite.details["first_request_s"] = round(startup_latency, 3)
         suite.run()
-    suite.result["peak_rss_mb"] = round(max(_status_kb(os.getpid(), "VmHWM"), sampler.peak_kb) / 1024, 1)
+    suite.result["peak_rss_mb"] = round(max(hwm_kb(os.getpid()), sampler.peak_kb) / 1024, 1)
     result = {
         "engine": engine.name,
         "version": engine.version(),

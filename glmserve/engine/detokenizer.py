@@ -7,7 +7,10 @@ window ends in an incomplete UTF-8 sequence (U+FFFD).
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type only: importing transformers costs seconds at startup
+    from transformers import PreTrainedTokenizerBase
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tail used so the first output token gets its leading space right
 

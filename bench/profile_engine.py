@@ -1,0 +1,84 @@
+"""Where our engine's time goes: torch.profiler over a prefill and over batched decode steps.
+
+    .venv/bin/python bench/profile_engine.py [--prefill 512] [--batch 32] [--steps 16] [--top 15]
+
+Runs the embedded model (engine defaults, GLMSERVE_BENCH_THREADS threads) on bench workload
+prompts: one `--prefill`-token prompt with 1 new token, then `--batch` 128-token prompts whose
+prefill is left out of the profile, and `--steps` decode steps of that batch. Prints, per phase,
+the wall time, the ops with the most self CPU time and their share of the profiled time, the
+share outside any torch op (Python: batch building, scheduling, sampling glue), and torch's
+build configuration (which BLAS / oneDNN the GEMMs go to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import workloads as wl
+
+os.environ.setdefault("OMP_NUM_THREADS", str(wl.THREADS))
+
+
+def report(name: str, prof: object, wall_s: float, top: int) -> None:
+    events = prof.key_averages()  # type: ignore[attr-defined]
+    total_us = wall_s * 1e6
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    in_ops = sum(e.self_cpu_time_total for e in rows)
+    print(f"\n## {name}: {wall_s * 1e3:.1f} ms wall; torch ops {in_ops / total_us:.0%}, outside ops "
+          f"{1 - in_ops / total_us:.0%}")
+    print("| op | calls | self CPU ms | share of wall |")
+    print("|---|---|---|---|")
+    for e in rows[:top]:
+        print(f"| {e.key} | {e.count} | {e.self_cpu_time_total / 1e3:.1f} | {e.self_cpu_time_total / total_us:.1%} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from glmserve import LLM, SamplingParams
+
+    torch.set_num_threads(wl.THREADS)
+    llm = LLM(model=None, num_threads=wl.THREADS)
+    engine = llm.engine
+    maker = wl.PromptMaker(wl.load_tokenizer(wl.embedded_gguf_path()), wl.SEED + 3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([maker.tokens(64)], greedy)  # warm-up: lazy init, kernel loading
+
+    prompt = maker.tokens(args.prefill)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        llm.generate([prompt], greedy)
+        wall = time.perf_counter() - start
+    report(f"prefill {args.prefill} tokens", prof, wall, args.top)
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
+    for i, p in enumerate(maker.batch(args.batch, wl.DECODE_BATCH_PROMPT_LEN)):
+        engine.add_request(f"profile-{i}", p, params)
+    while not all(s.num_output_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # the batch's prefill, outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    report(f"decode batch {args.batch}, {args.steps} steps ({args.batch * args.steps / wall:.1f} tok/s)", prof,
+           wall, args.top)
+    while engine.has_unfinished_requests():
+        engine.step()
+    print(f"\nthreads {torch.get_num_threads()}, mkldnn {torch.backends.mkldnn.is_available()}, "
+          f"mkl {torch.backends.mkl.is_available()}")
+    print("\n".join(line for line in torch.__config__.show().splitlines() if "BLAS" in line or "LAPACK" in line))
+
+
+if __name__ == "__main__":
+    main()
