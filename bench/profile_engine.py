@@ -1,6 +1,6 @@
 """Where our engine's time goes: torch.profiler over a prefill and over batched decode steps.
 
-    .venv/bin/python bench/profile_engine.py [--prefill 512] [--batch 32] [--steps 16] [--top 15]
+    .venv/bin/python bench/profile_engine.py [--prefill 512] [--batch 32] [--steps 16] [--top 15] [--dtype D]
 
 Runs the embedded model (engine defaults, GLMSERVE_BENCH_THREADS threads) on bench workload
 prompts: one `--prefill`-token prompt with 1 new token, then `--batch` 128-token prompts whose
@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--dtype", default="auto", help="engine dtype (auto: float32 on CPU)")
     args = parser.parse_args()
 
     import torch
@@ -48,7 +49,7 @@ def main() -> None:
     from glmserve import LLM, SamplingParams
 
     torch.set_num_threads(wl.THREADS)
-    llm = LLM(model=None, num_threads=wl.THREADS)
+    llm = LLM(model=None, dtype=args.dtype, num_threads=wl.THREADS)
     engine = llm.engine
     maker = wl.PromptMaker(wl.load_tokenizer(wl.embedded_gguf_path()), wl.SEED + 3)
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

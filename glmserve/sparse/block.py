@@ -45,7 +45,10 @@ class BlockIndexer:
                  dtype: torch.dtype, device: torch.device):
         self.unit_size = block_size
         self.scale = scale
-        self.bounds = torch.zeros((num_blocks, 2, num_kv_heads, head_dim), dtype=dtype, device=device)
+        # torch.empty: a block's pages are only touched (counted in RSS) once its keys are written, and its first
+        # key resets its bounds (on_kv_written); block 0 is the null block that padded table entries point at
+        self.bounds = torch.empty((num_blocks, 2, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.bounds[0].zero_()
 
     @property
     def lo(self) -> torch.Tensor:
