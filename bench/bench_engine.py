@@ -67,6 +67,8 @@ def run_one(runner: Runner, work_path: Path, gguf: Path, args: argparse.Namespac
     extra = ["--dtype", args.peer_dtype] if args.peer_dtype and runner.hf_model else []
     if args.budget:
         extra += ["--budget-s", str(args.budget)]
+    if args.metrics:
+        extra += ["--metrics", args.metrics]
     why_not = runner.available()
     if why_not:
         return {"engine": runner.key, "error": why_not}
@@ -152,6 +154,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated runner keys to leave out")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per runner before it is killed")
     parser.add_argument("--budget", type=float, help="seconds per runner after which it starts no new metric")
+    parser.add_argument("--metrics", help="comma-separated subset of harness.METRICS (default: all)")
     parser.add_argument("--peer-dtype", help="dtype for the transformers/vLLM peers (default bfloat16)")
     parser.add_argument("--out", type=Path, help="results JSON (default bench/results/engine-<date>[-quick].json)")
     parser.add_argument("--report", type=Path, help="only print the table of an existing results JSON")
