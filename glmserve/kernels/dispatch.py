@@ -10,6 +10,11 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                  block_size, length, ctx [B] i64, distance_bias [NB], sink_bias [S]) -> [B,length]
   select_slots(scores [B,U], unit_size, ctx [B], top_k [B], threshold [B], sink [B], local [B],
                kv_slots [B,L], pins [B,P] i64 (pinned units, -1 = none)) -> [slots [B,W], lengths [B]]
+  quantize_activations(x [T,in], per_token) -> [q [T,in32] i8, d [T,in32/32], s [T,in32/32], sum [T,in32/32] i32]:
+                 int8 codes per block of 32 inputs (in32: in rounded up to 32) or per row (per_token)
+  quant_matmul(q, d, s, sum, codes [tiles,blocks,bytes] u8, scales [tiles,blocks,16] f16, mins (same, or
+               empty), u4, out_features) -> [T,out]: quantized activations x weights packed by quant/cpu_backend.py
+  quant_linear(x [T,in], per_token, codes, scales, mins, u4, out_features) -> [T,out]: both of the above
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "block_scores": "sparse",
     "learned_scores": "sparse",
     "select_slots": "sparse",
+    "quantize_activations": "quant_matmul",
+    "quant_matmul": "quant_matmul",
+    "quant_linear": "quant_matmul",
 }
 DTYPES = (torch.float32,)  # every op's query / score dtype
 

@@ -1,0 +1,354 @@
+// Quantized linear layers on CPU: int8 activations times int8 or int4 weights in blocks of 32 inputs, with
+// integer dot products and an fp32 sum of the scaled block results (glmserve/quant/cpu_backend.py repacks
+// the weights and documents the formats).
+//
+// Weights, per block of 32 inputs of an output row: w = d * c + m, with d (and the optional m) fp16 and
+// c either a signed int8 code ("i8") or an unsigned nibble 0..15 ("u4": int4 symmetric codes are stored
+// as c + 8 with m = -8 d; Q4_1 and asymmetric int4 keep their codes, m = their min or -d * zero).
+// Rows are interleaved in tiles of 16 output rows so that one SIMD register holds the same 4 inputs of 16
+// (AVX-512) or 8 (AVX2) rows: a dot product then accumulates one row per 32-bit lane, with no horizontal
+// sum, and the tile's 16 scales are one contiguous fp16 vector. Per tile and block:
+//   i8: 8 groups j of [16 rows][4 bytes] (512 bytes): inputs 4j..4j+3 of each row
+//   u4: 4 groups j of [16 rows][4 bytes] (256 bytes): low nibbles inputs 4j..4j+3, high nibbles 16+4j..
+//   d, m: [16] fp16 each (arrays of their own, [tiles, blocks, 16])
+//
+// Activations are quantized once per input row (quantize_activations): int8 codes q = round(x / dx) with
+// dx = amax / 127 per block of 32 (llama.cpp's q8_0 / q8_1 blocks), or per row (W8A8's dynamic per-token
+// scale); with each block's code sum (integer, and times dx: q8_1's "s") for the weights' mins:
+//   out[n, r] = sum over blocks b of  d[r,b] dx[n,b] (sum_i c[r,i] q[n,i])  +  m[r,b] dx[n,b] sum_i q[n,i]
+// The integer sums are exact; only the fp32 sum over blocks rounds.
+//
+// Integer dot products (the ideas of llama.cpp's ggml/src/ggml-cpu/ggml-cpu-quants.c, vec_dot_q8_0_q8_0 and
+// vec_dot_q4_1_q8_1: maddubs on |w| with x signed by w for signed int8, and the block sum for mins; the code
+// here is our own):
+//   AVX-512 VNNI: vpdpbusd (u8 x s8, 4 products per 32-bit lane). i8 codes are flipped to unsigned c + 128
+//     (xor 0x80) and 128 * sum(q) is subtracted per block.
+//   AVX2: vpmaddubsw + vpmaddwd. u4: nibble x int8 pairs (at most 2 * 15 * 127) add up in int16 over the
+//     whole block (8 steps: at most 30,480), one vpmaddwd per block. i8: |c| x sign(q, c) per step.
+//   scalar: the same sums in plain C++ (any CPU).
+// Batch: each tile computes NB activation rows at once (8 on AVX-512, 2 on AVX2, 1 scalar) so that its
+// weights are loaded (and nibbles unpacked) once per NB rows; a tile's weights (16 x in bytes or half of it)
+// stay in L1/L2 across the batch. Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles
+// (at::parallel_for).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QK = 32;     // inputs per block
+constexpr int64_t ROWS = 16;   // output rows per tile
+constexpr int64_t I8_BLOCK = ROWS * QK;      // bytes per tile and block
+constexpr int64_t U4_BLOCK = ROWS * QK / 2;
+constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
+
+struct Acts {  // quantized activations
+  const int8_t* q;       // [N, kp]
+  const float* d;        // [N, nb] scale per block
+  const float* s;        // [N, nb] d * sum(q) per block
+  const int32_t* isum;   // [N, nb] sum(q) per block
+  int64_t kp, nb;
+};
+
+struct Weights {  // one tile
+  const uint8_t* codes;  // [nb, block bytes]
+  const uint16_t* d;     // [nb, 16] fp16 bits
+  const uint16_t* m;     // [nb, 16] fp16 bits, or nullptr
+};
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// ---------------------------------------------------------------------------------------------- scalar
+template <bool U4>
+void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64_t nblocks, float* out /*[nb_rows,16]*/) {
+  for (int n = 0; n < nb_rows; ++n) {
+    const int8_t* q = a.q + (n0 + n) * a.kp;
+    float acc[ROWS] = {0.f};
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* c = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
+      const int8_t* qb = q + b * QK;
+      const float dx = a.d[(n0 + n) * a.nb + b], sx = a.s[(n0 + n) * a.nb + b];
+      for (int64_t r = 0; r < ROWS; ++r) {
+        int32_t sum = 0;
+        if (U4) {
+          for (int j = 0; j < 4; ++j)
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t byte = c[(j * ROWS + r) * 4 + t];
+              sum += static_cast<int32_t>(byte & 0x0F) * qb[4 * j + t] + static_cast<int32_t>(byte >> 4) * qb[16 + 4 * j + t];
+            }
+        } else {
+          for (int j = 0; j < 8; ++j)
+            for (int t = 0; t < 4; ++t)
+              sum += static_cast<int32_t>(static_cast<int8_t>(c[(j * ROWS + r) * 4 + t])) * qb[4 * j + t];
+        }
+        acc[r] += static_cast<float>(sum) * (half_to_float(w.d[b * ROWS + r]) * dx);
+        if (w.m) acc[r] += half_to_float(w.m[b * ROWS + r]) * sx;
+      }
+    }
+    std::memcpy(out + n * ROWS, acc, sizeof(acc));
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// ---------------------------------------------------------------------------------------------- AVX2
+inline __m256 half8_to_float(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  // without F16C (the avx2 build is -mavx2 -mfma): exponent and mantissa moved into place and rescaled by
+  // 2^(127 - 15) (exact for normal and subnormal halves; scales are never inf / nan)
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
+  const __m256i em = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x7FFF)), 13);
+  const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(em), _mm256_castsi256_ps(_mm256_set1_epi32(0x77800000)));
+  return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
+#endif
+}
+
+template <int NB, bool U4>
+void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
+  __m256 acc[NB][2];
+  for (int n = 0; n < NB; ++n) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+  const __m256i ones16 = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* c = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
+    __m256i isum[NB][2];
+    for (int h = 0; h < 2; ++h) {
+      if (U4) {
+        __m256i s16[NB];
+        for (int n = 0; n < NB; ++n) s16[n] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          for (int n = 0; n < NB; ++n) {
+            const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
+            s16[n] = _mm256_add_epi16(s16[n], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(qb + 4 * j))));
+            s16[n] = _mm256_add_epi16(s16[n], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(qb + 16 + 4 * j))));
+          }
+        }
+        for (int n = 0; n < NB; ++n) isum[n][h] = _mm256_madd_epi16(s16[n], ones16);
+      } else {
+        for (int n = 0; n < NB; ++n) isum[n][h] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64 + h * 32));
+          const __m256i av = _mm256_sign_epi8(v, v);
+          for (int n = 0; n < NB; ++n) {
+            const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
+            const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * j)), v);
+            isum[n][h] = _mm256_add_epi32(isum[n][h], _mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones16));
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = half8_to_float(w.d + b * ROWS + h * 8);
+      const __m256 mw = w.m ? half8_to_float(w.m + b * ROWS + h * 8) : _mm256_setzero_ps();
+      for (int n = 0; n < NB; ++n) {
+        const int64_t i = (n0 + n) * a.nb + b;
+        acc[n][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n][h]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i])), acc[n][h]);
+        if (w.m) acc[n][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[n][h]);
+      }
+    }
+  }
+  for (int n = 0; n < NB; ++n) {
+    _mm256_storeu_ps(out + n * ROWS, acc[n][0]);
+    _mm256_storeu_ps(out + n * ROWS + 8, acc[n][1]);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// ---------------------------------------------------------------------------------------------- AVX-512 VNNI
+template <int NB, bool U4>
+void tile_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
+  __m512 acc[NB];
+  for (int n = 0; n < NB; ++n) acc[n] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* c = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
+    __m512i isum[NB];
+    for (int n = 0; n < NB; ++n) isum[n] = _mm512_setzero_si512();
+    if (U4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(c + j * 64);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int n = 0; n < NB; ++n) {
+          const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
+          isum[n] = _mm512_dpbusd_epi32(isum[n], lo, _mm512_set1_epi32(load_i32(qb + 4 * j)));
+          isum[n] = _mm512_dpbusd_epi32(isum[n], hi, _mm512_set1_epi32(load_i32(qb + 16 + 4 * j)));
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(c + j * 64), flip);  // c + 128, unsigned
+        for (int n = 0; n < NB; ++n) {
+          const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
+          isum[n] = _mm512_dpbusd_epi32(isum[n], v, _mm512_set1_epi32(load_i32(qb + 4 * j)));
+        }
+      }
+      for (int n = 0; n < NB; ++n)
+        isum[n] = _mm512_sub_epi32(isum[n], _mm512_set1_epi32(128 * a.isum[(n0 + n) * a.nb + b]));
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
+    const __m512 mw = w.m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + b * ROWS)))
+                          : _mm512_setzero_ps();
+    for (int n = 0; n < NB; ++n) {
+      const int64_t i = (n0 + n) * a.nb + b;
+      acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[n]), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[n]);
+      if (w.m) acc[n] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[n]);
+    }
+  }
+  for (int n = 0; n < NB; ++n) _mm512_storeu_ps(out + n * ROWS, acc[n]);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------- dispatch
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int MAX_NB = 8;
+template <int NB, bool U4>
+void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) { tile_avx512<NB, U4>(w, a, n0, nblocks, out); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int MAX_NB = 2;
+template <int NB, bool U4>
+void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) { tile_avx2<NB, U4>(w, a, n0, nblocks, out); }
+#else
+constexpr int MAX_NB = 1;
+template <int NB, bool U4>
+void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) { tile_scalar<U4>(w, a, n0, NB, nblocks, out); }
+#endif
+
+template <bool U4, int NB>
+void tile_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nblocks, float* out) {
+  if constexpr (NB > 1) {
+    if (rows < NB) return tile_rows<U4, NB - 1>(w, a, n0, rows, nblocks, out);
+  }
+  tile<NB, U4>(w, a, n0, nblocks, out);
+}
+
+at::Tensor matmul_impl(const Acts& a, int64_t N, const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm,
+                       bool u4, int64_t out_features) {
+  const int64_t tiles = codes.size(0), nblocks = codes.size(1);
+  TORCH_CHECK(nblocks == a.nb, "quant_matmul: the weight has ", nblocks, " blocks of 32 inputs, the activations ", a.nb);
+  TORCH_CHECK(tiles * ROWS >= out_features, "quant_matmul: ", tiles, " tiles of 16 rows hold fewer than ", out_features);
+  TORCH_CHECK(codes.size(2) == (u4 ? U4_BLOCK : I8_BLOCK), "quant_matmul: block bytes ", codes.size(2));
+  auto out = at::empty({N, out_features}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(wd.data_ptr<at::Half>());
+  const uint16_t* mp = wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr;
+  const int64_t block_bytes = codes.size(2);
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    float buf[MAX_NB * ROWS];
+    for (int64_t t = begin; t < end; ++t) {
+      const Weights w{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
+      const int64_t r0 = t * ROWS, cols = std::min<int64_t>(ROWS, out_features - r0);
+      for (int64_t n0 = 0; n0 < N; n0 += MAX_NB) {
+        const int rows = static_cast<int>(std::min<int64_t>(MAX_NB, N - n0));
+        if (u4) tile_rows<true, MAX_NB>(w, a, n0, rows, nblocks, buf);
+        else tile_rows<false, MAX_NB>(w, a, n0, rows, nblocks, buf);
+        for (int n = 0; n < rows; ++n) std::memcpy(o + (n0 + n) * out_features + r0, buf + n * ROWS, cols * sizeof(float));
+      }
+    }
+  });
+  return out;
+}
+
+// quantize one row of k floats into kp = ceil(k / 32) * 32 int8 codes (the tail zero)
+void quantize_row(const float* x, int64_t k, int64_t kp, bool per_token, int8_t* q, float* d, float* s, int32_t* isum) {
+  const int64_t nb = kp / QK;
+  float row_amax = 0.f;
+  if (per_token)
+    for (int64_t i = 0; i < k; ++i) row_amax = std::max(row_amax, std::fabs(x[i]));
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t lo = b * QK, hi = std::min(k, lo + QK);
+    float amax = row_amax;
+    if (!per_token)
+      for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float dx = amax * INV127;
+    const float id = dx > 0.f ? 1.0f / dx : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[i] * id)));
+      q[i] = static_cast<int8_t>(v);
+      sum += static_cast<int32_t>(v);
+    }
+    for (int64_t i = hi; i < lo + QK; ++i) q[i] = 0;
+    d[b] = dx;
+    isum[b] = sum;
+    s[b] = dx * static_cast<float>(sum);
+  }
+}
+
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in, bool per_token) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "quantize_activations: x must be a 2-D float32 CPU tensor");
+  const auto x = x_in.contiguous();
+  const int64_t N = x.size(0), k = x.size(1), nb = (k + QK - 1) / QK, kp = nb * QK;
+  auto q = at::empty({N, kp}, at::kChar);
+  auto d = at::empty({N, nb}, at::kFloat), s = at::empty({N, nb}, at::kFloat);
+  auto isum = at::empty({N, nb}, at::kInt);
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
+  int32_t* ip = isum.data_ptr<int32_t>();
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      quantize_row(xp + n * k, k, kp, per_token, qp + n * kp, dp + n * nb, sp + n * nb, ip + n * nb);
+  });
+  return {q, d, s, isum};
+}
+
+Acts acts_of(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s, const at::Tensor& isum) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && d.is_contiguous() &&
+              s.is_contiguous() && isum.is_contiguous(), "quant_matmul: activations as quantize_activations makes them");
+  return Acts{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), isum.data_ptr<int32_t>(), q.size(1),
+              q.size(1) / QK};
+}
+
+void check_weights(const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "quant_matmul: codes [tiles, blocks, bytes] uint8");
+  TORCH_CHECK(wd.scalar_type() == at::kHalf && wd.is_contiguous() && wd.numel() == codes.size(0) * codes.size(1) * ROWS,
+              "quant_matmul: scales [tiles, blocks, 16] float16");
+  TORCH_CHECK(wm.numel() == 0 || (wm.scalar_type() == at::kHalf && wm.is_contiguous() && wm.numel() == wd.numel()),
+              "quant_matmul: mins [tiles, blocks, 16] float16, or empty");
+}
+
+// out [N, out_features] = activations (already quantized) x packed weights
+at::Tensor quant_matmul(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s, const at::Tensor& isum,
+                        const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm, bool u4, int64_t out_features) {
+  check_weights(codes, wd, wm);
+  return matmul_impl(acts_of(q, d, s, isum), q.size(0), codes, wd, wm, u4, out_features);
+}
+
+// quantize_activations, then quant_matmul
+at::Tensor quant_linear(const at::Tensor& x, bool per_token, const at::Tensor& codes, const at::Tensor& wd,
+                        const at::Tensor& wm, bool u4, int64_t out_features) {
+  check_weights(codes, wd, wm);
+  const auto a = quantize_activations(x, per_token);
+  return matmul_impl(acts_of(a[0], a[1], a[2], a[3]), x.size(0), codes, wd, wm, u4, out_features);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_activations", &quantize_activations, "int8 activations per block of 32 or per row (CPU)");
+  m.def("quant_matmul", &quant_matmul, "quantized activations x packed int8/int4 block weights (CPU)");
+  m.def("quant_linear", &quant_linear, "quantize_activations, then quant_matmul (CPU)");
+}

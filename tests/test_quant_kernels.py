@@ -1,0 +1,241 @@
+"""The `cpu_block` backend (quant/cpu_backend.py, kernels/csrc/quant_matmul.cpp) on every instruction-set
+variant this CPU runs (fixture cpu_isa: the avx512 build needs VNNI; the avx2 build is compiled once with
+-mavx2 -mfma, no -march, so it is the build an AVX2-only AMD EPYC runs; scalar is the compiler's baseline),
+for every format it supports, at batch sizes 1, 3, 8, 33, 64 and SmolLM2's shapes (576 -> 49152 is the
+lm_head: batch 1 by default, batch 3 with -m slow).
+
+Two checks per case:
+- vs an emulation: the kernel's own int8 activations (tested against their formula separately) times the
+  weight as the backend stores it (fp16 d and m), summed in float64. The integer dot products are exact, so
+  the only difference is the kernel's fp32 sum over blocks: relative 2e-6 of the sum of |terms| (measured: 1e-7).
+- vs `reference` (float activations for weight-only formats, its own per-token fake quantization for W8A8):
+  within the error the activation quantization and fp16 scales can make. Per output, the rounding error of
+  each activation is uniform in +-dx/2 and independent, so the output error has standard deviation
+  sigma = sqrt(sum_i w_i^2 dx_i^2 / 12); the bound is 7 sigma plus 2^-10 of sum |x_i w_i| for fp16 scales
+  and mins (2^-11 relative each). In relative norm that is about 0.5% for per-block activations.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glmserve import kernels
+from glmserve.errors import InvalidRequestError
+from glmserve.quant import backend as registry
+from glmserve.quant.cpu_backend import CpuBlockBackend, block_form
+from glmserve.quant.quantize import quantize
+from glmserve.quant.reference import dequantize, fake_quantize_activations
+from glmserve.quant.spec import QuantSpec
+from glmserve.quant.weight import QuantizedWeight
+
+CPU = torch.device("cpu")
+TOKEN = QuantSpec(8, strategy="token", dynamic=True)
+# name -> (weight spec, activation spec); GGUF formats are built by hand (quant-core converts the files)
+FORMATS = {
+    "int8_channel": (QuantSpec(8, strategy="channel"), None),
+    "int8_tensor": (QuantSpec(8, strategy="tensor"), None),
+    "int8_group32": (QuantSpec(8, strategy="group", group_size=32), None),
+    "int8_group64_asym": (QuantSpec(8, symmetric=False, strategy="group", group_size=64), None),
+    "int8_channel_asym": (QuantSpec(8, symmetric=False, strategy="channel"), None),
+    "int4_group32": (QuantSpec(4, strategy="group", group_size=32), None),
+    "int4_group32_asym": (QuantSpec(4, symmetric=False, strategy="group", group_size=32), None),
+    "int4_group64": (QuantSpec(4, strategy="group", group_size=64), None),
+    "int4_group64_asym": (QuantSpec(4, symmetric=False, strategy="group", group_size=64), None),
+    "w8a8": (QuantSpec(8, strategy="channel"), TOKEN),
+    "gguf_q8_0": (QuantSpec(8, strategy="group", group_size=32, gguf_type="Q8_0"), None),
+    "gguf_q4_0": (QuantSpec(4, strategy="group", group_size=32, gguf_type="Q4_0"), None),
+    "gguf_q4_1": (QuantSpec(4, symmetric=False, strategy="group", group_size=32, gguf_type="Q4_1"), None),
+}
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (out, in)
+LM_HEAD = (49152, 576)
+BATCHES = [1, 3, 8, 33, 64]
+INV127 = torch.tensor(1.0 / 127.0, dtype=torch.float32)
+
+
+@functools.cache
+def weight(fmt: str, out: int, inp: int) -> QuantizedWeight:
+    spec, _ = FORMATS[fmt]
+    g = torch.Generator().manual_seed(out * 7 + inp)
+    if spec.gguf_type is None:
+        w = torch.randn(out, inp, generator=g) * 0.02
+        w[:, ::97] *= 8  # a few outlier input channels, as real layers have
+        return quantize(w, spec)
+    blocks = inp // 32
+    scales = (torch.rand(out, blocks, generator=g) * 0.01 + 1e-3).half()
+    if spec.gguf_type == "Q8_0":
+        return QuantizedWeight(spec, torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8), scales)
+    if spec.gguf_type == "Q4_0":
+        return QuantizedWeight(spec, torch.randint(-8, 8, (out, inp), generator=g, dtype=torch.int8), scales)
+    mins = (-8 * scales.float() * (0.5 + torch.rand(out, blocks, generator=g))).half()
+    return QuantizedWeight(spec, torch.randint(0, 16, (out, inp), generator=g, dtype=torch.int8), scales, mins=mins)
+
+
+@functools.cache
+def stored_weight(fmt: str, out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in rounded up to 32] float64: d * c + m as the backend stores them, and its absolute value."""
+    c, d, m = block_form(weight(fmt, out, inp))
+    c = F.pad(c, (0, d.shape[1] * 32 - inp)).double()
+    w = c * d.double().repeat_interleave(32, dim=1)
+    w = w if m is None else w + m.double().repeat_interleave(32, dim=1)
+    return w, w.abs()
+
+
+@functools.cache
+def reference_weight(fmt: str, out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.dequantize's float32 weight, its absolute value and its square in float64."""
+    w = dequantize(weight(fmt, out, inp))
+    return w, w.double().abs(), w.double() ** 2
+
+
+def emulated_activations(x: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization replicated in float32: (codes, dx) [N, blocks, 32] / [N, blocks, 1]."""
+    n, k = x.shape
+    blocks = -(-k // 32)
+    xb = F.pad(x, (0, blocks * 32 - k)).reshape(n, blocks, 32)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    if per_token:
+        amax = amax.amax(dim=1, keepdim=True).expand(n, blocks, 1)
+    dx = amax * INV127
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    return torch.round(xb * inv).clamp(-127, 127), dx
+
+
+def kernel_activations(x: torch.Tensor, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's own int8 activations (codes, dx) as emulated_activations shapes them."""
+    q, d, _, _ = kernels.op("quantize_activations", CPU, torch.float32)(x, per_token)
+    return q.reshape(x.shape[0], -1, 32).float(), d.unsqueeze(-1)
+
+
+def activations(batch: int, inp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(batch * 1000 + inp)
+    x = torch.randn(batch, inp, generator=g)
+    x[:, 5] *= 20  # an outlier channel (it sets its block's scale)
+    return x
+
+
+def check(fmt: str, batch: int, out: int, inp: int) -> None:
+    spec, act = FORMATS[fmt]
+    backend = CpuBlockBackend()
+    assert backend.supports(spec, act, CPU)
+    w = weight(fmt, out, inp)
+    prepared = backend.prepare(w, act, CPU)
+    x = activations(batch, inp)
+    y = backend.apply(prepared, x, None)
+    assert y.shape == (batch, out) and y.dtype == torch.float32
+
+    q, dx = kernel_activations(x, act is not None)
+    xq = (q * dx).reshape(batch, -1).double()
+    w_stored, w_stored_abs = stored_weight(fmt, out, inp)
+    emulation = xq @ w_stored.T
+    abs_sum = xq.abs() @ w_stored_abs.T
+    assert ((y.double() - emulation).abs() <= 2e-6 * abs_sum + 1e-7).all()
+
+    w_ref, w_ref_abs, w_ref_sq = reference_weight(fmt, out, inp)
+    ref = F.linear(x if act is None else fake_quantize_activations(x, act), w_ref).double()
+    step2 = (dx.expand(batch, dx.shape[1], 32).reshape(batch, -1)[:, :inp].double() ** 2) / 12
+    sigma = (step2 @ w_ref_sq.T).sqrt()
+    bound = 7 * sigma + 2 ** -10 * (x.double().abs() @ w_ref_abs.T) + 1e-6
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_activation_quantization_matches_its_formula(cpu_isa, per_token):
+    """Scales exactly; codes round(x / dx) except at a tie, where -ffast-math may divide instead of multiplying
+    by the reciprocal (one step off, at most); the block sums are the codes' sums."""
+    x = activations(64, 1536)
+    x[3, :40] = 0  # an all-zero block: dx = 0, codes 0
+    q, d, s, isum = kernels.op("quantize_activations", CPU, torch.float32)(x, per_token)
+    q_py, dx = emulated_activations(x, per_token)
+    assert torch.equal(d, dx.squeeze(-1))
+    off = q.reshape(q_py.shape).float() - q_py
+    exact = x.reshape(q_py.shape) / dx.clamp_min(1e-30)
+    near_tie = ((exact - exact.floor()) - 0.5).abs() < 1e-4
+    assert off.abs().max() <= 1 and (near_tie | (off == 0)).all()
+    assert torch.equal(isum, q.reshape(64, -1, 32).sum(-1, dtype=torch.int32))
+    assert torch.allclose(s, d * isum.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[1]}to{s[0]}")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_formats_against_emulation_and_reference(cpu_isa, fmt, shape, batch):
+    check(fmt, batch, *shape)
+
+
+@pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_lm_head_shape(cpu_isa, fmt, batch):
+    check(fmt, batch, *LM_HEAD)
+
+
+def test_odd_shapes_pad_to_blocks_and_tiles(cpu_isa):
+    """in_features not a multiple of 32 (per-channel int8) and out_features not a multiple of 16."""
+    w = quantize(torch.randn(21, 100), QuantSpec(8, strategy="channel"))
+    backend = CpuBlockBackend()
+    x = torch.randn(5, 100)
+    y = backend.apply(backend.prepare(w, None, CPU), x, None)
+    ref = F.linear(x, dequantize(w))
+    assert y.shape == (5, 21)
+    assert torch.allclose(y, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+
+
+def test_bias_dtype_and_leading_dims(cpu_isa):
+    spec, _ = FORMATS["int4_group32"]
+    backend = CpuBlockBackend()
+    prepared = backend.prepare(weight("int4_group32", 192, 576), None, CPU)
+    x = activations(6, 576)
+    bias = torch.randn(192)
+    flat = backend.apply(prepared, x, None)
+    y = backend.apply(prepared, x.reshape(2, 3, 576).bfloat16(), bias)
+    assert y.shape == (2, 3, 192) and y.dtype == torch.bfloat16
+    expected = backend.apply(prepared, x.bfloat16().float(), bias)
+    assert torch.allclose(y.float().reshape(6, 192), expected, rtol=1e-2, atol=1e-2)
+    assert not torch.equal(flat, expected)
+
+
+def test_wrong_input_width_is_a_clear_error(cpu_isa):
+    backend = CpuBlockBackend()
+    prepared = backend.prepare(weight("gguf_q4_1", 192, 576), None, CPU)
+    with pytest.raises(InvalidRequestError, match="576"):
+        backend.apply(prepared, torch.randn(2, 512), None)
+
+
+def test_codes_outside_their_range_are_refused(cpu_isa):
+    spec = QuantSpec(4, strategy="group", group_size=32)
+    bad = QuantizedWeight(spec, torch.full((16, 32), -9, dtype=torch.int8), torch.ones(16, 1))
+    with pytest.raises(InvalidRequestError, match="range"):
+        CpuBlockBackend().prepare(bad, None, CPU)
+
+
+@pytest.mark.parametrize("spec, act", [
+    (QuantSpec(8, type="float", strategy="channel"), None),  # FP8: reference (or the GPU backends)
+    (QuantSpec(4, type="float", strategy="tensor_group", group_size=16), None),  # NVFP4: not yet here
+    (QuantSpec(8, type="float", strategy="block", block_structure=(128, 128)), None),
+    (QuantSpec(4, strategy="group", group_size=16), None),
+    (QuantSpec(4, strategy="channel"), None),
+    (QuantSpec(8, strategy="group", group_size=32, gguf_type="Q4_K"), None),
+    (QuantSpec(8, strategy="channel"), QuantSpec(8, type="float", strategy="token", dynamic=True)),
+])
+def test_unsupported_formats_are_left_to_other_backends(cpu_isa, spec, act):
+    assert not CpuBlockBackend().supports(spec, act, CPU)
+    assert not CpuBlockBackend().supports(FORMATS["int4_group32"][0], None, torch.device("meta"))
+
+
+def test_registry_picks_the_kernel_on_cpu_and_reference_without_it(cpu_isa, monkeypatch):
+    monkeypatch.delenv(registry.BACKEND_ENV, raising=False)
+    for spec, act in FORMATS.values():
+        assert registry.select(spec, act, CPU).name == "cpu_block"
+    monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")
+    assert registry.select(FORMATS["gguf_q4_1"][0], None, CPU).name == "reference"
+
+
+def test_prepare_keeps_only_the_packed_layout(cpu_isa):
+    w = weight("gguf_q4_1", 192, 576)
+    prepared = CpuBlockBackend().prepare(w, None, CPU)
+    assert prepared.nbytes == 192 * 576 // 2 + 2 * 2 * 192 * 576 // 32  # nibbles + fp16 d and m per block
+    assert all(t.data_ptr() not in (w.codes.data_ptr(), w.scales.data_ptr())
+               for t in (prepared.codes, prepared.scales, prepared.mins))
