@@ -2,7 +2,7 @@
 variant this CPU runs (fixture cpu_isa: the avx512 build needs VNNI; the avx2 build is compiled once with
 -mavx2 -mfma, no -march, so it is the build an AVX2-only AMD EPYC runs; scalar is the compiler's baseline),
 for every format it supports, at batch sizes 1, 3, 8, 33, 64 and SmolLM2's shapes (576 -> 49152 is the
-lm_head: batch 1 by default, batch 3 with -m slow).
+lm_head: batch 1 by default, batch 3 with -m slow; `grid` says which of the others run by default).
 
 Two checks per case:
 - vs an emulation: the kernel's own int8 activations (tested against their formula separately) times the
@@ -159,11 +159,22 @@ def test_activation_quantization_matches_its_formula(cpu_isa, per_token):
     assert torch.allclose(s, d * isum.float(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[1]}to{s[0]}")
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_formats_against_emulation_and_reference(cpu_isa, fmt, shape, batch):
-    check(fmt, batch, *shape)
+def grid() -> list:
+    """Every format x shape x batch; by default all batches on the smallest shape and batch 33 (four tiles of
+    8 rows and a remainder of 1) on every shape, the rest with -m slow."""
+    cases = []
+    for fmt in FORMATS:
+        for out, inp in SHAPES:
+            for batch in BATCHES:
+                fast = (out, inp) == (192, 576) or batch == 33
+                cases.append(pytest.param(fmt, out, inp, batch, id=f"{fmt}-{inp}to{out}-b{batch}",
+                                          marks=() if fast else pytest.mark.slow))
+    return cases
+
+
+@pytest.mark.parametrize("fmt, out, inp, batch", grid())
+def test_formats_against_emulation_and_reference(cpu_isa, fmt, out, inp, batch):
+    check(fmt, batch, out, inp)
 
 
 @pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
