@@ -223,6 +223,7 @@ class LLMEngine:
         if not batch:
             return []
         results = self.runner.execute(batch)
+        prompt_only = [item.seq for item in batch if item.completes and not item.samples]  # max_tokens 0
         touched: dict[str, Request] = {}
         for item in batch:
             seq = item.seq
@@ -234,11 +235,17 @@ class LLMEngine:
             seq.append_token(token, logprob)
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
-                self._save_session(seq)
-                self.scheduler.remove(seq)
+                self._finish(seq)
+        for seq in prompt_only:
+            seq.finish_reason = "length"
+            self._finish(seq)
         for request in touched.values():
             self._admit_pending_samples(request)
         return [self._output(r) for r in touched.values()]
+
+    def _finish(self, seq: Sequence) -> None:
+        self._save_session(seq)
+        self.scheduler.remove(seq)
 
     def _admit_restored(self) -> None:
         """Requests whose session KV has been read: load it into the pool (one chunk per step while others
@@ -307,8 +314,10 @@ class LLMEngine:
             for s in request.seqs
         ]
         first = request.seqs[0]
+        scores = first.prompt_scores
+        prompt_logprobs = scores.as_list(request.prompt_token_ids) if scores is not None and scores.complete else None
         return RequestOutput(request.request_id, request.prompt_token_ids, first.kv.num_cached_tokens, outputs,
-                             finished, first.arrival_time, first.first_scheduled_time)
+                             finished, first.arrival_time, first.first_scheduled_time, prompt_logprobs)
 
     def stats(self) -> EngineStats:
         bm = self.kv.blocks

@@ -41,6 +41,8 @@ class RequestOutput:
     finished: bool
     arrival_time: float = 0.0  # time.monotonic() when the request was added
     first_scheduled_time: float | None = None  # when it left the waiting queue the first time
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

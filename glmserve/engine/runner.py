@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from glmserve.engine.outputs import TokenLogprob
+from glmserve.engine.prompt_logprobs import PromptRows
 from glmserve.engine.sampler import sample
 from glmserve.engine.scheduler import ScheduledSeq
 from glmserve.engine.sequence import Sequence
@@ -33,7 +34,14 @@ class ModelRunner:
         batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)  # decode group first
         input_ids, step, logits_index = self._prepare(batch)
         sampling = [s.seq for s in batch if s.samples]
-        logits = self.model(input_ids, step.positions, self.model.attention_metadata(step), logits_index)
+        rows = PromptRows.plan([(s.seq.prompt_scores, s.seq.token_ids, int(start), s.num_new_tokens, int(row))
+                                for s, start, row in zip(batch, step.starts, torch.cumsum(step.lens, 0) - step.lens)],
+                               self.device)
+        index = logits_index if rows is None else torch.cat([logits_index, rows.index])
+        logits = self.model(input_ids, step.positions, self.model.attention_metadata(step), index)
+        if rows is not None:
+            rows.score(logits[len(logits_index):])  # the prompt rows follow the sampling rows
+            logits = logits[:len(logits_index)]
         if step.observe is not None:
             step.observe.assign()  # question-pinned units of the sequences whose prompt ended
         if not sampling:

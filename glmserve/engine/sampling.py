@@ -16,7 +16,10 @@ class SamplingParams:
     temperature 0 is greedy. top_k <= 0 disables top-k. max_tokens None fills the context.
     logprobs None returns no logprobs; an int N returns the chosen token's logprob plus the
     top-N alternatives (N = 0: the chosen token only). Logprobs are of the model's raw
-    distribution (before temperature, penalties and truncation).
+    distribution (before temperature, penalties and truncation). prompt_logprobs N (as vLLM's)
+    also scores the prompt: each prompt token's logprob given the tokens before it, with the top-N
+    alternatives (the first token has none); such a request computes its whole prompt, never taking
+    prefix-cache blocks for it. max_tokens 0 only computes the prompt (no token is sampled).
     """
 
     n: int = 1
@@ -34,6 +37,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -53,10 +57,12 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.max_tokens is None or self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
         ]
         for ok, message in checks:

@@ -26,9 +26,14 @@ class ScheduledSeq:
     num_new_tokens: int
 
     @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so a token is sampled after it."""
+    def completes(self) -> bool:
+        """True when this chunk reaches the end of the sequence's tokens."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when a token is sampled after this chunk: it completes the sequence, which asks for tokens."""
+        return self.completes and self.seq.params.max_tokens != 0
 
 
 class Scheduler:
@@ -106,7 +111,7 @@ class Scheduler:
         return any(self.offload.offload_oldest(s.kv) for s in candidates)
 
     def _admit(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq]) -> bool:
-        hits = self.blocks.match_prefix(seq.kv)
+        hits = self.blocks.match_prefix(seq.kv) if seq.reads_prefix_cache else []
         while True:
             cached = min(len(hits) * self.blocks.block_size, seq.num_tokens - seq.recomputed_tail)
             num_new = seq.chunk_tokens(cached, budget)

@@ -10,6 +10,7 @@ import torch
 
 from glmserve.engine.detokenizer import IncrementalDetokenizer
 from glmserve.engine.outputs import TokenLogprob
+from glmserve.engine.prompt_logprobs import PromptScores
 from glmserve.engine.sampling import SamplingParams
 from glmserve.kv.seq_kv import SeqKV
 from glmserve.sparse_settings import SparseAttentionParams
@@ -52,6 +53,10 @@ class Sequence:
         self.kv = SeqKV(self.seq_id, self.token_ids, self.num_prompt_tokens, cache_salt)
         self.detokenizer = detokenizer
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # the request's prompt logprobs: sample 0 computes them, the other samples then share its cached prompt
+        self.prompt_scores: PromptScores | None = None
+        if params.prompt_logprobs is not None and index == 0:
+            self.prompt_scores = PromptScores(self.num_prompt_tokens, params.prompt_logprobs)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.generator: torch.Generator | None = None
@@ -78,6 +83,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False for a sequence that scores its prompt: a cached block would skip computing its positions."""
+        return self.prompt_scores is None
 
     @property
     def recomputed_tail(self) -> int:
