@@ -7,6 +7,20 @@ import torch
 TOL = 2e-4
 
 
+def smollm2_reference():
+    """transformers' model of the embedded SmolLM2 GGUF's weights (fp32), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
+
+    ckpt = load_gguf(embedded_default_gguf())
+    model = AutoModelForCausalLM.from_config(ckpt.config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(dict(ckpt.tensors()), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model.eval()
+
+
 def reference_logprobs(hf_model, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf_model(torch.tensor([tokens])).logits[0].float()

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import TOL, reference_logprobs
+from parity import TOL, reference_logprobs, smollm2_reference
 from transformers import AutoModelForCausalLM
 
 from glmserve import LLM, SamplingParams
 from glmserve.errors import InvalidRequestError
-from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
 
 TOP = 3
 
@@ -97,12 +96,9 @@ def test_invalid_prompt_logprobs():
         SamplingParams(max_tokens=-1)
 
 
+@pytest.mark.slow
 def test_smollm2_prompt_logprobs_match_transformers(smollm2):
-    ckpt = load_gguf(embedded_default_gguf())
-    hf_model = AutoModelForCausalLM.from_config(ckpt.config, dtype=torch.float32)
-    hf_model.load_state_dict(dict(ckpt.tensors()), strict=False)
-    hf_model.tie_weights()
-    hf_model.eval()
+    hf_model = smollm2_reference()
     prompts = ["The quick brown fox jumps over the lazy dog because it", "纸和印刷术让知识不再只属于少数人。"]
     outs = smollm2.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=2))
     for text, out in zip(prompts, outs):

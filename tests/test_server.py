@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from parity import reference_logprobs, smollm2_reference
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
 
@@ -323,6 +324,86 @@ def test_completion_logprobs(server: Server) -> None:
         assert value <= 0
         assert top[token] == pytest.approx(value)
         assert 2 <= len(top) <= 3
+
+
+ECHO_PROMPT = "The capital of France is Paris. 巴黎是法国的首都。"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return smollm2_reference()
+
+
+def test_echo_logprobs_score_the_prompt_as_transformers(server: Server, reference) -> None:
+    """lm-evaluation-harness' loglikelihood request: echo, logprobs, max_tokens 0."""
+    client = server.client()
+    as_ids = client.completions.create(model=SERVED, prompt=ECHO_PROMPT, echo=True, logprobs=2, max_tokens=0,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    choice = as_ids.choices[0]
+    assert choice.text == ECHO_PROMPT and choice.finish_reason == "length"
+    assert as_ids.usage.completion_tokens == 0
+    ids = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+    assert len(ids) == as_ids.usage.prompt_tokens
+    ref = reference_logprobs(reference, ids)
+    values, tops = choice.logprobs.token_logprobs, choice.logprobs.top_logprobs
+    assert values[0] is None and tops[0] is None
+    for i in range(1, len(ids)):
+        assert values[i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-3)
+        best = ref[i - 1].topk(3)
+        if best.values[0] - best.values[2] > 1e-3:  # the reference's best token is in our top 2
+            assert f"token_id:{best.indices[0].item()}" in tops[i]
+        assert tops[i][f"token_id:{ids[i]}"] == pytest.approx(values[i])
+        assert 2 <= len(tops[i]) <= 3
+
+    as_text = client.completions.create(model=SERVED, prompt=ECHO_PROMPT, echo=True, logprobs=2, max_tokens=0)
+    logprobs = as_text.choices[0].logprobs
+    assert logprobs.token_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(values[1:], abs=1e-5)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(ids))]
+
+
+def test_echo_logprobs_with_generation_and_stream(server: Server) -> None:
+    client = server.client()
+    request = dict(model=SERVED, prompt="Hello, my name is", echo=True, logprobs=1, max_tokens=4, temperature=0)
+    whole = client.completions.create(**request)
+    prompt_tokens = whole.usage.prompt_tokens
+    logprobs = whole.choices[0].logprobs
+    assert len(logprobs.tokens) == prompt_tokens + whole.usage.completion_tokens
+    assert logprobs.token_logprobs[0] is None and all(v <= 0 for v in logprobs.token_logprobs[1:])
+    assert "".join(logprobs.tokens) == whole.choices[0].text  # SmolLM2 adds no BOS: the tokens spell the text
+    assert logprobs.text_offset[prompt_tokens] == len(request["prompt"])
+    chunks = [c for c in client.completions.create(**request, stream=True) if c.choices]
+    assert chunks[0].choices[0].text.startswith(request["prompt"])
+    assert len(chunks[0].choices[0].logprobs.tokens) >= prompt_tokens
+    streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-5)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    wait_idle(server)
+
+
+def test_echo_logprobs_of_two_prompts_and_n(server: Server) -> None:
+    response = server.client().completions.create(model=SERVED, prompt=["One two three", "Red green"], echo=True,
+                                                  logprobs=0, max_tokens=2, n=2, seed=3)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    for c in response.choices:
+        assert c.text.startswith("One two three" if c.index < 2 else "Red green")
+        assert c.logprobs.token_logprobs[0] is None
+    first, second = response.choices[0].logprobs, response.choices[1].logprobs
+    prompt_len = len(first.tokens) - 2
+    assert first.token_logprobs[1:prompt_len] == second.token_logprobs[1:prompt_len]  # one scored prompt
+
+
+def test_prompt_scoring_errors(server: Server) -> None:
+    with server.http() as http:
+        no_echo = http.post("/v1/completions", json={"model": SERVED, "prompt": "hi", "max_tokens": 0})
+        too_many = http.post("/v1/completions", json={"model": SERVED, "prompt": "hi", "echo": True,
+                                                        "logprobs": 21, "max_tokens": 0})
+    assert "echo" in assert_openai_error(no_echo, 400, "invalid_request_error")
+    assert no_echo.json()["error"]["param"] == "max_tokens"
+    assert_openai_error(too_many, 400, "invalid_request_error")
+    assert too_many.json()["error"]["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        server.client().completions.create(model=SERVED, prompt="hi", max_tokens=0, logprobs=1)
 
 
 # ---------------------------------------------------------------------- usage, aliases, limits

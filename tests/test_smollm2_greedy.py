@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from parity import smollm2_reference
 
 from glmserve import SamplingParams
-from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
 
 PROMPTS = [
     "What is the capital of France?",
@@ -23,12 +22,7 @@ NEAR_TIE = 0.1
 
 @pytest.fixture(scope="module")
 def reference():
-    ckpt = load_gguf(embedded_default_gguf())
-    model = AutoModelForCausalLM.from_config(ckpt.config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(dict(ckpt.tensors()), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model.eval()
+    return smollm2_reference()
 
 
 def _reference_greedy(model, prompt_ids: list[int], eos: set[int]) -> tuple[list[int], torch.Tensor]:

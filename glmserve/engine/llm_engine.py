@@ -180,8 +180,8 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(len(token_ids), self.max_model_len)
+        if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len and params.max_tokens != 0):
+            raise PromptTooLongError(len(token_ids), self.max_model_len)  # max_tokens 0 may fill the context
         if session_id is not None and self.kv.sessions is None:
             raise InvalidRequestError("sessions are off on this server (session_store 'off')")
         seqs = [

@@ -1,4 +1,5 @@
-"""Token logprobs in OpenAI's two formats (chat `content` list, legacy completions arrays).
+"""Token logprobs in OpenAI's two formats (chat `content` list, legacy completions arrays), and the echoed
+prompt's logprobs of a text completion (its first token has none: `null` value and `null` alternatives).
 
 Token strings are the decoded text of each token; `bytes` are the token's raw UTF-8 bytes,
 which for byte-level BPE tokenizers (GPT-2 style, SmolLM2, Llama 3, Qwen) may be part of a
@@ -22,6 +23,7 @@ class TokenFormatter:
     """Text and bytes of single tokens, cached per token id."""
 
     def __init__(self, tokenizer: Any) -> None:
+        self.as_ids = False  # `text` gives "token_id:ID" (a copy of this formatter: `with_token_ids`)
         self._tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
@@ -30,7 +32,13 @@ class TokenFormatter:
         self.bytes = functools.lru_cache(maxsize=65536)(self._bytes)
 
     def _text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id])
+        return f"token_id:{token_id}" if self.as_ids else self._tokenizer.decode([token_id])
+
+    def with_token_ids(self) -> TokenFormatter:
+        """A formatter whose token text is "token_id:ID", as vLLM's `return_tokens_as_token_ids`."""
+        out = TokenFormatter(self._tokenizer)
+        out.as_ids = True
+        return out
 
     def _bytes(self, token_id: int) -> list[int]:
         if self._byte_decoder is not None:
@@ -75,9 +83,22 @@ def completion_logprobs(
         token = fmt.text(tid)
         out.tokens.append(token)
         out.token_logprobs.append(lp.logprob)
-        top = {fmt.text(t): v for t, v in lp.top}
+        top: dict[str, float] = {}
+        for t, v in lp.top:  # best first: of tokens that decode to one text, the best one's value stays
+            top.setdefault(fmt.text(t), v)
         top.setdefault(token, lp.logprob)
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(token)
     return out
+
+
+def echo_logprobs(
+    fmt: TokenFormatter, prompt_token_ids: Sequence[int], scored: Sequence[EngineTokenLogprob | None]
+) -> CompletionLogprobs:
+    """The echoed prompt's part of `choices[i].logprobs`, offsets from 0; `scored` is the engine's
+    `RequestOutput.prompt_logprobs` (None for the first token)."""
+    first = fmt.text(prompt_token_ids[0])
+    rest = completion_logprobs(fmt, prompt_token_ids[1:], scored[1:], len(first))  # type: ignore[arg-type]
+    return CompletionLogprobs(tokens=[first, *rest.tokens], token_logprobs=[None, *rest.token_logprobs],
+                              top_logprobs=[None, *rest.top_logprobs], text_offset=[0, *rest.text_offset])

@@ -78,6 +78,7 @@ def sampling_params(
         "ignore_eos": request.ignore_eos,
         "max_tokens": budget.effective,
         "logprobs": request.num_logprobs(),
+        "prompt_logprobs": request.num_prompt_logprobs(),
     }
     for name in _OPTIONAL_FIELDS:
         value = getattr(request, name)

@@ -2,8 +2,9 @@
 
 Field names and shapes follow OpenAI's API reference and the official `openai` package's types.
 The extra sampling fields `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and
-`stop_token_ids` are accepted at the top level of the body, as vLLM's OpenAI server accepts
-them (vllm/entrypoints/openai/protocol.py). Unknown fields are ignored, as vLLM does.
+`stop_token_ids` (and, for completions, `return_tokens_as_token_ids`) are accepted at the top
+level of the body, as vLLM's OpenAI server accepts them (vllm/entrypoints/openai/protocol.py).
+Unknown fields are ignored, as vLLM does.
 Features the engine does not have (tools, logit_bias, json mode, suffix, best_of > n) are
 refused with a 400 instead of being silently dropped.
 """
@@ -147,17 +148,23 @@ class ChatCompletionRequest(SamplingRequest):
         """Engine logprobs setting: None, or how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def num_prompt_logprobs(self) -> None:
+        return None  # chat has no echo
+
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 with echo scores the prompt only (lm-evaluation-harness' loglikelihood)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
+    # vLLM extra: logprob tokens as "token_id:ID" (distinct tokens that decode to the same text stay distinct)
+    return_tokens_as_token_ids: bool = False
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
@@ -176,6 +183,10 @@ class CompletionRequest(SamplingRequest):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """With echo, logprobs scores the echoed prompt too."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings or token-id lists."""

@@ -1,7 +1,9 @@
 """POST /v1/completions: one engine request per prompt, choices numbered prompt-major.
 
 Choice `index` is `prompt_index * n + sample_index`, as in OpenAI's API. With `echo`, each
-choice's text starts with its prompt.
+choice's text starts with its prompt, and with `logprobs` its logprobs start with the prompt's
+tokens (the engine's prompt logprobs; the first token's value is null), as OpenAI's legacy API,
+vLLM and lm-evaluation-harness use them; `max_tokens` 0 with echo returns the scored prompt only.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from fastapi.responses import Response
 from glmserve.engine.outputs import CompletionOutput, RequestOutput
 from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation, abort_all, cancel_on_disconnect, merge_outputs, start_all
-from glmserve.server.logprobs import completion_logprobs
+from glmserve.server.logprobs import completion_logprobs, echo_logprobs
 from glmserve.server.params import sampling_params, tightest, token_budget
-from glmserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from glmserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
 from glmserve.server.sessions_routes import request_session_id
 from glmserve.server.state import ServedModel, ServingContext
@@ -28,8 +30,9 @@ from glmserve.server.usage import usage_of
 async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingContext) -> Response:
     model = ctx.loaded()
     model_id = model.aliases.resolve(body.model)
-    if body.echo and body.logprobs is not None:
-        raise BadRequestError("echo together with logprobs is not supported by this server", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise BadRequestError("max_tokens 0 is only allowed with echo: it returns the prompt, scored with logprobs",
+                              param="max_tokens")
     prompts = [model.encode(p) if isinstance(p, str) else p for p in body.prompts()]
     session_id = request_session_id(body.session_id, raw)
     if session_id is not None and len(prompts) > 1:
@@ -62,7 +65,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     finally:
         abort_all(generations)
     builder = _ChoiceBuilder(body, model, echoes)
-    choices = [choice for p, final in enumerate(finals) for c in final.outputs if (choice := builder.delta(p, c))]
+    choices = [choice for p, final in enumerate(finals) for c in final.outputs
+               if (choice := builder.delta(p, final, c))]
     response = CompletionResponse(id=request_id, model=model_id, choices=choices, usage=usage_of(finals))
     return json_response(response, headers=headers)
 
@@ -86,28 +90,44 @@ class _ChoiceBuilder:
     def __init__(self, body: CompletionRequest, model: ServedModel, echoes: list[str]) -> None:
         self._n = body.n
         self._want_logprobs = body.logprobs is not None
-        self._formatter = model.formatter
+        self._echo = bool(body.echo)
+        self._formatter = model.formatter.with_token_ids() if body.return_tokens_as_token_ids else model.formatter
         self._echoes = echoes
         self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
         self._finished: set[int] = set()
 
-    def delta(self, prompt_index: int, c: CompletionOutput) -> CompletionChoice | None:
-        """What choice `c` adds since the last call; None when it adds nothing."""
+    def delta(self, prompt_index: int, output: RequestOutput, c: CompletionOutput) -> CompletionChoice | None:
+        """What choice `c` (of `output`) adds since the last call; None when it adds nothing."""
         index = prompt_index * self._n + c.index
         if index in self._finished:
             return None
+        first = index not in self._sent
         chars, tokens = self._sent.get(index, (0, 0))
-        text = (self._echoes[prompt_index] if index not in self._sent else "") + c.text[chars:]
+        echo = self._echoes[prompt_index] if first else ""
+        text = echo + c.text[chars:]
         logprobs = None
+        if self._want_logprobs and self._echo and first:
+            logprobs = self._prompt_logprobs(output)
         if self._want_logprobs and len(c.token_ids) > tokens:
             offset = len(self._echoes[prompt_index]) + chars
-            logprobs = completion_logprobs(self._formatter, c.token_ids[tokens:], c.logprobs[tokens:], offset)
+            generated = completion_logprobs(self._formatter, c.token_ids[tokens:], c.logprobs[tokens:], offset)
+            logprobs = generated if logprobs is None else _joined(logprobs, generated)
         self._sent[index] = (len(c.text), len(c.token_ids))
         if c.finish_reason is not None:
             self._finished.add(index)
         elif not text and logprobs is None:
             return None
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
+
+    def _prompt_logprobs(self, output: RequestOutput) -> CompletionLogprobs:
+        if output.prompt_logprobs is None:  # the engine scores the prompt when echo asks for logprobs
+            raise RuntimeError(f"request {output.request_id} has no prompt logprobs")
+        return echo_logprobs(self._formatter, output.prompt_token_ids, output.prompt_logprobs)
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
 async def _stream(
@@ -120,7 +140,7 @@ async def _stream(
     created = int(time.time())
     try:
         async for prompt_index, output in merge_outputs(generations):
-            choices = [choice for c in output.outputs if (choice := builder.delta(prompt_index, c))]
+            choices = [choice for c in output.outputs if (choice := builder.delta(prompt_index, output, c))]
             if choices:
                 yield event(CompletionResponse(id=request_id, created=created, model=model_id, choices=choices))
         if body.include_usage():
