@@ -1,0 +1,266 @@
+"""Quality of quantized formats through the API: perplexity and next-token KL divergence per configuration.
+
+    .venv/bin/python bench/bench_quality.py --config float:"" --config bf16:"--dtype bfloat16" \
+        --config w8a8:"--quantization w8a8" --config q4_1:"--quantization q4_1"
+
+Each `--config NAME:FLAGS` is a real `glmserve serve` process started with FLAGS (any serve flags: model,
+`--quantization`, `--kv-cache-dtype`, ...); the first configuration (or `--reference NAME`) is the reference,
+normally our float32. The texts of bench/data (calibration and held-out split, English and Chinese) are cut into
+llama-perplexity's windows (bench/quality_metrics.py) and every window is scored by `/v1/completions` with
+`echo`, `logprobs: N`, `max_tokens: 0` (prompt logprobs, as lm-evaluation-harness scores text) and the token ids
+returned as `token_id:ID`. Reported per configuration and split: perplexity per language and pooled, its change
+against the reference, the estimated KL(reference || config) of the next-token distribution (top-N), the share
+of positions with the same most likely token, and pass/fail against the issue's targets (by configuration name,
+or `--target NAME=PCT`). With a llama.cpp peer (bench/setup_peers.sh llamacpp), llama.cpp's perplexity on the same
+GGUF and windows is a row too, and the configurations in `--vs-llamacpp` are compared with it (target: within
+0.5%). Results: a markdown table on stdout and a JSON report (`--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quality_metrics import Scored, Summary, Window, summarize, windows  # noqa: E402
+from serve_process import ServeFailed, glmserve  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+SPLITS = ("calib", "heldout")
+LANGS = ("en", "zh")
+BENCH_DIR = Path(os.environ.get("GLMSERVE_BENCH_DIR", Path.home() / ".cache" / "glmserve-bench"))
+LLAMACPP_PY = BENCH_DIR / "llamacpp" / "bin" / "python"
+LLAMACPP = "llama.cpp"
+# the issue's perplexity targets against our float32, in percent, by configuration name
+TARGETS = {"int8": 0.5, "q8_0": 0.5, "w8a8": 1.5, "fp8": 1.5, "fp8-block": 1.5, "w4a16": 8.0, "w4-rtn": 8.0,
+           "w4a16-g32": 8.0, "w4-gptq": 4.0, "w4-awq": 4.0, "gptq": 4.0, "awq": 4.0, "mixed": 1.5, "recipe": 1.5}
+LLAMACPP_TARGET = 0.5  # native GGUF perplexity within 0.5% of llama.cpp's on the same file
+
+
+@dataclass
+class Config:
+    name: str
+    flags: list[str]
+
+
+def parse_config(text: str) -> Config:
+    name, sep, flags = text.partition(":")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--config wants NAME:FLAGS (FLAGS may be empty), got {text!r}")
+    return Config(name, shlex.split(flags))
+
+
+def parse_target(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    try:
+        return name, float(value) if sep else float("nan")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--target wants NAME=PERCENT, got {text!r}") from exc
+
+
+def load_tokenizer(model: str | None):
+    """The tokenizer of the served model (token ids are sent, so every configuration sees the same windows)."""
+    if model is None or model.endswith(".gguf"):
+        from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
+
+        return load_gguf(Path(model) if model else embedded_default_gguf()).tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def corpus_windows(tokenizer, ctx: int) -> dict[str, list[Window]]:
+    """`split/lang` -> its windows."""
+    out = {}
+    for split in SPLITS:
+        for lang in LANGS:
+            text = (DATA / f"{split}_{lang}.txt").read_text(encoding="utf-8")
+            out[f"{split}/{lang}"] = windows(f"{split}_{lang}", tokenizer.encode(text, add_special_tokens=True), ctx)
+    return out
+
+
+def score_through_api(base_url: str, work: dict[str, list[Window]], top: int) -> dict[str, list[Scored]]:
+    """Every window scored by the server's prompt logprobs (one request per window)."""
+    out: dict[str, list[Scored]] = {}
+    with httpx.Client(base_url=base_url, timeout=1800) as http:
+        for key, wins in work.items():
+            out[key] = []
+            for w in wins:
+                body = {"prompt": w.tokens, "echo": True, "logprobs": top, "max_tokens": 0, "temperature": 0,
+                        "return_tokens_as_token_ids": True}
+                response = http.post("/v1/completions", json=body)
+                response.raise_for_status()
+                logprobs = response.json()["choices"][0]["logprobs"]
+                ids = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+                if ids != w.tokens:
+                    raise RuntimeError(f"the server echoed other tokens than it was sent ({key})")
+                tops = [{int(t.removeprefix("token_id:")): v for t, v in d.items()}
+                        for d in logprobs["top_logprobs"][w.first_scored:]]
+                out[key].append(Scored(logprobs["token_logprobs"][w.first_scored:], tops))
+    return out
+
+
+def score_llamacpp(gguf: str, work: dict[str, list[Window]], ctx: int, top: int, threads: int,
+                   log_dir: Path) -> tuple[dict[str, list[Scored]], str]:
+    """The same windows through llama-cpp-python (bench/peer_llamacpp_ppl.py, in the peer's venv)."""
+    keys = list(work)
+    flat = [w for k in keys for w in work[k]]
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, result = Path(tmp) / "windows.json", Path(tmp) / "result.json"
+        spec.write_text(json.dumps({"ctx": ctx, "top": top, "threads": threads, "windows": [
+            {"tokens": w.tokens, "first_scored": w.first_scored} for w in flat]}))
+        with (log_dir / "quality-llamacpp.log").open("wb") as log:
+            subprocess.run([str(LLAMACPP_PY), str(Path(__file__).with_name("peer_llamacpp_ppl.py")), "--gguf", gguf,
+                            "--windows", str(spec), "--out", str(result)], check=True, stdout=log,
+                           stderr=subprocess.STDOUT)
+        report = json.loads(result.read_text())
+    scored = iter(Scored(r["logprobs"], [{t: v for t, v in row} for row in r["tops"]]) for r in report["windows"])
+    return {k: [next(scored) for _ in work[k]] for k in keys}, report["version"]
+
+
+def llamacpp_available() -> str | None:
+    """None when the llama.cpp peer can run, else why not."""
+    if not LLAMACPP_PY.exists():
+        return f"no llama.cpp peer at {LLAMACPP_PY.parent.parent} (install it with bench/setup_peers.sh llamacpp)"
+    check = subprocess.run([str(LLAMACPP_PY), "-c", "import llama_cpp"], capture_output=True, text=True)
+    if check.returncode != 0:
+        return f"{LLAMACPP_PY} cannot import llama_cpp (bench/setup_peers.sh llamacpp): {check.stderr.strip()[-200:]}"
+    return None
+
+
+def split_summaries(scored: dict[str, list[Scored]], reference: dict[str, list[Scored]] | None
+                    ) -> dict[str, dict[str, Summary]]:
+    """split -> {"en", "zh", "all"} -> Summary."""
+    out: dict[str, dict[str, Summary]] = {}
+    for split in SPLITS:
+        keys = [f"{split}/{lang}" for lang in LANGS]
+        part = {lang: summarize(scored[k], reference[k] if reference else None) for lang, k in zip(LANGS, keys)}
+        pooled = [s for k in keys for s in scored[k]]
+        pooled_ref = [s for k in keys for s in reference[k]] if reference else None
+        out[split] = {**part, "all": summarize(pooled, pooled_ref)}
+    return out
+
+
+def _pct(value: float, base: float) -> float:
+    return 100.0 * (value / base - 1.0)
+
+
+def _verdict(delta: float, target: float | None) -> str:
+    if target is None or target != target:
+        return "–"
+    return f"{'pass' if delta <= target else 'FAIL'} (≤ +{target:g}%)"
+
+
+def markdown(rows: dict[str, dict[str, dict[str, Summary]]], reference: str, targets: dict[str, float],
+             vs_llamacpp: set[str], flags: dict[str, str], failed: dict[str, str]) -> str:
+    head = ("| config | serve flags | split | ppl en | ppl zh | ppl all | Δ ppl vs " + reference +
+            " | KL (nats) | same top-1 | target | vs llama.cpp |")
+    lines = [head, "|" + "---|" * 11]
+    for name, splits in rows.items():
+        for split, s in splits.items():
+            base = rows[reference][split]["all"].ppl
+            delta = _pct(s["all"].ppl, base)
+            kl = "–" if s["all"].kl is None else f"{s['all'].kl:.4f}"
+            top1 = "–" if s["all"].top1 is None else f"{100 * s['all'].top1:.1f}%"
+            versus = "–"
+            if name in vs_llamacpp and LLAMACPP in rows:
+                gap = _pct(s["all"].ppl, rows[LLAMACPP][split]["all"].ppl)
+                versus = f"{gap:+.2f}% {'pass' if abs(gap) <= LLAMACPP_TARGET else 'FAIL'} (±{LLAMACPP_TARGET:g}%)"
+            target = _verdict(delta, targets.get(name.lower())) if name not in (reference, LLAMACPP) else "–"
+            lines.append(f"| {name} | `{flags.get(name, '')}` | {split} | {s['en'].ppl:.3f} | {s['zh'].ppl:.3f} | "
+                         f"{s['all'].ppl:.3f} | {delta:+.2f}% | {kl} | {top1} | {target} | {versus} |")
+    for name, why in failed.items():
+        lines.append(f"| {name} | `{flags.get(name, '')}` | – | could not run: {why} |||||||")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=parse_config, action="append", required=True,
+                        help='NAME:"SERVE FLAGS" (repeat; the first is the reference unless --reference)')
+    parser.add_argument("--reference", help="the configuration the others are compared with (default: the first)")
+    parser.add_argument("--model", help="model for the tokenizer and every server (default: embedded SmolLM2)")
+    parser.add_argument("--ctx", type=int, default=512, help="window length in tokens (llama-perplexity's -c)")
+    parser.add_argument("--top", type=int, default=20, help="top-N logprobs per position for the KL (at most 20)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--target", type=parse_target, action="append", default=[],
+                        help="NAME=PERCENT: the allowed perplexity increase of configuration NAME")
+    parser.add_argument("--vs-llamacpp", default="default,q4_1,q4_0,q8_0",
+                        help="configurations (native GGUF) compared with llama.cpp's perplexity on the same file")
+    parser.add_argument("--gguf", help="GGUF file for llama.cpp (default: --model if a .gguf, else the embedded)")
+    parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--ready-timeout", type=float, default=900)
+    parser.add_argument("--json", type=Path, default=None, help="default: bench/results/quality-DATE.json")
+    args = parser.parse_args()
+    names = [c.name for c in args.config]
+    if len(set(names)) != len(names) or LLAMACPP in names:
+        parser.error(f"configuration names must be unique and not {LLAMACPP!r}")
+    reference = args.reference or names[0]
+    if reference not in names:
+        parser.error(f"--reference {reference!r} is not a configuration")
+    targets = {**TARGETS, **{k.lower(): v for k, v in args.target}}
+    started = time.time()
+    tokenizer = load_tokenizer(args.model)
+    work = corpus_windows(tokenizer, args.ctx)
+    log_dir = BENCH_DIR / "logs"
+    base = ["--max-model-len", str(args.ctx), "--num-threads", str(args.threads)]
+    if args.model:
+        base += ["--model", args.model]
+    scored: dict[str, dict[str, list[Scored]]] = {}
+    failed: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    for config in sorted(args.config, key=lambda c: c.name != reference):  # the reference first
+        print(f"[bench_quality] {config.name}: glmserve serve {' '.join(base + config.flags)}", file=sys.stderr)
+        t0 = time.monotonic()
+        try:
+            with glmserve(base + config.flags, log_dir / f"quality-{config.name}.log", args.ready_timeout) as url:
+                scored[config.name] = score_through_api(url, work, args.top)
+        except ServeFailed as exc:
+            failed[config.name] = str(exc).splitlines()[-1][:160]
+            print(f"[bench_quality] {config.name} could not run:\n{exc}", file=sys.stderr)
+        seconds[config.name] = time.monotonic() - t0
+    if reference not in scored:
+        sys.exit(f"the reference configuration {reference!r} could not run: {failed[reference]}")
+    llamacpp_note = "skipped (--no-llamacpp)" if args.no_llamacpp else llamacpp_available()
+    if llamacpp_note is None:
+        from glmserve.models.gguf_loader import embedded_default_gguf
+
+        own = args.model if args.model and args.model.endswith(".gguf") else None
+        gguf = args.gguf or own or str(embedded_default_gguf())
+        scored[LLAMACPP], llamacpp_note = score_llamacpp(gguf, work, args.ctx, args.top, args.threads, log_dir)
+        llamacpp_note = f"{llamacpp_note} on {Path(gguf).name}"
+    else:
+        print(f"[bench_quality] llama.cpp perplexity skipped: {llamacpp_note}", file=sys.stderr)
+    rows = {name: split_summaries(s, None if name == reference else scored[reference]) for name, s in scored.items()}
+    flags = {c.name: " ".join(c.flags) for c in args.config}
+    table = markdown(rows, reference, targets, set(args.vs_llamacpp.split(",")), flags, failed)
+    print(table)
+    print(f"\nllama.cpp: {llamacpp_note}")
+    report = {
+        "date": datetime.date.today().isoformat(), "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "ctx": args.ctx, "top": args.top, "threads": args.threads, "reference": reference,
+        "windows": {k: len(v) for k, v in work.items()}, "llamacpp": llamacpp_note, "failed": failed,
+        "seconds": seconds, "wall_s": time.time() - started,
+        "results": {name: {split: {part: asdict(s) for part, s in parts.items()} for split, parts in splits.items()}
+                    for name, splits in rows.items()},
+        "table": table,
+    }
+    out = args.json or Path(__file__).parent / "results" / f"quality-{report['date']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"report: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
