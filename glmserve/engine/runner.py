@@ -34,9 +34,7 @@ class ModelRunner:
         batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)  # decode group first
         input_ids, step, logits_index = self._prepare(batch)
         sampling = [s.seq for s in batch if s.samples]
-        rows = PromptRows.plan([(s.seq.prompt_scores, s.seq.token_ids, int(start), s.num_new_tokens, int(row))
-                                for s, start, row in zip(batch, step.starts, torch.cumsum(step.lens, 0) - step.lens)],
-                               self.device)
+        rows = self._prompt_rows(batch, step)
         index = logits_index if rows is None else torch.cat([logits_index, rows.index])
         logits = self.model(input_ids, step.positions, self.model.attention_metadata(step), index)
         if rows is not None:
@@ -48,6 +46,14 @@ class ModelRunner:
             return []
         tokens, logprobs = sample(logits, sampling)
         return list(zip(sampling, tokens, logprobs))
+
+    def _prompt_rows(self, batch: list[ScheduledSeq], step: StepRows) -> PromptRows | None:
+        """The step's rows that score prompt tokens (SamplingParams.prompt_logprobs), None when there are none."""
+        if all(s.seq.prompt_scores is None for s in batch):
+            return None
+        first_rows = (torch.cumsum(step.lens, 0) - step.lens).tolist()
+        return PromptRows.plan([(s.seq.prompt_scores, s.seq.token_ids, start, s.num_new_tokens, row)
+                                for s, start, row in zip(batch, step.starts.tolist(), first_rows)], self.device)
 
     def _prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, StepRows, torch.Tensor]:
         """The flat batch's token ids, the step's rows (positions, slots, what the model's attention metadata
