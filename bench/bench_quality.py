@@ -80,13 +80,14 @@ def load_tokenizer(model: str | None):
     return AutoTokenizer.from_pretrained(model)
 
 
-def corpus_windows(tokenizer, ctx: int) -> dict[str, list[Window]]:
-    """`split/lang` -> its windows."""
+def corpus_windows(tokenizer, ctx: int, max_windows: int | None) -> dict[str, list[Window]]:
+    """`split/lang` -> its windows (the first `max_windows` of each text, when given)."""
     out = {}
     for split in SPLITS:
         for lang in LANGS:
             text = (DATA / f"{split}_{lang}.txt").read_text(encoding="utf-8")
-            out[f"{split}/{lang}"] = windows(f"{split}_{lang}", tokenizer.encode(text, add_special_tokens=True), ctx)
+            cut = windows(f"{split}_{lang}", tokenizer.encode(text, add_special_tokens=True), ctx)
+            out[f"{split}/{lang}"] = cut[:max_windows]
     return out
 
 
@@ -194,6 +195,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512, help="window length in tokens (llama-perplexity's -c)")
     parser.add_argument("--top", type=int, default=20, help="top-N logprobs per position for the KL (at most 20)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-windows", type=int, help="score only the first N windows of each text (a quick run)")
     parser.add_argument("--target", type=parse_target, action="append", default=[],
                         help="NAME=PERCENT: the allowed perplexity increase of configuration NAME")
     parser.add_argument("--vs-llamacpp", default="default,q4_1,q4_0,q8_0",
@@ -212,7 +214,7 @@ def main() -> None:
     targets = {**TARGETS, **{k.lower(): v for k, v in args.target}}
     started = time.time()
     tokenizer = load_tokenizer(args.model)
-    work = corpus_windows(tokenizer, args.ctx)
+    work = corpus_windows(tokenizer, args.ctx, args.max_windows)
     log_dir = BENCH_DIR / "logs"
     base = ["--max-model-len", str(args.ctx), "--num-threads", str(args.threads)]
     if args.model:
