@@ -141,7 +141,7 @@ def test_stop_string_held_back_while_streaming(smollm2):
 
 
 @pytest.mark.parametrize("bad", [
-    dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(n=0), dict(max_tokens=0),
+    dict(temperature=-0.1), dict(temperature=2.5), dict(top_p=0.0), dict(n=0), dict(prompt_logprobs=-1),
     dict(max_tokens=-3), dict(logprobs=21), dict(presence_penalty=3.0), dict(repetition_penalty=0.0),
 ])
 def test_invalid_sampling_params_raise(bad):
