@@ -1,11 +1,20 @@
-"""Linear layers that fuse several checkpoint matrices into one matmul (q|k|v, gate|up)."""
+"""Linear layers: `MergedLinear` fuses several checkpoint matrices into one float matmul (q|k|v, gate|up);
+`QuantizedLinear` is the same (plain or merged) with quantized weights on a backend from the registry."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from glmserve.layers.param_loading import Shard, copy_into
+from glmserve.layers.param_loading import CheckpointTensor, Shard, copy_into
+from glmserve.quant.backend import LinearBackend, select
+from glmserve.quant.quantize import quantize
+from glmserve.quant.schemes import Scheme
+from glmserve.quant.weight import QuantizedWeight, concat_rows, stackable
 
 
 class MergedLinear(nn.Linear):
@@ -25,3 +34,168 @@ class MergedLinear(nn.Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
+
+
+_COVERED = object()  # a part loaded as rows of the previous part's (fused, quantized) checkpoint tensor
+
+
+@dataclass
+class _Segment:
+    """Consecutive output rows computed by one matmul: on a quant backend, or in float (backend None)."""
+
+    backend: LinearBackend | None
+    prepared: Any  # the backend's layout; a float [rows, in] tensor when backend is None
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.backend is None:
+            return F.linear(x, self.prepared, bias)
+        return self.backend.apply(self.prepared, x, bias)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W quantized; W is `output_sizes` parts stacked along the output rows (one part:
+    a plain projection). Each part arrives as a float tensor, quantized on load per `scheme.weight`, or as a
+    QuantizedWeight (GGUF blocks, checkpoint codes). `finalize` (after the last part) stacks the parts,
+    picks a backend (glmserve/quant/backend.py `select`), repacks once and drops the canonical and float
+    copies. Parts of different formats (a GGUF with mixed types) run as consecutive segments, one matmul
+    each; a float part of a scheme-less module (no native kernel for its type) runs in float. Bias stays
+    float, in the model dtype."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], scheme: Scheme, bias: bool,
+                 device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(self.output_sizes)
+        self.scheme = scheme
+        self.device, self.dtype = torch.device(device), dtype
+        self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)) if bias else None
+        self.tied = False  # the weight comes from a tied embedding (glmserve/layers/embedding.py), not a slot
+        self._parts: list[Any] = [None] * len(self.output_sizes)  # CheckpointTensor, _COVERED or None
+        self._segments: list[_Segment] = []
+
+    @classmethod
+    def like(cls, linear: nn.Linear, scheme: Scheme, device: torch.device, dtype: torch.dtype) -> QuantizedLinear:
+        """The quantized counterpart of an nn.Linear or MergedLinear (same shapes, parts and bias)."""
+        sizes = getattr(linear, "output_sizes", [linear.out_features])
+        return cls(linear.in_features, sizes, scheme, linear.bias is not None, device, dtype)
+
+    # -- loading (glmserve/layers/param_loading.py HoldsWeights) ------------------------------------------
+    def weight_slots(self) -> dict[str, int]:
+        return {} if self.tied else {"weight": self.out_features * self.in_features}
+
+    def load_weight(self, name: str, tensor: CheckpointTensor, shard: Shard) -> None:
+        if name != "weight":
+            raise ValueError(f"QuantizedLinear has no weight {name!r}")
+        parts = range(len(self.output_sizes)) if shard.part is None else [shard.part]  # None: all, fused
+        want = (sum(self.output_sizes[p] for p in parts), self.in_features)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model {want}")
+        if any(self._parts[p] is not None for p in parts):
+            raise ValueError(f"parts {list(parts)} of this weight are loaded twice")
+        if isinstance(tensor, QuantizedWeight) or len(parts) == 1:
+            self._parts[parts[0]] = tensor  # a fused quantized tensor stays whole: it is one segment
+            for p in parts[1:]:
+                self._parts[p] = _COVERED
+        else:
+            for p, piece in zip(parts, tensor.split([self.output_sizes[p] for p in parts])):
+                self._parts[p] = piece
+
+    def load_parameter(self, param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None:
+        """The bias (float), whole or one part."""
+        if shard.part is None:
+            copy_into(param.data, tensor)
+            return
+        start = sum(self.output_sizes[:shard.part])
+        copy_into(param.data[start:start + self.output_sizes[shard.part]], tensor)
+
+    def finalize(self) -> None:
+        """Stacks the parts into segments and prepares each on its backend; idempotent."""
+        if self._segments:
+            return
+        if any(p is None for p in self._parts):
+            raise ValueError("QuantizedLinear finalized before all of its parts were loaded")
+        runs: list[list[CheckpointTensor]] = []
+        for part in self._parts:
+            if part is _COVERED:
+                continue
+            if runs and _same_run(runs[-1][-1], part, self.scheme):
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        self._parts = [None] * len(self.output_sizes)
+        self._segments = [self._prepare(run) for run in runs]
+
+    def _prepare(self, run: list[CheckpointTensor]) -> _Segment:
+        if not isinstance(run[0], QuantizedWeight):
+            floats = torch.cat(run) if len(run) > 1 else run[0]
+            if self.scheme.weight is None:
+                return _Segment(None, floats.to(self.device, self.dtype))
+            weight = quantize(floats, self.scheme.weight)
+        else:
+            weight = concat_rows(run) if len(run) > 1 else run[0]
+        return self._prepare_quantized(weight)
+
+    def _prepare_quantized(self, weight: QuantizedWeight) -> _Segment:
+        backend = select(weight.spec, self.scheme.activations, self.device)
+        return _Segment(backend, backend.prepare(weight.to(self.device), self.scheme.activations, self.device))
+
+    # -- running --------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if len(self._segments) == 1:
+            y = self._segments[0].apply(flat, self.bias)
+        else:
+            y = torch.cat([s.apply(flat, None) for s in self._segments], dim=-1)
+            if self.bias is not None:
+                y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.output_sizes, dim=-1)
+
+    def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Rows `ids` of W from the prepared weight, where the one backend can read them back (a tied
+        embedding's lookup); None otherwise."""
+        if len(self._segments) != 1 or not hasattr(self._segments[0].backend, "dequantize_rows"):
+            return None
+        segment = self._segments[0]
+        return segment.backend.dequantize_rows(segment.prepared, ids, dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the run-time weight (every tensor the prepared segments hold) plus the bias."""
+        total = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return total + sum(_tensor_bytes(s.prepared, set()) for s in self._segments)
+
+    def extra_repr(self) -> str:
+        formats = [type(s.backend).__name__ if s.backend else "float" for s in self._segments]
+        return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, scheme={self.scheme.name}, "
+                f"bias={self.bias is not None}, backends={formats or 'not loaded'}")
+
+
+def _same_run(prev: CheckpointTensor, part: CheckpointTensor, scheme: Scheme) -> bool:
+    """Whether `part` stacks onto `prev` into one segment: both float, or both quantized and stackable."""
+    if isinstance(prev, QuantizedWeight) != isinstance(part, QuantizedWeight):
+        return False
+    if not isinstance(part, QuantizedWeight):
+        return True
+    return stackable(prev, part)
+
+
+def _tensor_bytes(obj: Any, seen: set[int]) -> int:
+    """Bytes of the distinct tensors in a backend's prepared object (tensors, tuples, dataclasses...)."""
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, QuantizedWeight):
+        return sum(_tensor_bytes(t, seen) for t in (obj.codes, obj.scales, obj.zeros, obj.mins, obj.global_scale))
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o, seen) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(o, seen) for o in obj.values())
+    if hasattr(obj, "__dict__"):
+        return sum(_tensor_bytes(o, seen) for o in vars(obj).values())
+    return 0

@@ -2,8 +2,11 @@
 
 A checkpoint tensor may be one piece of a parameter of ours (`Shard`: a part of a fused matrix such as
 q of qkv_proj, of one expert of a 3D expert tensor). A module that owns such parameters, or stores them
-in its own layout (later: packed quantized weights and their scales), implements `LoadsParameters`;
-any other parameter is filled by `load_whole`. glmserve/models/weights.py decides which tensor goes where.
+in its own layout, implements `LoadsParameters`; any other parameter is filled by `load_whole`. A module
+whose weight is no parameter at all (quantized codes and scales in a backend's layout) implements
+`HoldsWeights`: it names the weights it takes like parameters, takes float tensors or QuantizedWeights
+for them and, once every one is in, builds its run-time form (`finalize`). glmserve/models/weights.py
+decides which tensor goes where.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from glmserve.quant.weight import QuantizedWeight
+
+CheckpointTensor = torch.Tensor | QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,27 @@ class LoadsParameters(Protocol):
     elements of `param` as `tensor` has (the loader counts them to find parameters left unfilled)."""
 
     def load_parameter(self, param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None: ...
+
+
+@runtime_checkable
+class HoldsWeights(Protocol):
+    """A module whose weights are not nn.Parameters. `weight_slots` names them (relative to the module, e.g.
+    "weight") with the number of elements each takes; `load_weight` takes one checkpoint tensor (or a part
+    of one, per `shard`) for a slot; `finalize` runs once after the loader has filled every slot."""
+
+    def weight_slots(self) -> dict[str, int]: ...
+
+    def load_weight(self, name: str, tensor: CheckpointTensor, shard: Shard) -> None: ...
+
+    def finalize(self) -> None: ...
+
+
+def numel(tensor: CheckpointTensor) -> int:
+    """Elements a checkpoint tensor fills (a QuantizedWeight: its logical [out, in])."""
+    if isinstance(tensor, QuantizedWeight):
+        out, inp = tensor.shape
+        return out * inp
+    return tensor.numel()
 
 
 def copy_into(dst: torch.Tensor, tensor: torch.Tensor) -> None:

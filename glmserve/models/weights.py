@@ -3,7 +3,9 @@
 Every model declares once, as `checkpoint_layout`, how its checkpoints name what it fuses (q|k|v into
 qkv_proj, gate|up into gate_up_proj, per-expert matrices into 3D expert tensors). `load_weights` maps
 each checkpoint tensor to (our parameter, `Shard`) and hands it to the module that owns the parameter
-(glmserve/layers/param_loading.py: its own `load_parameter` if it has one, else a plain copy).
+(glmserve/layers/param_loading.py: its own `load_parameter` if it has one, else a plain copy). Quantized
+modules (`HoldsWeights`) hold weights that are no parameters: they are filled the same way under the same
+names, then finalized (repacked for their backend) once every tensor is in.
 Hugging Face safetensors and GGUF checkpoints (glmserve/models/gguf_loader.py yields Hugging Face
 names) both load through here.
 """
@@ -19,7 +21,16 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from glmserve.layers.param_loading import WHOLE, LoadsParameters, Shard, load_whole
+from glmserve.layers.embedding import QuantizedEmbedding
+from glmserve.layers.param_loading import (
+    WHOLE,
+    CheckpointTensor,
+    HoldsWeights,
+    LoadsParameters,
+    Shard,
+    load_whole,
+    numel,
+)
 
 _PLACEHOLDERS = {"{kind}": r"(?P<kind>weight|bias)", "{expert}": r"(?P<expert>\d+)"}
 _LAYER_INDEX = re.compile(r"^layers\.(\d+)\.")
@@ -63,7 +74,7 @@ class CheckpointLayout:
             rules.append(_FusedRule(re.compile(rf"(?P<prefix>(?:.*\.)?){regex}$"), target, part))
         object.__setattr__(self, "_rules", tuple(rules))
 
-    def place(self, name: str, params: Mapping[str, nn.Parameter]) -> tuple[str, Shard]:
+    def place(self, name: str, params: Mapping[str, object]) -> tuple[str, Shard]:
         """(our parameter, shard) for the checkpoint tensor `name` (without the `model.` prefix)."""
         for rule in self._rules:
             placed = rule.place(name)
@@ -77,32 +88,54 @@ class LoadsCheckpoint:
 
     checkpoint_layout: ClassVar[CheckpointLayout] = CheckpointLayout()
 
-    def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads every parameter exactly once, as `checkpoint_layout` says; a tensor with no place in
-        the model, a shape mismatch and a parameter left (partly) unfilled are errors. Ties lm_head to
-        the embedding first where the config says so."""
+    def load_weights(self: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Loads every parameter (and every quantized module's weights) exactly once, as `checkpoint_layout`
+        says; a tensor with no place in the model, a shape mismatch and a parameter left (partly) unfilled
+        are errors. Ties lm_head to the embedding first where the config says so; finalizes the quantized
+        modules last."""
         layout = self.checkpoint_layout
         if self._ties_word_embeddings():
-            self.lm_head.weight = self.embed_tokens.weight
+            self._tie_lm_head()
         params = dict(self.named_parameters())
+        holders = {name: m for name, m in self.named_modules() if isinstance(m, HoldsWeights)}
+        slots = {f"{prefix}.{local}": count
+                 for prefix, m in holders.items() for local, count in m.weight_slots().items()}
+        expected = {n: p.numel() for n, p in params.items()} | slots
         filled: Counter[str] = Counter()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if self._not_ours(name):
                 continue
-            target, shard = layout.place(name, params)
-            if target not in params:
+            target, shard = layout.place(name, expected)
+            if target not in expected:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            owner = self.get_submodule(target.rpartition(".")[0])
-            load = owner.load_parameter if isinstance(owner, LoadsParameters) else load_whole
+            owner_name, _, local = target.rpartition(".")
+            owner = self.get_submodule(owner_name)
             try:
-                load(params[target], tensor, shard)
+                if target in slots:
+                    owner.load_weight(local, tensor, shard)
+                elif isinstance(tensor, torch.Tensor):
+                    load = owner.load_parameter if isinstance(owner, LoadsParameters) else load_whole
+                    load(params[target], tensor, shard)
+                else:
+                    raise ValueError(f"a quantized tensor ({tensor.spec}) for the float parameter {target}")
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from exc
-            filled[target] += tensor.numel()
-        wrong = [n for n, p in params.items() if filled[n] != p.numel()]
+            filled[target] += numel(tensor)
+        wrong = [n for n, count in expected.items() if filled[n] != count]
         if wrong:
             raise ValueError(f"checkpoint lacks (or repeats) {len(wrong)} tensors, e.g. {wrong[:5]}")
+        for module in holders.values():
+            module.finalize()
+
+    def _tie_lm_head(self: nn.Module) -> None:
+        """lm_head shares the embedding's weight: the same parameter (float) or the same quantized bytes."""
+        if isinstance(self.embed_tokens, QuantizedEmbedding):
+            self.embed_tokens.tie(self.lm_head)
+        elif isinstance(self.lm_head, HoldsWeights):
+            raise ValueError("a quantized lm_head cannot be tied to a float embedding")
+        else:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def _not_ours(self, name: str) -> bool:
         """Tensors a checkpoint may hold that are no parameters of ours."""

@@ -34,6 +34,10 @@ class LinearBackend(Protocol):
     def apply(self, prepared: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [tokens, in_features] float -> [tokens, out_features] in x's dtype."""
 
+    # Optional: `dequantize_rows(prepared, ids [n], dtype) -> [n, in_features]`, rows of the weight from the
+    # backend's own layout. A tied embedding then looks its rows up in the lm_head's prepared weight and no
+    # second copy is kept (glmserve/layers/embedding.py); a backend without it costs the canonical copy.
+
 
 _REGISTRY: list[tuple[int, LinearBackend]] = []
 # modules that register a backend when imported; one that does not exist (yet) is skipped

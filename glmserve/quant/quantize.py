@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from glmserve.quant.gguf_blocks import quantize_blocks
 from glmserve.quant.reference import E2M1_VALUES
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
@@ -49,9 +50,10 @@ def ungrouped(g: torch.Tensor, spec: QuantSpec, shape: tuple[int, int]) -> torch
 
 
 def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
-    """Round-to-nearest `w` [out, in] under `spec` (a weight spec: not dynamic)."""
+    """Round-to-nearest `w` [out, in] under `spec` (a weight spec: not dynamic); GGUF block formats as
+    llama.cpp rounds them (glmserve/quant/gguf_blocks.py)."""
     if spec.gguf_type is not None:
-        raise ValueError("GGUF block formats are quantized by glmserve.quant.gguf_blocks")
+        return quantize_blocks(w, spec)
     w = w.detach().to(torch.float32)
     if spec.type == "float" and spec.num_bits == 8:
         return _quantize_fp8(w, spec)

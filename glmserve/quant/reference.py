@@ -51,6 +51,20 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     return w.to(dtype)
 
 
+def gather_rows(weight: QuantizedWeight, ids: torch.Tensor) -> QuantizedWeight:
+    """Rows `ids` [n] of the weight as a weight of n rows (an embedding lookup dequantizes only these)."""
+    spec = weight.spec
+    if spec.strategy in ("tensor", "block"):
+        raise ValueError(f"rows of a weight quantized per {spec.strategy} are not gathered (embeddings take "
+                         "per-channel or per-group formats)")
+
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[ids]
+
+    return QuantizedWeight(spec, weight.codes[ids], weight.scales[ids], take(weight.zeros), take(weight.mins),
+                           weight.global_scale)
+
+
 class ReferenceBackend:
     """Keeps the canonical form; each call dequantizes it and runs F.linear in the activations' dtype.
     Activation quantization (W8A8's dynamic int8 tokens) is emulated: quantize, dequantize, then matmul."""
@@ -68,6 +82,9 @@ class ReferenceBackend:
         if activations is not None:
             x = fake_quantize_activations(x, activations)
         return F.linear(x, dequantize(weight, x.dtype), bias)
+
+    def dequantize_rows(self, prepared, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(gather_rows(prepared[0], ids), dtype)
 
 
 def fake_quantize_activations(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -36,3 +36,45 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """The same weight with every tensor on `device`."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return QuantizedWeight(self.spec, self.codes.to(device), self.scales.to(device), move(self.zeros),
+                               move(self.mins), move(self.global_scale))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros, self.mins,
+                                                           self.global_scale) if t is not None)
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Parts of one spec (and one global scale) stacked along the output rows, as a fused q|k|v or gate|up.
+    Per-block weights need each part's rows to be whole blocks."""
+    spec = parts[0].spec
+    if any(p.spec != spec for p in parts):
+        raise ValueError(f"cannot stack weights of different formats: {[p.spec for p in parts]}")
+    if spec.strategy == "tensor" or (spec.strategy == "block" and any(p.shape[0] % spec.block_structure[0]
+                                                                       for p in parts)):
+        raise ValueError(f"{spec.strategy} scales do not stack by rows")
+    g = parts[0].global_scale
+    if g is not None and any(p.global_scale is None or not torch.equal(p.global_scale, g) for p in parts):
+        raise ValueError("cannot stack weights with different global scales")
+
+    def cat(name: str) -> torch.Tensor | None:
+        tensors = [getattr(p, name) for p in parts]
+        return None if tensors[0] is None else torch.cat(tensors, dim=0)
+
+    return QuantizedWeight(spec, cat("codes"), cat("scales"), cat("zeros"), cat("mins"), g)
+
+
+def stackable(a: QuantizedWeight, b: QuantizedWeight) -> bool:
+    """Whether `concat_rows` takes the two."""
+    try:
+        concat_rows([a, b])
+    except ValueError:
+        return False
+    return True

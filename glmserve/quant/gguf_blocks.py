@@ -1,0 +1,142 @@
+"""llama.cpp's GGUF block formats <-> canonical QuantizedWeight, losslessly, in both directions.
+
+Block layouts (ggml-common.h, block_q8_0 / block_q4_0 / block_q4_1), 32 weights of one row per block:
+  Q8_0: fp16 d, 32 int8 q                       w = d * q
+  Q4_0: fp16 d, 16 bytes of nibbles             w = d * (q - 8)     (canonical codes q - 8 in [-8, 7])
+  Q4_1: fp16 d, fp16 m, 16 bytes of nibbles     w = d * q + m       (codes 0..15, m -> `mins`)
+Byte j of the nibbles holds weight j in its low and weight j + 16 in its high half. Round-to-nearest
+quantization follows ggml-quants.c's quantize_row_*_ref (as gguf-py's quants.py does) so the bytes are
+bit-exact with llama.cpp's. Other types (K-quants, Q5_*) have no native path: `dequantize_other` turns
+them into float. Everything is vectorized over all blocks at once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from glmserve.quant.schemes import gguf_spec
+from glmserve.quant.spec import QuantSpec
+from glmserve.quant.weight import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32
+BLOCK_BYTES = {"Q8_0": 2 + BLOCK, "Q4_0": 2 + BLOCK // 2, "Q4_1": 4 + BLOCK // 2}
+NATIVE = tuple(BLOCK_BYTES)
+
+
+def _blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> np.ndarray:
+    out, inp = shape
+    if inp % BLOCK:
+        raise ValueError(f"{gguf_type}: in_features {inp} is not a multiple of {BLOCK}")
+    expected = out * (inp // BLOCK) * BLOCK_BYTES[gguf_type]
+    raw = np.asarray(raw).view(np.uint8)
+    if raw.size != expected:
+        raise ValueError(f"{gguf_type} {shape}: {raw.size} bytes, expected {expected}")
+    return raw.reshape(out, inp // BLOCK, BLOCK_BYTES[gguf_type])
+
+
+def _fp16(raw: np.ndarray) -> torch.Tensor:
+    """[..., 2] bytes -> [...] float16."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].copy())
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values 0..15 (low halves first, then high halves)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """[..., 32] values 0..15 -> [..., 16] bytes."""
+    return (q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).astype(np.uint8)
+
+
+def from_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """A GGUF tensor's raw bytes (any array viewable as uint8; [out, in] in Hugging Face order) as a
+    canonical QuantizedWeight."""
+    b = _blocks(raw, gguf_type, shape)
+    spec = gguf_spec(gguf_type)
+    scales = _fp16(b[..., 0:2])
+    if gguf_type == "Q8_0":
+        codes = b[..., 2:].view(np.int8)
+        return QuantizedWeight(spec, torch.from_numpy(codes.reshape(shape).copy()), scales)
+    if gguf_type == "Q4_0":
+        codes = _unpack_nibbles(b[..., 2:]).astype(np.int8) - 8
+        return QuantizedWeight(spec, torch.from_numpy(codes.reshape(shape)), scales)
+    codes = _unpack_nibbles(b[..., 4:]).astype(np.int8)
+    return QuantizedWeight(spec, torch.from_numpy(codes.reshape(shape)), scales, mins=_fp16(b[..., 2:4]))
+
+
+def to_blocks(weight: QuantizedWeight) -> np.ndarray:
+    """The GGUF bytes [out, in / 32 * block_bytes] of a weight in one of the native block formats."""
+    gguf_type = weight.spec.gguf_type
+    if gguf_type not in BLOCK_BYTES:
+        raise ValueError(f"{weight.spec} is not a GGUF block format we write ({', '.join(NATIVE)})")
+    out, inp = weight.shape
+    codes = weight.codes.cpu().numpy().reshape(out, inp // BLOCK, BLOCK)
+    parts = [weight.scales.cpu().to(torch.float16).numpy()[..., None].view(np.uint8)]
+    if gguf_type == "Q8_0":
+        parts.append(codes.astype(np.int8).view(np.uint8))
+    elif gguf_type == "Q4_0":
+        parts.append(_pack_nibbles((codes + 8).astype(np.uint8)))
+    else:
+        parts += [weight.mins.cpu().to(torch.float16).numpy()[..., None].view(np.uint8),
+                  _pack_nibbles(codes.astype(np.uint8))]
+    return np.concatenate(parts, axis=-1).reshape(out, -1)
+
+
+def _round_away(x: np.ndarray) -> np.ndarray:
+    """roundf (half away from zero), as ggml's Q8_0 reference uses; numpy's round is half to even."""
+    a = np.abs(x)
+    return np.sign(x) * (np.floor(a) + np.floor(2 * (a - np.floor(a))))
+
+
+def _reciprocal(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def quantize_blocks(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
+    """Round-to-nearest `w` [out, in] into `spec`'s GGUF block format, bit-exact with llama.cpp's reference
+    quantization (ggml-quants.c quantize_row_q8_0_ref / q4_0_ref / q4_1_ref), in float32 like it."""
+    gguf_type = spec.gguf_type
+    if gguf_type not in BLOCK_BYTES:
+        raise ValueError(f"{spec} is not a GGUF block format we quantize to ({', '.join(NATIVE)})")
+    out, inp = w.shape
+    if inp % BLOCK:
+        raise ValueError(f"{gguf_type}: in_features {inp} is not a multiple of {BLOCK}")
+    x = w.detach().to(torch.float32).cpu().numpy().reshape(out, inp // BLOCK, BLOCK)
+    if gguf_type == "Q8_0":
+        d = np.abs(x).max(axis=-1, keepdims=True) / np.float32(127)
+        codes = _round_away(x * _reciprocal(d)).astype(np.int8)
+        return QuantizedWeight(spec, torch.from_numpy(codes.reshape(out, inp)), _half(d))
+    if gguf_type == "Q4_0":
+        signed_max = np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)
+        d = signed_max / np.float32(-8)
+        q = np.clip(np.trunc(x * _reciprocal(d) + np.float32(8.5)), 0, 15)
+        codes = q.astype(np.int8) - 8
+        return QuantizedWeight(spec, torch.from_numpy(codes.reshape(out, inp)), _half(d))
+    lo, hi = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
+    d = (hi - lo) / np.float32(15)
+    q = np.clip(np.trunc((x - lo) * _reciprocal(d) + np.float32(0.5)), 0, 15).astype(np.int8)
+    return QuantizedWeight(spec, torch.from_numpy(q.reshape(out, inp)), _half(d), mins=_half(lo))
+
+
+def _half(per_block: np.ndarray) -> torch.Tensor:
+    """[out, blocks, 1] float32 -> [out, blocks] float16 (the stored precision of d and m)."""
+    return torch.from_numpy(per_block[..., 0].astype(np.float16))
+
+
+def dequantize_other(name: str, raw: np.ndarray, gguf_type: GGMLQuantizationType,
+                     shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of a type with no native path (K-quants, Q5_*; or float) as float32, via gguf-py; a block
+    type gets one log line naming the tensor and its type."""
+    if gguf_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        log.info("GGUF tensor %s is %s, which has no native kernel: dequantized to float", name, gguf_type.name)
+    values = gguf_dequantize(raw, gguf_type).reshape(shape)
+    return torch.from_numpy(np.require(values, dtype=np.float32, requirements=["C", "W"]))

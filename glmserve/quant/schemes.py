@@ -1,0 +1,73 @@
+"""Named quantization schemes: what `--quantization SCHEME` (and `glmserve quantize --scheme`) means.
+
+A scheme is a weight QuantSpec plus the activation QuantSpec the matmul quantizes its input with (None:
+weight-only, activations stay in the model dtype). The names follow the usual ones (vLLM / llm-compressor
+presets: W8A8, W4A16, FP8, FP8_BLOCK, NVFP4) and llama.cpp's block formats. `none` is no quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from glmserve.errors import InvalidRequestError
+from glmserve.quant.spec import QuantSpec
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """weight None: the float path (scheme `none`)."""
+
+    name: str
+    weight: QuantSpec | None
+    activations: QuantSpec | None = None
+
+
+def _int(bits: int, group: int | None = None, symmetric: bool = True) -> QuantSpec:
+    if group is None:
+        return QuantSpec(num_bits=bits, symmetric=symmetric, strategy="channel")
+    return QuantSpec(num_bits=bits, symmetric=symmetric, strategy="group", group_size=group)
+
+
+def gguf_spec(gguf_type: str) -> QuantSpec:
+    """The canonical spec of a GGUF block format we run natively (glmserve/quant/gguf_blocks.py layouts):
+    Q8_0 int8 codes and Q4_0 codes in [-8, 7] with an fp16 scale per 32; Q4_1 codes 0..15 with an fp16
+    scale and an fp16 minimum (`mins`) per 32."""
+    specs = {"Q8_0": QuantSpec(num_bits=8, strategy="group", group_size=32, gguf_type="Q8_0"),
+             "Q4_0": QuantSpec(num_bits=4, strategy="group", group_size=32, gguf_type="Q4_0"),
+             "Q4_1": QuantSpec(num_bits=4, symmetric=False, strategy="group", group_size=32, gguf_type="Q4_1")}
+    if gguf_type not in specs:
+        raise InvalidRequestError(f"GGUF type {gguf_type!r} does not run natively; native: {', '.join(specs)}")
+    return specs[gguf_type]
+
+
+INT8_TOKENS = QuantSpec(num_bits=8, strategy="token", dynamic=True)
+FP8_TOKENS = QuantSpec(num_bits=8, type="float", strategy="token", dynamic=True)
+FP8_CHANNEL = QuantSpec(num_bits=8, type="float", strategy="channel")
+
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("none", None),
+    Scheme("int8", _int(8)),
+    Scheme("w8a8", _int(8), INT8_TOKENS),
+    Scheme("w4a16", _int(4, 32)),
+    Scheme("w4a16-asym", _int(4, 32, symmetric=False)),
+    Scheme("w4a16-g64", _int(4, 64)),
+    Scheme("w4a16-asym-g64", _int(4, 64, symmetric=False)),
+    Scheme("fp8", FP8_CHANNEL, FP8_TOKENS),
+    # DeepSeek-V3-style 128x128 weight blocks; activations per token (a 128-group would not divide
+    # SmolLM2's 576 inputs)
+    Scheme("fp8-block", QuantSpec(num_bits=8, type="float", strategy="block", block_structure=(128, 128)),
+           FP8_TOKENS),
+    # NVFP4 weights (E2M1 values, E4M3 scale per 16, fp32 global scale), activations in the model dtype
+    Scheme("nvfp4", QuantSpec(num_bits=4, type="float", strategy="tensor_group", group_size=16)),
+    Scheme("q8_0", gguf_spec("Q8_0")),
+    Scheme("q4_0", gguf_spec("Q4_0")),
+    Scheme("q4_1", gguf_spec("Q4_1")),
+)}
+
+
+def scheme(name: str) -> Scheme:
+    """The scheme named `name` (case-insensitive); an unknown name is an InvalidRequestError listing them."""
+    found = SCHEMES.get(name.lower())
+    if found is None:
+        raise InvalidRequestError(f"unknown quantization scheme {name!r}; known: {', '.join(SCHEMES)}")
+    return found
