@@ -19,6 +19,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
+    g.add_argument("--quantization", default=None, metavar="SCHEME",
+                   help="weights: unset = the checkpoint's own format (GGUF blocks run natively), 'none' = float, "
+                   "or quantize on load: int8, w8a8, w4a16[-asym][-g64], fp8, fp8-block, nvfp4, q8_0, q4_0, q4_1")
+    g.add_argument("--quantize-embeddings", action="store_true",
+                   help="with --quantization SCHEME: quantize embeddings and lm_head too")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -159,7 +164,8 @@ def cmd_train_indexer(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.num_threads)
     cfg = DistillConfig(**{name: getattr(args, name) for name in TRAIN_INDEXER_OPTIONS if hasattr(args, name)})
     path, report = train_and_save(None if args.model == "default" else args.model, args.text, args.out, cfg,
-                                  log=lambda line: print(line, file=sys.stderr, flush=True))
+                                  log=lambda line: print(line, file=sys.stderr, flush=True),
+                                  quantization=args.quantization)
     print(f"train KL {report.train_kl_before:.3f} -> {report.train_kl:.3f}, held-out KL "
           f"{report.heldout_kl_before:.3f} -> {report.heldout_kl:.3f} ({report.train_seconds:.0f} s training, "
           f"{report.teacher_seconds:.0f} s teacher)")
@@ -274,6 +280,8 @@ def add_train_indexer_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS,
                             help=f"{text} (default: glmserve/training/indexer_distill.py DistillConfig)")
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--quantization", default=None, metavar="SCHEME",
+                        help="the teacher's weights, as the engine's --quantization (unset: the checkpoint's format)")
 
 
 def add_gateway_cli_args(parser: argparse.ArgumentParser) -> None:

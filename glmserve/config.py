@@ -24,6 +24,11 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU (much faster than bf16 on CPUs without bf16 units), bf16 on CUDA
     kv_cache_dtype: str = "auto"  # auto: the model dtype
+    # weight quantization (glmserve/quant/plan.py): None = the checkpoint's own format (a GGUF's Q8_0/Q4_0/Q4_1
+    # blocks run natively), "none" = float (a GGUF is dequantized), a scheme name (glmserve/quant/schemes.py:
+    # int8, w8a8, w4a16, fp8, nvfp4, q4_0, ...) = quantize on load; the engine checks the name
+    quantization: str | None = None
+    quantize_embeddings: bool = False  # also quantize embeddings and lm_head (default: they stay high precision)
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 64

@@ -73,7 +73,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
-        loaded = load_model(config.model, config.tokenizer, self.device, self.dtype)
+        loaded = load_model(config.model, config.tokenizer, self.device, self.dtype, config.quantization,
+                            config.quantize_embeddings)
         scored_layers = loaded.model.paged_attention_layers()  # where sparse scorers attach (none for MLA)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids

@@ -10,7 +10,7 @@ from torch import nn
 from glmserve.layers.linear import QuantizedLinear
 from glmserve.layers.param_loading import WHOLE, CheckpointTensor, Shard
 from glmserve.quant.quantize import quantize
-from glmserve.quant.reference import dequantize, gather_rows
+from glmserve.quant.reference import dequantize_rows
 from glmserve.quant.schemes import Scheme
 from glmserve.quant.weight import QuantizedWeight
 
@@ -22,19 +22,22 @@ class QuantizedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.scheme = scheme
         self.device, self.dtype = torch.device(device), dtype
-        self.head: QuantizedLinear | None = None
+        self._tied: list[QuantizedLinear] = []  # the tied lm_head (a list: not registered as a submodule)
         self._weight: QuantizedWeight | None = None
 
     @classmethod
-    def like(cls, embedding: nn.Embedding, scheme: Scheme, device: torch.device,
-             dtype: torch.dtype) -> QuantizedEmbedding:
-        return cls(embedding.num_embeddings, embedding.embedding_dim, scheme, device, dtype)
+    def like(cls, embedding: nn.Embedding, scheme: Scheme, device: torch.device) -> QuantizedEmbedding:
+        return cls(embedding.num_embeddings, embedding.embedding_dim, scheme, device, embedding.weight.dtype)
 
     def tie(self, head: QuantizedLinear) -> None:
         """The checkpoint's embedding matrix is also `head`'s weight (tie_word_embeddings)."""
         if (head.out_features, head.in_features) != (self.num_embeddings, self.embedding_dim):
             raise ValueError("a tied lm_head must have the embedding's shape")
-        self.head, head.tied = head, True
+        self._tied, head.tied = [head], True
+
+    @property
+    def head(self) -> QuantizedLinear | None:
+        return self._tied[0] if self._tied else None
 
     # -- loading (glmserve/layers/param_loading.py HoldsWeights) ------------------------------------------
     def weight_slots(self) -> dict[str, int]:
@@ -69,7 +72,7 @@ class QuantizedEmbedding(nn.Module):
         if self._weight is None:
             rows = self.head.dequantize_rows(flat, self.dtype)
         else:
-            rows = dequantize(gather_rows(self._weight, flat), self.dtype)
+            rows = dequantize_rows(self._weight, flat, self.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def weight_bytes(self) -> int:

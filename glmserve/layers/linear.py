@@ -45,6 +45,7 @@ class _Segment:
 
     backend: LinearBackend | None
     prepared: Any  # the backend's layout; a float [rows, in] tensor when backend is None
+    prepared_rows: int
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.backend is None:
@@ -59,7 +60,8 @@ class QuantizedLinear(nn.Module):
     picks a backend (glmserve/quant/backend.py `select`), repacks once and drops the canonical and float
     copies. Parts of different formats (a GGUF with mixed types) run as consecutive segments, one matmul
     each; a float part of a scheme-less module (no native kernel for its type) runs in float. Bias stays
-    float, in the model dtype."""
+    float, in the model dtype. `device` is where the weight runs; the bias is made on the default device
+    (meta while a model is built, then moved by `to_empty`)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], scheme: Scheme, bias: bool,
                  device: torch.device, dtype: torch.dtype):
@@ -69,16 +71,16 @@ class QuantizedLinear(nn.Module):
         self.out_features = sum(self.output_sizes)
         self.scheme = scheme
         self.device, self.dtype = torch.device(device), dtype
-        self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)) if bias else None
+        self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype)) if bias else None
         self.tied = False  # the weight comes from a tied embedding (glmserve/layers/embedding.py), not a slot
         self._parts: list[Any] = [None] * len(self.output_sizes)  # CheckpointTensor, _COVERED or None
         self._segments: list[_Segment] = []
 
     @classmethod
-    def like(cls, linear: nn.Linear, scheme: Scheme, device: torch.device, dtype: torch.dtype) -> QuantizedLinear:
-        """The quantized counterpart of an nn.Linear or MergedLinear (same shapes, parts and bias)."""
+    def like(cls, linear: nn.Linear, scheme: Scheme, device: torch.device) -> QuantizedLinear:
+        """The quantized counterpart of an nn.Linear or MergedLinear (same shapes, parts, bias and dtype)."""
         sizes = getattr(linear, "output_sizes", [linear.out_features])
-        return cls(linear.in_features, sizes, scheme, linear.bias is not None, device, dtype)
+        return cls(linear.in_features, sizes, scheme, linear.bias is not None, device, linear.weight.dtype)
 
     # -- loading (glmserve/layers/param_loading.py HoldsWeights) ------------------------------------------
     def weight_slots(self) -> dict[str, int]:
@@ -130,7 +132,7 @@ class QuantizedLinear(nn.Module):
         if not isinstance(run[0], QuantizedWeight):
             floats = torch.cat(run) if len(run) > 1 else run[0]
             if self.scheme.weight is None:
-                return _Segment(None, floats.to(self.device, self.dtype))
+                return _Segment(None, floats.to(self.device, self.dtype), floats.shape[0])
             weight = quantize(floats, self.scheme.weight)
         else:
             weight = concat_rows(run) if len(run) > 1 else run[0]
@@ -138,7 +140,8 @@ class QuantizedLinear(nn.Module):
 
     def _prepare_quantized(self, weight: QuantizedWeight) -> _Segment:
         backend = select(weight.spec, self.scheme.activations, self.device)
-        return _Segment(backend, backend.prepare(weight.to(self.device), self.scheme.activations, self.device))
+        prepared = backend.prepare(weight.to(self.device), self.scheme.activations, self.device)
+        return _Segment(backend, prepared, weight.shape[0])
 
     # -- running --------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,6 +156,23 @@ class QuantizedLinear(nn.Module):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """W [out, in] in float, dequantized on demand from the prepared segments (inspection: weight
+        fingerprints, tests; not kept). Needs backends that read rows back (`dequantize_rows`)."""
+        rows = []
+        for s in self._segments:
+            if s.backend is None:
+                rows.append(s.prepared)
+                continue
+            if not hasattr(s.backend, "dequantize_rows"):
+                raise NotImplementedError(f"backend {s.backend.name} does not read its weights back")
+            n = s.prepared_rows
+            rows.append(s.backend.dequantize_rows(s.prepared, torch.arange(n, device=self.device), self.dtype))
+        if not rows:
+            raise ValueError("QuantizedLinear has no weight before finalize")
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """Rows `ids` of W from the prepared weight, where the one backend can read them back (a tied

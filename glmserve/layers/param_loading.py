@@ -46,13 +46,16 @@ class LoadsParameters(Protocol):
 class HoldsWeights(Protocol):
     """A module whose weights are not nn.Parameters. `weight_slots` names them (relative to the module, e.g.
     "weight") with the number of elements each takes; `load_weight` takes one checkpoint tensor (or a part
-    of one, per `shard`) for a slot; `finalize` runs once after the loader has filled every slot."""
+    of one, per `shard`) for a slot; `finalize` runs once after the loader has filled every slot;
+    `weight_bytes` is the memory the finalized weights take."""
 
     def weight_slots(self) -> dict[str, int]: ...
 
     def load_weight(self, name: str, tensor: CheckpointTensor, shard: Shard) -> None: ...
 
     def finalize(self) -> None: ...
+
+    def weight_bytes(self) -> int: ...
 
 
 def numel(tensor: CheckpointTensor) -> int:

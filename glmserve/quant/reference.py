@@ -51,18 +51,18 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     return w.to(dtype)
 
 
-def gather_rows(weight: QuantizedWeight, ids: torch.Tensor) -> QuantizedWeight:
-    """Rows `ids` [n] of the weight as a weight of n rows (an embedding lookup dequantizes only these)."""
-    spec = weight.spec
-    if spec.strategy in ("tensor", "block"):
-        raise ValueError(f"rows of a weight quantized per {spec.strategy} are not gathered (embeddings take "
-                         "per-channel or per-group formats)")
+def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` [n] of the weight in float [n, in]: only these rows are dequantized (an embedding lookup)
+    where scales are per row (channel, group); per tensor or block, the whole matrix is (slow: inspection)."""
+    if weight.spec.strategy in ("tensor", "block"):
+        return dequantize(weight, dtype)[ids]
 
     def take(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[ids]
 
-    return QuantizedWeight(spec, weight.codes[ids], weight.scales[ids], take(weight.zeros), take(weight.mins),
-                           weight.global_scale)
+    rows = QuantizedWeight(weight.spec, weight.codes[ids], weight.scales[ids], take(weight.zeros),
+                           take(weight.mins), weight.global_scale)
+    return dequantize(rows, dtype)
 
 
 class ReferenceBackend:
@@ -84,7 +84,7 @@ class ReferenceBackend:
         return F.linear(x, dequantize(weight, x.dtype), bias)
 
     def dequantize_rows(self, prepared, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize(gather_rows(prepared[0], ids), dtype)
+        return dequantize_rows(prepared[0], ids, dtype)
 
 
 def fake_quantize_activations(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -282,14 +282,15 @@ def read_texts(paths: list[str]) -> str:
 
 
 def train_and_save(model_path: str | None, text_paths: list[str], out: str | None, cfg: DistillConfig,
-                   log: Callable[[str], None] = lambda _: None) -> tuple[Path, DistillReport]:
+                   log: Callable[[str], None] = lambda _: None,
+                   quantization: str | None = None) -> tuple[Path, DistillReport]:
     """`glmserve train-indexer`: distills an indexer for a model (None = the embedded SmolLM2) on CPU in
     float32 and saves it, by default where the engine finds it (`default_indexer_path`)."""
     from glmserve.models.loader import load_model
 
     cfg.validate()
     text = read_texts(text_paths)
-    loaded = load_model(model_path, None, torch.device("cpu"), torch.float32)
+    loaded = load_model(model_path, None, torch.device("cpu"), torch.float32, quantization)
     if cfg.window > loaded.max_position_embeddings:
         raise InvalidRequestError(f"window {cfg.window} is longer than the model's context "
                                   f"{loaded.max_position_embeddings}")
