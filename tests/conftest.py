@@ -79,11 +79,12 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The embedded default model (SmolLM2-135M-Instruct GGUF) in our engine, fp32, loaded once."""
+    """The embedded default model (SmolLM2-135M-Instruct GGUF) in our engine, fp32, loaded once, on the float
+    path (its blocks dequantized) that the tests compare with transformers."""
     from glmserve import LLM
 
-    return LLM(model=None, dtype="float32", max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048,
-               kv_cache_memory_bytes=256 << 20)
+    return LLM(model=None, dtype="float32", quantization="none", max_num_seqs=16, max_num_batched_tokens=512,
+               max_model_len=2048, kv_cache_memory_bytes=256 << 20)
 
 
 def _use_kernels(isa: str, monkeypatch) -> str:

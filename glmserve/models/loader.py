@@ -103,6 +103,10 @@ def load_model(path: str | None, tokenizer_path: str | None, device: torch.devic
     elif location.is_dir() and (location / "config.json").exists():
         hf_config = AutoConfig.from_pretrained(str(location))
         model_class(hf_config)  # fail fast on an unsupported architecture, before reading weights
+        if getattr(hf_config, "quantization_config", None):
+            raise UnsupportedModelError(f"{location}: checkpoints with a quantization_config "
+                                        f"({hf_config.quantization_config.get('quant_method')}) are not loaded yet; "
+                                        "load the float checkpoint with --quantization SCHEME to quantize on load")
         weights, model_dir = safetensors_weights(location), location
         formats = {}
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or str(location))

@@ -1,0 +1,198 @@
+"""Quantized models through the engine: tiny random checkpoints of every architecture quantized on load
+(`quantization=SCHEME`) stay close to transformers' float model; a small GGUF with native and K-quant types
+loads natively (QuantizedWeights equal to the dequantized float path) and the native engine equals the
+float engine on the reference backend; the embedded SmolLM2 natively quantized agrees greedily with its
+float path; unknown schemes fail clearly."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from parity import assert_same_output, reference_logprobs
+from test_gguf_loader import write_gguf
+from tiny_models import COMMON, tiny_tokenizer
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from glmserve import LLM, SamplingParams
+from glmserve.cli import build_parser
+from glmserve.errors import InvalidRequestError
+from glmserve.layers.embedding import QuantizedEmbedding
+from glmserve.layers.linear import QuantizedLinear
+from glmserve.models.gguf_loader import load_gguf
+from glmserve.models.quantized import weight_bytes
+from glmserve.quant.reference import dequantize
+from glmserve.quant.schemes import SCHEMES
+from glmserve.quant.weight import QuantizedWeight
+
+# largest |logprob error| vs the float reference over 6 greedy steps (measured: about 1/3 of these)
+TOLERANCE = {"int8": 0.1, "w8a8": 0.1, "q8_0": 0.1, "fp8": 0.3, "fp8-block": 0.3, "w4a16": 1.0,
+             "w4a16-asym": 1.0, "w4a16-g64": 1.0, "w4a16-asym-g64": 1.0, "q4_0": 1.0, "q4_1": 1.0, "nvfp4": 1.2}
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    """Every quantized layer on the oracle, so that these tests check loading and planning, not kernels."""
+    monkeypatch.setenv("GLMSERVE_QUANT_BACKEND", "reference")
+
+
+def _worst_error(llm: LLM, hf_model, prompt: list[int]) -> float:
+    out = llm.generate([prompt], PARAMS)[0].outputs[0]
+    ref = reference_logprobs(hf_model, prompt + out.token_ids)
+    return max(abs(ref[len(prompt) - 1 + step, t].item() - v) for step, lp in enumerate(out.logprobs)
+               for t, v in lp.top)
+
+
+def _engine(path, **options) -> LLM:
+    return LLM(model=str(path), block_size=4, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20, **options)
+
+
+CASES = [("llama", name, False) for name in TOLERANCE] + [
+    ("qwen2", "w8a8", False),  # q/k/v bias
+    ("qwen3", "int8", False),  # q/k norms
+    ("glm4", "w4a16-asym", False),  # a fused gate_up_proj in the checkpoint, bias
+    ("llama3-scaled", "int8", True),  # tied head, quantized with the embedding
+    ("llama3-scaled", "q8_0", True),
+]
+
+
+@pytest.mark.parametrize(("arch", "name", "embeddings"), CASES)
+def test_quantize_on_load_stays_close_to_float(arch, name, embeddings, tiny_model_dir):
+    path = tiny_model_dir(arch)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = _engine(path, quantization=name, quantize_embeddings=embeddings)
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    assert isinstance(model.layers[1].mlp.down_proj, QuantizedLinear)
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) == embeddings
+    assert isinstance(model.lm_head, QuantizedLinear) == embeddings
+    worst = _worst_error(llm, hf_model, list(range(5, 30)))
+    assert 0 < worst < TOLERANCE[name], worst
+
+
+def test_none_is_the_float_path(tiny_model_dir):
+    llm = _engine(tiny_model_dir("llama"), quantization="none")
+    assert not any(isinstance(m, QuantizedLinear) for m in llm.engine.runner.model.modules())
+
+
+def test_unknown_scheme_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(InvalidRequestError, match="unknown quantization scheme 'int5'; known: none, int8, w8a8"):
+        _engine(tiny_model_dir("llama"), quantization="int5")
+    with pytest.raises(InvalidRequestError, match="cannot gather rows"):
+        _engine(tiny_model_dir("llama"), quantization="fp8-block", quantize_embeddings=True)
+
+
+def test_cli_takes_the_scheme():
+    for command in (["serve"], ["generate", "hi"], ["chat"], ["train-indexer", "--text", "t.txt"]):
+        args = build_parser().parse_args([*command, "--quantization", "w8a8"])
+        assert args.quantization == "w8a8"
+    assert build_parser().parse_args(["serve"]).quantization is None
+    assert set(SCHEMES) >= {"w8a8", "nvfp4", "q4_1"}
+
+
+# --- a small GGUF with native and dequantized types ------------------------------------------------------
+
+HIDDEN, FFN, LAYERS = COMMON["hidden_size"], COMMON["intermediate_size"], 2
+HEADS, KV_HEADS = COMMON["num_attention_heads"], COMMON["num_key_value_heads"]
+HEAD_DIM = HIDDEN // HEADS
+VOCAB = COMMON["vocab_size"]
+TYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0,
+         "ffn_gate": Q.Q4_0, "ffn_up": Q.Q4_0, "ffn_down": Q.F16}
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory):
+    """A llama GGUF (rotary rows permuted by llama.cpp's converter, tied head) with Q8_0, Q4_0, Q4_1, F16
+    matrices and one Q5_0 down projection (no native path: dequantized), plus a tokenizer directory for its
+    vocabulary."""
+    root = tmp_path_factory.mktemp("small-gguf")
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd": (VOCAB, HIDDEN), "attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+              "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN),
+              "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    tensors, qtypes = {"output_norm.weight": np.ones(HIDDEN, np.float32)}, {}
+    for b in range(LAYERS):
+        tensors[f"blk.{b}.attn_norm.weight"] = np.ones(HIDDEN, np.float32)
+        tensors[f"blk.{b}.ffn_norm.weight"] = np.ones(HIDDEN, np.float32)
+        for kind, shape in shapes.items():
+            if kind == "token_embd" and b:
+                continue
+            name = f"{kind}.weight" if kind == "token_embd" else f"blk.{b}.{kind}.weight"
+            qtype = Q.Q5_0 if (b, kind) == (1, "ffn_down") else TYPES[kind]  # (K-quants need 256 inputs)
+            w = (rng.standard_normal(shape) * 0.08).astype(np.float32)
+            tensors[name] = gguf.quants.quantize(w, qtype)
+            qtypes[name] = qtype
+    path = write_gguf(root / "small.gguf", "llama", tensors, qtypes, embedding_length=HIDDEN,
+                      feed_forward_length=FFN, head_count=HEADS, head_count_kv=KV_HEADS, block_count=LAYERS,
+                      context_length=512, bos_token_id=0, eos_token_id=1)
+    tiny_tokenizer(VOCAB).save_pretrained(root / "tokenizer")
+    return path, root / "tokenizer"
+
+
+def test_native_tensors_equal_the_dequantized_ones(small_gguf, caplog):
+    ckpt = load_gguf(small_gguf[0])
+    floats = dict(ckpt.tensors())
+    with caplog.at_level("INFO", logger="glmserve.quant.gguf_blocks"):
+        native = dict(ckpt.tensors(native=True))
+    assert native.keys() == floats.keys()
+    for name, tensor in native.items():
+        as_float = dequantize(tensor) if isinstance(tensor, QuantizedWeight) else tensor
+        assert torch.equal(as_float, floats[name]), name  # q/k rows unpermuted in codes and scales alike
+    formats = ckpt.native_formats()
+    assert formats["model.layers.0.self_attn.q_proj.weight"].weight.gguf_type == "Q4_1"
+    assert formats["model.embed_tokens.weight"].weight.gguf_type == "Q8_0"
+    assert "model.layers.0.mlp.down_proj.weight" not in formats  # F16: float
+    assert "blk.1.ffn_down.weight is Q5_0" in caplog.text and "ffn_down.weight is F16" not in caplog.text
+
+
+def test_native_gguf_engine_equals_the_float_engine(small_gguf):
+    path, tokenizer = small_gguf
+    native = LLM(model=str(path), tokenizer=str(tokenizer), block_size=4, kv_cache_memory_bytes=4 << 20)
+    floats = LLM(model=str(path), tokenizer=str(tokenizer), quantization="none", block_size=4,
+                 kv_cache_memory_bytes=4 << 20)
+    model = native.engine.runner.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.weight_bytes() == 0
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.tied
+    assert type(model.layers[1].mlp.down_proj) is nn.Linear  # F16 / Q5_0: the float path
+    assert weight_bytes(model) < weight_bytes(floats.engine.runner.model) / 2.5
+    prompts = [list(range(3, 20)), list(range(40, 47))]
+    for got, want in zip(native.generate(prompts, PARAMS), floats.generate(prompts, PARAMS)):
+        assert_same_output(got, want, tol=1e-5)
+
+
+# --- the embedded default model -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_native():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GLMSERVE_QUANT_BACKEND", "reference")
+        return LLM(model=None, dtype="float32", max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
+                   kv_cache_memory_bytes=128 << 20)
+
+
+@pytest.mark.slow  # the reference backend dequantizes every matrix per step: minutes on a busy CPU
+def test_embedded_model_loads_natively(smollm2_native, smollm2):
+    model = smollm2_native.engine.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear) and "ReferenceBackend" in qkv.extra_repr()
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.head is model.lm_head
+    assert not any(p.dim() == 2 for p in model.parameters())  # no float matrix is left
+    float_bytes, native_bytes = weight_bytes(smollm2.engine.runner.model), weight_bytes(model)
+    assert native_bytes < float_bytes / 3.5, (native_bytes, float_bytes)
+
+
+@pytest.mark.slow
+def test_embedded_native_agrees_greedily_with_the_float_path(smollm2_native, smollm2):
+    """The native reference backend computes from the same weights as the dequantized float path."""
+    engine = smollm2.engine
+    prompts = [engine.apply_chat_template([{"role": "user", "content": p}])
+               for p in ("What is the capital of France?", "用一句话介绍你自己。")]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
+    for got, want in zip(smollm2_native.generate(prompts, params), smollm2.generate(prompts, params)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert_same_output(got, want, tol=1e-4)
