@@ -196,3 +196,17 @@ def test_embedded_native_agrees_greedily_with_the_float_path(smollm2_native, smo
     for got, want in zip(smollm2_native.generate(prompts, params), smollm2.generate(prompts, params)):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert_same_output(got, want, tol=1e-4)
+
+
+def test_glm_moe_dsa_quantizes_its_dense_linears(tmp_path):
+    """MLA's projections and the dense/shared MLPs are quantized; kv_b_proj (read directly), the indexer
+    (float32 as the reference) and the routed experts (3D tensors) stay float."""
+    from test_glm_moe_dsa import make_model
+
+    path = make_model("glm_moe_dsa", tmp_path / "glm")
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = _engine(path, quantization="int8")
+    attn = llm.engine.runner.model.layers[0].self_attn
+    assert isinstance(attn.qkv_a_proj, QuantizedLinear) and isinstance(attn.o_proj, QuantizedLinear)
+    assert type(attn.kv_b_proj) is nn.Linear and type(attn.indexer.wk) is nn.Linear
+    assert _worst_error(llm, hf_model, list(range(5, 30))) < TOLERANCE["int8"]

@@ -466,6 +466,9 @@ class GlmMoeDsaForCausalLM(LoadsCheckpoint, nn.Module):
         skip_layers_beyond_config=True,
     )
     indexer_rope = staticmethod(rope_interleaved)
+    # kept float by --quantization (glmserve/models/quantized.py): MLA reads kv_b_proj's weight directly, the
+    # indexer keeps float32 weights as the reference does; routed experts are 3D tensors, no Linear modules
+    unquantized_modules = ("kv_b_proj", "indexer")
     native_sparse_attention = True  # the engine offers the "native" sparse mode
 
     def __init__(self, config: PretrainedConfig, max_positions: int):
