@@ -20,6 +20,12 @@ SIZES = [128, 64, 64]
 IN = 256
 
 
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    """The layer's logic on the oracle (the CPU kernels are tested against it in test_quant_kernels.py)."""
+    monkeypatch.setenv("GLMSERVE_QUANT_BACKEND", "reference")
+
+
 def _parts(seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(n, IN, generator=g) * 0.1 for n in SIZES]

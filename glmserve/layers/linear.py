@@ -13,6 +13,7 @@ from torch import nn
 from glmserve.layers.param_loading import CheckpointTensor, Shard, copy_into
 from glmserve.quant.backend import LinearBackend, select
 from glmserve.quant.quantize import quantize
+from glmserve.quant.reference import dequantize_rows
 from glmserve.quant.schemes import Scheme
 from glmserve.quant.weight import QuantizedWeight, concat_rows, stackable
 
@@ -46,6 +47,14 @@ class _Segment:
     backend: LinearBackend | None
     prepared: Any  # the backend's layout; a float [rows, in] tensor when backend is None
     prepared_rows: int
+    canonical: QuantizedWeight | None = None  # kept only where the backend cannot read its rows back
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.backend is None:
+            return self.prepared[ids].to(dtype)
+        if self.canonical is not None:
+            return dequantize_rows(self.canonical, ids, dtype)
+        return self.backend.dequantize_rows(self.prepared, ids, dtype)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.backend is None:
@@ -140,8 +149,12 @@ class QuantizedLinear(nn.Module):
 
     def _prepare_quantized(self, weight: QuantizedWeight) -> _Segment:
         backend = select(weight.spec, self.scheme.activations, self.device)
-        prepared = backend.prepare(weight.to(self.device), self.scheme.activations, self.device)
-        return _Segment(backend, prepared, weight.shape[0])
+        weight = weight.to(self.device)
+        prepared = backend.prepare(weight, self.scheme.activations, self.device)
+        # a backend that cannot read rows back (`dequantize_rows`) costs the canonical copy: tied embeddings
+        # and weight inspection (learned-indexer fingerprints) need the rows
+        keep = None if hasattr(backend, "dequantize_rows") else weight
+        return _Segment(backend, prepared, weight.shape[0], keep)
 
     # -- running --------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,33 +172,23 @@ class QuantizedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """W [out, in] in float, dequantized on demand from the prepared segments (inspection: weight
-        fingerprints, tests; not kept). Needs backends that read rows back (`dequantize_rows`)."""
-        rows = []
-        for s in self._segments:
-            if s.backend is None:
-                rows.append(s.prepared)
-                continue
-            if not hasattr(s.backend, "dequantize_rows"):
-                raise NotImplementedError(f"backend {s.backend.name} does not read its weights back")
-            n = s.prepared_rows
-            rows.append(s.backend.dequantize_rows(s.prepared, torch.arange(n, device=self.device), self.dtype))
-        if not rows:
+        """W [out, in] in float, dequantized on demand (inspection: weight fingerprints, tests; not kept)."""
+        if not self._segments:
             raise ValueError("QuantizedLinear has no weight before finalize")
+        rows = [s.rows(torch.arange(s.prepared_rows, device=self.device), self.dtype) for s in self._segments]
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """Rows `ids` of W from the prepared weight, where the one backend can read them back (a tied
-        embedding's lookup); None otherwise."""
-        if len(self._segments) != 1 or not hasattr(self._segments[0].backend, "dequantize_rows"):
+        """Rows `ids` of W (a tied embedding's lookup) where W is one segment; None otherwise."""
+        if len(self._segments) != 1:
             return None
-        segment = self._segments[0]
-        return segment.backend.dequantize_rows(segment.prepared, ids, dtype)
+        return self._segments[0].rows(ids, dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of the run-time weight (every tensor the prepared segments hold) plus the bias."""
         total = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return total + sum(_tensor_bytes(s.prepared, set()) for s in self._segments)
+        seen: set[int] = set()
+        return total + sum(_tensor_bytes((s.prepared, s.canonical), seen) for s in self._segments)
 
     def extra_repr(self) -> str:
         formats = [type(s.backend).__name__ if s.backend else "float" for s in self._segments]
