@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from glmserve.config import EngineConfig
+from glmserve.config import KV_CACHE_DTYPES, EngineConfig
 from glmserve.errors import GlmServeError
 from glmserve.server.config import add_server_args, server_config_from_args
 from glmserve.sparse_settings import MODES, SEEDS_THRESHOLD
@@ -17,7 +17,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M)")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache format: auto (the model dtype), a float dtype, or int8 / fp8 (E4M3) codes with a "
+                        "scale per token and kv head (about half of bfloat16's bytes)")
     g.add_argument("--device", default="auto")
     g.add_argument("--quantization", default=None, metavar="SCHEME",
                    help="weights: unset = the checkpoint's own format (GGUF blocks run natively), 'none' = float, "

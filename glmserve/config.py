@@ -9,6 +9,8 @@ from glmserve.errors import InvalidRequestError
 from glmserve.sparse_settings import resolve_sparse_params
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV formats (glmserve/kv/kv_format.py): the float dtypes, or 8-bit codes with a scale per token and kv head
+KV_CACHE_DTYPES = (*DTYPES, "int8", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -23,7 +25,7 @@ class EngineConfig:
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU (much faster than bf16 on CPUs without bf16 units), bf16 on CUDA
-    kv_cache_dtype: str = "auto"  # auto: the model dtype
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8 / fp8 (E4M3): quantized KV
     # weight quantization (glmserve/quant/plan.py): None = the checkpoint's own format (a GGUF's Q8_0/Q4_0/Q4_1
     # blocks run natively), "none" = float (a GGUF is dequantized), a scheme name (glmserve/quant/schemes.py:
     # int8, w8a8, w4a16, fp8, nvfp4, q4_0, ...) = quantize on load; the engine checks the name
@@ -75,8 +77,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in DTYPES:
-            raise InvalidRequestError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")

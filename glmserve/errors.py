@@ -29,6 +29,10 @@ class IndexerMismatchError(GlmServeError, ValueError):
     """A learned-indexer file is unreadable, of another format version, or was trained for another model."""
 
 
+class UnsupportedKVFormatError(InvalidRequestError):
+    """The model's KV cache layout cannot be stored in the requested KV format (`--kv-cache-dtype`)."""
+
+
 class EngineOverloadedError(GlmServeError):
     """The waiting queue is full; the caller should retry later."""
 

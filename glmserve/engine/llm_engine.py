@@ -23,6 +23,7 @@ from glmserve.engine.sampling import SamplingParams
 from glmserve.engine.scheduler import Scheduler
 from glmserve.engine.sequence import Sequence
 from glmserve.errors import InvalidRequestError, PromptTooLongError
+from glmserve.kv.kv_format import kv_format
 from glmserve.kv.session_io import PendingRestore, wait_for_any
 from glmserve.kv.stack import KVStack, kv_budget_bytes, plan_pool
 from glmserve.models.loader import load_model
@@ -72,7 +73,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        self.kv_format = kv_format(self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
+        kv_dtype = self.kv_format.storage if not self.kv_format.quantized else self.dtype  # side pools' dtype
         loaded = load_model(config.model, config.tokenizer, self.device, self.dtype, config.quantization,
                             config.quantize_embeddings)
         scored_layers = loaded.model.paged_attention_layers()  # where sparse scorers attach (none for MLA)
@@ -81,7 +83,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or loaded.name
         self.max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
         self.learned_indexer = find_learned_indexer(config.learned_indexer, config.model, loaded.model)
-        bytes_per_block = (config.block_size * loaded.model.kv_bytes_per_token(kv_dtype)
+        bytes_per_block = (config.block_size * loaded.model.kv_bytes_per_token(self.kv_format)
                            + self._sparse_bytes_per_block(scored_layers, kv_dtype))
         plan = plan_pool(kv_budget_bytes(config.kv_cache_memory_bytes, self.device), bytes_per_block,
                          config.block_size, self.max_model_len,
@@ -89,12 +91,13 @@ class LLMEngine:
                          chunk_tokens=config.kv_chunk_tokens, max_num_batched_tokens=config.max_num_batched_tokens,
                          host_memory_bytes=config.kv_host_memory_bytes, disk_dir=config.kv_disk_dir,
                          device=self.device)
-        self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, kv_dtype, self.device)
+        self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, self.kv_format, self.device)
         load_listeners, block_bounds = self._attach_sparse_indexers(scored_layers, plan.num_blocks, kv_dtype)
         default_mode = config.sparse_attention or ("native" if "native" in self.sparse_modes else "dense")
         self.default_sparse = self.resolve_sparse({"mode": default_mode})
         self.kv = KVStack.build(
-            plan, loaded.model, self.runner.kv_cache, config.model or f"embedded:{loaded.name}", self.dtype, kv_dtype,
+            plan, loaded.model, self.runner.kv_cache, config.model or f"embedded:{loaded.name}", self.dtype,
+            self.kv_format,
             prefix_caching=config.enable_prefix_caching, chunk_tokens=config.kv_chunk_tokens,
             disk_dir=config.kv_disk_dir, disk_bytes=config.kv_disk_bytes,
             host_memory_bytes=config.kv_host_memory_bytes, session_store=config.session_store,

@@ -12,6 +12,7 @@ from glmserve.engine.prompt_logprobs import PromptRows
 from glmserve.engine.sampler import sample
 from glmserve.engine.scheduler import ScheduledSeq
 from glmserve.engine.sequence import Sequence
+from glmserve.kv.kv_format import KVFormat
 from glmserve.kv.offload import RunningKVOffload
 from glmserve.kv.slots import slots_of, table_tensor
 from glmserve.layers.paged_metadata import StepRows
@@ -20,12 +21,12 @@ from glmserve.sparse.pinning import QuestionObservation, decode_pins
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device):
+                 kv_format: KVFormat, device: torch.device):
         self.model = model
         self.block_size = block_size
         self.device = device
         # block 0 is the null block: never allocated, zeroed, the target of padded slot indices
-        self.kv_cache = model.bind_kv_cache(num_blocks * block_size, kv_dtype, device, zero_slots=block_size)
+        self.kv_cache = model.bind_kv_cache(num_blocks * block_size, kv_format, device, zero_slots=block_size)
         self.offload: RunningKVOffload | None = None  # KV offload of sequences longer than the pool
 
     @torch.inference_mode()

@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from glmserve.kv.kv_format import KVFormat, kv_format
+
 
 def _slot_views(model: torch.nn.Module, pool: torch.Tensor, num_slots: int) -> list[torch.Tensor]:
     views_of = getattr(model, "kv_slot_views", None)
@@ -41,10 +43,11 @@ def _slot_views(model: torch.nn.Module, pool: torch.Tensor, num_slots: int) -> l
     return [pool.view(pool.shape[:d].numel(), num_slots, pool.shape[d + 1:].numel())]
 
 
-def kv_identity(model_ref: str, weights_dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
+def kv_identity(model_ref: str, weights_dtype: torch.dtype, kv_dtype: torch.dtype | str | KVFormat, block_size: int,
                 layout: list[tuple[int, ...]]) -> str:
-    """Hex digest of (model path or name, weights dtype, KV dtype, block size, per-view [groups, width])."""
-    text = repr((model_ref, str(weights_dtype), str(kv_dtype), block_size, layout))
+    """Hex digest of (model path or name, weights dtype, KV format, block size, per-view [groups, width]): a chunk
+    written in one KV format (glmserve/kv/kv_format.py) is never read in another."""
+    text = repr((model_ref, str(weights_dtype), kv_format(kv_dtype).name, block_size, layout))
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from glmserve.kv.blocks import BlockManager
+from glmserve.kv.kv_format import dequantize
 from glmserve.kv.kv_io import KVBlockIO
 from glmserve.kv.seq_kv import SeqKV
 
@@ -47,20 +48,24 @@ READ_AHEAD = 2  # layer slices read ahead of the one being attended
 class OffloadedChunk:
     """One chunk of one sequence's KV outside the pool, readable one layer at a time.
 
-    Layout (from `KVBlockIO.gather` on a `[layers, 2, kv_heads, slots, head_dim]` pool): `[layers, 2, kv_heads,
-    tokens, head_dim]`, so layer `l` is one contiguous run; then, when the block indexer is on, its key bounds
-    `[layers, blocks, 2, kv_heads, head_dim]` (sparse decode scores the chunk's blocks without its K/V)."""
+    Layout (from `KVBlockIO.gather` on a `[layers, 2, kv_heads, slots, width]` pool): `[layers, 2, kv_heads,
+    tokens, width]` in the pool's KV format (glmserve/kv/kv_format.py: quantized rows carry their scales), so
+    layer `l` is one contiguous run; then, when the block indexer is on, its key bounds
+    `[layers, blocks, 2, kv_heads, head_dim]` in `bounds_dtype` (sparse decode scores the chunk's blocks without
+    its K/V)."""
 
     def __init__(self, start: int, layer_shape: tuple[int, ...], bounds_shape: tuple[int, ...] | None,
-                 dtype: torch.dtype, num_layers: int):
+                 dtype: torch.dtype, num_layers: int, bounds_dtype: torch.dtype | None):
         self.start = start  # first token position
         self.tokens = layer_shape[2]
-        self.layer_shape = layer_shape  # (2, kv_heads, tokens, head_dim)
+        self.layer_shape = layer_shape  # (2, kv_heads, tokens, width)
         self.bounds_shape = bounds_shape  # (blocks, 2, kv_heads, head_dim) per layer, or None
         self.dtype = dtype
+        self.bounds_dtype = bounds_dtype or dtype  # None: no bounds kept
         item = torch.empty((), dtype=dtype).element_size()
         self.layer_bytes = int(torch.Size(layer_shape).numel()) * item
-        self.bounds_bytes = int(torch.Size(bounds_shape).numel()) * item if bounds_shape else 0
+        bounds_item = torch.empty((), dtype=self.bounds_dtype).element_size()
+        self.bounds_bytes = int(torch.Size(bounds_shape).numel()) * bounds_item if bounds_shape else 0
         self.nbytes = (self.layer_bytes + self.bounds_bytes) * num_layers
         self.bounds_offset = self.layer_bytes * num_layers
         self.host: torch.Tensor | None = None  # uint8, the whole layout (CUDA: pinned)
@@ -76,7 +81,7 @@ class OffloadedChunk:
         return out
 
     def read_layer(self, layer: int) -> torch.Tensor:
-        """This chunk's K/V of `layer`: [2, kv_heads, tokens, head_dim] in host memory."""
+        """This chunk's K/V of `layer`: [2, kv_heads, tokens, width] in host memory, as stored."""
         return self._read(layer * self.layer_bytes, self.layer_bytes).view(self.dtype).view(self.layer_shape)
 
     def read_blocks(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
@@ -112,7 +117,7 @@ class OffloadedChunk:
         """The block indexer's key bounds of this chunk's blocks at `layer`: [blocks, 2, kv_heads, head_dim]."""
         assert self.bounds_shape is not None
         raw = self._read(self.bounds_offset + layer * self.bounds_bytes, self.bounds_bytes)
-        return raw.view(self.dtype).view(self.bounds_shape)
+        return raw.view(self.bounds_dtype).view(self.bounds_shape)
 
     def close(self) -> None:
         if self.file is not None:
@@ -199,14 +204,13 @@ class RunningKVOffload:
         groups, width = self.io.layout[0]
         layer_shape = (2, groups // (2 * self.num_layers), len(blocks) * self.io.block_size, width)
         index = torch.tensor(blocks, dtype=torch.long)
-        parts = [self.io.gather(index)]
+        kv = self.io.gather(index)
         bounds = self.block_bounds(index) if self.block_bounds is not None else None
-        if bounds is not None:
-            parts.append(bounds.to(parts[0].dtype).reshape(-1))
-        chunk = OffloadedChunk(start, layer_shape, None if bounds is None else tuple(bounds.shape[1:]), parts[0].dtype,
-                          self.num_layers)
+        chunk = OffloadedChunk(start, layer_shape, None if bounds is None else tuple(bounds.shape[1:]), kv.dtype,
+                               self.num_layers, None if bounds is None else bounds.dtype)
         size = chunk.nbytes
-        data = torch.cat(parts).view(torch.uint8) if len(parts) > 1 else parts[0].view(torch.uint8)
+        data = kv.view(torch.uint8) if bounds is None else torch.cat(
+            [kv.view(torch.uint8), bounds.contiguous().view(-1).view(torch.uint8)])
         if self.host_used + size <= self.host_bytes:
             chunk.host = torch.empty(size, dtype=torch.uint8, pin_memory=data.device.type == "cuda")
             chunk.host.copy_(data)
@@ -240,15 +244,15 @@ class RunningKVOffload:
     # -- reading back -----------------------------------------------------------------------------------------
     def read_layer_slices(self, chunks: list[OffloadedChunk], layer: int, device: torch.device, dtype: torch.dtype
                           ) -> Iterator[torch.Tensor]:
-        """Each chunk's layer slice ([2, kv_heads, tokens, head_dim], on `device` in `dtype`), in order, the next
-        `READ_AHEAD` being read in background threads meanwhile."""
+        """Each chunk's layer slice ([2, kv_heads, tokens, head_dim], on `device` in `dtype`, dequantized), in
+        order, the next `READ_AHEAD` being read in background threads meanwhile."""
         pending = [self.reader.submit(chunk.read_layer, layer) for chunk in chunks[:READ_AHEAD]]
         for i in range(len(chunks)):
             start = time.perf_counter()
             data = pending.pop(0).result()
             if i + READ_AHEAD < len(chunks):
                 pending.append(self.reader.submit(chunks[i + READ_AHEAD].read_layer, layer))
-            kv = data.to(device, dtype=dtype, non_blocking=True)
+            kv = dequantize(data.to(device, non_blocking=True), dtype)
             with self.lock:
                 self.stats.read_slices += 1
                 self.stats.read_wait_seconds += time.perf_counter() - start

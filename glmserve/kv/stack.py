@@ -13,6 +13,7 @@ import torch
 
 from glmserve.errors import InvalidRequestError
 from glmserve.kv.blocks import BlockManager
+from glmserve.kv.kv_format import KVFormat
 from glmserve.kv.kv_io import KVBlockIO, kv_identity
 from glmserve.kv.offload import RunningKVOffload
 from glmserve.kv.session_io import SessionKV, open_session_kv
@@ -82,12 +83,12 @@ class KVStack:
 
     @classmethod
     def build(cls, plan: PoolPlan, model: torch.nn.Module, pool: torch.Tensor, model_ref: str,
-              weights_dtype: torch.dtype, kv_dtype: torch.dtype, *, prefix_caching: bool, chunk_tokens: int,
+              weights_dtype: torch.dtype, kv_format: KVFormat, *, prefix_caching: bool, chunk_tokens: int,
               disk_dir: str | None, disk_bytes: int, host_memory_bytes: int | None, session_store: str | None,
               session_max_bytes: int, session_ttl_s: float, load_listeners: list[Callable[[torch.Tensor], None]],
               block_bounds: Callable[[torch.Tensor], torch.Tensor] | None) -> KVStack:
-        """The stack around `pool` (the model's, of `plan.num_blocks` blocks; `model_ref` and the dtypes name its KV
-        in `identity`). `load_listeners` run after KV is
+        """The stack around `pool` (the model's, of `plan.num_blocks` blocks; `model_ref`, the weights dtype and the
+        KV format name its KV in `identity`). `load_listeners` run after KV is
         loaded straight into the pool (side pools refresh); `block_bounds(blocks)` gives the block indexer's
         bounds that offloaded chunks keep (None without the block indexer)."""
         bs = plan.block_size
@@ -95,7 +96,7 @@ class KVStack:
         io = KVBlockIO(model, pool, bs, plan.num_blocks * bs)
         for listener in load_listeners:
             io.add_load_listener(listener)
-        identity = kv_identity(model_ref, weights_dtype, kv_dtype, bs, io.layout)
+        identity = kv_identity(model_ref, weights_dtype, kv_format, bs, io.layout)
         sessions = open_session_kv(session_store, blocks, io, identity, chunk_tokens, session_max_bytes,
                                    session_ttl_s)
         tiers = build_tiers(io, identity, chunk_tokens, host_memory_bytes, disk_dir, disk_bytes)

@@ -2,7 +2,8 @@
 
 Per step layers/paged_metadata.py builds one `AttentionMetadata` shared by every layer. The flat batch
 holds decode tokens first (one per sequence), then prefill chunks. Each layer:
-1. writes its new K/V into the cache pool at `slot_mapping` (one index_copy_),
+1. writes its new K/V into the cache pool at `slot_mapping` (one index_copy_; quantized KV formats,
+   glmserve/kv/kv_format.py, quantize the batch's rows first and every read dequantizes),
 2. decode group: gathers each sequence's keys/values by slot index and runs one batched
    grouped-query attention (no expansion of KV heads),
 3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V; otherwise
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from glmserve import kernels
 from glmserve.errors import InvalidRequestError
+from glmserve.kv.kv_format import format_of, store
 from glmserve.layers.offloaded_attention import OffloadedRows, decode_offloaded, prefill_offloaded
 from glmserve.layers.partial_attention import attention_with_lse, gather_kv, paged_attention_with_lse
 from glmserve.sparse.indexer import Indexer, ScoringRows
@@ -79,10 +81,12 @@ class PagedAttention:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H*D]."""
         cache = self.kv_cache
         assert cache is not None, "KV cache not allocated"
-        cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(cache.dtype))
-        cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(cache.dtype))
-        for indexer in self.indexers.values():
-            indexer.on_kv_written(meta.slot_mapping, k, cache)
+        store(cache[0], meta.slot_mapping, k)
+        store(cache[1], meta.slot_mapping, v)
+        if self.indexers:  # scorers see the keys as attention reads them back
+            seen = format_of(cache).roundtrip(k)
+            for indexer in self.indexers.values():
+                indexer.on_kv_written(meta.slot_mapping, seen, cache)
         outs = []
         offset = 0
         if meta.decode is not None:

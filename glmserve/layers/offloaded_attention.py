@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from glmserve.kv.kv_format import dequantize
 from glmserve.kv.slots import slots_of
 from glmserve.layers.partial_attention import (
     attention_with_lse,
@@ -123,8 +124,8 @@ def decode_block_sparse_offloaded(layer: ScoredLayer, q: torch.Tensor, chunks: l
         needed = torch.unique(per_chunk).tolist()
         source.count_skipped(len(chunks) - len(needed))
         source.count_read_slices(len(needed))
-        read = torch.cat([chunks[i].read_blocks(index, blocks[per_chunk == i] - i * blocks_per_chunk)
-                          for i in needed], dim=2).to(q.device, q.dtype)  # [2, Hkv, blocks * unit, D]
+        read = dequantize(torch.cat([chunks[i].read_blocks(index, blocks[per_chunk == i] - i * blocks_per_chunk)
+                                     for i in needed], dim=2).to(q.device), q.dtype)  # [2, Hkv, blocks * unit, D]
         # the picks' places among the read tokens
         places = torch.searchsorted(blocks, picked_offloaded // unit) * unit + picked_offloaded % unit
         k = torch.cat([k, read[0].index_select(1, places)], dim=1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from glmserve import kernels
+from glmserve.kv.kv_format import dequantize
 
 QUERY_TILE = 256  # queries per matmul tile on the generic path
 
@@ -56,17 +57,19 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 
 
 def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, L] slots of `cache` ([2, Hkv, slots, D]) -> keys, values [Hkv, B, L, D] in `dtype`."""
+    """[B, L] slots of `cache` ([2, Hkv, slots, W], any KV format) -> keys, values [Hkv, B, L, D] in `dtype`."""
     b, length = slots.shape
     flat = slots.reshape(-1)
     shape = (cache.shape[1], b, length, cache.shape[3])
-    return cache[0].index_select(1, flat).view(shape).to(dtype), cache[1].index_select(1, flat).view(shape).to(dtype)
+    return (dequantize(cache[0].index_select(1, flat).view(shape), dtype),
+            dequantize(cache[1].index_select(1, flat).view(shape), dtype))
 
 
 def paged_attention_with_lse(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode queries q [B, H, D] over the first `lengths` [B] of `slots` [B, L] in `cache` ([2, Hkv, slots, D])
-    -> out [B, H, D], log-sum-exp [B, H] (float32). On CPU in float32 our C++ kernel reads K/V in place."""
+    """Decode queries q [B, H, D] over the first `lengths` [B] of `slots` [B, L] in `cache` ([2, Hkv, slots, W],
+    any KV format) -> out [B, H, D], log-sum-exp [B, H] (float32). On CPU in float32 our C++ kernel reads K/V in
+    place (quantized rows dequantized in the kernel)."""
     kernel = kernels.op("paged_decode_lse", q.device, q.dtype)
     if kernel is not None:
         out, lse = kernel(q.contiguous(), cache[0], cache[1], slots, lengths, scale)

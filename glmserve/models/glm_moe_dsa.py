@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from glmserve.errors import UnsupportedKVFormatError
+from glmserve.kv.kv_format import KVFormat, kv_format
 from glmserve.layers.attention import PagedAttention
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
@@ -444,6 +446,17 @@ def _mlp_layer_types(config: PretrainedConfig) -> list[str]:
     return list(types)
 
 
+def _float_kv(dtype: torch.dtype | str | KVFormat) -> torch.dtype:
+    """The latent cache's dtype for KV format `dtype`; quantized formats are refused: the latent row holds the
+    compressed KV and the rope key side by side, and the absorbed attention reads it as one matrix (its
+    scales per token would have to enter both the score and the value products)."""
+    fmt = kv_format(dtype)
+    if fmt.quantized:
+        raise UnsupportedKVFormatError(f"KV cache format {fmt.name!r} is not supported by the MLA latent cache "
+                                       "(GLM-5.x / DeepSeek-V3.2); use auto, float32, bfloat16 or float16")
+    return fmt.storage
+
+
 class GlmMoeDsaForCausalLM(LoadsCheckpoint, nn.Module):
     """Embedding, MLA + DSA decoder layers (dense MLP for the first `first_k_dense_replace`, MoE after),
     final norm, LM head. Every layer writes its latent rows; layers whose `indexer_types` entry is "full"
@@ -506,14 +519,15 @@ class GlmMoeDsaForCausalLM(LoadsCheckpoint, nn.Module):
         num_indexers = sum(t == "full" for t in self.indexer_types)
         return self.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim), num_indexers * c.index_head_dim
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return sum(self._cache_widths()) * torch.empty((), dtype=dtype).element_size()
+    def kv_bytes_per_token(self, dtype: torch.dtype | str | KVFormat) -> int:
+        return sum(self._cache_widths()) * torch.empty((), dtype=_float_kv(dtype)).element_size()
 
-    def bind_kv_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device, zero_slots: int = 0
-                      ) -> torch.Tensor:
+    def bind_kv_cache(self, num_slots: int, dtype: torch.dtype | str | KVFormat, device: torch.device,
+                      zero_slots: int = 0) -> torch.Tensor:
         """One pool: latent rows [layers, slots, kv_lora_rank + rope], then indexer keys [indexers, slots,
         index_head_dim]. torch.empty: pages are only touched once written; the first `zero_slots` slots
-        (the null block that padding points at) are zeroed."""
+        (the null block that padding points at) are zeroed. Float KV formats only."""
+        dtype = _float_kv(dtype)
         latent_width, index_width = self._cache_widths()
         pool = torch.empty(num_slots * (latent_width + index_width), dtype=dtype, device=device)
         latent = pool[: num_slots * latent_width].view(self.num_layers, num_slots, -1)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from glmserve.kv.kv_format import KVFormat, kv_format
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
@@ -105,18 +106,21 @@ class DecoderOnlyLM(LoadsCheckpoint, nn.Module):
     def make_layer(self, config: PretrainedConfig, index: int) -> nn.Module:
         raise NotImplementedError
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+    def kv_bytes_per_token(self, dtype: torch.dtype | str | KVFormat) -> int:
+        """Pool bytes per token in KV format `dtype` (glmserve/kv/kv_format.py; quantized: scales counted)."""
+        return 2 * self.num_layers * self.num_kv_heads * kv_format(dtype).bytes_per_row(self.head_dim)
 
-    def bind_kv_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device, zero_slots: int = 0
-                      ) -> torch.Tensor:
-        """Allocates the KV pool ([layers, 2, kv_heads, slots, head_dim]) and hands each layer its slice.
+    def bind_kv_cache(self, num_slots: int, dtype: torch.dtype | str | KVFormat, device: torch.device,
+                      zero_slots: int = 0) -> torch.Tensor:
+        """Allocates the KV pool ([layers, 2, kv_heads, slots, width]: width = head_dim, or head_dim codes + the
+        row's scale in a quantized KV format) and hands each layer its slice.
 
         torch.empty: pages are only touched (and counted in RSS) once KV is written there. The first
         `zero_slots` slots (the null block that padding points at) are zeroed.
         """
-        pool = torch.empty((self.num_layers, 2, self.num_kv_heads, num_slots, self.head_dim), dtype=dtype,
-                           device=device)
+        fmt = kv_format(dtype)
+        pool = torch.empty((self.num_layers, 2, self.num_kv_heads, num_slots, fmt.row_width(self.head_dim)),
+                           dtype=fmt.storage, device=device)
         pool[:, :, :, :zero_slots].zero_()
         for i, layer in enumerate(self.layers):
             layer.self_attn.attn.kv_cache = pool[i]

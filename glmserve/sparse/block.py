@@ -16,7 +16,8 @@ computed as two matmuls. Our own implementation on glmserve's paged pool:
   padding) score 0 without NaN. A prefix-cache hit reuses the same physical block, whose bounds still
   describe exactly the tokens it holds; a partial last block is bounded by the keys written so far;
   blocks whose K/V is loaded straight into the pool (KV tiers, sessions) are recomputed from the pool
-  (`refresh`, a `KVBlockIO` load listener);
+  (`refresh`, a `KVBlockIO` load listener); with a quantized KV format (glmserve/kv/kv_format.py) both bound
+  the dequantized keys that attention reads, so the bounds stay exact;
 - on CPU in float32 both the bounds update and the scores run in our C++ kernels
   (glmserve/kernels/csrc/sparse.cpp; the scores read each row's bounds in place by block table);
   elsewhere scatter min/max and a gather + one matrix-vector product compute the same numbers;
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from glmserve import kernels
+from glmserve.kv.kv_format import dequantize
 from glmserve.sparse.indexer import ScoredLayer, ScoringRows, attach_indexers
 
 
@@ -74,12 +76,13 @@ class BlockIndexer:
         self.hi.scatter_reduce_(0, index, keys, reduce="amax")
 
     def refresh(self, blocks: torch.Tensor, cache: torch.Tensor) -> None:
-        """Recomputes the bounds of whole `blocks` from the pool (cache [2, Hkv, slots, D]): for K/V loaded into
-        the pool without passing through attention (KV tiers, sessions)."""
+        """Recomputes the bounds of whole `blocks` from the pool (cache [2, Hkv, slots, W], any KV format): for
+        K/V loaded into the pool without passing through attention (KV tiers, sessions)."""
         blocks = blocks.to(self.bounds.device)
         u = self.unit_size
         slots = (blocks[:, None] * u + torch.arange(u, device=blocks.device)).reshape(-1)
-        keys = cache[0].index_select(1, slots).view(cache.shape[1], len(blocks), u, -1)  # [Hkv, n, U, D]
+        rows = cache[0].index_select(1, slots).view(cache.shape[1], len(blocks), u, -1)
+        keys = dequantize(rows, self.bounds.dtype)  # [Hkv, n, U, D]
         both = torch.stack([keys.amin(2), keys.amax(2)]).permute(2, 0, 1, 3)  # [n, 2, Hkv, D]
         self.bounds.index_copy_(0, blocks, both.to(self.bounds.dtype))
 

@@ -45,6 +45,7 @@ from torch import nn
 
 from glmserve import kernels
 from glmserve.errors import IndexerMismatchError
+from glmserve.kv.kv_format import dequantize
 from glmserve.paths import cache_dir
 from glmserve.sparse.indexer import ScoredLayer, ScoringRows, attach_indexers
 from glmserve.sparse.selection import positions_upto
@@ -283,8 +284,8 @@ class IndexKeyPool:
         without passing through attention (tiers, sessions: `KVBlockIO.add_load_listener`)."""
         offsets = torch.arange(self.block_size, device=self.kv_cache.device)
         slots = (blocks.to(self.kv_cache.device)[:, None] * self.block_size + offsets).reshape(-1)
-        k = self.kv_cache[:, 0].index_select(2, slots).transpose(1, 2)  # [layers, n, kv_heads, head_dim]
-        self.keys.index_copy_(1, slots, self.weights.index_keys(k.float()).to(self.keys.dtype))
+        k = dequantize(self.kv_cache[:, 0].index_select(2, slots), torch.float32).transpose(1, 2)  # [layers, n, Hkv, D]
+        self.keys.index_copy_(1, slots, self.weights.index_keys(k).to(self.keys.dtype))
 
 
 def attach_learned_indexers(layers: Sequence[ScoredLayer], weights: LearnedIndexerWeights, kv_cache: torch.Tensor,

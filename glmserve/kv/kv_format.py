@@ -1,0 +1,122 @@
+"""KV formats: how a token's key or value row of one kv head is stored in the pool (`--kv-cache-dtype`).
+
+Float formats (float32, bfloat16, float16) store the row as is. Quantized formats store it as 8-bit codes
+with one scale per (token, kv head), packed into the same row:
+
+    row [head_dim + 2] = head_dim codes, then the float16 scale's two bytes
+
+- `int8`: symmetric, codes round(x / scale) in [-127, 127], scale = absmax / 127 (pool dtype int8);
+- `fp8` (E4M3, `float8_e4m3fn`): codes (x / scale) in E4M3, scale = absmax / 448 (pool dtype uint8, the codes'
+  bits: CPU torch has no index_copy_ for float8 tensors).
+
+Why per token-head and packed: the row is quantized once, at the KV write (slot mapping store), from that
+token's values alone, so it never changes when later tokens join its block (no read-modify-write of a block's
+scale, no rescaling of cached prefix blocks), the same token gives the same bytes whatever batch it was
+computed in (prefix-cache hits and restored chunks are bit-identical), and one outlier token (an attention
+sink's large key) costs only its own row's resolution. Packing the scale into the row makes every block copy
+(tiers, running offload, sessions: glmserve/kv/kv_io.py) carry its scales with no second tensor, and the pool's
+dtype names its format (`format_of`), so every reader dequantizes with no extra argument. Cost: 2 bytes per
+head_dim codes (head_dim 64: 66 bytes a row against bfloat16's 128, 0.516x; head_dim 128: 0.508x). KV formats
+follow vLLM's `--kv-cache-dtype fp8` naming (vLLM uses per-tensor scales; these are finer), the int8 scheme
+is KIVI's / "KV cache int8" per-token quantization (Liu et al., 2024, arXiv:2402.02750, keys per token here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from glmserve.errors import InvalidRequestError
+
+SCALE_BYTES = 2  # one float16 scale per row
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT8_MAX = 127.0
+MIN_SCALE = 2.0 ** -24  # smallest float16 subnormal: an all-zero row keeps a usable scale
+MAX_SCALE = 65504.0  # largest float16
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One KV format: its name (as `--kv-cache-dtype` spells it), the pool's storage dtype and whether rows
+    are quantized (codes + scale)."""
+
+    name: str
+    storage: torch.dtype
+    quantized: bool
+
+    def row_width(self, head_dim: int) -> int:
+        """Elements (of `storage`) per stored row of `head_dim` values."""
+        return head_dim + SCALE_BYTES if self.quantized else head_dim
+
+    def bytes_per_row(self, head_dim: int) -> int:
+        return self.row_width(head_dim) * torch.empty((), dtype=self.storage).element_size()
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] float -> stored rows [..., row_width(D)] of `storage` (float formats: a cast)."""
+        if not self.quantized:
+            return x.to(self.storage)
+        xf = x.float()
+        top = INT8_MAX if self.name == "int8" else FP8_MAX
+        scale = (xf.abs().amax(-1, keepdim=True) / top).clamp_(MIN_SCALE, MAX_SCALE).half()
+        scaled = (xf / scale.float()).clamp_(-top, top)
+        codes = (scaled.round_().to(torch.int8) if self.name == "int8"
+                 else scaled.to(torch.float8_e4m3fn).view(torch.uint8))
+        return torch.cat([codes, scale.view(self.storage)], dim=-1)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """x as a reader of the pool sees it after the write (quantized, then dequantized), in x's dtype."""
+        return dequantize(self.quantize(x), x.dtype) if self.quantized else x
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FORMATS: dict[str, KVFormat] = {
+    "float32": KVFormat("float32", torch.float32, False),
+    "bfloat16": KVFormat("bfloat16", torch.bfloat16, False),
+    "float16": KVFormat("float16", torch.float16, False),
+    "int8": KVFormat("int8", torch.int8, True),
+    "fp8": KVFormat("fp8", torch.uint8, True),
+}
+ALIASES = {"fp8_e4m3": "fp8"}
+_BY_STORAGE = {f.storage: f for f in FORMATS.values()}
+
+
+def kv_format(name_or_dtype: str | torch.dtype | KVFormat) -> KVFormat:
+    """The format named `name_or_dtype` (a `--kv-cache-dtype` value, or a float torch dtype)."""
+    if isinstance(name_or_dtype, KVFormat):
+        return name_or_dtype
+    if isinstance(name_or_dtype, torch.dtype):
+        name_or_dtype = str(name_or_dtype).removeprefix("torch.")
+    name = ALIASES.get(name_or_dtype, name_or_dtype)
+    if name not in FORMATS:
+        raise InvalidRequestError(f"KV cache format must be one of {sorted([*FORMATS, *ALIASES])}, "
+                                  f"got {name_or_dtype!r}")
+    return FORMATS[name]
+
+
+def format_of(pool: torch.Tensor) -> KVFormat:
+    """The format of rows stored in `pool` (any slice of a pool), from its dtype."""
+    fmt = _BY_STORAGE.get(pool.dtype)
+    if fmt is None:
+        raise InvalidRequestError(f"no KV format stores rows as {pool.dtype}")
+    return fmt
+
+
+def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored rows [..., W] (any pool slice) -> values [..., D] in `dtype` (float formats: a cast)."""
+    fmt = format_of(rows)
+    if not fmt.quantized:
+        return rows.to(dtype)
+    d = rows.shape[-1] - SCALE_BYTES
+    codes = rows[..., :d]
+    scale = rows[..., d:].view(torch.float16).to(dtype)  # rows start at even offsets: the bytes view as float16
+    values = codes.to(dtype) if fmt.name == "int8" else codes.view(torch.float8_e4m3fn).to(dtype)
+    return values * scale
+
+
+def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Writes x [T, Hkv, D] at `slots` [T] of one pool side `cache` [Hkv, slots, W], in the pool's format:
+    one quantize of the batch and one index_copy_."""
+    cache.index_copy_(1, slots, format_of(cache).quantize(x).transpose(0, 1))
