@@ -145,7 +145,8 @@ class QuestionObservation:
         r, w = self.query_index.shape
         hkv, d = attn.num_kv_heads, attn.head_dim
         queries = q[self.query_index.reshape(-1)].view(r, w, hkv, -1, d).float()  # [R, W, Hkv, g, D]
-        keys = dequantize(attn.kv_cache[0].index_select(1, self.kv_slots.reshape(-1)), torch.float32).view(hkv, r, -1, d)
+        rows = attn.kv_cache[0].index_select(1, self.kv_slots.reshape(-1))
+        keys = dequantize(rows, torch.float32).view(hkv, r, -1, d)
         for row, chunks in self.offloaded:  # their positions read the null block (kv/slots.py): read keys back
             for chunk, kv in zip(chunks, self.source.read_layer_slices(chunks, attn.layer_index, q.device, keys.dtype)):
                 keys[:, row, chunk.start:chunk.start + chunk.tokens] = kv[0]
