@@ -2,9 +2,12 @@
 
 The map, from the token up:
 
-- **Pool** (one per model, `bind_kv_cache`; Llama family `[layers, 2, kv_heads, slots, head_dim]`, MLA latents +
+- **Pool** (one per model, `bind_kv_cache`; Llama family `[layers, 2, kv_heads, slots, width]`, MLA latents +
   indexer keys): `slots` token slots in blocks of `block_size`. Block 0 is the null block: never handed out,
-  zeroed, read wherever a row has no block (padding, offloaded entries).
+  zeroed, read wherever a row has no block (padding, offloaded entries). A row is stored in the pool's KV format
+  (`kv_format.py`: float, or int8 / fp8 codes with the row's float16 scale packed after them, width head_dim + 2;
+  the pool's dtype names its format), quantized at the write and dequantized by every reader, so block copies
+  carry the scales; MLA latent pools are float only.
 - **Block table** (`seq_kv.py` `SeqKV`, held by the engine's Sequence as `seq.kv`): entry `i` is the pool block
   holding positions `i * block_size ...`, or `OFFLOADED` when that KV left the pool. `slots.py`: the slot of
   a position (`slots_of`) and tables as tensors (`table_tensor`), the one formula every reader uses.
@@ -12,7 +15,8 @@ The map, from the token up:
   hashes (cache salt included); freed blocks keep their hash until reused, so later prompts still hit them.
 - **Tiers** (`tiers.py`): when a cached prefix chunk (`kv_chunk_tokens`, aligned to the sequence start) is evicted
   from the pool it goes to host RAM, then disk (`chunk_store.py`); a prompt continuing past its device hit loads
-  it back as cached blocks. Chunks are named by their last block hash and `kv_identity` (`kv_io.py`).
+  it back as cached blocks. Chunks are named by their last block hash and `kv_identity` (`kv_io.py`: the KV
+  format included, so a chunk written in one format is never read in another).
 - **Running offload** (`offload.py`): a running sequence longer than the pool keeps its first chunk and its tail
   resident; older chunks go to pinned host memory or an unlinked scratch file (keyed by `SeqKV.kv_id`, their
   table entries `OFFLOADED`), and attention reads them back layer by layer.
