@@ -13,6 +13,7 @@ from glmserve import LLM, SamplingParams
 from glmserve.config import EngineConfig
 from glmserve.errors import InvalidRequestError, UnsupportedKVFormatError
 from glmserve.kv.kv_format import FP8_MAX, INT8_MAX, dequantize, format_of, kv_format, store
+from glmserve.kv.kv_io import kv_identity
 from glmserve.layers.partial_attention import paged_attention_with_lse
 from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
 
@@ -57,6 +58,12 @@ def test_bytes_per_token_are_about_half_of_bfloat16_scales_counted():
     pool = model.bind_kv_cache(32, "fp8", torch.device("cpu"), zero_slots=16)
     assert pool.dtype == torch.uint8 and pool.shape == (30, 2, 3, 32, 66)
     assert pool.numel() * pool.element_size() == 32 * model.kv_bytes_per_token("fp8")
+
+
+def test_chunk_identity_names_the_kv_format():
+    ids = {f: kv_identity("m", torch.float32, f, 4, [(8, 16)]) for f in ("float32", "bfloat16", "int8", "fp8")}
+    assert len(set(ids.values())) == 4
+    assert ids["float32"] == kv_identity("m", torch.float32, torch.float32, 4, [(8, 16)])
 
 
 def test_bad_kv_format_is_a_clear_error():

@@ -74,7 +74,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_format = kv_format(self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
-        kv_dtype = self.kv_format.storage if not self.kv_format.quantized else self.dtype  # side pools' dtype
+        side_dtype = self.dtype if self.kv_format.quantized else self.kv_format.storage  # the block bounds' dtype
         loaded = load_model(config.model, config.tokenizer, self.device, self.dtype, config.quantization,
                             config.quantize_embeddings)
         scored_layers = loaded.model.paged_attention_layers()  # where sparse scorers attach (none for MLA)
@@ -84,7 +84,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
         self.learned_indexer = find_learned_indexer(config.learned_indexer, config.model, loaded.model)
         bytes_per_block = (config.block_size * loaded.model.kv_bytes_per_token(self.kv_format)
-                           + self._sparse_bytes_per_block(scored_layers, kv_dtype))
+                           + self._sparse_bytes_per_block(scored_layers, side_dtype))
         plan = plan_pool(kv_budget_bytes(config.kv_cache_memory_bytes, self.device), bytes_per_block,
                          config.block_size, self.max_model_len,
                          offload_supported=bool(getattr(loaded.model, "supports_kv_offload", False)),
@@ -92,7 +92,7 @@ class LLMEngine:
                          host_memory_bytes=config.kv_host_memory_bytes, disk_dir=config.kv_disk_dir,
                          device=self.device)
         self.runner = ModelRunner(loaded.model, plan.num_blocks, config.block_size, self.kv_format, self.device)
-        load_listeners, block_bounds = self._attach_sparse_indexers(scored_layers, plan.num_blocks, kv_dtype)
+        load_listeners, block_bounds = self._attach_sparse_indexers(scored_layers, plan.num_blocks, side_dtype)
         default_mode = config.sparse_attention or ("native" if "native" in self.sparse_modes else "dense")
         self.default_sparse = self.resolve_sparse({"mode": default_mode})
         self.kv = KVStack.build(

@@ -46,8 +46,10 @@ def _slot_views(model: torch.nn.Module, pool: torch.Tensor, num_slots: int) -> l
 def kv_identity(model_ref: str, weights_dtype: torch.dtype, kv_dtype: torch.dtype | str | KVFormat, block_size: int,
                 layout: list[tuple[int, ...]]) -> str:
     """Hex digest of (model path or name, weights dtype, KV format, block size, per-view [groups, width]): a chunk
-    written in one KV format (glmserve/kv/kv_format.py) is never read in another."""
-    text = repr((model_ref, str(weights_dtype), kv_format(kv_dtype).name, block_size, layout))
+    written in one KV format (glmserve/kv/kv_format.py) is never read in another (float formats keep the digest
+    they had before quantized formats, by their torch dtype, so existing disk chunks stay valid)."""
+    fmt = kv_format(kv_dtype)
+    text = repr((model_ref, str(weights_dtype), fmt.name if fmt.quantized else str(fmt.storage), block_size, layout))
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 

@@ -6,8 +6,9 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    glmserve/kv/kv_format.py, quantize the batch's rows first and every read dequantizes),
 2. decode group: gathers each sequence's keys/values by slot index and runs one batched
    grouped-query attention (no expansion of KV heads),
-3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V; otherwise
-   the queries are padded per sequence and attend to their gathered context under a mask.
+3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V (as computed: with a
+   quantized KV format, only later steps read the stored rows); otherwise the queries are padded per
+   sequence and attend to their gathered context under a mask.
 
 Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
