@@ -65,6 +65,8 @@ RUNNERS = (
 def run_one(runner: Runner, work_path: Path, gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Run one runner process; its result dict, or {"engine", "error"} when it failed."""
     extra = ["--dtype", args.peer_dtype] if args.peer_dtype and runner.hf_model else []
+    if args.quantization and runner.key == OURS:
+        extra += ["--quantization", args.quantization]
     if args.budget:
         extra += ["--budget-s", str(args.budget)]
     if args.metrics:
@@ -156,6 +158,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, help="seconds per runner after which it starts no new metric")
     parser.add_argument("--metrics", help="comma-separated subset of harness.METRICS (default: all)")
     parser.add_argument("--peer-dtype", help="dtype for the transformers/vLLM peers (default bfloat16)")
+    parser.add_argument("--quantization", help="glmserve's weight format (default: the GGUF's own Q4_1/Q8_0 blocks; "
+                        "none: float32, as before the quantized path); results are keyed ours:<format>")
     parser.add_argument("--out", type=Path, help="results JSON (default bench/results/engine-<date>[-quick].json)")
     parser.add_argument("--report", type=Path, help="only print the table of an existing results JSON")
     args = parser.parse_args()
@@ -188,6 +192,8 @@ def main() -> None:
         result["command"] = " ".join(sys.argv)
         result["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
         key = f"{runner.key}:{args.peer_dtype}" if args.peer_dtype and runner.hf_model else runner.key
+        if args.quantization and runner.key == OURS:
+            key = f"{runner.key}:{args.quantization}"
         report["engines"][key] = result
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")

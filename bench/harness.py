@@ -238,6 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype", help="weights/activations dtype (default: bfloat16 for peers, the engine's own for ours)"
     )
+    parser.add_argument("--quantization", help="glmserve only: weight format (default: the GGUF's own blocks; "
+                        "none: float)")
     parser.add_argument("--metrics", default=",".join(METRICS), help="comma-separated subset of metrics")
     parser.add_argument("--budget-s", type=float, help="start no new metric after this many seconds of measuring")
     return parser.parse_args(argv)

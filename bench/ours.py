@@ -31,7 +31,9 @@ class OursEngine(harness.Engine):
         torch.set_num_threads(wl.THREADS)
         self._params = SamplingParams
         self._dtype = args.dtype or "auto"
-        self._llm = LLM(model=None, dtype=self._dtype, enable_prefix_caching=True, num_threads=wl.THREADS)
+        self._quantization = args.quantization
+        self._llm = LLM(model=None, dtype=self._dtype, enable_prefix_caching=True, num_threads=wl.THREADS,
+                        quantization=args.quantization)
         self._cached_tokens: list[int] = []
         self._ids = itertools.count()
 
@@ -42,7 +44,8 @@ class OursEngine(harness.Engine):
             version = importlib.metadata.version("glmserve")
         except importlib.metadata.PackageNotFoundError:
             version = "(source tree)"
-        return f"glmserve {version}, dtype {self._dtype}"
+        weights = self._quantization or "the GGUF's own blocks"
+        return f"glmserve {version}, dtype {self._dtype}, weights {weights}"
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
