@@ -6,6 +6,9 @@ float path; unknown schemes fail clearly."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import gguf
 import numpy as np
 import pytest
@@ -13,19 +16,23 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from parity import assert_same_output, reference_logprobs
 from test_gguf_loader import write_gguf
+from test_quantize_cli import fake_quantized_model
 from tiny_models import COMMON, tiny_tokenizer
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from glmserve import LLM, SamplingParams
-from glmserve.cli import build_parser
-from glmserve.errors import InvalidRequestError
+from glmserve import LLM, SamplingParams, kernels
+from glmserve.cli import build_parser, main
+from glmserve.errors import InvalidRequestError, UnsupportedModelError
 from glmserve.layers.embedding import QuantizedEmbedding
 from glmserve.layers.linear import QuantizedLinear
 from glmserve.models.gguf_loader import load_gguf
+from glmserve.models.loader import load_model
 from glmserve.models.quantized import weight_bytes
+from glmserve.quant.compressed_tensors import OutlierColumns, dense_weight, load_checkpoint, save_checkpoint
+from glmserve.quant.cpu_backend import CpuBlockBackend
 from glmserve.quant.reference import dequantize
-from glmserve.quant.schemes import SCHEMES
+from glmserve.quant.schemes import SCHEMES, scheme
 from glmserve.quant.weight import QuantizedWeight
 
 # largest |logprob error| vs the float reference over 6 greedy steps (measured: about 1/3 of these)
@@ -210,3 +217,114 @@ def test_glm_moe_dsa_quantizes_its_dense_linears(tmp_path):
     assert isinstance(attn.qkv_a_proj, QuantizedLinear) and isinstance(attn.o_proj, QuantizedLinear)
     assert type(attn.kv_b_proj) is nn.Linear and type(attn.indexer.wk) is nn.Linear
     assert _worst_error(llm, hf_model, list(range(5, 30))) < TOLERANCE["int8"]
+
+
+# --- compressed-tensors checkpoints written by `glmserve quantize` ------------------------------------------
+
+CT_SCHEMES = ("int8", "w8a8", "w4a16", "w4a16-asym", "fp8")
+# largest |logprob error| vs the fake-quantized float model (its weights dequantized from the checkpoint) on
+# the reference backend: weight-only formats compute the same matmuls; W8A8 and FP8 also quantize activations
+FAKE_TOLERANCE = {"int8": 1e-4, "w4a16": 1e-4, "w4a16-asym": 1e-4, "w8a8": 0.1, "fp8": 0.3}
+
+
+@pytest.fixture(scope="module")
+def ct_checkpoints(tiny_model_dir, tmp_path_factory):
+    """{scheme: folder written by `glmserve quantize --scheme`} of the tiny llama, and the float model's dir."""
+    src = tiny_model_dir("llama")
+    root = tmp_path_factory.mktemp("ct")
+    out = {}
+    for name in CT_SCHEMES:
+        main(["quantize", str(src), "--scheme", name, "--out", str(root / name)])
+        out[name] = root / name
+    return src, out
+
+
+@pytest.mark.parametrize("name", CT_SCHEMES)
+def test_compressed_tensors_checkpoint_runs_its_own_format(name, ct_checkpoints):
+    src, dirs = ct_checkpoints
+    hf_float = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf_fake = fake_quantized_model(src, dirs[name])
+    llm = _engine(dirs[name])
+    model = llm.engine.runner.model
+    qkv, down = model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.down_proj
+    assert isinstance(qkv, QuantizedLinear) and isinstance(down, QuantizedLinear)
+    want = scheme(name)
+    assert qkv.scheme.activations == want.activations  # W8A8's dynamic int8 tokens, FP8's fp8 tokens
+    assert [s.prepared_rows for s in qkv._segments] == [qkv.out_features]  # q|k|v stacked into one matmul
+    assert type(model.lm_head) is nn.Linear and type(model.embed_tokens) is nn.Embedding  # ignored: float
+    prompt = list(range(5, 30))
+    assert _worst_error(llm, hf_fake, prompt) < FAKE_TOLERANCE[name]
+    assert 0 < _worst_error(llm, hf_float, prompt) < TOLERANCE[name]
+    floats = _engine(dirs[name], quantization="none")  # dequantized: the fake-quantized model itself
+    assert not any(isinstance(m, QuantizedLinear) for m in floats.engine.runner.model.modules())
+    assert _worst_error(floats, hf_fake, prompt) < 1e-4
+
+
+@pytest.mark.parametrize("name", CT_SCHEMES)
+def test_compressed_tensors_checkpoint_picks_cpu_block(name, ct_checkpoints, monkeypatch):
+    """Without a forced backend the registry's choice: cpu_block for the integer formats where its kernel
+    builds, reference for FP8 (cpu_block runs no float weights)."""
+    monkeypatch.delenv("GLMSERVE_QUANT_BACKEND")
+    src, dirs = ct_checkpoints
+    model = load_model(str(dirs[name]), None, torch.device("cpu"), torch.float32).model
+    qkv = model.layers[0].self_attn.qkv_proj
+    cpu = torch.device("cpu")
+    kernel = kernels.op("quant_linear", cpu, torch.float32) is not None
+    want = scheme(name)
+    expected = "cpu_block" if want.weight.type == "int" and kernel else "reference"
+    assert [s.backend.name for s in qkv._segments] == [expected]
+    assert CpuBlockBackend().supports(want.weight, want.activations, cpu) == (expected == "cpu_block")
+    hf_fake = fake_quantized_model(src, dirs[name])
+    ids = torch.tensor([[0, 5, 17, 42, 99, 7, 3, 250]])
+    with torch.no_grad():
+        ref = hf_fake(ids).logits[0]
+    llm = _engine(dirs[name])
+    out = llm.generate([ids[0].tolist()], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    want_lp = torch.log_softmax(ref, -1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
+    assert (got - want_lp).abs().max() < 0.3  # cpu_block quantizes A16 activations per block of 32 too
+
+
+def _edit_config(folder, edit):
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    edit(config["quantization_config"])
+    config_file.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda qc: qc.update(quant_method="gptq"), "quant_method 'gptq' is not read"),
+    (lambda qc: qc.update(format="marlin-24"), "format 'marlin-24' is not read"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].pop("num_bits"), "group 'group_0' is malformed"),
+    (lambda qc: qc["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
+     "static input activation scales are not supported"),
+    (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+    (lambda qc: qc["config_groups"]["group_0"].update(targets=["nothing"]), "targets no quantized tensor"),
+])
+def test_bad_quantization_config_is_a_clear_error(edit, message, ct_checkpoints, tmp_path):
+    folder = tmp_path / "bad"
+    shutil.copytree(ct_checkpoints[1]["w8a8"], folder)
+    _edit_config(folder, edit)
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_model(str(folder), None, torch.device("cpu"), torch.float32)
+
+
+def test_outlier_columns_load_dequantized_only(ct_checkpoints, tmp_path):
+    """Float outlier columns (the activation_threshold recipe) are refused natively with a clear error and put
+    back into the float weight with --quantization none."""
+    src, dirs = ct_checkpoints
+    config, modules, rest = load_checkpoint(dirs["int8"])
+    target = "model.layers.0.mlp.down_proj"
+    columns = torch.tensor([3, 40])
+    weight = modules[target].weight
+    modules[target].outliers = OutlierColumns(columns, torch.randn(weight.shape[0], 2) * 0.3)
+    weight.codes[:, columns] = 0
+    qconfig = config.pop("quantization_config")
+    folder = tmp_path / "outliers"
+    save_checkpoint(folder, modules, rest, config, qconfig["ignore"])
+    for file in dirs["int8"].glob("tokenizer*"):
+        shutil.copy(file, folder)
+    with pytest.raises(UnsupportedModelError, match="down_proj .* keeps float outlier columns"):
+        load_model(str(folder), None, torch.device("cpu"), torch.float32)
+    floats = load_model(str(folder), None, torch.device("cpu"), torch.float32, quantization="none").model
+    assert torch.equal(floats.layers[0].mlp.down_proj.weight, dense_weight(modules[target]))

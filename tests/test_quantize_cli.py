@@ -28,8 +28,9 @@ def _float_logits(model_dir, ids):
         return model(ids).logits
 
 
-def _quantized_logits(model_dir, out_dir, ids):
-    """The float model with each layer's weight replaced by what the checkpoint computes with."""
+def fake_quantized_model(model_dir, out_dir):
+    """The float transformers model with each layer's weight replaced by what the checkpoint `out_dir`
+    computes with (dequantized, outlier columns put back)."""
     _, modules, rest = load_checkpoint(out_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     names = dict(model.named_modules())
@@ -39,7 +40,12 @@ def _quantized_logits(model_dir, out_dir, ids):
         params = dict(model.named_parameters())
         for name, t in rest.items():
             params[name].copy_(t)
-        return model(ids).logits
+    return model
+
+
+def _quantized_logits(model_dir, out_dir, ids):
+    with torch.no_grad():
+        return fake_quantized_model(model_dir, out_dir)(ids).logits
 
 
 def _same_module(a, b):

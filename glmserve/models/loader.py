@@ -14,8 +14,10 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 
 from glmserve.errors import UnsupportedModelError
 from glmserve.layers.param_loading import CheckpointTensor
+from glmserve.models.compressed_loader import compressed_weights
 from glmserve.models.quantized import checkpoint_tensors, quantize_modules
 from glmserve.models.registry import model_class
+from glmserve.quant.compressed_tensors import QUANT_METHOD
 from glmserve.quant.plan import validate as validate_quantization
 from glmserve.quant.schemes import Scheme
 from glmserve.sparse.learned import FILE_SUFFIX as INDEXER_FILE_SUFFIX
@@ -33,17 +35,22 @@ class ModelAndTokenizer:
     max_position_embeddings: int
 
 
-def safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: its index's, else every one but our own learned-indexer file
+    (kept beside the model)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        # every safetensors file but our own learned-indexer file, which is kept beside the model
         files = sorted(p.name for p in model_dir.glob("*.safetensors") if not p.name.endswith(INDEXER_FILE_SUFFIX))
     if not files:
         raise UnsupportedModelError(f"no .safetensors files in {model_dir}")
-    for file in files:
-        with safe_open(str(model_dir / file), framework="pt") as f:
+    return [model_dir / file for file in files]
+
+
+def safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -103,12 +110,16 @@ def load_model(path: str | None, tokenizer_path: str | None, device: torch.devic
     elif location.is_dir() and (location / "config.json").exists():
         hf_config = AutoConfig.from_pretrained(str(location))
         model_class(hf_config)  # fail fast on an unsupported architecture, before reading weights
-        if getattr(hf_config, "quantization_config", None):
-            raise UnsupportedModelError(f"{location}: checkpoints with a quantization_config "
-                                        f"({hf_config.quantization_config.get('quant_method')}) are not loaded yet; "
-                                        "load the float checkpoint with --quantization SCHEME to quantize on load")
-        weights, model_dir = safetensors_weights(location), location
-        formats = {}
+        qconfig = getattr(hf_config, "quantization_config", None)
+        model_dir = location
+        if qconfig:
+            if qconfig.get("quant_method") != QUANT_METHOD:
+                raise UnsupportedModelError(f"{location}: quant_method {qconfig.get('quant_method')!r} is not "
+                                            f"read (only {QUANT_METHOD}); load a float checkpoint with "
+                                            "--quantization SCHEME to quantize on load")
+            weights, formats = compressed_weights(safetensors_files(location), qconfig, native=quantization is None)
+        else:
+            weights, formats = safetensors_weights(location), {}
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or str(location))
     else:
         raise UnsupportedModelError(f"{location} is neither a .gguf file nor a model directory with config.json")

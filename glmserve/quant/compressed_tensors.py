@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,12 +261,21 @@ def module_specs(qconfig: Mapping) -> dict[str, tuple[QuantSpec, QuantSpec | Non
     if qconfig.get("quant_method") != QUANT_METHOD:
         raise UnsupportedModelError(f"quant_method {qconfig.get('quant_method')!r} is not {QUANT_METHOD}")
     specs = {}
-    for group in qconfig.get("config_groups", {}).values():
+    for name, group in qconfig.get("config_groups", {}).items():
         if group.get("weights") is None:
             continue
-        w = args_to_spec(group["weights"])
-        a = None if group.get("input_activations") is None else args_to_spec(group["input_activations"])
-        for target in group["targets"]:
+        try:
+            w = args_to_spec(group["weights"])
+            a = None if group.get("input_activations") is None else args_to_spec(group["input_activations"])
+            targets = list(group["targets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UnsupportedModelError(f"quantization_config group {name!r} is malformed: {exc!r}") from None
+        declared = group.get("format") or qconfig.get("format")
+        expected = format_of(w, a)
+        if declared not in (None, MIXED, expected):  # our decoding reads the layout format_of names
+            raise UnsupportedModelError(f"quantization_config group {name!r}: format {declared!r} is not read "
+                                        f"(its weights {w} are read as {expected!r})")
+        for target in targets:
             specs[target] = (w, a)
     return specs
 
@@ -289,24 +299,73 @@ def resolve(qconfig: Mapping, linear_names: Iterable[str]) -> dict[str, tuple[Qu
     return out
 
 
+def quantized_modules(qconfig: Mapping, keys: Iterable[str]) -> dict[str, tuple[QuantSpec, QuantSpec | None]]:
+    """The quantized linear layers of a checkpoint whose tensor names are `keys` (those with a `weight_scale`
+    or `weight_packed` that a config group targets), with their specs."""
+    linear = {key.rsplit(".", 1)[0] for key in keys if key.endswith((".weight_scale", ".weight_packed"))}
+    return resolve(qconfig, linear)
+
+
+def stream_modules(qconfig: Mapping, keys: Iterable[str], tensors: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor | QuantizedModule]]:
+    """The checkpoint's tensors (`keys`: every name `tensors` yields) with each quantized module's tensors
+    (`<module>.<suffix>`, its bias aside) decoded into one QuantizedModule, yielded under the module's name as
+    soon as its last tensor is read; every other tensor passes through as it comes. Only the modules in
+    progress are held."""
+    keys = list(keys)
+    specs = quantized_modules(qconfig, keys)
+    owner = {}
+    for key in keys:
+        module, _, suffix = key.rpartition(".")
+        if module in specs and suffix != "bias":
+            owner[key] = module
+    missing = Counter(owner.values())
+    pending: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, tensor in tensors:
+        module = owner.get(key)
+        if module is None:
+            yield key, tensor
+            continue
+        pending[module][key.rpartition(".")[2]] = tensor
+        missing[module] -= 1
+        if missing[module] == 0:
+            weight, activations = specs[module]
+            own = pending.pop(module)
+            try:
+                yield module, decode(own, weight, activations)
+            except KeyError as exc:
+                raise UnsupportedModelError(f"{module}: its {format_of(weight, activations)} weight needs a "
+                                            f"{exc.args[0]!r} tensor; the checkpoint has {sorted(own)}") from None
+
+
+def safetensors_keys(files: Iterable[Path]) -> list[str]:
+    """Every tensor name of the files (read from their headers, no tensor loaded)."""
+    keys = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
+def read_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
 def load_checkpoint(folder: Path) -> tuple[dict, dict[str, QuantizedModule], dict[str, torch.Tensor]]:
     """(config.json, quantized modules by name, the remaining float tensors by name) of a folder written by
     `save_checkpoint` or by llm-compressor (one or several safetensors files)."""
     config = json.loads((folder / "config.json").read_text())
     if "quantization_config" not in config:
         raise UnsupportedModelError(f"{folder}/config.json has no quantization_config")
-    qconfig = config["quantization_config"]
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
-    linear = {key.rsplit(".", 1)[0] for key in tensors
-              if key.endswith((".weight_scale", ".weight_packed"))}
-    modules = {}
-    for name, (w, a) in resolve(qconfig, linear).items():
-        prefix = name + "."
-        own = {k[len(prefix):]: tensors.pop(k) for k in list(tensors)
-               if k.startswith(prefix) and "." not in k[len(prefix):] and k != prefix + "bias"}
-        modules[name] = decode(own, w, a)
-    return config, modules, tensors
+    files = sorted(folder.glob("*.safetensors"))
+    modules: dict[str, QuantizedModule] = {}
+    rest: dict[str, torch.Tensor] = {}
+    for name, item in stream_modules(config["quantization_config"], safetensors_keys(files), read_safetensors(files)):
+        if isinstance(item, QuantizedModule):
+            modules[name] = item
+        else:
+            rest[name] = item
+    return config, modules, rest
