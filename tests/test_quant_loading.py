@@ -2,7 +2,9 @@
 (`quantization=SCHEME`) stay close to transformers' float model; a small GGUF with native and K-quant types
 loads natively (QuantizedWeights equal to the dequantized float path) and the native engine equals the
 float engine on the reference backend; the embedded SmolLM2 natively quantized agrees greedily with its
-float path; unknown schemes fail clearly."""
+float path; compressed-tensors folders written by `glmserve quantize` run in their stored formats (equal to
+the fake-quantized float model; cpu_block where it runs the format) or dequantized; unknown schemes and
+unreadable quantization_configs fail clearly."""
 
 from __future__ import annotations
 
