@@ -17,34 +17,24 @@ from glmserve.quant.compressed_tensors import OutlierColumns, QuantizedModule, s
 from glmserve.quant.perplexity import mean_nll
 from glmserve.quant.quantize import quantize
 from glmserve.quant.recipe import NONE, Recipe
+from glmserve.quant.schemes import SCHEMES, scheme
 from glmserve.quant.sensitivity import allocate, bits_per_weight, measure, units
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
 METHODS = ("rtn", "gptq")
-INT8_TOKEN = QuantSpec(8, "int", True, "token", dynamic=True)
-FP8_TOKEN = QuantSpec(8, "float", True, "token", dynamic=True)
-# Scheme name -> (weight spec, activation spec): the compressed-tensors schemes this command writes.
-# TODO(quant-core): read these from glmserve/quant/schemes.py once it is on main.
-SCHEMES: dict[str, tuple[QuantSpec, QuantSpec | None]] = {
-    "int8": (QuantSpec(8, "int", True, "channel"), None),
-    "w8a8": (QuantSpec(8, "int", True, "channel"), INT8_TOKEN),
-    "w4a16": (QuantSpec(4, "int", True, "group", group_size=32), None),
-    "w4a16-asym": (QuantSpec(4, "int", False, "group", group_size=32), None),
-    "w4a16-g64": (QuantSpec(4, "int", True, "group", group_size=64), None),
-    "w4a16-asym-g64": (QuantSpec(4, "int", False, "group", group_size=64), None),
-    "fp8": (QuantSpec(8, "float", True, "channel"), FP8_TOKEN),
-    "fp8-block": (QuantSpec(8, "float", True, "block", block_structure=(128, 128)), FP8_TOKEN),
-    "nvfp4": (QuantSpec(4, "float", True, "tensor_group", group_size=16), None),
-}
+# the schemes this command can write: every named scheme compressed-tensors holds (not GGUF blocks, not none)
+WRITABLE_SCHEMES = tuple(n for n, sch in SCHEMES.items() if sch.weight is not None and sch.weight.gguf_type is None)
 DEFAULT_CANDIDATES = ("int8", "w4a16", "w4a16-g64")
 
 
 def scheme_specs(name: str) -> tuple[QuantSpec, QuantSpec | None]:
     """(weight spec, activation spec) of a scheme this command can write (a compressed-tensors format)."""
-    if name not in SCHEMES:
-        raise InvalidRequestError(f"unknown scheme {name!r} (known: {', '.join(SCHEMES)})")
-    weight, activations = SCHEMES[name]
+    found = scheme(name)  # an unknown name: a typed error listing the schemes
+    if found.name not in WRITABLE_SCHEMES:
+        raise InvalidRequestError(f"scheme {name!r} cannot be written as compressed-tensors "
+                                  f"(writable: {', '.join(WRITABLE_SCHEMES)})")
+    weight, activations = found.weight, found.activations
     spec_to_args(weight)  # a typed error for a format compressed-tensors cannot hold
     return weight, activations
 
