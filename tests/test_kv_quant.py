@@ -272,7 +272,9 @@ NEAR_TIE = 0.5  # a divergence before AGREE_AT_LEAST must be where float KV's to
 
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_smollm2_greedy_with_quantized_kv_agrees_with_float_kv(smollm2, name):
-    quant = LLM(model=None, dtype="float32", kv_cache_dtype=name, max_num_seqs=16, max_num_batched_tokens=512,
+    # float weights like the `smollm2` fixture's, so that only the KV format differs
+    quant = LLM(model=None, dtype="float32", quantization="none", kv_cache_dtype=name, max_num_seqs=16,
+                max_num_batched_tokens=512,
                 max_model_len=2048, kv_cache_memory_bytes=64 << 20)
     prompts = [smollm2.engine.apply_chat_template([{"role": "user", "content": p}]) for p in SMOL_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=SMOL_TOKENS, logprobs=2, ignore_eos=True)

@@ -61,7 +61,9 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     load_gate = log_path.with_name("load-gate")  # the model loads once the early requests were answered
-    args = ["--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN)]
+    # float weights (`--quantization none`): the answers are compared with transformers' float model; the native
+    # Q4_1 path of the default model is tested in test_quant_loading.py and test_cli.py
+    args = ["--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN), "--quantization", "none"]
     args += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING)]
     args += ["--kv-cache-memory-bytes", str(256 << 20), "--shutdown-timeout", "20", "--num-threads", "1"]
     for alias, canonical in ALIASES.items():
