@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,31 +38,6 @@ METRICS = ("ready_s", "idle_rss_mb", "load_peak_mb")
 IDLE_SETTLE_S = 1.0
 
 
-class PeakSampler:
-    """Peak summed RSS of a process tree, sampled in a thread while in the `with` block."""
-
-    def __init__(self, pid: int, interval_s: float = 0.05) -> None:
-        self.pid = pid
-        self.peak_kb = 0
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            self.peak_kb = max(self.peak_kb, harness.tree_rss_kb(self.pid))
-            if self._stop.wait(self._interval):
-                return
-
-
 async def small_load(base_url: str, prompts: list[str]) -> list[bh.RequestStat]:
     """All prompts at once as streaming chats (64 new tokens each)."""
     async with httpx.AsyncClient(base_url=base_url, timeout=bh.REQUEST_TIMEOUT_S) as client:
@@ -75,7 +49,7 @@ def one_launch(key: str, prompts: list[str], log: Path) -> dict[str, Any]:
     with bh.launched(key, log, "float32", poll_s=0.02) as server:
         time.sleep(IDLE_SETTLE_S)
         idle_kb = harness.tree_rss_kb(server.proc.pid)
-        with PeakSampler(server.proc.pid) as sampler:
+        with harness.TreeRssSampler(interval_s=0.05, pid=server.proc.pid) as sampler:
             stats = asyncio.run(small_load(server.base_url, prompts))
         errors = [s.error for s in stats if s.error]
         if errors:

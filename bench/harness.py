@@ -81,9 +81,11 @@ class Engine(ABC):
 
 
 class TreeRssSampler:
-    """Samples the summed RSS of this process and its descendants (engines may fork workers)."""
+    """Samples the summed RSS of a process (default: this one) and its descendants (engines may fork
+    workers); the first sample is taken at once, so a short `with` block still gets one."""
 
-    def __init__(self, interval_s: float = 0.25) -> None:
+    def __init__(self, interval_s: float = 0.25, pid: int | None = None) -> None:
+        self.pid = os.getpid() if pid is None else pid
         self.peak_kb = 0
         self._interval = interval_s
         self._stop = threading.Event()
@@ -98,8 +100,10 @@ class TreeRssSampler:
         self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.peak_kb = max(self.peak_kb, tree_rss_kb(os.getpid()))
+        while True:
+            self.peak_kb = max(self.peak_kb, tree_rss_kb(self.pid))
+            if self._stop.wait(self._interval):
+                return
 
 
 def tree_rss_kb(root: int) -> int:

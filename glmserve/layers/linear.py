@@ -18,6 +18,15 @@ from glmserve.quant.schemes import Scheme
 from glmserve.quant.weight import QuantizedWeight, concat_rows, stackable
 
 
+def copy_part(param: nn.Parameter, tensor: torch.Tensor, shard: Shard, output_sizes: list[int]) -> None:
+    """Fills the rows of projection `shard.part` of a fused parameter (None: all of it) with `tensor`."""
+    if shard.part is None:
+        copy_into(param.data, tensor)
+        return
+    start = sum(output_sizes[:shard.part])
+    copy_into(param.data[start:start + output_sizes[shard.part]], tensor)
+
+
 class MergedLinear(nn.Linear):
     """One matmul for several projections of the same input; `load_parameter` fills one part (or all)."""
 
@@ -27,11 +36,7 @@ class MergedLinear(nn.Linear):
 
     def load_parameter(self, param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None:
         """Shard.part: which projection `tensor` is (None: all of them, already fused in the checkpoint)."""
-        if shard.part is None:
-            copy_into(param.data, tensor)
-            return
-        start = sum(self.output_sizes[:shard.part])
-        copy_into(param.data[start:start + self.output_sizes[shard.part]], tensor)
+        copy_part(param, tensor, shard, self.output_sizes)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
@@ -114,11 +119,7 @@ class QuantizedLinear(nn.Module):
 
     def load_parameter(self, param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> None:
         """The bias (float), whole or one part."""
-        if shard.part is None:
-            copy_into(param.data, tensor)
-            return
-        start = sum(self.output_sizes[:shard.part])
-        copy_into(param.data[start:start + self.output_sizes[shard.part]], tensor)
+        copy_part(param, tensor, shard, self.output_sizes)
 
     def finalize(self) -> None:
         """Stacks the parts into segments and prepares each on its backend; idempotent."""
