@@ -24,9 +24,9 @@ def isolate_home() -> Path:
     """Points HOME, XDG_CACHE_HOME and GLMSERVE_CACHE_DIR at a fresh empty directory (removed at exit), before
     glmserve reads them. The caches of other tools keep their real place: the torch extension build cache
     (so the C++ kernels are not rebuilt per run) and the Hugging Face cache."""
-    from torch.utils.cpp_extension import get_default_build_root
+    from glmserve.kernels.build import extensions_root  # reads no glmserve cache
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", get_default_build_root())
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())  # where setup built them
     os.environ.setdefault("HF_HOME", str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) /
                                          "huggingface"))
     root = Path(tempfile.mkdtemp(prefix="glmserve-tests-"))

@@ -12,6 +12,7 @@ import torch
 
 from glmserve import kernels
 from glmserve.errors import InvalidRequestError
+from glmserve.kernels import build
 
 CPU = torch.device("cpu")
 
@@ -56,3 +57,23 @@ def test_setup_build_fails_under_ci_when_a_kernel_does_not_build(tmp_path, ci):
                          timeout=300)
     assert run.returncode == (1 if ci else 0), run.stderr
     assert "glmserve_paged_decode_scalar: unavailable" in run.stdout
+
+
+@pytest.mark.skipif(kernels.torch_only(), reason="GLMSERVE_TORCH_ONLY=1: setup builds no kernels")
+def test_the_suite_loads_the_kernels_setup_built():
+    """Setup (`python -m glmserve.kernels`, HOME untouched) and this suite (its own HOME) share one build
+    directory: each variant's shared library is already there, so no test compiles one again."""
+    for isa in kernels.available_isas():
+        for source in build.SOURCES:
+            name = build.extension_name(source, isa)
+            assert (build.extensions_root() / name / f"{name}.so").exists(), name
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path):
+    """torch's lock file from a builder that died would make every later load wait forever; holding our
+    flock, the loader knows nobody is building and removes it."""
+    directory = tmp_path / "glmserve_sparse_scalar"
+    directory.mkdir()
+    (directory / "lock").touch()
+    with build._exclusive_build(directory):
+        assert not (directory / "lock").exists()

@@ -1,14 +1,23 @@
 """Compiling and loading one kernel source for one instruction-set variant with torch's cpp_extension,
-on first use, cached by torch (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). A build that fails
-(no compiler, no ninja, unsupported platform) leaves the callers on their PyTorch path, except with CI=true,
-where it is an error: a CI run must not pass by skipping the kernels.
+on first use, cached in `extensions_root()` (TORCH_EXTENSIONS_DIR, else torch's own default). A build that
+fails (no compiler, no ninja, unsupported platform) leaves the callers on their PyTorch path, except with
+CI=true, where it is an error: a CI run must not pass by skipping the kernels.
+
+Builds of one extension are serialized by an flock on its directory, which the kernel releases when its
+holder dies. torch's own lock file is not: a process killed mid-build (a test server stopped at teardown, a
+timed-out test) leaves it behind and every later load waits on it forever. Whoever holds our flock knows no
+other glmserve process is building, so it removes such a leftover before it loads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -32,6 +41,35 @@ def extension_name(source: str, isa: str) -> str:
     return f"glmserve_{source}_{isa}"
 
 
+def extensions_root() -> Path:
+    """The directory the kernels are built in: TORCH_EXTENSIONS_DIR when set, else torch's default
+    (~/.cache/torch_extensions/py<version>_cpu). The tests pin TORCH_EXTENSIONS_DIR to this before they move
+    HOME, so that they load what setup built instead of building it again."""
+    override = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if override:
+        return Path(override)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_cpu"
+
+
+@contextlib.contextmanager
+def _exclusive_build(directory: Path) -> Iterator[None]:
+    """Holds the flock of one extension's build directory; clears torch's lock file left by a dead builder."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "glmserve.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a kernel build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load(source: str, isa: str) -> ModuleType | None:
     """The extension built from csrc/`source`.cpp for variant `isa`, or None when it cannot be built
@@ -40,8 +78,11 @@ def load(source: str, isa: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as build_extension
 
-        module = build_extension(name=name, sources=[str(SOURCE_DIR / f"{source}.cpp")],
-                                 extra_cflags=[*BASE_CFLAGS, *BY_NAME[isa].cflags], verbose=False)
+        directory = extensions_root() / name
+        with _exclusive_build(directory):
+            module = build_extension(name=name, sources=[str(SOURCE_DIR / f"{source}.cpp")],
+                                     extra_cflags=[*BASE_CFLAGS, *BY_NAME[isa].cflags],
+                                     build_directory=str(directory), verbose=False)
     except Exception as e:
         if in_ci():
             raise KernelBuildError(f"C++ CPU kernel {name} failed to build: {e}") from e
