@@ -91,11 +91,13 @@ step_llama_server() {
         "$BENCH_DIR/llamacpp/bin/pip" download --no-binary :all: --no-deps -d "$BENCH_DIR/sdist" llama-cpp-python
         tar -xzf "$BENCH_DIR"/sdist/llama_cpp_python-*.tar.gz -C "$src" --strip-components=1
     fi
-    log "building llama-server from $src/vendor/llama.cpp ($JOBS jobs; ~10 min)"
+    log "building llama-server, llama-perplexity and llama-bench from $src/vendor/llama.cpp ($JOBS jobs; ~10 min)"
     cmake -S "$src/vendor/llama.cpp" -B "$BENCH_DIR/llama.cpp-build" -G Ninja \
         -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF
-    cmake --build "$BENCH_DIR/llama.cpp-build" --target llama-server -j "$JOBS"
-    install -m 755 "$BENCH_DIR/llama.cpp-build/bin/llama-server" "$bin"
+    cmake --build "$BENCH_DIR/llama.cpp-build" --target llama-server llama-perplexity llama-bench -j "$JOBS"
+    for tool in llama-server llama-perplexity llama-bench; do
+        install -m 755 "$BENCH_DIR/llama.cpp-build/bin/$tool" "$BENCH_DIR/bin/$tool"
+    done
     "$bin" --version
 }
 
