@@ -66,7 +66,7 @@ def test_the_suite_loads_the_kernels_setup_built():
     for isa in kernels.available_isas():
         for source in build.SOURCES:
             name = build.extension_name(source, isa)
-            assert (build.extensions_root() / name / f"{name}.so").exists(), name
+            assert (build.build_directory(name) / f"{name}.so").exists(), name
 
 
 def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path):

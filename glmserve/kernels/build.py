@@ -1,7 +1,7 @@
 """Compiling and loading one kernel source for one instruction-set variant with torch's cpp_extension,
-on first use, cached in `extensions_root()` (TORCH_EXTENSIONS_DIR, else torch's own default). A build that
-fails (no compiler, no ninja, unsupported platform) leaves the callers on their PyTorch path, except with
-CI=true, where it is an error: a CI run must not pass by skipping the kernels.
+on first use, cached in `build_directory(name)` under TORCH_EXTENSIONS_DIR (else torch's own default), one
+directory per checkout. A build that fails (no compiler, no ninja, unsupported platform) leaves the callers on
+their PyTorch path, except with CI=true, where it is an error: a CI run must not pass by skipping the kernels.
 
 Builds of one extension are serialized by an flock on its directory, which the kernel releases when its
 holder dies. torch's own lock file is not: a process killed mid-build (a test server stopped at teardown, a
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -39,6 +40,13 @@ def in_ci() -> bool:
 def extension_name(source: str, isa: str) -> str:
     """Distinct per variant, so that every variant is built and cached side by side."""
     return f"glmserve_{source}_{isa}"
+
+
+def build_directory(name: str) -> Path:
+    """One extension's build directory, per checkout: the folder name carries a hash of this source tree's path,
+    so that two checkouts sharing one cache (worktrees, a clean clone for CI) do not rebuild each other's."""
+    checkout = hashlib.sha1(str(SOURCE_DIR.resolve()).encode()).hexdigest()[:8]
+    return extensions_root() / f"{name}-{checkout}"
 
 
 def extensions_root() -> Path:
@@ -78,7 +86,7 @@ def load(source: str, isa: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as build_extension
 
-        directory = extensions_root() / name
+        directory = build_directory(name)
         with _exclusive_build(directory):
             module = build_extension(name=name, sources=[str(SOURCE_DIR / f"{source}.cpp")],
                                      extra_cflags=[*BASE_CFLAGS, *BY_NAME[isa].cflags],
