@@ -1,8 +1,11 @@
 """A fast fake OpenAI-compatible backend for the gateway's tests and benchmark: a real uvicorn server whose
 behaviour a test sets through `POST /control` (slow first byte, a stream that stalls or is cut after some
-chunks, 5xx answers, a failing health check). It counts requests and the ones whose client went away.
+chunks, 5xx answers, a failing health check). It counts requests and the ones whose client went away, and keeps
+the Authorization header of every request it got.
 
     python tests/fake_backend.py --name a --port 0      # prints uvicorn's "Uvicorn running on ..." line
+    python tests/fake_backend.py --provider KEY_ENV     # as a provider's endpoint: every path but /control needs
+                                                        # `Bearer $KEY_ENV` (else OpenAI's 401); no /v1/health
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from typing import Any
@@ -41,6 +45,7 @@ class State:
         self.models: list[str] = []
         self.session_ids: list[str | None] = []
         self.request_ids: list[str | None] = []
+        self.authorizations: list[str | None] = []  # of every request but /control, in arrival order
 
 
 class _Cut(Exception):
@@ -80,7 +85,9 @@ async def _sleep_unless_gone(request: Request, seconds: float, state: State) -> 
     return True
 
 
-def create_app(state: State) -> Starlette:
+def create_app(state: State, api_key: str | None = None) -> Starlette:
+    """api_key: act as a provider's endpoint (the key required everywhere but /control, no /v1/health)."""
+
     async def chat(request: Request) -> Response:
         body = await request.json()
         state.requests += 1
@@ -138,13 +145,31 @@ def create_app(state: State) -> Starlette:
                 state.models.clear()
                 state.session_ids.clear()
                 state.request_ids.clear()
+                state.authorizations.clear()
             state.control.update(update)
         return JSONResponse({"name": state.name, "control": state.control, "requests": state.requests,
                              "disconnects": state.disconnects, "in_flight": state.in_flight, "models": state.models,
-                             "session_ids": state.session_ids, "request_ids": state.request_ids})
+                             "session_ids": state.session_ids, "request_ids": state.request_ids,
+                             "authorizations": state.authorizations})
 
-    routes = [Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/health", health),
-              Route("/metrics", metrics), Route("/control", control, methods=["GET", "POST"])]
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": state.name}]})
+
+    def keyed(handler):
+        async def check(request: Request) -> Response:
+            given = request.headers.get("authorization")
+            state.authorizations.append(given)
+            if api_key is not None and given != f"Bearer {api_key}":
+                error = {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                   "param": None, "code": "invalid_api_key"}}
+                return JSONResponse(error, status_code=401)
+            return await handler(request)
+        return check
+
+    routes = [Route("/v1/chat/completions", keyed(chat), methods=["POST"]), Route("/metrics", keyed(metrics)),
+              Route("/v1/models", keyed(models)), Route("/control", control, methods=["GET", "POST"])]
+    if api_key is None:
+        routes.append(Route("/v1/health", keyed(health)))
     return Starlette(routes=routes)
 
 
@@ -153,9 +178,13 @@ def main() -> None:
     parser.add_argument("--name", default="fake")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--provider", default=None, metavar="KEY_ENV",
+                        help="require `Authorization: Bearer $KEY_ENV` and serve no /v1/health")
     args = parser.parse_args()
+    api_key = os.environ[args.provider] if args.provider else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn re-raises the signal once it has stopped
-    uvicorn.run(create_app(State(args.name)), host=args.host, port=args.port, access_log=False, log_level="info")
+    uvicorn.run(create_app(State(args.name), api_key), host=args.host, port=args.port, access_log=False,
+                log_level="info")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp
 
 from glmserve.errors import InvalidRequestError
 from glmserve.gateway.admission import GatewayMiddleware
-from glmserve.gateway.backends import BackendPool
+from glmserve.gateway.backends import BackendPool, backend_keys
 from glmserve.gateway.models_map import ModelMap
 from glmserve.gateway.proxy import Proxy
 from glmserve.gateway.proxy_metrics import ProxyMetrics
@@ -44,7 +44,7 @@ def build_proxy(settings: GatewaySettings, options: ProxyOptions) -> Proxy:
                               pool=options.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256), trust_env=False)
     pool = BackendPool(client, settings.probe_interval_s, settings.unhealthy_after, options.eject_after,
-                       options.breaker_cooldown_s)
+                       options.breaker_cooldown_s, keys=backend_keys(options.backend_keys))
     default_group = pool.group(settings.backend_urls)
     for url in settings.standby_urls:
         pool.add(url, standby=True)
@@ -55,6 +55,7 @@ def build_proxy(settings: GatewaySettings, options: ProxyOptions) -> Proxy:
 def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGIApp:
     proxy = build_proxy(settings, options)
     pool = proxy.pool
+    pool.check_keys()  # after the pools' backends joined (Proxy adds them)
 
     async def liveness(_: Request) -> Response:
         return JSONResponse({"status": "ok"})

@@ -34,7 +34,8 @@ T = TypeVar("T")
 # not forwarded either way (RFC 9110 section 7.6.1 hop-by-hop fields, plus what the gateway sets itself)
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
-                        "content-encoding"})
+                        "content-encoding",
+                        "authorization", "api-key", "x-api-key"})  # the client's credentials never go upstream
 RESPONSE_SKIP = HOP_BY_HOP | {"date", "server"}  # the gateway's server sets its own
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 CHARS_PER_TOKEN = 4  # prompt tokens are estimated from characters (the gateway has no tokenizer)
@@ -184,7 +185,7 @@ class Proxy:
         """Sends the request and waits for the response head (and, not streamed, the whole body)."""
         rid = call.headers["x-request-id"]
         upstream = self.client.build_request(call.method, backend.url + call.path, content=call.body,
-                                             headers=call.headers)
+                                             headers=backend.upstream_headers(call.headers))
         try:
             response = await self._guarded(request, call.timeout_s,
                                            lambda: self.client.send(upstream, stream=call.stream))

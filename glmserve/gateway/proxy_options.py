@@ -22,6 +22,7 @@ class ProxyOptions:
     breaker_cooldown_s: float = 5.0  # open -> half-open
     prefix_chars: int = 256  # prefix affinity hashes this many leading characters of the rendered prompt
     load_factor: float = 1.25  # bounded-load consistent hashing: no backend above this times the mean load
+    backend_keys: tuple[str, ...] = ()  # URL=ENVVAR: the API key a backend needs (backends.backend_keys)
 
     def __post_init__(self) -> None:
         positive = {"--connect-timeout": self.connect_timeout_s, "--first-token-timeout": self.first_token_timeout_s,
@@ -42,7 +43,8 @@ class ProxyOptions:
                    first_token_timeout_s=args.first_token_timeout, first_token_s_per_1k=args.first_token_timeout_per_1k,
                    idle_timeout_s=args.idle_timeout, max_retries=args.max_retries, retry_budget=args.retry_budget,
                    eject_after=args.eject_after, breaker_cooldown_s=args.breaker_cooldown,
-                   prefix_chars=args.prefix_chars, load_factor=args.load_factor)
+                   prefix_chars=args.prefix_chars, load_factor=args.load_factor,
+                   backend_keys=tuple(args.backend_key or ()))
 
 
 def add_proxy_options(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +52,9 @@ def add_proxy_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("backends, routing and failover")
     g.add_argument("--backend", action="append", default=None, metavar="URL",
                    help="an OpenAI-compatible backend (repeat for several replicas)")
+    g.add_argument("--backend-key", action="append", default=None, metavar="URL=ENVVAR",
+                   help="the backend at URL needs the API key in environment variable ENVVAR (sent as Bearer; the "
+                        "client's own key is never forwarded)")
     g.add_argument("--models", default=None, metavar="FILE",
                    help="model-ID table (TOML/JSON): external ids -> canonical model and backend pool")
     g.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s, metavar="S")
