@@ -5,13 +5,13 @@ overhead: the latency the gateway adds in front of a fast fake backend (tests/fa
     straight to the backend and through the gateway (the same backend, the same run); latency runs from the
     scheduled send time (no coordinated omission). Added latency = through-gateway minus direct, per percentile.
 
-fault: 32 clients (3/4 non-streamed, 1/4 streamed) through the gateway in front of two real `glmserve serve`
-    replicas on a tiny random-weight model; one replica is killed with SIGKILL and restarted. Counts failed
-    non-streamed requests (should be 0) and how every stream ended (`[DONE]` or an SSE error event; a stream
-    that just stops would be a silent cut).
+fault: 32 clients through two gateways with admission on (keys, Redis limits, a SQLite ledger) in front of two
+    real `glmserve serve` replicas (session store on Redis) on a tiny random-weight model; a replica and a
+    gateway are killed with SIGKILL and restarted. Prints a PASS/FAIL verdict per check and exits 1 when one
+    fails (bench/gateway_fault.py says what each check proves).
 
     .venv/bin/python bench/bench_gateway.py overhead --rates 200,500 --seconds 20
-    .venv/bin/python bench/bench_gateway.py fault --seconds 180 --kill-at 60 --restart-after 20
+    .venv/bin/python bench/bench_gateway.py fault --seconds 600 --kill-at 120 --restart-after 30 --gateway-kill-at 420
 """
 
 from __future__ import annotations
@@ -210,99 +210,6 @@ def run_overhead(args: argparse.Namespace) -> dict:
     return {"overhead": rows}
 
 
-# ---------------------------------------------------------------------- fault: real replicas, one killed
-
-
-@dataclass
-class FaultCounts:
-    unary_ok: int = 0
-    unary_failed: int = 0
-    streams_done: int = 0
-    streams_error_event: int = 0
-    streams_silent_cut: int = 0
-    failures: list[str] = field(default_factory=list)
-
-
-async def fault_client(n: int, url: str, stream: bool, stop: asyncio.Event, counts: FaultCounts) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        i = 0
-        while not stop.is_set():
-            i += 1
-            body = {"model": "tiny", "max_tokens": 32, "ignore_eos": True, "stream": stream,
-                    "prompt": f"client {n} request {i}"}  # completions: the tiny model has no chat template
-            try:
-                if not stream:
-                    r = await http.post("/v1/completions", json=body)
-                    if r.status_code == 200:
-                        counts.unary_ok += 1
-                    else:
-                        counts.unary_failed += 1
-                        counts.failures.append(f"{r.status_code} {r.text[:200]}")
-                    continue
-                async with http.stream("POST", "/v1/completions", json=body) as r:
-                    text = (await r.aread()).decode()
-                events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
-                if events and events[-1] == "[DONE]":
-                    counts.streams_done += 1
-                elif events and '"error"' in events[-1]:
-                    counts.streams_error_event += 1
-                else:
-                    counts.streams_silent_cut += 1
-                    counts.failures.append(f"stream {r.status_code}: {text[-200:]!r}")
-            except httpx.HTTPError as exc:
-                counts.failures.append(f"{type(exc).__name__}: {exc}")
-                if stream:
-                    counts.streams_silent_cut += 1
-                else:
-                    counts.unary_failed += 1
-
-
-def run_fault(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, str(TESTS))
-    from tiny_models import make_tiny_model
-
-    logdir = Path(tempfile.mkdtemp(prefix="bench-gateway-fault-"))
-    model = make_tiny_model("llama", logdir / "tiny")
-    replicas = []
-    for i in range(2):
-        port = free_port()
-        argv = [sys.executable, "-m", "glmserve.cli", "serve", "--port", str(port), "--model", str(model),
-                "--served-model-name", "tiny", "--max-model-len", "512", "--num-threads", "1",
-                "--kv-cache-memory-bytes", str(64 << 20), "--session-store", "off", "--max-num-seqs", "32"]
-        replicas.append(Proc(argv, logdir / f"replica{i}.log", port, env={"GLMSERVE_TORCH_ONLY": "1"}))
-    gw = gateway_proc([r.url for r in replicas], logdir, "--probe-interval", "1", "--unhealthy-after", "3")
-    counts = FaultCounts()
-    timeline = []
-
-    async def drive() -> None:
-        stop = asyncio.Event()
-        clients = [asyncio.ensure_future(fault_client(n, gw.url, n % 4 == 3, stop, counts)) for n in range(32)]
-        t0 = time.monotonic()
-        await asyncio.sleep(args.kill_at)
-        replicas[0].stop(signal.SIGKILL)
-        timeline.append((round(time.monotonic() - t0, 1), "replica 0 killed (SIGKILL)"))
-        await asyncio.sleep(args.restart_after)
-        await asyncio.to_thread(replicas[0].start)
-        timeline.append((round(time.monotonic() - t0, 1), "replica 0 restarted and ready"))
-        await asyncio.sleep(max(0.0, args.seconds - (time.monotonic() - t0)))
-        stop.set()
-        await asyncio.gather(*clients)
-        timeline.append((round(time.monotonic() - t0, 1), "clients stopped"))
-
-    with running(*replicas, gw):
-        asyncio.run(drive())
-        metrics = httpx.get(gw.url + "/metrics").text
-    def total(name: str) -> float:
-        return sum(float(line.rsplit(None, 1)[1]) for line in metrics.splitlines() if line.startswith(name))
-
-    result = {"clients": 32, "seconds": args.seconds, "timeline": timeline,
-              "retries": total("glmserve_gateway_retries_total"),
-              "retries_refused": total("glmserve_gateway_retries_refused_total"),
-              **{k: v for k, v in vars(counts).items() if k != "failures"}, "first_failures": counts.failures[:5]}
-    print(json.dumps(result, indent=1))
-    return {"fault": result}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -312,13 +219,14 @@ def main() -> None:
     o.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[200.0, 500.0])
     o.add_argument("--seconds", type=float, default=20)
     f = sub.add_parser("fault", parents=[common])
-    f.add_argument("--seconds", type=float, default=180, help="length of the run (the issue asks for 600)")
-    f.add_argument("--kill-at", type=float, default=60)
-    f.add_argument("--restart-after", type=float, default=20)
+    from gateway_fault import add_fault_args, run_fault  # it imports this module's process helpers
+
+    add_fault_args(f)
     args = parser.parse_args()
-    result = run_overhead(args) if args.what == "overhead" else run_fault(args)
+    result, passed = (run_overhead(args), True) if args.what == "overhead" else run_fault(args)
     if args.report:
         Path(args.report).write_text(json.dumps(result, indent=1))
+    sys.exit(0 if passed else 1)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,13 @@ from glmserve.gateway.proxy_options import ProxyOptions
 from glmserve.gateway.settings import GatewaySettings
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+# idle client connections are kept longer than clients keep them (httpx and the openai client: 5 s, aiohttp 15 s,
+# nginx upstreams 60 s): at uvicorn's 5 s default a client reusing a connection as the gateway closes it got a
+# ReadError (the fault run saw one; uvicorn's and httpx's equal 5 s defaults race, see agentscope-runtime PR 468)
+CLIENT_KEEP_ALIVE_S = 75
+# and idle upstream connections are dropped before the backends drop them (uvicorn, so glmserve serve: 5 s), so that
+# no request goes out on a connection the backend is closing (a transport error, a retry, a breaker strike)
+UPSTREAM_KEEP_ALIVE_S = 4.0
 
 
 def build_proxy(settings: GatewaySettings, options: ProxyOptions) -> Proxy:
@@ -42,7 +49,8 @@ def build_proxy(settings: GatewaySettings, options: ProxyOptions) -> Proxy:
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=options.connect_timeout_s, read=None, write=options.connect_timeout_s,
                               pool=options.connect_timeout_s),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256), trust_env=False)
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                            keepalive_expiry=UPSTREAM_KEEP_ALIVE_S), trust_env=False)
     pool = BackendPool(client, settings.probe_interval_s, settings.unhealthy_after, options.eject_after,
                        options.breaker_cooldown_s, keys=backend_keys(options.backend_keys))
     default_group = pool.group(settings.backend_urls)
@@ -99,5 +107,6 @@ def run_gateway(settings: GatewaySettings, options: ProxyOptions, host: str, por
     signal.signal(signal.SIGTERM, _exit_cleanly)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = create_gateway_app(settings, options)
-    uvicorn.run(app, host=host, port=port, access_log=False, log_level="info", timeout_graceful_shutdown=30)
+    uvicorn.run(app, host=host, port=port, access_log=False, log_level="info", timeout_graceful_shutdown=30,
+                timeout_keep_alive=CLIENT_KEEP_ALIVE_S)
     return 0
