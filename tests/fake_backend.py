@@ -52,18 +52,26 @@ class _Cut(Exception):
     """Raised inside a stream: uvicorn drops the connection without ending the chunked body."""
 
 
-def completion(state: State, model: str, text: str) -> dict[str, Any]:
-    return {"id": f"chatcmpl-{state.name}-{state.requests}", "object": "chat.completion", "created": 0,
+def fake_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def completion(state: State, number: int, model: str, text: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{state.name}-{number}", "object": "chat.completion", "created": 0,
             "model": model, "system_fingerprint": state.name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
-                      "prompt_tokens_details": {"cached_tokens": 0}}}
+            "usage": fake_usage(5, 2)}
 
 
-def chunk(state: State, model: str, delta: dict[str, Any], finish: str | None = None) -> bytes:
-    body = {"id": f"chatcmpl-{state.name}-{state.requests}", "object": "chat.completion.chunk", "created": 0,
+def chunk(state: State, number: int, model: str, delta: dict[str, Any] | None, finish: str | None = None,
+          usage: dict[str, Any] | None = None) -> bytes:
+    """One SSE event of request `number`; delta None: the usage chunk (`choices: []`)."""
+    body = {"id": f"chatcmpl-{state.name}-{number}", "object": "chat.completion.chunk", "created": 0,
             "model": model, "system_fingerprint": state.name,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
@@ -91,6 +99,7 @@ def create_app(state: State, api_key: str | None = None) -> Starlette:
     async def chat(request: Request) -> Response:
         body = await request.json()
         state.requests += 1
+        number = state.requests
         model = body.get("model", "")
         state.models.append(model)
         state.session_ids.append(request.headers.get("x-session-id") or body.get("session_id"))
@@ -105,24 +114,32 @@ def create_app(state: State, api_key: str | None = None) -> Starlette:
             try:
                 if not await _sleep_unless_gone(request, control["delay_s"], state):
                     return Response(status_code=499)
-                return JSONResponse(completion(state, model, f"hello from {state.name}"))
+                return JSONResponse(completion(state, number, model, f"hello from {state.name}"))
             finally:
                 state.in_flight -= 1
-        return StreamingResponse(stream(request, model, dict(control)), media_type="text/event-stream")
+        # per request: `hold_after` N: after N chunks, wait (up to a minute) for the client to go away
+        hold_after = body.get("hold_after")
+        with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(stream(number, model, dict(control), hold_after, with_usage),
+                                 media_type="text/event-stream")
 
-    async def stream(request: Request, model: str, control: dict[str, Any]):
+    async def stream(number: int, model: str, control: dict[str, Any], hold_after: int | None, with_usage: bool):
         state.in_flight += 1
         try:
             await asyncio.sleep(control["delay_s"])
-            yield chunk(state, model, {"role": "assistant", "content": ""})
+            yield chunk(state, number, model, {"role": "assistant", "content": ""})
             for i in range(control["chunks"]):
                 if control["stall_after"] is not None and i >= control["stall_after"]:
                     await asyncio.sleep(3600)
                 if control["cut_after"] is not None and i >= control["cut_after"]:
                     raise _Cut()
+                if hold_after is not None and i == hold_after:
+                    await asyncio.sleep(60)  # cancelled when the client (the gateway) disconnects
                 await asyncio.sleep(control["chunk_gap_s"])
-                yield chunk(state, model, {"content": f"{state.name}{i} "})
-            yield chunk(state, model, {}, "stop")
+                yield chunk(state, number, model, {"content": f"{state.name}{i} "})
+            yield chunk(state, number, model, {}, "stop")
+            if with_usage:
+                yield chunk(state, number, model, None, usage=fake_usage(5, control["chunks"]))
             yield b"data: [DONE]\n\n"
         except asyncio.CancelledError:
             state.disconnects += 1
