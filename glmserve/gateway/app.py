@@ -106,6 +106,7 @@ def run_gateway(settings: GatewaySettings, options: ProxyOptions, host: str, por
     """Serves until SIGTERM/SIGINT; uvicorn re-raises the signal after its graceful shutdown, which exits 0."""
     signal.signal(signal.SIGTERM, _exit_cleanly)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per probe and per upstream request
     app = create_gateway_app(settings, options)
     uvicorn.run(app, host=host, port=port, access_log=False, log_level="info", timeout_graceful_shutdown=30,
                 timeout_keep_alive=CLIENT_KEEP_ALIVE_S)
