@@ -31,8 +31,9 @@ from glmserve.gateway.settings import GatewaySettings
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 # idle client connections are kept longer than clients keep them (httpx and the openai client: 5 s, aiohttp 15 s,
-# nginx upstreams 60 s): at uvicorn's 5 s default a client reusing a connection as the gateway closes it got a
-# ReadError (the fault run saw one; uvicorn's and httpx's equal 5 s defaults race, see agentscope-runtime PR 468)
+# nginx upstreams 60 s): at uvicorn's 5 s default a client can reuse a connection as the gateway closes it and get a
+# ReadError (uvicorn's and httpx's equal 5 s defaults race, see agentscope-runtime PR 468; most likely the one
+# ReadError of a 90 s fault run, bench/RESULTS.md "Load and fault")
 CLIENT_KEEP_ALIVE_S = 75
 # and idle upstream connections are dropped before the backends drop them (uvicorn, so glmserve serve: 5 s), so that
 # no request goes out on a connection the backend is closing (a transport error, a retry, a breaker strike)
