@@ -38,6 +38,7 @@ import httpx
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 TESTS = REPO / "tests"
+BENCH_KEY = "sk-bench-0123456789"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Say hello to the benchmark."}]}
 
 
@@ -57,6 +58,7 @@ class Proc:
     port: int
     proc: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)
+    http: bool = True  # False: ready once the port accepts a connection (redis-server)
 
     @property
     def url(self) -> str:
@@ -70,8 +72,11 @@ class Proc:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.argv} exited: {self.log.read_text()[-2000:]}")
+            if not self.http:
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + ready_path, timeout=2).status_code == 200:
+                if self.http and httpx.get(self.url + ready_path, timeout=2).status_code == 200:
                     return
             time.sleep(0.2)
         raise RuntimeError(f"{self.argv} not ready after {timeout_s} s")
@@ -108,10 +113,10 @@ class Connections:
     """Keep-alive HTTP/1.1 connections to one server, each used by one request at a time; the requests are
     prebuilt bytes and the answers are read by Content-Length, so that the load generator costs little CPU."""
 
-    def __init__(self, port: int, path: str, body: bytes) -> None:
+    def __init__(self, port: int, path: str, body: bytes, extra_headers: str = "") -> None:
         self.port = port
         self.request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                        f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+                        f"{extra_headers}Content-Length: {len(body)}\r\n\r\n").encode() + body
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def call(self, fresh: bool = False) -> int:
@@ -137,7 +142,7 @@ async def open_loop(targets: dict[str, Connections], rate: float, seconds: float
     """Sends `rate` requests/s to every target for `seconds`, interleaved; latencies (s) per target."""
     latencies: dict[str, list[float]] = {name: [] for name in targets}
     errors: dict[str, dict[str, int]] = {name: {} for name in targets}
-    loop = asyncio.get_running_loop()
+    clock = time.perf_counter  # uvloop's loop clock counts whole milliseconds
     tasks = []
 
     async def one(name: str, scheduled: float) -> None:
@@ -146,17 +151,17 @@ async def open_loop(targets: dict[str, Connections], rate: float, seconds: float
         except (OSError, asyncio.IncompleteReadError) as exc:
             status = type(exc).__name__
         if status == 200:
-            latencies[name].append(loop.time() - scheduled)
+            latencies[name].append(clock() - scheduled)
         else:
             errors[name][str(status)] = errors[name].get(str(status), 0) + 1
 
     names = list(targets)
     interval = 1.0 / (rate * len(names))
-    start = loop.time() + 0.1
+    start = clock() + 0.1
     n_total = int(rate * seconds) * len(names)
     for i in range(n_total):
         scheduled = start + i * interval
-        delay = scheduled - loop.time()
+        delay = scheduled - clock()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.ensure_future(one(names[i % len(names)], scheduled)))
@@ -180,20 +185,39 @@ def run_overhead(args: argparse.Namespace) -> dict:
     port = free_port()
     backend = Proc([sys.executable, str(TESTS / "fake_backend.py"), "--name", "fast", "--port", str(port)],
                    logdir / "backend.log", port)
-    gw = gateway_proc([backend.url], logdir)
+    procs = [backend]
+    extra = [*args.gateway_args.split()]
+    if not args.bare:  # the realistic configuration: a key with limits, a SQLite ledger, limits in Redis or memory
+        (logdir / "keys.toml").write_text(f'[[key]]\nname = "bench"\nkey = "{BENCH_KEY}"\nrps = 5000\n'
+                                          'burst = 5000\nrpm = 1000000\ntpm = 100000000\nmax_concurrency = 4096\n')
+        extra += ["--keys", str(logdir / "keys.toml"), "--ledger", f"sqlite:///{logdir / 'ledger.sqlite3'}"]
+        if args.limits == "redis":
+            redis_port = free_port()
+            procs.insert(0, Proc(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
+                                 logdir / "redis.log", redis_port, http=False))
+            extra += ["--redis", f"redis://127.0.0.1:{redis_port}/0"]
+    gw = gateway_proc([backend.url], logdir, *extra)
+    procs.append(gw)
     body = json.dumps(CHAT).encode()
     rows = []
 
     async def measure() -> None:
         targets = {"direct": Connections(backend.port, "/v1/chat/completions", body),
-                   "gateway": Connections(gw.port, "/v1/chat/completions", body)}
+                   "gateway": Connections(gw.port, "/v1/chat/completions", body,
+                                          "" if args.bare else f"Authorization: Bearer {BENCH_KEY}\r\n")}
         await open_loop(targets, 20, 2)  # warm-up: connections, code paths
+        spy = None
+        if args.py_spy:  # samples the gateway while the rates run (collapsed stacks, for flamegraph.pl or grep)
+            py_spy = str(Path(sys.executable).with_name("py-spy"))
+            spy = subprocess.Popen([py_spy, "record", "--pid", str(gw.proc.pid), "--format", "raw", "--rate", "200",
+                                    "--subprocesses", "--output", args.py_spy], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
         for rate in args.rates:
             cpu_before = {p: cpu_seconds(p.proc.pid) for p in (backend, gw)}
             lat, errors = await open_loop(targets, rate, args.seconds)
             n = {k: len(v) for k, v in lat.items()}
             cpu = {p: cpu_seconds(p.proc.pid) - cpu_before[p] for p in (backend, gw)}
-            row = {"rate_rps": rate, "seconds": args.seconds, "ok": n, "errors": errors,
+            row = {"rate_rps": rate, "seconds": args.seconds, "config": config, "ok": n, "errors": errors,
                    "load_average_1m": os.getloadavg()[0],
                    # CPU per request: the gateway's own, and the backend's (which serves both paths)
                    "gateway_cpu_ms_per_request": round(cpu[gw] * 1e3 / max(1, n["gateway"]), 3),
@@ -204,10 +228,25 @@ def run_overhead(args: argparse.Namespace) -> dict:
             row["mean_added_ms"] = round((statistics.mean(lat["gateway"]) - statistics.mean(lat["direct"])) * 1e3, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(timeout=60)
 
-    with running(backend, gw):
-        asyncio.run(measure())
+    config = "bare proxy" if args.bare else f"keys + {args.limits} limits + SQLite ledger"
+    config += f" {args.gateway_args}".rstrip()
+    with running(*procs):
+        _run_loop(measure())
     return {"overhead": rows}
+
+
+def _run_loop(coro) -> None:
+    """The generator on uvloop when it is installed (cheaper per request than asyncio's loop)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
 
 
 def main() -> None:
@@ -218,6 +257,10 @@ def main() -> None:
     o = sub.add_parser("overhead", parents=[common])
     o.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[200.0, 500.0])
     o.add_argument("--seconds", type=float, default=20)
+    o.add_argument("--py-spy", default=None, metavar="FILE", help="py-spy record the gateway into FILE")
+    o.add_argument("--bare", action="store_true", help="the proxy without keys (no ledger rows, no limits)")
+    o.add_argument("--limits", choices=("memory", "redis"), default="memory")
+    o.add_argument("--gateway-args", default="", help="more `glmserve gateway` options, e.g. '--max-retries 0'")
     f = sub.add_parser("fault", parents=[common])
     from gateway_fault import add_fault_args, run_fault  # it imports this module's process helpers
 

@@ -1,9 +1,10 @@
 """The billing ledger on a real SQLite file and a real PostgreSQL cluster (started by the test with initdb and
 pg_ctl; skipped where PostgreSQL is not installed): one row per request id (idempotent), sums per key and model,
-concurrent writers, and `glmserve billing report` (with and without the cached-input discount)."""
+concurrent writers, the gateway's group commit, and `glmserve billing report` (with and without the cached-input discount)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import threading
@@ -74,6 +75,25 @@ def test_concurrent_writers_lose_nothing(ledger_url: str) -> None:
     rows = ledger.rows()
     assert len(rows) == 200 and sum(r.cost_micro for r in rows) == 50 * (0 + 1 + 2 + 3)
     ledger.close()
+
+
+def test_group_commit_writes_each_row_once_and_one_bad_row_fails_alone(ledger_url: str) -> None:
+    ledger = Ledger(ledger_url)
+
+    async def burst() -> list[bool | BaseException]:
+        writes = [ledger.write(_row(f"g{i % 100}", cost=i)) for i in range(200)]  # each id twice, concurrently
+        writes.insert(50, ledger.write(_row("bad", key=None)))  # NOT NULL: that row's write fails, the batch not
+        return await asyncio.gather(*writes, return_exceptions=True)
+
+    results = asyncio.run(burst())
+    assert isinstance(results.pop(50), Exception)
+    assert results.count(True) == 100 and results.count(False) == 100
+    ledger.close()  # and it can be opened again: the writer thread is gone
+    reopened = Ledger(ledger_url)
+    rows = reopened.rows()
+    reopened.close()
+    assert sorted(r.request_id for r in rows) == sorted(f"g{i}" for i in range(100))
+    assert sum(r.cost_micro for r in rows) == sum(range(100))  # the first write of each id (in queue order) wins
 
 
 def test_billing_report_shows_the_saving(ledger_url: str) -> None:

@@ -57,8 +57,7 @@ def build_proxy(settings: GatewaySettings, options: ProxyOptions) -> Proxy:
     default_group = pool.group(settings.backend_urls)
     for url in settings.standby_urls:
         pool.add(url, standby=True)
-    return Proxy(pool, default_group, models, options, settings.request_timeout_s, ProxyMetrics(pool),
-                 client)
+    return Proxy(pool, default_group, models, options, settings.request_timeout_s, ProxyMetrics(pool))
 
 
 def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGIApp:
@@ -85,12 +84,14 @@ def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGI
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await proxy.start()
         await pool.start()
         try:
             yield
         finally:
             await pool.stop()
-            await asyncio.shield(proxy.client.aclose())
+            await asyncio.shield(pool.client.aclose())
+            await asyncio.shield(proxy.close())
 
     routes = [Route("/health", liveness), Route("/v1/health", readiness), Route("/metrics", metrics),
               Route("/v1/models", models), Route("/{path:path}", proxy.handle, methods=ALL_METHODS)]

@@ -1,7 +1,10 @@
 """The billing ledger: one row per answered request id, in SQLite (default) or PostgreSQL.
 
 A row is written in one transaction (never half a row) before the response's last bytes reach the client, and
-writing the same request id twice keeps the first row (idempotent). Requests refused before a backend answered
+writing the same request id twice keeps the first row (idempotent). `Ledger.write` (the gateway's path) is a group
+commit: one writer thread takes every row waiting and commits them in one transaction, and each caller resumes
+after its row's commit, so a gateway killed with SIGKILL has billed exactly the usage its clients received, while
+under load many rows share one commit and one thread wake-up. Requests refused before a backend answered
 (401, 429, ...) write nothing. Money is integer micro-USD.
 
 URLs: `sqlite:///ABSOLUTE/PATH` or `sqlite:///relative/path` (three slashes, then the path), or
@@ -10,9 +13,13 @@ URLs: `sqlite:///ABSOLUTE/PATH` or `sqlite:///relative/path` (three slashes, the
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
@@ -70,12 +77,17 @@ _SUMS = ("SELECT key_name, model, COUNT(*), SUM(prompt_tokens), SUM(cached_token
          "ORDER BY key_name, model")
 
 
+_Pending = tuple[LedgerRow, asyncio.Future, asyncio.AbstractEventLoop]
+
+
 class Ledger:
-    """A SQL ledger; one connection used under a lock (writes come from the event loop via a worker thread)."""
+    """A SQL ledger; one connection used under a lock (the event loop's rows go through one writer thread)."""
 
     def __init__(self, url: str | None = None) -> None:
         self.url = url or f"sqlite:///{cache_dir() / 'ledger.sqlite3'}"
         self._lock = threading.Lock()
+        self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         if self.url.startswith("sqlite:///"):
             path = Path(self.url.removeprefix("sqlite:///"))
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,6 +126,67 @@ class Ledger:
             cur = self._conn.execute(self._insert, astuple(row))
             return cur.rowcount == 1
 
+    def record_many(self, rows: list[LedgerRow]) -> list[bool | Exception]:
+        """Write `rows` in one transaction; per row, whether it was new. Should the transaction fail, each row is
+        written on its own, so one bad row costs only its own write (its exception in its place)."""
+        try:
+            with self._lock, self._transaction():
+                return [self._conn.execute(self._insert, astuple(row)).rowcount == 1 for row in rows]
+        except Exception:
+            if len(rows) == 1:
+                raise
+        results: list[bool | Exception] = []
+        for row in rows:
+            try:
+                results.append(self.record(row))
+            except Exception as exc:  # handed to that row's caller
+                results.append(exc)
+        return results
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        if self._param == "%s":  # psycopg, autocommit: an explicit transaction block
+            with self._conn.transaction():
+                yield
+            return
+        self._conn.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    async def write(self, row: LedgerRow) -> bool:
+        """`record(row)` by the writer thread, batched with the rows other requests wait on; returns once the row
+        is committed."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="ledger-writer", daemon=True)
+            self._writer.start()
+        self._pending.put((row, future, loop))
+        return await future
+
+    def _write_loop(self) -> None:
+        while True:
+            batch = [self._pending.get()]
+            while not self._pending.empty() and batch[-1] is not None:
+                batch.append(self._pending.get_nowait())
+            stop = batch[-1] is None
+            items = [item for item in batch if item is not None]
+            if items:
+                try:
+                    results: list[bool | Exception] = self.record_many([row for row, _, _ in items])
+                except Exception as exc:  # handed to the callers
+                    results = [exc] * len(items)
+                for loop in {loop for _, _, loop in items}:
+                    done = [(fut, res) for (_, fut, lp), res in zip(items, results) if lp is loop]
+                    with suppress(RuntimeError):  # that event loop is closed: nobody waits any more
+                        loop.call_soon_threadsafe(_resolve, done)
+            if stop:
+                return
+
     def rows(self, since_ms: int = 0) -> list[LedgerRow]:
         with self._lock:
             cur = self._conn.execute(f"SELECT {', '.join(COLUMNS)} FROM ledger WHERE ts_ms >= {self._param} "
@@ -129,8 +202,23 @@ class Ledger:
             return [UsageSummary(r[0], r[1], *(int(v or 0) for v in r[2:])) for r in cur.fetchall()]
 
     def close(self) -> None:
+        """Commits the rows still waiting (their callers resume), then closes the connection."""
+        if self._writer is not None:
+            self._pending.put(None)
+            self._writer.join()
+            self._writer = None
         with self._lock:
             self._conn.close()
+
+
+def _resolve(done: list[tuple[asyncio.Future, bool | Exception]]) -> None:
+    for future, result in done:
+        if future.cancelled():
+            continue
+        if isinstance(result, Exception):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
 
 def now_ms() -> int:

@@ -4,7 +4,10 @@ answer when not streamed) and the idle gap between stream chunks. On a timeout o
 upstream connection is closed, so that the backend aborts the request and frees its KV (glmserve does so on
 disconnect). Connect errors, 5xx and connections lost before the first byte reached the client are retried on
 another backend (at most --max-retries, within the retry budget); a stream cut after that ends with an SSE error
-event, never with `[DONE]`."""
+event, never with `[DONE]`.
+
+Upstream requests go through one pooled aiohttp session (keep-alive, C HTTP parser): its cost per request is a
+fraction of httpx's (bench/RESULTS.md "Gateway"); the backend probes keep their httpx client (backends.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import aiohttp
 import anyio
-import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -79,8 +82,7 @@ def _error(status: int, message: str, code: str, request_id: str, error_type: st
 
 class Proxy:
     def __init__(self, pool: BackendPool, default_group: tuple[Backend, ...], models: ModelMap,
-                 options: ProxyOptions, request_timeout_s: float, metrics: ProxyMetrics,
-                 client: httpx.AsyncClient) -> None:
+                 options: ProxyOptions, request_timeout_s: float, metrics: ProxyMetrics) -> None:
         self.pool = pool
         self.default_group = default_group
         self.groups = {name: pool.group(urls) for name, urls in models.pools.items()}
@@ -88,9 +90,20 @@ class Proxy:
         self.options = options
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
-        self.client = client
+        self.session: aiohttp.ClientSession | None = None  # opened by start(), in the server's event loop
         self.router = Router(options.load_factor, options.prefix_chars)
         self.budget = RetryBudget(options.retry_budget, floor=10)
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout_s),
+            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
 
     def first_byte_timeout(self, prompt_chars: int) -> float:
         tokens = prompt_chars / CHARS_PER_TOKEN
@@ -158,7 +171,7 @@ class Proxy:
 
     async def _guarded(self, request: Request, timeout_s: float, work: Callable[[], Awaitable[T]]) -> T:
         """`work()` under a deadline (TimeoutError), cancelled also when the client disconnects (_ClientGone);
-        cancelling an httpx request closes its connection."""
+        cancelling an aiohttp request closes its connection."""
         task = asyncio.ensure_future(work())
         watcher = asyncio.ensure_future(_disconnected(request))
         try:
@@ -181,40 +194,47 @@ class Proxy:
         backend.breaker.on_failure()
         return _Retryable(reason, _error(502, f"The backend failed ({reason}).", "upstream_error", request_id))
 
-    async def _send(self, request: Request, backend: Backend, call: _Request, started: float) -> httpx.Response:
-        """Sends the request and waits for the response head (and, not streamed, the whole body)."""
+    async def _send(self, request: Request, backend: Backend, call: _Request,
+                    started: float) -> tuple[aiohttp.ClientResponse, bytes]:
+        """Sends the request and waits for the response head and, not streamed, the whole body (else b"")."""
         rid = call.headers["x-request-id"]
-        upstream = self.client.build_request(call.method, backend.url + call.path, content=call.body,
-                                             headers=backend.upstream_headers(call.headers))
+        assert self.session is not None, "Proxy.start() was not awaited"
+        session = self.session
+
+        async def exchange() -> tuple[aiohttp.ClientResponse, bytes]:
+            response = await session.request(call.method, backend.url + call.path, data=call.body,
+                                             headers=backend.upstream_headers(call.headers), allow_redirects=False)
+            return response, b"" if call.stream else await response.read()
+
         try:
-            response = await self._guarded(request, call.timeout_s,
-                                           lambda: self.client.send(upstream, stream=call.stream))
+            response, body = await self._guarded(request, call.timeout_s, exchange)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:  # before the deadline's
+            raise self._failed(backend, "connect_error", "connect_error", rid) from exc  # TimeoutError: a subclass
         except TimeoutError:
             self.metrics.timeouts.labels("first_byte" if call.stream else "request").inc()
             self.metrics.upstream.labels(backend.url, "timeout").inc()
             backend.breaker.on_failure()
             raise
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise self._failed(backend, "connect_error", "connect_error", rid) from exc
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             raise self._failed(backend, "transport_error", "transport_error", rid) from exc
-        self.metrics.upstream.labels(backend.url, str(response.status_code)).inc()
-        if response.status_code >= 500:
-            body = await response.aread() if call.stream else response.content
-            await response.aclose()
+        self.metrics.upstream.labels(backend.url, str(response.status)).inc()
+        if response.status >= 500:
+            try:
+                body = await response.read() if call.stream else body
+            except aiohttp.ClientError:
+                body = b""
+            finally:
+                response.close()
             backend.breaker.on_failure()
-            raise _Retryable(f"status_{response.status_code}",
-                             self._relay_whole(response, body, call, started, backend))
-        return response
+            raise _Retryable(f"status_{response.status}", self._relay_whole(response, body, call, started, backend))
+        return response, body
 
-    def _relay_whole(self, response: httpx.Response, body: bytes, call: _Request, started: float,
+    def _relay_whole(self, response: aiohttp.ClientResponse, body: bytes, call: _Request, started: float,
                      backend: Backend) -> Response:
         self.metrics.duration.labels(backend.url).observe(time.perf_counter() - started)
         if call.echo_model is not None and response.headers.get("content-type", "").startswith("application/json"):
             body = rewrite_model(body, call.echo_model)
-        headers = {k: v for k, v in response.headers.items() if k not in RESPONSE_SKIP}
-        headers["x-request-id"] = call.headers["x-request-id"]
-        return Response(body, status_code=response.status_code, headers=headers)
+        return Response(body, status_code=response.status, headers=_relayed_headers(response, call))
 
     async def _unary(self, request: Request, backend: Backend, call: _Request) -> Response:
         started = time.perf_counter()
@@ -222,7 +242,7 @@ class Proxy:
         backend.breaker.acquire()
         try:
             try:
-                response = await self._send(request, backend, call, started)
+                response, body = await self._send(request, backend, call, started)
             except TimeoutError:
                 return _error(504, f"The backend did not answer within {call.timeout_s:g} s.", "upstream_timeout",
                               call.headers["x-request-id"])
@@ -231,7 +251,7 @@ class Proxy:
                 raise
             self.metrics.first_byte.labels(backend.url).observe(time.perf_counter() - started)
             backend.breaker.on_success()
-            return self._relay_whole(response, response.content, call, started, backend)
+            return self._relay_whole(response, body, call, started, backend)
         finally:
             backend.in_flight -= 1
 
@@ -241,16 +261,16 @@ class Proxy:
         backend.in_flight += 1
         backend.breaker.acquire()
         handed_over = False
-        response: httpx.Response | None = None
+        response: aiohttp.ClientResponse | None = None
         try:
             try:
-                response = await self._send(request, backend, call, started)
-                if response.status_code != 200:  # a 4xx: no stream to relay (but the backend answered)
-                    body = await response.aread()
-                    await response.aclose()
+                response, _ = await self._send(request, backend, call, started)
+                if response.status != 200:  # a 4xx: no stream to relay (but the backend answered)
+                    body = await response.read()
+                    response.release()
                     backend.breaker.on_success()
                     return self._relay_whole(response, body, call, started, backend)
-                chunks = response.aiter_raw()
+                chunks = response.content.iter_any()
                 first = await self._guarded(request, max(0.0, call.timeout_s - (time.perf_counter() - started)),
                                             lambda: anext(chunks))
             except TimeoutError:
@@ -262,19 +282,19 @@ class Proxy:
             except _ClientGone:
                 backend.breaker.on_release()
                 raise
-            except (StopAsyncIteration, httpx.TransportError) as exc:
+            except (StopAsyncIteration, aiohttp.ClientError) as exc:
                 raise self._failed(backend, "transport_error", "stream_lost_before_first_byte", rid) from exc
             self.metrics.first_byte.labels(backend.url).observe(time.perf_counter() - started)
-            headers = {k: v for k, v in response.headers.items() if k not in RESPONSE_SKIP}
-            headers["x-request-id"] = rid
             lease = _StreamLease(backend, response, started, self.metrics)
             handed_over = True
-            return _RelayedStream(self._relay_stream(lease, chunks, first, call), lease, headers=headers)
+            return _RelayedStream(self._relay_stream(lease, chunks, first, call), lease,
+                                  headers=_relayed_headers(response, call))
+        except aiohttp.ClientError as exc:  # reading the 4xx body
+            raise self._failed(backend, "transport_error", "transport_error", rid) from exc
         finally:
             if not handed_over:
                 if response is not None:
-                    with anyio.CancelScope(shield=True):
-                        await response.aclose()
+                    response.close()
                 backend.in_flight -= 1
 
     async def _relay_stream(self, lease: _StreamLease, chunks: AsyncIterator[bytes], first: bytes,
@@ -307,7 +327,7 @@ class Proxy:
                 self.metrics.stream_errors.labels("ended_without_done").inc()
                 verdict = False
                 yield error_event("The backend ended the stream before it was complete.", "upstream_stream_cut")
-        except httpx.TransportError:
+        except aiohttp.ClientError:
             self.metrics.stream_errors.labels("cut").inc()
             verdict = False
             yield error_event("The connection to the backend was lost mid-stream.", "upstream_stream_cut")
@@ -319,7 +339,8 @@ class _StreamLease:
     """A relayed stream's hold on its backend: released once, by the relay's end or by the response's own end
     (a client gone before the relay started never runs the relay's `finally`)."""
 
-    def __init__(self, backend: Backend, response: httpx.Response, started: float, metrics: ProxyMetrics) -> None:
+    def __init__(self, backend: Backend, response: aiohttp.ClientResponse, started: float,
+                 metrics: ProxyMetrics) -> None:
         self.backend = backend
         self.response = response
         self.started = started
@@ -330,8 +351,10 @@ class _StreamLease:
         if self.closed:
             return
         self.closed = True
-        with anyio.CancelScope(shield=True):
-            await self.response.aclose()
+        if verdict is True:
+            self.response.release()  # read to its end: the connection goes back to the pool
+        else:
+            self.response.close()  # unfinished: the connection is closed, so the backend aborts the request
         self.backend.in_flight -= 1
         breaker = self.backend.breaker
         if verdict is True:
@@ -341,6 +364,12 @@ class _StreamLease:
         else:
             breaker.on_release()
         self.metrics.duration.labels(self.backend.url).observe(time.perf_counter() - self.started)
+
+
+def _relayed_headers(response: aiohttp.ClientResponse, call: _Request) -> dict[str, str]:
+    headers = {k.lower(): v for k, v in response.headers.items() if k.lower() not in RESPONSE_SKIP}
+    headers["x-request-id"] = call.headers["x-request-id"]
+    return headers
 
 
 class _RelayedStream(StreamingResponse):
