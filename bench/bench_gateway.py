@@ -59,6 +59,7 @@ class Proc:
     proc: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)
     http: bool = True  # False: ready once the port accepts a connection (redis-server)
+    cwd: Path | None = None  # `python -m` imports from the working directory first
 
     @property
     def url(self) -> str:
@@ -66,7 +67,7 @@ class Proc:
 
     def start(self, ready_path: str = "/v1/health", timeout_s: float = 300) -> None:
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd,
                                          env={**os.environ, "PYTHONPATH": str(REPO), **self.env})
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -190,42 +191,58 @@ def run_overhead(args: argparse.Namespace) -> dict:
     if not args.bare:  # the realistic configuration: a key with limits, a SQLite ledger, limits in Redis or memory
         (logdir / "keys.toml").write_text(f'[[key]]\nname = "bench"\nkey = "{BENCH_KEY}"\nrps = 5000\n'
                                           'burst = 5000\nrpm = 1000000\ntpm = 100000000\nmax_concurrency = 4096\n')
-        extra += ["--keys", str(logdir / "keys.toml"), "--ledger", f"sqlite:///{logdir / 'ledger.sqlite3'}"]
+        extra += ["--keys", str(logdir / "keys.toml")]
         if args.limits == "redis":
             redis_port = free_port()
             procs.insert(0, Proc(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
                                  logdir / "redis.log", redis_port, http=False))
             extra += ["--redis", f"redis://127.0.0.1:{redis_port}/0"]
-    gw = gateway_proc([backend.url], logdir, *extra)
-    procs.append(gw)
+    gateways = {"gateway": REPO}
+    if args.baseline:  # another checkout's gateway, the same configuration, interleaved in the same run
+        gateways["baseline"] = Path(args.baseline).resolve()
+    gws: dict[str, Proc] = {}
+    for name, root in gateways.items():
+        ledger = [] if args.bare else ["--ledger", f"sqlite:///{logdir / f'ledger-{name}.sqlite3'}"]
+        gws[name] = gateway_proc([backend.url], logdir, *extra, *ledger)
+        gws[name].log = logdir / f"{name}.log"
+        gws[name].env, gws[name].cwd = {"PYTHONPATH": str(root)}, root
+    procs += gws.values()
     body = json.dumps(CHAT).encode()
+    auth = "" if args.bare else f"Authorization: Bearer {BENCH_KEY}\r\n"
     rows = []
 
     async def measure() -> None:
         targets = {"direct": Connections(backend.port, "/v1/chat/completions", body),
-                   "gateway": Connections(gw.port, "/v1/chat/completions", body,
-                                          "" if args.bare else f"Authorization: Bearer {BENCH_KEY}\r\n")}
+                   **{name: Connections(gw.port, "/v1/chat/completions", body, auth) for name, gw in gws.items()}}
         await open_loop(targets, 20, 2)  # warm-up: connections, code paths
         spy = None
         if args.py_spy:  # samples the gateway while the rates run (collapsed stacks, for flamegraph.pl or grep)
             py_spy = str(Path(sys.executable).with_name("py-spy"))
-            spy = subprocess.Popen([py_spy, "record", "--pid", str(gw.proc.pid), "--format", "raw", "--rate", "200",
-                                    "--subprocesses", "--output", args.py_spy], stdout=subprocess.DEVNULL,
+            spy = subprocess.Popen([py_spy, "record", "--pid", str(gws["gateway"].proc.pid), "--format", "raw",
+                                    "--rate", "200", "--output", args.py_spy], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
         for rate in args.rates:
-            cpu_before = {p: cpu_seconds(p.proc.pid) for p in (backend, gw)}
+            measured = [backend, *gws.values()]
+            cpu_before = {p: cpu_seconds(p.proc.pid) for p in measured}
+            load_before = os.getloadavg()[0]
             lat, errors = await open_loop(targets, rate, args.seconds)
             n = {k: len(v) for k, v in lat.items()}
-            cpu = {p: cpu_seconds(p.proc.pid) - cpu_before[p] for p in (backend, gw)}
+            cpu = {p: cpu_seconds(p.proc.pid) - cpu_before[p] for p in measured}
             row = {"rate_rps": rate, "seconds": args.seconds, "config": config, "ok": n, "errors": errors,
-                   "load_average_1m": os.getloadavg()[0],
-                   # CPU per request: the gateway's own, and the backend's (which serves both paths)
-                   "gateway_cpu_ms_per_request": round(cpu[gw] * 1e3 / max(1, n["gateway"]), 3),
-                   "backend_cpu_ms_per_request": round(cpu[backend] * 1e3 / max(1, n["gateway"] + n["direct"]), 3)}
+                   "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                   # CPU per request: each gateway's own, and the backend's (which serves every path)
+                   "backend_cpu_ms_per_request": round(cpu[backend] * 1e3 / max(1, sum(n.values())), 3)}
+            for name, gw in gws.items():
+                row[f"{name}_cpu_ms_per_request"] = round(cpu[gw] * 1e3 / max(1, n[name]), 3)
             for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
-                d, g = pct(lat["direct"], q) * 1e3, pct(lat["gateway"], q) * 1e3
-                row[label] = {"direct_ms": round(d, 3), "gateway_ms": round(g, 3), "added_ms": round(g - d, 3)}
-            row["mean_added_ms"] = round((statistics.mean(lat["gateway"]) - statistics.mean(lat["direct"])) * 1e3, 3)
+                d = pct(lat["direct"], q) * 1e3
+                row[label] = {"direct_ms": round(d, 3)}
+                for name in gws:
+                    g = pct(lat[name], q) * 1e3
+                    row[label] |= {f"{name}_ms": round(g, 3), f"{name}_added_ms": round(g - d, 3)}
+            for name in gws:
+                row[f"{name}_mean_added_ms"] = round((statistics.mean(lat[name]) - statistics.mean(lat["direct"]))
+                                                     * 1e3, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
         if spy is not None:
@@ -257,6 +274,8 @@ def main() -> None:
     o = sub.add_parser("overhead", parents=[common])
     o.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[200.0, 500.0])
     o.add_argument("--seconds", type=float, default=20)
+    o.add_argument("--baseline", default=None, metavar="CHECKOUT",
+                   help="also measure the gateway of this checkout (e.g. `git archive main | tar -x -C DIR`)")
     o.add_argument("--py-spy", default=None, metavar="FILE", help="py-spy record the gateway into FILE")
     o.add_argument("--bare", action="store_true", help="the proxy without keys (no ledger rows, no limits)")
     o.add_argument("--limits", choices=("memory", "redis"), default="memory")

@@ -134,7 +134,9 @@ class Proxy:
         session = request.headers.get("x-session-id") or payload.get("session_id")
         prompt = prompt_text(payload) if payload else ""
         rule, key = self.router.affinity_key(session if isinstance(session, str) else None, prompt)
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        scope = request.scope  # the path as the client sent it (percent-escapes kept; no URL object per request)
+        raw_path, query = scope.get("raw_path"), scope.get("query_string", b"").decode("latin-1")
+        path = (raw_path.decode("latin-1") if raw_path else scope["path"]) + (f"?{query}" if query else "")
         timeout_s = self.first_byte_timeout(len(prompt)) if stream else self.request_timeout_s
         call = _Request(request.method, path, raw, headers, stream, echo, timeout_s)
         response = await self._dispatch(request, call, group, rule, key, request_id)
@@ -270,7 +272,7 @@ class Proxy:
                     response.release()
                     backend.breaker.on_success()
                     return self._relay_whole(response, body, call, started, backend)
-                chunks = response.content.iter_any()
+                chunks = _body_chunks(response.content)
                 first = await self._guarded(request, max(0.0, call.timeout_s - (time.perf_counter() - started)),
                                             lambda: anext(chunks))
             except TimeoutError:
@@ -364,6 +366,22 @@ class _StreamLease:
         else:
             breaker.on_release()
         self.metrics.duration.labels(self.backend.url).observe(time.perf_counter() - self.started)
+
+
+async def _body_chunks(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The body as it arrives. When the connection is lost, what had arrived before is given out ahead of the
+    error: aiohttp's `readany()` raises at once and would drop it (aiohttp/streams.py, StreamReader.readany)."""
+    while True:
+        try:
+            chunk = await content.readany()
+        except aiohttp.ClientPayloadError:
+            left = content._read_nowait(-1)  # the buffer, without readany's exception check
+            if left:
+                yield left
+            raise
+        if not chunk:
+            return
+        yield chunk
 
 
 def _relayed_headers(response: aiohttp.ClientResponse, call: _Request) -> dict[str, str]:
