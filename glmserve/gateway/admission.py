@@ -66,6 +66,7 @@ USAGE_PATH = "/v1/usage"
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 8  # role markers and separators a chat template adds per message
 TOKENIZE_INLINE_CHARS = 8192  # longer prompts are counted in a worker thread, off the event loop
+PARSED_BODY = "glmserve.parsed_body"  # scope key: the JSON object the forwarded body holds (parsed once)
 
 
 @dataclass
@@ -242,8 +243,11 @@ class GatewayMiddleware:
             body["stream_options"] = {**options, "include_usage": True}
         payload = forward if forward is not None else (json.dumps(body).encode() if streamed else raw)
         state = _Admitted(key, model, ticket, streamed)
+        inner = _with_length(scope, len(payload))
+        if forward is None:
+            inner[PARSED_BODY] = body
         try:
-            await self.app(_with_length(scope, len(payload)), _replay(payload, receive),
+            await self.app(inner, _replay(payload, receive),
                            self._billing_send(send, state, client_wants_usage))
         finally:
             await self._settle(state)

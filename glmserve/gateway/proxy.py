@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from glmserve.gateway.admission import PARSED_BODY
 from glmserve.gateway.backends import Backend, BackendPool
 from glmserve.gateway.models_map import ModelMap
 from glmserve.gateway.proxy_metrics import ProxyMetrics
@@ -112,8 +113,8 @@ class Proxy:
 
     async def handle(self, request: Request) -> Response:
         raw = await request.body()
-        payload: Any = None
-        if raw and request.method == "POST":
+        payload: Any = request.scope.get(PARSED_BODY)  # GatewayMiddleware parsed it already
+        if payload is None and raw and request.method == "POST":
             try:
                 payload = json.loads(raw)
             except ValueError:
