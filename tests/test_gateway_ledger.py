@@ -1,6 +1,7 @@
 """The billing ledger on a real SQLite file and a real PostgreSQL cluster (started by the test with initdb and
 pg_ctl; skipped where PostgreSQL is not installed): one row per request id (idempotent), sums per key and model,
-concurrent writers, the gateway's group commit, and `glmserve billing report` (with and without the cached-input discount)."""
+concurrent writers, the gateway's group commit, and `glmserve billing report` (with and without the cached-input
+discount)."""
 
 from __future__ import annotations
 
