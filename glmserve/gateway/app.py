@@ -57,7 +57,8 @@ def build_proxy(settings: GatewaySettings, options: ProxyOptions) -> Proxy:
     default_group = pool.group(settings.backend_urls)
     for url in settings.standby_urls:
         pool.add(url, standby=True)
-    return Proxy(pool, default_group, models, options, settings.request_timeout_s, ProxyMetrics(pool))
+    return Proxy(pool, default_group, models, options, settings.request_timeout_s, ProxyMetrics(pool),
+                 keep_alive_s=UPSTREAM_KEEP_ALIVE_S)
 
 
 def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGIApp:

@@ -83,7 +83,8 @@ def _error(status: int, message: str, code: str, request_id: str, error_type: st
 
 class Proxy:
     def __init__(self, pool: BackendPool, default_group: tuple[Backend, ...], models: ModelMap,
-                 options: ProxyOptions, request_timeout_s: float, metrics: ProxyMetrics) -> None:
+                 options: ProxyOptions, request_timeout_s: float, metrics: ProxyMetrics,
+                 keep_alive_s: float = 4.0) -> None:
         self.pool = pool
         self.default_group = default_group
         self.groups = {name: pool.group(urls) for name, urls in models.pools.items()}
@@ -91,12 +92,13 @@ class Proxy:
         self.options = options
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
+        self.keep_alive_s = keep_alive_s  # idle upstream connections are closed after this (app.py says why)
         self.session: aiohttp.ClientSession | None = None  # opened by start(), in the server's event loop
         self.router = Router(options.load_factor, options.prefix_chars)
         self.budget = RetryBudget(options.retry_budget, floor=10)
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=self.keep_alive_s)
         self.session = aiohttp.ClientSession(
             connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout_s),
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
