@@ -41,7 +41,8 @@ class LinearBackend(Protocol):
 
 _REGISTRY: list[tuple[int, LinearBackend]] = []
 # modules that register a backend when imported; one that does not exist (yet) is skipped
-BUILTIN_BACKENDS = ("glmserve.quant.reference", "glmserve.quant.cpu_backend", "glmserve.quant.cuda_backend")
+BUILTIN_BACKENDS = ("glmserve.quant.reference", "glmserve.quant.cpu_backend", "glmserve.quant.cpu_float_backend",
+                    "glmserve.quant.cuda_backend")
 
 
 def load_builtin_backends() -> None:

@@ -1,0 +1,346 @@
+// Float quantized linear layers on CPU: float32 activations times FP8 E4M3 or NVFP4 (E2M1) weights that are
+// dequantized inside the kernel, with fp32 FMAs (glmserve/quant/cpu_float_backend.py repacks the weights and
+// documents the formats).
+//
+// Weights: rows interleaved in tiles of 16 output rows, as the int kernels (quant_matmul.cpp) lay them out,
+// so that one SIMD vector holds input i of the tile's 16 rows and a dot product accumulates one row per lane
+// with no horizontal sum:
+//   fp8: codes [tiles, kp, 16] uint8 (E4M3 bits); scales [tiles, groups, 16] float32, one per row and group
+//        of `group` inputs (channel / tensor: one group), times 2^120 / post (see decode below)
+//   fp4: codes [tiles, kp / 2, 16] uint8: byte j of row r = code of input 2j (low nibble) | 2j+1 (high);
+//        scales [tiles, groups, 16] uint8 (E4M3 bits of NVFP4's per-16 scale); `factor` = 2^120 / (global
+//        scale * post)
+// A weight is value(code) * s(row, group); the output is post * sum_i x_i w_i (post: a power of two that
+// keeps the folded scales finite, 1 for any real checkpoint).
+//
+// Decoding (bit tricks, our own; the idea of moving a small float's exponent and mantissa into fp32 and
+// rescaling is the usual one, e.g. the fp16 fallback in quant_matmul.cpp):
+//   E4M3 s eeee mmm: sign-extend the byte to 32 bits, shift left 20 and keep bits 31 and 26..20: the fp32
+//     number with exponent field eeee and mantissa mmm, which is exactly value * 2^-120 for normal and
+//     subnormal codes alike (fp32 subnormals: the kernel relies on denormals not being flushed, torch's
+//     default). The 2^120 lives in the scale, so value * s is one multiply and bit-identical to the
+//     reference's fp8.float() * scale. NaN codes (0x7F, 0xFF) are not decoded as NaN (quantizers never write them).
+//   E2M1: a 16-entry table: AVX-512 vpermps (one instruction), AVX2 vpermps on the magnitude (8 entries)
+//     with the sign bit or-ed in, scalar a table lookup.
+// Per tile: batch <= NB rows (8 AVX-512, 4 AVX2 and scalar): each input's 16 weights are decoded once into a
+// register and FMA-ed into the NB rows' accumulators (with 2-4 independent chains at small NB to hide FMA
+// latency). Batch > NB: the tile's weights are decoded once per chunk of KC inputs into an fp32 buffer
+// (16 x KC floats, in L1/L2) and every group of NB rows runs an fp32 micro-kernel over it, so decoding is
+// paid once per weight whatever the batch (the "decode once, reuse" tiling of llama.cpp's and vLLM's CPU
+// GEMMs, in our own code). Threads split the tiles (at::parallel_for).
+//
+// Activations are float32. With fp8 activations (the fp8 schemes' dynamic per-token E4M3), each row is
+// fake-quantized first exactly as glmserve/quant/reference.py does (scale = max(amax / 448, 1e-12), codes by
+// torch's own E4M3 rounding, c10::Float8_e4m3fn), then multiplied in float: the same numbers as the reference.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/extension.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t ROWS = 16;   // output rows per tile
+constexpr int64_t KC = 256;    // inputs per decoded chunk (batched path): 16 KB of fp32 weights
+constexpr float FP8_MAX = 448.0f;
+
+// ---------------------------------------------------------------------------------------------- vectors of 16 rows
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int MAX_NB = 8;
+struct V { __m512 r; };
+inline V vzero() { return {_mm512_setzero_ps()}; }
+inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.r); }
+inline V vadd(V a, V b) { return {_mm512_add_ps(a.r, b.r)}; }
+inline V vmul(V a, V b) { return {_mm512_mul_ps(a.r, b.r)}; }
+inline V vset(float x) { return {_mm512_set1_ps(x)}; }
+inline V vfma(const float* x, V w, V acc) { return {_mm512_fmadd_ps(_mm512_set1_ps(*x), w.r, acc.r)}; }
+inline V fp8_scaled(const uint8_t* p) {  // 16 E4M3 codes -> value * 2^-120
+  const __m512i v = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 20);
+  return {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0x87F00000u))))};
+}
+inline void fp4_pair(const uint8_t* p, V& lo, V& hi) {  // 16 bytes -> the values of their low and high nibbles
+  const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo.r = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table);
+  hi.r = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+template <int NB> constexpr int chains() { return NB == 1 ? 4 : 2; }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int MAX_NB = 4;
+struct V { __m256 a, b; };
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+inline V vadd(V x, V y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+inline V vmul(V x, V y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline V vset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V vfma(const float* x, V w, V acc) {
+  const __m256 b = _mm256_broadcast_ss(x);
+  return {_mm256_fmadd_ps(b, w.a, acc.a), _mm256_fmadd_ps(b, w.b, acc.b)};
+}
+inline __m256 fp8_scaled8(__m128i bytes) {
+  const __m256i v = _mm256_slli_epi32(_mm256_cvtepi8_epi32(bytes), 20);
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0x87F00000u))));
+}
+inline V fp8_scaled(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {fp8_scaled8(bytes), fp8_scaled8(_mm_srli_si128(bytes, 8))};
+}
+inline void fp4_pair8(__m128i bytes, __m256& lo, __m256& hi) {
+  // vpermps reads the low 3 bits of each index: the magnitude of the low nibble, then (shifted) of the high one
+  const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256i v = _mm256_cvtepu8_epi32(bytes), sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  lo = _mm256_or_ps(_mm256_permutevar8x32_ps(table, v), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 28), sign)));
+  hi = _mm256_or_ps(_mm256_permutevar8x32_ps(table, _mm256_srli_epi32(v, 4)),
+                    _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 24), sign)));
+}
+inline void fp4_pair(const uint8_t* p, V& lo, V& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  fp4_pair8(bytes, lo.a, hi.a);
+  fp4_pair8(_mm_srli_si128(bytes, 8), lo.b, hi.b);
+}
+template <int NB> constexpr int chains() { return NB == 1 ? 4 : NB == 2 ? 2 : 1; }
+#else
+constexpr int MAX_NB = 4;
+struct V { float v[ROWS]; };
+inline V vzero() { return V{}; }
+inline V vload(const float* p) { V r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+inline void vstore(float* p, const V& a) { std::memcpy(p, a.v, sizeof(a.v)); }
+inline V vadd(V a, const V& b) { for (int r = 0; r < ROWS; ++r) a.v[r] += b.v[r]; return a; }
+inline V vmul(V a, const V& b) { for (int r = 0; r < ROWS; ++r) a.v[r] *= b.v[r]; return a; }
+inline V vset(float x) { V a; for (int r = 0; r < ROWS; ++r) a.v[r] = x; return a; }
+inline V vfma(const float* x, const V& w, V acc) { for (int r = 0; r < ROWS; ++r) acc.v[r] += *x * w.v[r]; return acc; }
+inline V fp8_scaled(const uint8_t* p) {
+  V a;
+  for (int r = 0; r < ROWS; ++r) {
+    const uint32_t bits = (static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(p[r]))) << 20) & 0x87F00000u;
+    std::memcpy(&a.v[r], &bits, 4);
+  }
+  return a;
+}
+constexpr float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+inline void fp4_pair(const uint8_t* p, V& lo, V& hi) {
+  for (int r = 0; r < ROWS; ++r) {
+    lo.v[r] = E2M1[p[r] & 15];
+    hi.v[r] = E2M1[p[r] >> 4];
+  }
+}
+template <int NB> constexpr int chains() { return 1; }
+#endif
+
+// ---------------------------------------------------------------------------------------------- one tile
+struct Tile {
+  const uint8_t* codes;   // fp8: [kp, 16]; fp4: [kp / 2, 16]
+  const float* scales;    // fp8: [groups, 16] (folded)
+  const uint8_t* sbytes;  // fp4: [groups, 16] E4M3 bits
+};
+
+struct Shape {
+  int64_t kp, group, groups;
+  float factor;  // fp4: 2^120 / (global * post)
+};
+
+template <bool FP4>
+inline V group_scale(const Tile& t, const Shape& s, int64_t g) {
+  if constexpr (FP4) return vmul(fp8_scaled(t.sbytes + g * ROWS), vset(s.factor));
+  else return vload(t.scales + g * ROWS);
+}
+
+// the weights of inputs i and i + 1 (i even) of the tile's 16 rows, times their group's scale
+template <bool FP4>
+inline void decode_pair(const Tile& t, int64_t i, const V& sg, V& w0, V& w1) {
+  if constexpr (FP4) {
+    fp4_pair(t.codes + (i / 2) * ROWS, w0, w1);
+  } else {
+    w0 = fp8_scaled(t.codes + i * ROWS);
+    w1 = fp8_scaled(t.codes + (i + 1) * ROWS);
+  }
+  w0 = vmul(w0, sg);
+  w1 = vmul(w1, sg);
+}
+
+// NB activation rows (x rows of stride kp) x one tile, decoding in registers: out [NB, 16]
+template <int NB, bool FP4>
+void tile_direct(const Tile& t, const Shape& s, const float* x, float* out) {
+  constexpr int CH = chains<NB>();  // independent accumulators per row (1, 2 or 4)
+  constexpr int STEP = CH < 2 ? 2 : CH;  // inputs per step: whole pairs
+  V acc[NB][CH];
+  for (int n = 0; n < NB; ++n)
+    for (int c = 0; c < CH; ++c) acc[n][c] = vzero();
+  for (int64_t g = 0; g < s.groups; ++g) {
+    const V sg = group_scale<FP4>(t, s, g);
+    const int64_t end = std::min(s.kp, (g + 1) * s.group);
+    for (int64_t i = g * s.group; i < end; i += STEP) {
+      for (int p = 0; p < STEP; p += 2) {
+        V w0, w1;
+        decode_pair<FP4>(t, i + p, sg, w0, w1);
+        for (int n = 0; n < NB; ++n) {
+          const float* xi = x + n * s.kp + i + p;
+          acc[n][p % CH] = vfma(xi, w0, acc[n][p % CH]);
+          acc[n][(p + 1) % CH] = vfma(xi + 1, w1, acc[n][(p + 1) % CH]);
+        }
+      }
+    }
+  }
+  for (int n = 0; n < NB; ++n) {
+    V sum = acc[n][0];
+    for (int c = 1; c < CH; ++c) sum = vadd(sum, acc[n][c]);
+    vstore(out + n * ROWS, sum);
+  }
+}
+
+// the tile's weights of inputs [k0, k1) decoded and scaled into buf [k1 - k0, 16]
+template <bool FP4>
+void decode_chunk(const Tile& t, const Shape& s, int64_t k0, int64_t k1, float* buf) {
+  for (int64_t g = k0 / s.group; g * s.group < k1; ++g) {
+    const V sg = group_scale<FP4>(t, s, g);
+    const int64_t lo = std::max(k0, g * s.group), hi = std::min(k1, (g + 1) * s.group);
+    for (int64_t i = lo; i < hi; i += 2) {
+      V w0, w1;
+      decode_pair<FP4>(t, i, sg, w0, w1);
+      vstore(buf + (i - k0) * ROWS, w0);
+      vstore(buf + (i - k0 + 1) * ROWS, w1);
+    }
+  }
+}
+
+// NB rows x a decoded chunk of `len` inputs: acc [NB, 16] (in memory, across chunks) += x[:, k0:k0+len] w
+template <int NB>
+void chunk_fma(const float* buf, int64_t len, const float* x, int64_t kp, float* acc) {
+  V a[NB];
+  for (int n = 0; n < NB; ++n) a[n] = vload(acc + n * ROWS);
+  for (int64_t i = 0; i < len; ++i) {
+    const V w = vload(buf + i * ROWS);
+    for (int n = 0; n < NB; ++n) a[n] = vfma(x + n * kp + i, w, a[n]);
+  }
+  for (int n = 0; n < NB; ++n) vstore(acc + n * ROWS, a[n]);
+}
+
+template <int NB>
+void chunk_rows(int rows, const float* buf, int64_t len, const float* x, int64_t kp, float* acc) {
+  if constexpr (NB > 1) {
+    if (rows < NB) return chunk_rows<NB - 1>(rows, buf, len, x, kp, acc);
+  }
+  chunk_fma<NB>(buf, len, x, kp, acc);
+}
+
+template <bool FP4, int NB>
+void direct_rows(int rows, const Tile& t, const Shape& s, const float* x, float* out) {
+  if constexpr (NB > 1) {
+    if (rows < NB) return direct_rows<FP4, NB - 1>(rows, t, s, x, out);
+  }
+  tile_direct<NB, FP4>(t, s, x, out);
+}
+
+template <bool FP4>
+void matmul_impl(const float* x, int64_t N, const uint8_t* codes, const float* scales, const uint8_t* sbytes,
+                 int64_t tiles, const Shape& s, float post, int64_t out_features, float* o) {
+  const int64_t code_bytes = (FP4 ? s.kp / 2 : s.kp) * ROWS;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(N * ROWS), buf(N > MAX_NB ? KC * ROWS : 0);
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Tile t{codes + ti * code_bytes, FP4 ? nullptr : scales + ti * s.groups * ROWS,
+                   FP4 ? sbytes + ti * s.groups * ROWS : nullptr};
+      if (N <= MAX_NB) {
+        direct_rows<FP4, MAX_NB>(static_cast<int>(N), t, s, x, acc.data());
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t k0 = 0; k0 < s.kp; k0 += KC) {
+          const int64_t len = std::min(KC, s.kp - k0);
+          decode_chunk<FP4>(t, s, k0, k0 + len, buf.data());
+          for (int64_t n0 = 0; n0 < N; n0 += MAX_NB)
+            chunk_rows<MAX_NB>(static_cast<int>(std::min<int64_t>(MAX_NB, N - n0)), buf.data(), len,
+                               x + n0 * s.kp + k0, s.kp, acc.data() + n0 * ROWS);
+        }
+      }
+      const int64_t r0 = ti * ROWS, cols = std::min<int64_t>(ROWS, out_features - r0);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t c = 0; c < cols; ++c) o[n * out_features + r0 + c] = acc[n * ROWS + c] * post;
+    }
+  });
+}
+
+// one row fake-quantized to E4M3 per token, as reference.fake_quantize_activations: (x / scale) -> e4m3 -> * scale.
+// Without fast math, so that x / scale is a true division (as torch's) rather than a reciprocal multiply.
+__attribute__((optimize("no-fast-math"))) void fp8_row(const float* x, int64_t k, int64_t kp, float* out) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = std::max(amax / FP8_MAX, 1e-12f);
+  for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(c10::Float8_e4m3fn(x[i] / scale)) * scale;
+  for (int64_t i = k; i < kp; ++i) out[i] = 0.f;
+}
+
+// x [N, k] -> [N, kp] float32 rows the kernel reads: fake-quantized to fp8 per token, zero-padded, or x itself
+at::Tensor kernel_rows(const at::Tensor& x, int64_t kp, bool fp8_tokens) {
+  const int64_t N = x.size(0), k = x.size(1);
+  if (!fp8_tokens && k == kp) return x;
+  auto rows = at::empty({N, kp}, at::kFloat);
+  const float* xp = x.data_ptr<float>();
+  float* rp = rows.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      if (fp8_tokens) {
+        fp8_row(xp + n * k, k, kp, rp + n * kp);
+      } else {
+        std::memcpy(rp + n * kp, xp + n * k, k * sizeof(float));
+        std::fill(rp + n * kp + k, rp + (n + 1) * kp, 0.f);
+      }
+    }
+  });
+  return rows;
+}
+
+// the fp8 activation rows alone (tests compare them with the reference's)
+at::Tensor fp8_fake_quantize_rows(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "fp8_fake_quantize_rows: x must be a 2-D float32 CPU tensor");
+  const auto x = x_in.contiguous();
+  return kernel_rows(x, x.size(1), true);
+}
+
+// out [N, out_features] = x [N, k] (fp8-fake-quantized per row first when fp8_tokens) x the packed weight
+at::Tensor float_quant_linear(const at::Tensor& x_in, bool fp8_tokens, const at::Tensor& codes, const at::Tensor& scales,
+                              bool fp4, int64_t group, double factor, double post, int64_t out_features) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "float_quant_linear: x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == ROWS,
+              "float_quant_linear: codes [tiles, kp or kp / 2, 16] uint8");
+  const int64_t tiles = codes.size(0), kp = fp4 ? codes.size(1) * 2 : codes.size(1);
+  TORCH_CHECK(kp % 16 == 0 && group > 0 && group % 16 == 0, "float_quant_linear: inputs padded to 16, groups of 16s");
+  const int64_t groups = (kp + group - 1) / group;
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) == groups &&
+                  scales.size(2) == ROWS && scales.scalar_type() == (fp4 ? at::kByte : at::kFloat),
+              "float_quant_linear: scales [tiles, groups, 16] (float32 for fp8, E4M3 bytes for fp4)");
+  TORCH_CHECK(tiles * ROWS >= out_features, "float_quant_linear: ", tiles, " tiles hold fewer rows than ", out_features);
+  const auto x = x_in.contiguous();
+  TORCH_CHECK(x.size(1) <= kp && x.size(1) > kp - 16, "float_quant_linear: input has ", x.size(1),
+              " features, the weight ", kp, " (padded)");
+  const auto rows = kernel_rows(x, kp, fp8_tokens);
+  const int64_t N = x.size(0);
+  auto out = at::empty({N, out_features}, at::kFloat);
+  const Shape s{kp, group, groups, static_cast<float>(factor)};
+  if (fp4)
+    matmul_impl<true>(rows.data_ptr<float>(), N, codes.data_ptr<uint8_t>(), nullptr, scales.data_ptr<uint8_t>(), tiles,
+                      s, static_cast<float>(post), out_features, out.data_ptr<float>());
+  else
+    matmul_impl<false>(rows.data_ptr<float>(), N, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, tiles,
+                       s, static_cast<float>(post), out_features, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("float_quant_linear", &float_quant_linear, "float32 activations x packed FP8 / NVFP4 weights (CPU)");
+  m.def("fp8_fake_quantize_rows", &fp8_fake_quantize_rows, "E4M3 per-token fake quantization of activation rows");
+}

@@ -1,0 +1,194 @@
+"""`cpu_float_block`: our own CPU kernel (kernels/csrc/float_quant_matmul.cpp) for float quantized weights,
+dequantized inside the kernel, priority 10 (above `reference`, which dequantizes the whole weight per call).
+
+Formats: FP8 E4M3 weights by tensor, channel, group or block (compressed-tensors `float-quantized`; the `fp8`
+and `fp8-block` 128x128 schemes), with float activations or the fp8 schemes' dynamic per-token E4M3
+activations; NVFP4 (E2M1 codes, an E4M3 scale per 16 inputs, an fp32 global scale). Groups and block columns
+must be multiples of 16 inputs; block rows are any.
+
+At `prepare` the weight is repacked once (the canonical tensors are not kept): rows interleaved in tiles of
+16 (as the int kernels do), in_features padded to a multiple of 16 and out_features to 16 with zero codes.
+FP8 keeps its code bytes and one float32 scale per row and group (channel and tensor: one group; a 128x128
+block's scale repeated on its 128 rows, 4 bytes per 128 weights), folded with the kernel's 2^120 decoding
+factor; NVFP4 keeps its nibbles (two inputs a byte) and its E4M3 scale bytes, the global scale folded into
+one float. So the bytes a matmul reads per weight are 1 + 4 / group for FP8 (1.03 for 128x128 blocks, ~1 per
+channel) and 0.5 + 1 / 16 for NVFP4, against 4 for float32.
+
+Numerics: the weights the kernel multiplies by are bit-identical to reference.dequantize for FP8 (value *
+scale, one fp32 rounding) and within one fp32 rounding of it for NVFP4 (the scale is value(s) * (2^120 /
+global) instead of s / global); fp8 activations are fake-quantized per row exactly as the reference does.
+What differs from `reference` is the order of the fp32 sums (tests/test_float_quant_kernels.py bounds it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from glmserve import kernels
+from glmserve.errors import InvalidRequestError
+from glmserve.quant.backend import register
+from glmserve.quant.reference import E2M1_VALUES
+from glmserve.quant.spec import QuantSpec
+from glmserve.quant.weight import QuantizedWeight
+
+ROWS = 16  # output rows per tile (the kernel's)
+PAD = 16  # in_features are padded to a multiple of this (the kernel's)
+DECODE = 2.0 ** 120  # the kernel decodes an E4M3 code to value * 2^-120 (csrc/float_quant_matmul.cpp)
+FP32_LIMIT = 2.0 ** 127  # folded scales stay below this
+
+
+@dataclass
+class PackedFloatWeight:
+    """codes [tiles, kp (fp8) or kp / 2 (fp4), 16] uint8; scales [tiles, groups, 16]: float32 (fp8, times
+    2^120 / post) or E4M3 bytes (fp4); factor: fp4's 2^120 / (global * post); post: the power of two the
+    kernel multiplies the output by (1 unless a scale is huge); global_scale: NVFP4's, for dequantize_rows."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    fp4: bool
+    group: int
+    factor: float
+    post: float
+    global_scale: torch.Tensor | None
+    in_features: int
+    out_features: int
+    fp8_tokens: bool
+    linear: Callable
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a matmul reads of this weight."""
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+
+
+def _weight_format_supported(spec: QuantSpec) -> bool:
+    if spec.type != "float" or spec.dynamic or not spec.symmetric or spec.gguf_type is not None:
+        return False
+    if spec.num_bits == 8:
+        if spec.strategy in ("tensor", "channel"):
+            return True
+        if spec.strategy == "group":
+            return spec.group_size is not None and spec.group_size % PAD == 0
+        return spec.strategy == "block" and spec.block_structure is not None and spec.block_structure[1] % PAD == 0
+    return (spec.num_bits == 4 and spec.strategy == "tensor_group" and spec.group_size is not None
+            and spec.group_size % PAD == 0)
+
+
+def _activations_supported(activations: QuantSpec | None) -> bool:
+    """Float activations, or dynamic E4M3 per token (what the reference emulates for the fp8 schemes)."""
+    return activations is None or (activations.type == "float" and activations.num_bits == 8
+                                   and activations.strategy == "token" and activations.dynamic
+                                   and activations.symmetric)
+
+
+def _group(spec: QuantSpec, kp: int) -> int:
+    """Inputs per scale along a row (the whole padded row for tensor and channel scales)."""
+    if spec.strategy in ("tensor", "channel"):
+        return kp
+    return spec.block_structure[1] if spec.strategy == "block" else spec.group_size
+
+
+def _row_scales(weight: QuantizedWeight) -> torch.Tensor:
+    """The weight's scales as float64 [out, groups]: one per output row and group of inputs."""
+    spec, (out, _) = weight.spec, weight.shape
+    s = weight.scales.to(torch.float64)
+    if spec.strategy == "block":
+        return s.repeat_interleave(spec.block_structure[0], dim=0)[:out]
+    return s.expand(out, -1) if s.shape[0] == 1 else s
+
+
+def _tiled(t: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[out, n] -> [tiles, n, 16]: rows padded to whole tiles (zeros), each tile's 16 rows innermost."""
+    t = F.pad(t, (0, 0, 0, tiles * ROWS - t.shape[0]))
+    return t.reshape(tiles, ROWS, -1).transpose(1, 2).contiguous()
+
+
+def _post(largest: float) -> float:
+    """The power of two that brings `largest` (a folded scale before it) below FP32_LIMIT."""
+    post = 1.0
+    while largest / post >= FP32_LIMIT:
+        post *= 2.0 ** 8
+    return post
+
+
+def _e4m3_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """NVFP4 scales as E4M3 bytes; float scales are taken where they are E4M3 values exactly."""
+    if scales.dtype != torch.float8_e4m3fn:
+        as_fp8 = scales.to(torch.float8_e4m3fn)
+        if not torch.equal(as_fp8.to(torch.float32), scales.to(torch.float32)):
+            raise InvalidRequestError("NVFP4 scales must be E4M3 numbers")
+        scales = as_fp8
+    return scales.view(torch.uint8)
+
+
+class CpuFloatBlockBackend:
+    """Repacks once at load, then one kernel call per matmul (fp8 activation quantization included)."""
+
+    name = "cpu_float_block"
+
+    def supports(self, weight: QuantSpec, activations: QuantSpec | None, device: torch.device) -> bool:
+        return (device.type == "cpu" and _weight_format_supported(weight) and _activations_supported(activations)
+                and kernels.op("float_quant_linear", device, torch.float32) is not None)
+
+    def prepare(self, weight: QuantizedWeight, activations: QuantSpec | None,
+                device: torch.device) -> PackedFloatWeight:
+        if not self.supports(weight.spec, activations, device):
+            raise InvalidRequestError(f"{self.name} does not run {weight.spec} (activations {activations}) on {device}")
+        spec, (out, inp) = weight.spec, weight.shape
+        kp, tiles = -(-inp // PAD) * PAD, -(-out // ROWS)
+        group = _group(spec, kp)
+        fp4 = spec.num_bits == 4
+        if fp4:
+            c = F.pad(weight.codes.to(torch.uint8), (0, kp - inp))
+            if int(c.max()) > 15:
+                raise InvalidRequestError(f"{spec}: codes outside E2M1's 0..15")
+            codes = _tiled(c[:, 0::2] | (c[:, 1::2] << 4), tiles)
+            scales = _tiled(_e4m3_bytes(weight.scales), tiles)
+            g = 1.0 if weight.global_scale is None else float(weight.global_scale)
+            post = _post(DECODE / g)
+            factor, global_scale = DECODE / (g * post), weight.global_scale
+        else:
+            if weight.codes.dtype != torch.float8_e4m3fn:
+                raise InvalidRequestError(f"{spec}: codes must be float8_e4m3fn, not {weight.codes.dtype}")
+            codes = _tiled(F.pad(weight.codes.view(torch.uint8), (0, kp - inp)), tiles)
+            row_scales = _row_scales(weight)
+            post = _post(float(row_scales.abs().max()) * DECODE)
+            scales = _tiled((row_scales * (DECODE / post)).to(torch.float32), tiles)
+            factor, global_scale = 1.0, None
+        return PackedFloatWeight(codes, scales, fp4, group, factor, post, global_scale, inp, out,
+                                 fp8_tokens=activations is not None,
+                                 linear=kernels.op("float_quant_linear", device, torch.float32))
+
+    def apply(self, prepared: PackedFloatWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        p = prepared
+        if x.shape[-1] != p.in_features:
+            raise InvalidRequestError(f"input has {x.shape[-1]} features, the weight takes {p.in_features}")
+        rows = x.reshape(-1, p.in_features).to(torch.float32)
+        out = p.linear(rows, p.fp8_tokens, p.codes, p.scales, p.fp4, p.group, p.factor, p.post, p.out_features)
+        if bias is not None:
+            out += bias.to(torch.float32)
+        return out.reshape(*x.shape[:-1], p.out_features).to(x.dtype)
+
+    def dequantize_rows(self, prepared: PackedFloatWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight from the packed layout, equal to reference.dequantize's rows."""
+        p = prepared
+        tile, row = ids // ROWS, ids % ROWS
+        codes, scales = p.codes[tile, :, row], p.scales[tile, :, row]  # [n, kp or kp / 2], [n, groups]
+        if p.fp4:
+            nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(1)
+            values = torch.tensor(E2M1_VALUES, device=codes.device)[nibbles.long()]
+            scale = scales.view(torch.float8_e4m3fn).to(torch.float32)
+            if p.global_scale is not None:
+                scale = scale / p.global_scale.to(torch.float32)
+        else:
+            values = codes.view(torch.float8_e4m3fn).to(torch.float32)
+            scale = scales * (p.post / DECODE)  # exact: powers of two
+        w = values[:, :p.in_features] * scale.repeat_interleave(p.group, dim=1)[:, :p.in_features]
+        return w.to(dtype)
+
+
+register(CpuFloatBlockBackend(), priority=10)
