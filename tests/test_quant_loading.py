@@ -289,15 +289,16 @@ def test_compressed_tensors_checkpoint_runs_its_own_format(name, ct_checkpoints)
 @pytest.mark.parametrize("name", CT_SCHEMES)
 def test_compressed_tensors_checkpoint_picks_cpu_block(name, ct_checkpoints, monkeypatch):
     """Without a forced backend the registry's choice: cpu_block for the integer formats where its kernel
-    builds, reference for FP8 (cpu_block runs no float weights)."""
+    builds, cpu_float_block for FP8 (cpu_block runs no float weights), reference without the kernels."""
     monkeypatch.delenv("GLMSERVE_QUANT_BACKEND")
     src, dirs = ct_checkpoints
     model = load_model(str(dirs[name]), None, torch.device("cpu"), torch.float32).model
     qkv = model.layers[0].self_attn.qkv_proj
     cpu = torch.device("cpu")
-    kernel = kernels.op("quant_linear", cpu, torch.float32) is not None
     want = scheme(name)
-    expected = "cpu_block" if want.weight.type == "int" and kernel else "reference"
+    integer = want.weight.type == "int"
+    kernel = kernels.op("quant_linear" if integer else "float_quant_linear", cpu, torch.float32) is not None
+    expected = ("cpu_block" if integer else "cpu_float_block") if kernel else "reference"
     assert [s.backend.name for s in qkv._segments] == [expected]
     assert CpuBlockBackend().supports(want.weight, want.activations, cpu) == (expected == "cpu_block")
     hf_fake = fake_quantized_model(src, dirs[name])

@@ -28,7 +28,8 @@ from glmserve.kernels.isa import BY_NAME
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode", "sparse", "quant_matmul", "float_quant_matmul")  # csrc/<name>.cpp, one extension each per variant
+# csrc/<name>.cpp, one extension each per variant
+SOURCES = ("paged_decode", "sparse", "quant_matmul", "float_quant_matmul")
 BASE_CFLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only")
 
 
