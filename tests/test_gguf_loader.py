@@ -35,6 +35,8 @@ TEXTS = [
     "  two leading spaces,\ttabs\nand newlines\n\n",
     "naïve café — 日本語のテキスト 🙂 1234567",
     "<|im_start|>user\nhi<|im_end|>",
+    "北京是中华人民共和国的首都，也是全国的政治、文化中心。春天的时候，公园里开满了花。",
+    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # O(2**n)\n\nx = {'a': [1, 2.5e-3]}\n",
 ]
 
 
@@ -49,16 +51,21 @@ def checkpoint(embedded):
 
 
 @pytest.fixture(scope="module")
-def reference(embedded, checkpoint) -> dict:
+def gguf_py_reader(embedded) -> gguf.GGUFReader:
+    """gguf-py's parse of the embedded file (seconds: it is read once for the whole module)."""
+    return gguf.GGUFReader(embedded)
+
+
+@pytest.fixture(scope="module")
+def reference(embedded, checkpoint, gguf_py_reader) -> dict:
     """transformers' parse of the same file: {"config": {...}, "tensors": {hf_name: tensor}, ...}.
 
-    Reading a GGUF's metadata with gguf-py's GGUFReader takes seconds, so transformers is handed the
-    reader already opened (by the same library) for `checkpoint` instead of parsing the file again.
+    transformers is handed gguf-py's reader already opened for this module instead of parsing the file again.
     """
     with torch.device("meta"):  # only the parameter names are used, to map GGUF names
         skeleton = AutoModelForCausalLM.from_config(checkpoint.config)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", lambda path: checkpoint.reader)
+        patch.setattr(gguf, "GGUFReader", lambda path: gguf_py_reader)
         return gguf_utils.load_gguf_checkpoint(str(embedded), return_tensors=True, model_to_load=skeleton)
 
 
@@ -79,6 +86,27 @@ def test_embedded_weights_equal_transformers(checkpoint, reference):
         seen.add(name)
     assert seen == set(expected)
     assert "lm_head.weight" not in seen and "model.layers.29.self_attn.q_proj.weight" in seen
+
+
+def assert_header_equals_gguf_py(header, reader: gguf.GGUFReader) -> None:
+    """Every metadata value and tensor view of our reader equals gguf-py's."""
+    expected = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    assert list(header.metadata) == list(expected)
+    for key, value in header.metadata.items():
+        if isinstance(value, np.ndarray):
+            assert value.tolist() == expected[key], key
+        else:
+            assert value == expected[key] and type(value) is type(expected[key]), key
+    assert [t.name for t in header.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(header.tensors, reader.tensors, strict=True):
+        assert (ours.tensor_type, ours.shape) == (theirs.tensor_type, tuple(theirs.shape.tolist())), ours.name
+        assert (ours.data.dtype, ours.data.shape) == (theirs.data.dtype, theirs.data.shape), ours.name
+        assert np.array_equal(ours.data, theirs.data), ours.name
+
+
+def test_embedded_header_equals_gguf_py(checkpoint, gguf_py_reader):
+    assert_header_equals_gguf_py(checkpoint.reader, gguf_py_reader)
+    assert len(checkpoint.reader.metadata["tokenizer.ggml.tokens"]) == 49152
 
 
 def test_embedded_config_matches_transformers(checkpoint, reference):

@@ -1,8 +1,8 @@
 """Reads llama.cpp GGUF checkpoints as a Hugging Face config, tokenizer and weights.
 
-`load_gguf(path)` parses the file's metadata with gguf-py's `GGUFReader` (the tensor data stays
-memory-mapped) and builds a transformers config for the architecture it names: llama (SmolLM2,
-Llama 2/3), qwen2, qwen3 or glm4. `GGUFCheckpoint.tensors()` then streams the weights one at a
+`load_gguf(path)` parses the file's metadata with glmserve/models/gguf_reader.py (gguf-py's `GGUFReader`
+takes seconds on a 49K-token vocabulary; the tensor data stays memory-mapped) and builds a transformers
+config for the architecture it names: llama (SmolLM2, Llama 2/3), qwen2, qwen3 or glm4. `GGUFCheckpoint.tensors()` then streams the weights one at a
 time under their Hugging Face parameter names, dequantized to float32 with `gguf.quants.dequantize`,
 with llama.cpp's conversion-time changes undone so they equal the original checkpoint's tensors.
 `tensors(native=True)` yields the Q8_0 / Q4_0 / Q4_1 matrices as QuantizedWeights instead, losslessly
@@ -21,7 +21,7 @@ What llama.cpp's `convert_hf_to_gguf.py` changes, and how it is undone here:
 * Tied embeddings: the converter writes no `output.weight` when the head is the embedding matrix,
   so `lm_head.weight` is yielded only when the file has one, and the config says whether it is tied.
 
-The tokenizer is built by transformers from the file's `tokenizer.*` metadata.
+The tokenizer is converted by transformers from the file's `tokenizer.*` metadata (glmserve/models/gguf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -36,19 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from gguf import (
-    MODEL_TENSOR,
-    TENSOR_NAMES,
-    GGMLQuantizationType,
-    GGUFReader,
-    Keys,
-    ReaderTensor,
-    RopeScalingType,
-)
+from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, Keys, RopeScalingType
 from gguf.quants import dequantize
 
 from glmserve.errors import UnsupportedModelError
 from glmserve.layers.rotary import default_inverse_frequencies
+from glmserve.models.gguf_reader import GGUFHeader, GGUFTensor, read_header
+from glmserve.models.gguf_tokenizer import tokenizer_from_metadata
 from glmserve.quant.gguf_blocks import NATIVE, dequantize_other, from_blocks
 from glmserve.quant.schemes import Scheme, gguf_spec
 from glmserve.quant.weight import QuantizedWeight
@@ -127,15 +121,13 @@ class GGUFCheckpoint:
     path: Path
     architecture: str  # the GGUF architecture name, a key of ARCHITECTURES
     config: transformers.PretrainedConfig
-    reader: GGUFReader = field(repr=False)
+    reader: GGUFHeader = field(repr=False)
     hf_names: dict[str, str] = field(repr=False)  # GGUF tensor name -> Hugging Face parameter name
 
     def tokenizer(self) -> transformers.PreTrainedTokenizerBase:
-        """A fast tokenizer rebuilt by transformers from the file's metadata (vocabulary, merges,
-        special tokens, `add_bos_token`, chat template)."""
-        return transformers.PreTrainedTokenizerFast.from_pretrained(
-            str(self.path.parent), gguf_file=self.path.name, local_files_only=True
-        )
+        """A fast tokenizer converted by transformers from the file's metadata (vocabulary, merges,
+        special tokens, `add_bos_token`, chat template), as read once by `load_gguf`."""
+        return tokenizer_from_metadata(self.architecture, self.reader.metadata)
 
     def tensors(self, native: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Yields `(hf_name, float32 tensor)` in file order, one tensor in memory at a time; with `native`,
@@ -177,7 +169,7 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     (both ValueError) before any weight is read if the file cannot be loaded."""
     path = Path(path)
     try:
-        reader = GGUFReader(path)
+        reader = read_header(path)
     except ValueError as exc:
         raise InvalidGGUFError(f"{path} is not a readable GGUF file: {exc}") from exc
     meta = _Metadata(reader, path, _field(reader, path, Keys.General.ARCHITECTURE))
@@ -204,10 +196,9 @@ def embedded_default_gguf() -> Path:
     return files[0]
 
 
-def _field(reader: GGUFReader, path: Path, name: str, default: Any = _REQUIRED) -> Any:
-    entry = reader.get_field(name)
-    if entry is not None:
-        return entry.contents()
+def _field(reader: GGUFHeader, path: Path, name: str, default: Any = _REQUIRED) -> Any:
+    if name in reader.metadata:
+        return reader.metadata[name]
     if default is _REQUIRED:
         raise InvalidGGUFError(f"{path} lacks the metadata key {name!r}")
     return default
@@ -217,7 +208,7 @@ def _field(reader: GGUFReader, path: Path, name: str, default: Any = _REQUIRED) 
 class _Metadata:
     """A GGUF file's key/value metadata, with `{arch}` in gguf-py's `Keys` filled in."""
 
-    reader: GGUFReader
+    reader: GGUFHeader
     path: Path
     arch: str
 
@@ -233,7 +224,7 @@ def _architecture(meta: _Metadata) -> _Architecture:
     return ARCHITECTURES[meta.arch]
 
 
-def _check_tensor_types(path: Path, tensors: Iterable[ReaderTensor]) -> None:
+def _check_tensor_types(path: Path, tensors: Iterable[GGUFTensor]) -> None:
     for tensor in tensors:
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
@@ -244,7 +235,7 @@ def _check_tensor_types(path: Path, tensors: Iterable[ReaderTensor]) -> None:
 
 
 def _build_config(
-    meta: _Metadata, arch: _Architecture, tensors: Mapping[str, ReaderTensor]
+    meta: _Metadata, arch: _Architecture, tensors: Mapping[str, GGUFTensor]
 ) -> transformers.PretrainedConfig:
     embedding_name = TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight"
     if embedding_name not in tensors:
@@ -358,7 +349,7 @@ def _llama3_divisors(inv_freq: np.ndarray, params: Mapping[str, Any]) -> np.ndar
     return np.where(wavelength < context / high, 1.0, np.where(wavelength > context / low, params["factor"], ramp))
 
 
-def _hf_names(path: Path, arch: _Architecture, num_layers: int, tensors: Mapping[str, ReaderTensor]) -> dict[str, str]:
+def _hf_names(path: Path, arch: _Architecture, num_layers: int, tensors: Mapping[str, GGUFTensor]) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face parameter name, for every tensor `tensors()` yields."""
     modules: dict[str, str] = {}
     for kind, hf_module in arch.names.items():
@@ -376,16 +367,16 @@ def _hf_names(path: Path, arch: _Architecture, num_layers: int, tensors: Mapping
     return hf_names
 
 
-def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+def _hf_shape(tensor: GGUFTensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dim first
 
 
-def _runs_natively(tensor: ReaderTensor) -> bool:
+def _runs_natively(tensor: GGUFTensor) -> bool:
     """A matrix in a block format we compute from (glmserve/quant/gguf_blocks.py)."""
     return tensor.tensor_type.name in NATIVE and len(tensor.shape) == 2
 
 
-def _dequantize(tensor: ReaderTensor) -> np.ndarray:
+def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     """The tensor as a writable float32 array in Hugging Face layout (out_features, in_features)."""
     values = dequantize(tensor.data, tensor.tensor_type)
     return np.require(values.reshape(_hf_shape(tensor)), dtype=np.float32, requirements=["C", "W"])
