@@ -115,13 +115,10 @@ class _Cursor:
         file, offset, size, values = self.file, self.offset, len(self.file), []
         unpack_length = struct.Struct("<Q").unpack_from
         for _ in range(count):
-            if offset + 8 > size:
-                break
-            (length,) = unpack_length(file, offset)
+            if offset + 8 > size or offset + 8 + (length := unpack_length(file, offset)[0]) > size:
+                raise GGUFFormatError(f"truncated in a string array at byte {offset}")
             values.append(file[offset + 8:offset + 8 + length].decode("utf-8"))
             offset += 8 + length
-        if offset > size or len(values) < count:
-            raise GGUFFormatError(f"truncated in a string array at byte {min(offset, size)}")
         self.offset = offset
         return values
 
