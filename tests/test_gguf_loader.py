@@ -36,7 +36,8 @@ TEXTS = [
     "naïve café — 日本語のテキスト 🙂 1234567",
     "<|im_start|>user\nhi<|im_end|>",
     "北京是中华人民共和国的首都，也是全国的政治、文化中心。春天的时候，公园里开满了花。",
-    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # O(2**n)\n\nx = {'a': [1, 2.5e-3]}\n",
+    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # O(2**n)\n",
+    "x = {'a': [1, 2.5e-3]}\nfor i in range(10):\n\tprint(f\"{i:>3}\", end='')\n",
 ]
 
 

@@ -2,9 +2,10 @@
 
 `load_gguf(path)` parses the file's metadata with glmserve/models/gguf_reader.py (gguf-py's `GGUFReader`
 takes seconds on a 49K-token vocabulary; the tensor data stays memory-mapped) and builds a transformers
-config for the architecture it names: llama (SmolLM2, Llama 2/3), qwen2, qwen3 or glm4. `GGUFCheckpoint.tensors()` then streams the weights one at a
-time under their Hugging Face parameter names, dequantized to float32 with `gguf.quants.dequantize`,
-with llama.cpp's conversion-time changes undone so they equal the original checkpoint's tensors.
+config for the architecture it names: llama (SmolLM2, Llama 2/3), qwen2, qwen3 or glm4.
+`GGUFCheckpoint.tensors()` then streams the weights one at a time under their Hugging Face parameter names,
+dequantized to float32 with `gguf.quants.dequantize`, with llama.cpp's conversion-time changes undone so
+they equal the original checkpoint's tensors.
 `tensors(native=True)` yields the Q8_0 / Q4_0 / Q4_1 matrices as QuantizedWeights instead, losslessly
 (glmserve/quant/gguf_blocks.py), to run from their blocks; `native_formats()` says which those are.
 
