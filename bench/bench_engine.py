@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import llama_server
 import workloads as wl
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 OURS = "ours"
-LONG_METRICS = {"prefill_8192_tok_s", "throughput_64_tok_s"}
 LOWER_IS_BETTER = {"prefix_cold_ttft_s", "prefix_warm_ttft_s", "startup_s", "peak_rss_mb"}
 
 
@@ -44,21 +44,21 @@ LOWER_IS_BETTER = {"prefix_cold_ttft_s", "prefix_warm_ttft_s", "startup_s", "pea
 class Runner:
     """One engine: the script to run and the python (venv) to run it with.
 
-    `hf_model`: it runs the exported HF folder, so --peer-dtype applies to it. `binary`: a program it drives.
+    `hf_model`: it runs the exported HF folder, so --peer-dtype applies to it. `tool`: a llama.cpp program it drives.
     """
 
     key: str
     script: str
     python: Path
     hf_model: bool = False
-    binary: Path | None = None
+    tool: str | None = None
 
     def available(self) -> str | None:
         """None when runnable, else why not."""
         if not self.python.exists():
             return f"{self.python} missing: run bench/setup_peers.sh"
-        if self.binary and not self.binary.exists():
-            return f"{self.binary} missing: run bench/setup_peers.sh llama-server"
+        if self.tool and not llama_server.binary(self.tool).exists():
+            return f"{self.tool} missing: run bench/setup_peers.sh llama-server"
         if self.hf_model and not (wl.BENCH_DIR / "smollm2-bf16" / "config.json").exists():
             return "exported HF folder missing: run bench/setup_peers.sh export"
         return None
@@ -67,7 +67,8 @@ class Runner:
 RUNNERS = (
     Runner(OURS, "ours.py", Path(sys.executable)),  # the project venv running this script: the code at HEAD
     # llama-server over HTTP: the project venv's python is the client
-    Runner("llamacpp", "peer_llamacpp.py", Path(sys.executable), binary=wl.BENCH_DIR / "bin" / "llama-server"),
+    Runner("llamacpp", "peer_llamacpp.py", Path(sys.executable), tool="llama-server"),
+    Runner("llamabench", "peer_llamabench.py", Path(sys.executable), tool="llama-bench"),
     Runner("vllm", "peer_vllm.py", wl.BENCH_DIR / "vllm" / "bin" / "python", hf_model=True),
     Runner("transformers", "peer_transformers.py", wl.BENCH_DIR / "transformers" / "bin" / "python", hf_model=True),
 )
@@ -139,14 +140,107 @@ def result_key(runner: Runner, args: argparse.Namespace) -> str:
 
 
 def plan(work: wl.Workloads, metrics: list[str], args: argparse.Namespace) -> list[tuple[str, int]]:
-    """(metric, sample index) in measuring order: harness.Suite.ORDER, `--repeats` samples each (the
-    long metrics `--long-repeats`), never more than the workloads hold."""
+    """(metric, sample index) in measuring order (`--metrics`' order, else harness.Suite.ORDER): `--repeats`
+    samples each (`--repeats-for` per metric), never more than the workloads hold."""
     steps = []
-    for metric in harness.Suite.ORDER:
-        if metric in metrics:
-            cap = args.long_repeats if metric in LONG_METRICS else args.repeats
-            steps += [(metric, i) for i in range(min(cap, harness.repeats(work, metric)))]
+    for metric in metrics if args.metrics else [m for m in harness.Suite.ORDER if m in metrics]:
+        count = args.repeats_for.get(metric, args.repeats)
+        steps += [(metric, i) for i in range(min(count, harness.repeats(work, metric)))]
     return steps
+
+
+def parse_metric_arg(text: str) -> tuple[str, str]:
+    metric, sep, value = text.partition("=")
+    if not sep or metric not in harness.METRICS:
+        raise argparse.ArgumentTypeError(f"want METRIC=VALUE with a metric of harness.METRICS: {text!r}")
+    return metric, value
+
+
+class Run:
+    """The interleaved run: workers, their samples and notes, runners still waiting for their program."""
+
+    def __init__(self, work_path: Path, gguf: Path, args: argparse.Namespace) -> None:
+        self.work_path, self.gguf, self.args = work_path, gguf, args
+        self.results: dict[str, dict[str, Any]] = {}
+        self.workers: list[Worker] = []
+        self.samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        self.notes: dict[str, dict[str, str]] = {}
+
+    def start(self, runner: Runner) -> None:
+        """Start one runner and wait until it is ready (the others are idle meanwhile)."""
+        key = result_key(runner, self.args)
+        why_not = runner.available()
+        if why_not:
+            self.results[key] = {"engine": runner.key, "error": why_not}
+            return
+        worker = Worker(runner, key, worker_command(runner, self.work_path, self.gguf, self.args),
+                        wl.BENCH_DIR / "logs" / f"engine-{runner.key}.log")
+        try:
+            worker.ready(self.args.timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            self.results[key] = {"engine": runner.key, "error": f"startup: {exc}"}
+            worker.kill()
+            return
+        self.workers.append(worker)
+        self.samples[key], self.notes[key] = {}, {}
+
+    def wanted(self, runner: Runner, metric: str) -> bool:
+        return metric not in self.args.engines_for or runner.key in self.args.engines_for[metric]
+
+    def measure(self, steps: list[tuple[str, int]], pending: list[Runner]) -> None:
+        """Every step on every worker, the order rotated per sample index; a pending runner (its llama.cpp
+        program still being built) is started before the first step it takes part in, waiting for it until
+        `--wait-binary` runs out."""
+        deadline = time.monotonic() + self.args.budget if self.args.budget else float("inf")
+        give_up = time.monotonic() + self.args.wait_binary
+        for n, (metric, index) in enumerate(steps):
+            for runner in [r for r in pending if self.wanted(r, metric)]:
+                while runner.available() and time.monotonic() < give_up:
+                    time.sleep(10)
+                pending.remove(runner)
+                time.sleep(0 if runner.available() else 10)  # the linker may still be writing it
+                self.start(runner)
+            if time.monotonic() > deadline and index == 0:
+                for w in self.workers:
+                    self.notes[w.key].setdefault(metric, f"skipped: the budget ({self.args.budget:.0f} s) ran out")
+                continue
+            shift = index % max(1, len(self.workers))
+            for w in self.workers[shift:] + self.workers[:shift]:
+                if w.error or metric in self.notes[w.key]:
+                    continue
+                if not self.wanted(w.runner, metric):
+                    self.notes[w.key][metric] = "not measured in this run (--engines-for)"
+                    continue
+                print(f"[{n + 1}/{len(steps)}] {w.key} {metric} #{index}", file=sys.stderr, flush=True)
+                try:
+                    reply = w.ask(metric, index, self.args.timeout)
+                except (TimeoutError, RuntimeError) as exc:
+                    w.error = str(exc)
+                    continue
+                if reply["error"]:
+                    self.notes[w.key][metric] = reply["error"]
+                else:
+                    self.samples[w.key].setdefault(metric, []).append(reply)
+        for runner in pending:
+            self.results[result_key(runner, self.args)] = {"engine": runner.key, "error": "never started: no step"}
+
+    def finish(self) -> None:
+        for w in self.workers:
+            if w.error:
+                self.results[w.key] = {"engine": w.runner.key, "error": w.error}
+                continue
+            try:
+                final = w.finish(self.args.timeout)
+            except (TimeoutError, RuntimeError) as exc:
+                self.results[w.key] = {"engine": w.runner.key, "error": f"finish: {exc}"}
+                continue
+            got = self.samples[w.key]
+            loads = [s["loadavg_1m"] for values in got.values() for s in values]
+            final.update({m: round(statistics.median(s["value"] for s in values), 4) for m, values in got.items()})
+            final["notes"] = {**final.get("notes", {}), **self.notes[w.key]}
+            final["details"]["samples"] = {m: [s["value"] for s in values] for m, values in got.items()}
+            final["details"]["loadavg_1m_min_max"] = [min(loads), max(loads)] if loads else None
+            self.results[w.key] = {**final, "key": w.runner.key}
 
 
 def run_interleaved(chosen: list[Runner], work_path: Path, gguf: Path, args: argparse.Namespace
@@ -154,66 +248,18 @@ def run_interleaved(chosen: list[Runner], work_path: Path, gguf: Path, args: arg
     """Start every runner (one at a time), then measure sample by sample across them; result per key."""
     work = wl.load(work_path)
     metrics = args.metrics.split(",") if args.metrics else list(harness.METRICS)
-    results: dict[str, dict[str, Any]] = {}
-    workers: list[Worker] = []
+    run = Run(work_path, gguf, args)
+    pending = [r for r in chosen if args.wait_binary and r.tool and r.available()]
     try:
         for runner in chosen:
-            key = result_key(runner, args)
-            why_not = runner.available()
-            if why_not:
-                results[key] = {"engine": runner.key, "error": why_not}
-                continue
-            worker = Worker(runner, key, worker_command(runner, work_path, gguf, args),
-                            wl.BENCH_DIR / "logs" / f"engine-{runner.key}.log")
-            try:
-                worker.ready(args.timeout)
-                workers.append(worker)
-            except (TimeoutError, RuntimeError) as exc:
-                results[key] = {"engine": runner.key, "error": f"startup: {exc}"}
-                worker.kill()
-        samples: dict[str, dict[str, list[dict[str, Any]]]] = {w.key: {} for w in workers}
-        notes: dict[str, dict[str, str]] = {w.key: {} for w in workers}
-        deadline = time.monotonic() + args.budget if args.budget else float("inf")
-        steps = plan(work, metrics, args)
-        for n, (metric, index) in enumerate(steps):
-            if time.monotonic() > deadline and index == 0:
-                for w in workers:
-                    notes[w.key].setdefault(metric, f"skipped: the run's time budget ({args.budget:.0f} s) ran out")
-                continue
-            order = workers[index % len(workers):] + workers[:index % len(workers)] if workers else []
-            for w in order:
-                if w.error or metric in notes[w.key]:
-                    continue
-                print(f"[{n + 1}/{len(steps)}] {w.key} {metric} #{index}", file=sys.stderr, flush=True)
-                try:
-                    reply = w.ask(metric, index, args.timeout)
-                except (TimeoutError, RuntimeError) as exc:
-                    w.error = str(exc)
-                    continue
-                if reply["error"]:
-                    notes[w.key][metric] = reply["error"]
-                else:
-                    samples[w.key].setdefault(metric, []).append(reply)
-        for w in workers:
-            if w.error:
-                results[w.key] = {"engine": w.runner.key, "error": w.error}
-                continue
-            try:
-                final = w.finish(args.timeout)
-            except (TimeoutError, RuntimeError) as exc:
-                results[w.key] = {"engine": w.runner.key, "error": f"finish: {exc}"}
-                continue
-            medians = {m: round(statistics.median(s["value"] for s in got), 4) for m, got in samples[w.key].items()}
-            loads = [s["loadavg_1m"] for got in samples[w.key].values() for s in got]
-            final.update(medians)
-            final["notes"] = {**final.get("notes", {}), **notes[w.key]}
-            final["details"]["samples"] = {m: [s["value"] for s in got] for m, got in samples[w.key].items()}
-            final["details"]["loadavg_1m_min_max"] = [min(loads), max(loads)] if loads else None
-            results[w.key] = {**final, "key": w.runner.key}
+            if runner not in pending:
+                run.start(runner)
+        run.measure(plan(work, metrics, args), pending)
+        run.finish()
     finally:
-        for w in workers:
+        for w in run.workers:
             w.kill()
-    return results
+    return run.results
 
 
 def _fmt(value: float | None) -> str:
@@ -273,9 +319,14 @@ def main() -> None:
                         help="seconds a runner may take to start or to measure one sample before it is dropped")
     parser.add_argument("--budget", type=float, help="seconds of measuring after which no new metric starts")
     parser.add_argument("--repeats", type=int, default=3, help="samples per metric (at most the workloads' repeats)")
-    parser.add_argument("--long-repeats", type=int, default=1,
-                        help="samples of the long metrics: " + ", ".join(sorted(LONG_METRICS)))
+    parser.add_argument("--repeats-for", type=parse_metric_arg, action="append", default=[],
+                        help="METRIC=N: samples of METRIC (repeat)")
     parser.add_argument("--metrics", help="comma-separated subset of harness.METRICS (default: all)")
+    parser.add_argument("--engines-for", type=parse_metric_arg, action="append", default=[],
+                        help="METRIC=key,key: measure METRIC on these runners only (repeat)")
+    parser.add_argument("--wait-binary", type=float, default=0.0,
+                        help="seconds to wait for a llama.cpp program still being built: that runner starts "
+                        "before the first metric it takes part in (order them with --metrics)")
     parser.add_argument("--peer-dtype", help="dtype for the transformers/vLLM peers (default bfloat16)")
     parser.add_argument("--quantization", help="glmserve's weight format (default: the GGUF's own Q4_1/Q8_0 blocks; "
                         "none: float32, as before the quantized path); results are keyed ours:<format>")
@@ -283,6 +334,8 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="only print the table of an existing results JSON")
     args = parser.parse_args()
 
+    args.engines_for = {m: set(keys.split(",")) for m, keys in args.engines_for}
+    args.repeats_for = {m: int(n) for m, n in args.repeats_for}
     if args.report:
         print(table(json.loads(args.report.read_text())["engines"]))
         return

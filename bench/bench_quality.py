@@ -12,8 +12,9 @@ returned as `token_id:ID`. Reported per configuration and split: perplexity per 
 against the reference, the estimated KL(reference || config) of the next-token distribution (top-N), the share
 of positions with the same most likely token, and pass/fail against the issue's targets (by configuration name,
 or `--target NAME=PCT`). With llama.cpp built (bench/setup_peers.sh llama-server), llama.cpp's own `llama-perplexity`
-on the same GGUF and texts (its windows are ours) is a row too, after checking that llama-server's tokenizer gives
-our token ids and that it scored as many tokens; the configurations in `--vs-llamacpp` are compared with it
+on the same GGUF and texts (its windows are ours) is a row too, from the logits it saves: checked to be scored on
+our token ids, with its KL/top-1 against the reference, and the KL/top-1 of each `--vs-llamacpp` configuration
+against llama.cpp printed under the table; the configurations in `--vs-llamacpp` are compared with it
 (target: within 0.5%). Results: a markdown table on stdout and a JSON report (`--json`).
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import shlex
 import sys
@@ -34,7 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_server  # noqa: E402
-from peer_llamacpp_ppl import llama_perplexity, llama_tokens  # noqa: E402
+from peer_llamacpp_ppl import llama_perplexity  # noqa: E402
 from quality_metrics import Scored, Summary, Window, summarize, windows  # noqa: E402
 from serve_process import ServeFailed, glmserve  # noqa: E402
 
@@ -112,34 +112,24 @@ def score_through_api(base_url: str, work: dict[str, list[Window]], top: int) ->
     return out
 
 
-def llamacpp_rows(gguf: str, tokenizer, splits: list[str], work: dict[str, list[Window]], ctx: int, threads: int,
-                  log_dir: Path) -> tuple[dict[str, dict[str, Summary]], list[str]]:
-    """llama.cpp's own `llama-perplexity` on each text (bench/peer_llamacpp_ppl.py): split -> {lang, "all"} ->
-    Summary, and the checks that it scored what we scored (same token ids from llama-server's tokenizer, same
-    scored-token count). The pooled figure weighs each language's log-perplexity by its scored tokens."""
-    rows: dict[str, dict[str, Summary]] = {}
+def score_llamacpp(gguf: str, splits: list[str], work: dict[str, list[Window]], ctx: int, top: int, threads: int,
+                   log_dir: Path) -> tuple[dict[str, list[Scored]], list[str]]:
+    """llama.cpp's own `llama-perplexity` on each text (bench/peer_llamacpp_ppl.py): per `split/lang` the
+    Scored windows decoded from its saved logits, and the checks that it scored what we scored (the same token
+    ids, chunk by chunk) with its printed perplexity."""
+    scored: dict[str, list[Scored]] = {}
     checks: list[str] = []
-    with llama_server.running(["-t", str(threads), "-np", "1", "-c", str(ctx), "--cache-ram", "0"],
-                              log_dir / "quality-llama-server.log", Path(gguf)) as server:
-        theirs = {f"{s}/{lang}": llama_tokens(server.base_url, _text(s, lang)) for s in splits for lang in LANGS}
     for split in splits:
-        parts: dict[str, Summary] = {}
         for lang in LANGS:
             key = f"{split}/{lang}"
-            ours = tokenizer.encode(_text(split, lang), add_special_tokens=True)
             result = llama_perplexity(llama_server.binary("llama-perplexity"), gguf, DATA / f"{split}_{lang}.txt",
-                                      ctx, threads, log_dir / f"quality-llama-perplexity-{split}-{lang}.log")
-            scored = sum(len(w.tokens) - w.first_scored for w in work[key])
-            same = "same ids" if theirs[key] == ours else "DIFFERENT ids"
-            checks.append(f"{key}: {len(theirs[key])} tokens from llama-server's tokenizer, {len(ours)} from ours "
-                          f"({same}); "
-                          f"{result.chunks} chunks scored by llama-perplexity, ours {len(work[key])}; "
-                          f"scored tokens {result.tokens} vs ours {scored}; PPL {result.ppl:.4f} ± {result.stderr:.4f}")
-            parts[lang] = Summary(result.tokens, result.ppl, None, None)
-        total = sum(p.tokens for p in parts.values())
-        pooled = math.exp(sum(p.tokens * math.log(p.ppl) for p in parts.values()) / total)
-        rows[split] = {**parts, "all": Summary(total, pooled, None, None)}
-    return rows, checks
+                                      ctx, threads, top, log_dir / f"quality-llama-perplexity-{split}-{lang}.log")
+            ours = [w.tokens for w in work[key]]
+            same = "the same token ids" if result.chunks == ours else "DIFFERENT token ids"
+            checks.append(f"{key}: llama-perplexity evaluated {len(result.chunks)} chunks of {ctx} tokens, we "
+                          f"scored {len(ours)} windows: {same}; its printed PPL {result.ppl:.4f} ± {result.stderr:.4f}")
+            scored[key] = result.scored
+    return scored, checks
 
 
 def _text(split: str, lang: str) -> str:
@@ -148,8 +138,6 @@ def _text(split: str, lang: str) -> str:
 
 def llamacpp_available() -> str | None:
     """None when the llama.cpp peer can run, else why not."""
-    if llama_server.missing():
-        return llama_server.missing()
     if not llama_server.binary("llama-perplexity").exists():
         return f"{llama_server.binary('llama-perplexity')} missing: run bench/setup_peers.sh llama-server"
     return None
@@ -264,7 +252,12 @@ def main() -> None:
 
         own = args.model if args.model and args.model.endswith(".gguf") else None
         gguf = args.gguf or own or str(embedded_default_gguf())
-        rows[LLAMACPP], checks = llamacpp_rows(gguf, tokenizer, splits, work, args.ctx, args.threads, log_dir)
+        scored[LLAMACPP], checks = score_llamacpp(gguf, splits, work, args.ctx, args.top, args.threads, log_dir)
+        rows[LLAMACPP] = split_summaries(scored[LLAMACPP], scored[reference], splits)
+        for name in sorted(set(args.vs_llamacpp.split(",")) & set(scored) - {LLAMACPP}):
+            for split, parts in split_summaries(scored[name], scored[LLAMACPP], splits).items():
+                checks.append(f"{name} against llama.cpp ({split}): KL(llama.cpp || {name}) {parts['all'].kl:.4f} "
+                              f"nats, same top-1 token at {100 * parts['all'].top1:.1f}% of positions")
         llamacpp_note = f"llama-perplexity ({llama_server.version()}) on {Path(gguf).name}"
     else:
         print(f"[bench_quality] llama.cpp perplexity skipped: {llamacpp_note}", file=sys.stderr)

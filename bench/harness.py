@@ -88,6 +88,11 @@ class Engine(ABC):
         """Engine-specific details to record (cache hits, batch sizes...)."""
         return {}
 
+    def measure_itself(self, metric: str, work: wl.Workloads, index: int) -> float | None:
+        """An engine whose own tool times a workload (llama-bench) returns that rate here; None: time it
+        through `generate`/`decode_timeline` as every other engine."""
+        return None
+
     def peak_rss_kb(self) -> int:
         """Peak RSS of processes the engine runs outside this one's tree sampling (a server: its VmHWM)."""
         return 0
@@ -201,6 +206,9 @@ class Suite:
     def sample(self, metric: str, index: int) -> float:
         """The value of sample `index` of `metric` (index < repeats(work, metric))."""
         w, engine = self.work, self.engine
+        own = engine.measure_itself(metric, w, index)
+        if own is not None:
+            return own
         if metric.startswith("prefill_"):
             prompt = w.prefill[metric.split("_")[1]][index]
             return len(prompt) / timed(engine, [prompt], 1)[0]

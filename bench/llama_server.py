@@ -21,12 +21,14 @@ import httpx
 import workloads as wl
 
 BIN = wl.BENCH_DIR / "bin"
+BUILD_BIN = wl.BENCH_DIR / "llama.cpp-build" / "bin"  # where setup_peers.sh builds them before installing
 _PR_SET_PDEATHSIG = 1
 
 
 def binary(tool: str) -> Path:
-    """Path of a built llama.cpp tool (llama-server, llama-perplexity, llama-bench)."""
-    return BIN / tool
+    """Path of a built llama.cpp tool (llama-server, llama-perplexity, llama-bench): installed, else as built."""
+    installed = BIN / tool
+    return installed if installed.exists() or not (BUILD_BIN / tool).exists() else BUILD_BIN / tool
 
 
 def missing() -> str | None:
@@ -36,8 +38,11 @@ def missing() -> str | None:
 
 
 def version() -> str:
-    """`llama-server --version` (build number and commit of the vendored llama.cpp)."""
-    out = subprocess.run([str(binary("llama-server")), "--version"], capture_output=True, text=True, timeout=60)
+    """`--version` of a built tool (build number and commit of the vendored llama.cpp)."""
+    tool = next((binary(t) for t in ("llama-server", "llama-bench", "llama-perplexity") if binary(t).exists()), None)
+    if tool is None:
+        return "not built"
+    out = subprocess.run([str(tool), "--version"], capture_output=True, text=True, timeout=60)
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("version")]
     return lines[0] if lines else "unknown version"
 
