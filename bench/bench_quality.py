@@ -206,6 +206,8 @@ def main() -> None:
                         help="configurations (native GGUF) compared with llama.cpp's perplexity on the same file")
     parser.add_argument("--gguf", help="GGUF file for llama.cpp (default: --model if a .gguf, else the embedded)")
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--wait-llamacpp", type=float, default=0.0,
+                        help="seconds to wait for llama-perplexity to be built, after scoring ours")
     parser.add_argument("--ready-timeout", type=float, default=900)
     parser.add_argument("--json", type=Path, default=None, help="default: bench/results/quality-DATE.json")
     args = parser.parse_args()
@@ -244,6 +246,9 @@ def main() -> None:
     rows = {name: split_summaries(s, None if name == reference else scored[reference], splits)
             for name, s in scored.items()}
     checks: list[str] = []
+    give_up = time.monotonic() + args.wait_llamacpp  # llama.cpp may still be building (setup_peers.sh)
+    while not args.no_llamacpp and llamacpp_available() and time.monotonic() < give_up:
+        time.sleep(10)
     llamacpp_note = "skipped (--no-llamacpp)" if args.no_llamacpp else llamacpp_available()
     if llamacpp_note is None and args.max_windows:
         llamacpp_note = "skipped: llama-perplexity scores whole texts, --max-windows cuts ours"
