@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_chat_agreement.py [--config default:"" --config none:"--quantization none"] \
         [--max-tokens 32] [--threads 1] [--prompt "..."]...
 
-`llama-server` (bench/setup_peers.sh llama-server) and one `glmserve serve` per `--config NAME:FLAGS` answer
+One `glmserve serve` per `--config NAME:FLAGS` and `llama-server` (bench/setup_peers.sh llama-server) answer
 the same user messages through `/v1/chat/completions` with the model's own chat template (the GGUF's), at
 temperature 0 with `logprobs`/`top_logprobs: 3`. Printed per prompt and engine: the answer, the three most
 likely first tokens with their logprobs (a near tie there decides a greedy answer), and the prompt's token
@@ -16,6 +16,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,23 +58,29 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=wl.THREADS)
     parser.add_argument("--json", type=Path, help="write the answers here too")
+    parser.add_argument("--wait-llamacpp", type=float, default=0.0,
+                        help="seconds to wait for llama-server to be built, after asking ours")
     args = parser.parse_args()
     configs = [c.partition(":")[::2] for c in args.config] or [("default", ""), ("none", "--quantization none")]
     prompts = args.prompt or list(PROMPTS)
     log_dir = wl.BENCH_DIR / "logs"
     answers: dict[str, list[dict[str, Any]]] = {}
-    why = llama_server.missing()
-    if why:
-        print(f"llama.cpp skipped: {why}", file=sys.stderr)
-    else:
-        flags = ["-t", str(args.threads), "-tb", str(args.threads), "-np", "1", "-c", "4096", "--cache-ram", "0"]
-        with llama_server.running(flags, log_dir / "chat-llama-server.log") as server:
-            answers[LLAMACPP] = [ask(server.base_url, p, args.max_tokens) for p in prompts]
-        version = llama_server.version()
     for name, flags in configs:
         serve_flags = ["--num-threads", str(args.threads), *shlex.split(flags)]
         with glmserve(serve_flags, log_dir / f"chat-{name}.log", 900) as url:
             answers[f"glmserve {name}"] = [ask(url, p, args.max_tokens) for p in prompts]
+    give_up = time.monotonic() + args.wait_llamacpp  # llama-server may still be building (setup_peers.sh)
+    while llama_server.missing() and time.monotonic() < give_up:
+        time.sleep(10)
+    why = llama_server.missing()
+    if why:
+        print(f"llama.cpp skipped: {why}", file=sys.stderr)
+    else:
+        time.sleep(5)  # the linker may still be writing it
+        flags = ["-t", str(args.threads), "-tb", str(args.threads), "-np", "1", "-c", "4096", "--cache-ram", "0"]
+        with llama_server.running(flags, log_dir / "chat-llama-server.log") as server:
+            answers = {LLAMACPP: [ask(server.base_url, p, args.max_tokens) for p in prompts], **answers}
+        version = llama_server.version()
     print("| prompt | engine | greedy answer | first token: top 3 (logprob) | prompt tokens |")
     print("|---|---|---|---|---|")
     for i, prompt in enumerate(prompts):
