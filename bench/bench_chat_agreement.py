@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=wl.THREADS)
     parser.add_argument("--json", type=Path, help="write the answers here too")
+    parser.add_argument("--ready-timeout", type=float, default=900, help="seconds for a glmserve serve to get ready")
     parser.add_argument("--wait-llamacpp", type=float, default=0.0,
                         help="seconds to wait for llama-server to be built, after asking ours")
     args = parser.parse_args()
@@ -67,7 +68,7 @@ def main() -> None:
     answers: dict[str, list[dict[str, Any]]] = {}
     for name, flags in configs:
         serve_flags = ["--num-threads", str(args.threads), *shlex.split(flags)]
-        with glmserve(serve_flags, log_dir / f"chat-{name}.log", 900) as url:
+        with glmserve(serve_flags, log_dir / f"chat-{name}.log", args.ready_timeout) as url:
             answers[f"glmserve {name}"] = [ask(url, p, args.max_tokens) for p in prompts]
     give_up = time.monotonic() + args.wait_llamacpp  # llama-server may still be building (setup_peers.sh)
     while llama_server.missing() and time.monotonic() < give_up:
