@@ -200,9 +200,11 @@ class Run:
                 pending.remove(runner)
                 time.sleep(0 if runner.available() else 10)  # the linker may still be writing it
                 self.start(runner)
-            if time.monotonic() > deadline and index == 0:
+            stop = self.args.stop_file is not None and self.args.stop_file.exists()
+            if (time.monotonic() > deadline or stop) and index == 0:
+                why = "--stop-file appeared" if stop else f"the budget ({self.args.budget:.0f} s) ran out"
                 for w in self.workers:
-                    self.notes[w.key].setdefault(metric, f"skipped: the budget ({self.args.budget:.0f} s) ran out")
+                    self.notes[w.key].setdefault(metric, f"skipped: {why}")
                 continue
             shift = index % max(1, len(self.workers))
             for w in self.workers[shift:] + self.workers[:shift]:
@@ -318,6 +320,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds a runner may take to start or to measure one sample before it is dropped")
     parser.add_argument("--budget", type=float, help="seconds of measuring after which no new metric starts")
+    parser.add_argument("--stop-file", type=Path, help="no new metric starts once this file exists")
     parser.add_argument("--repeats", type=int, default=3, help="samples per metric (at most the workloads' repeats)")
     parser.add_argument("--repeats-for", type=parse_metric_arg, action="append", default=[],
                         help="METRIC=N: samples of METRIC (repeat)")
