@@ -168,13 +168,21 @@ class Run:
 
     def start(self, runner: Runner) -> None:
         """Start one runner and wait until it is ready (the others are idle meanwhile)."""
+        worker = self.spawn(runner)
+        if worker:
+            self.ready(worker)
+
+    def spawn(self, runner: Runner) -> Worker | None:
         key = result_key(runner, self.args)
         why_not = runner.available()
         if why_not:
             self.results[key] = {"engine": runner.key, "error": why_not}
-            return
-        worker = Worker(runner, key, worker_command(runner, self.work_path, self.gguf, self.args),
-                        wl.BENCH_DIR / "logs" / f"engine-{runner.key}.log")
+            return None
+        return Worker(runner, key, worker_command(runner, self.work_path, self.gguf, self.args),
+                      wl.BENCH_DIR / "logs" / f"engine-{runner.key}.log")
+
+    def ready(self, worker: Worker) -> None:
+        key, runner = worker.key, worker.runner
         try:
             worker.ready(self.args.timeout)
         except (TimeoutError, RuntimeError) as exc:
@@ -253,9 +261,14 @@ def run_interleaved(chosen: list[Runner], work_path: Path, gguf: Path, args: arg
     run = Run(work_path, gguf, args)
     pending = [r for r in chosen if args.wait_binary and r.tool and r.available()]
     try:
-        for runner in chosen:
-            if runner not in pending:
-                run.start(runner)
+        if args.parallel_start:  # every runner loads at once: less wall time, startup_s of each inflated
+            for worker in [run.spawn(r) for r in chosen if r not in pending]:
+                if worker:
+                    run.ready(worker)
+        else:
+            for runner in chosen:
+                if runner not in pending:
+                    run.start(runner)
         run.measure(plan(work, metrics, args), pending)
         run.finish()
     finally:
@@ -320,6 +333,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds a runner may take to start or to measure one sample before it is dropped")
     parser.add_argument("--budget", type=float, help="seconds of measuring after which no new metric starts")
+    parser.add_argument("--parallel-start", action="store_true",
+                        help="start the runners at once (their startup_s overlap: no startup comparison)")
     parser.add_argument("--stop-file", type=Path, help="no new metric starts once this file exists")
     parser.add_argument("--repeats", type=int, default=3, help="samples per metric (at most the workloads' repeats)")
     parser.add_argument("--repeats-for", type=parse_metric_arg, action="append", default=[],
