@@ -39,7 +39,8 @@ LLAMACPP = "llama.cpp"
 
 def ask(base_url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     """One greedy chat completion: answer, first-token alternatives, prompt token count."""
-    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+    model = httpx.get(f"{base_url}/v1/models", timeout=60).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
             "max_tokens": max_tokens, "logprobs": True, "top_logprobs": 3}
     response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=600)
     response.raise_for_status()
