@@ -23,6 +23,10 @@ import workloads as wl
 BIN = wl.BENCH_DIR / "bin"
 BUILD_BIN = wl.BENCH_DIR / "llama.cpp-build" / "bin"  # where setup_peers.sh builds them before installing
 _PR_SET_PDEATHSIG = 1
+# ggml's AMX matmul (an "extra buffer type" of the CPU backend) dies with a general protection fault on this
+# KVM guest (gdb: ggml_backend_amx_mul_mat), so the tools run without the extra buffer types (weight repacking
+# off: llama-server/llama-perplexity `-nr`, llama-bench `--repack 0`); llama.cpp then uses its AVX-512 kernels.
+NO_REPACK = ["-nr"]
 
 
 def binary(tool: str) -> Path:
@@ -69,7 +73,7 @@ def running(flags: list[str], log: Path, gguf: Path | None = None, ready_timeout
     """A ready llama-server on the GGUF (default: the embedded SmolLM2) with extra `flags`."""
     port = _free_port()
     cmd = [str(binary("llama-server")), "-m", str(gguf or wl.embedded_gguf_path()), "--host", "127.0.0.1",
-           "--port", str(port), *flags]
+           "--port", str(port), *NO_REPACK, *flags]
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)

@@ -43,7 +43,7 @@ class LlamaBenchEngine(harness.Engine):
 
     def _bench(self, *flags: str) -> float:
         cmd = [str(llama_server.binary("llama-bench")), "-m", self._gguf, "-t", str(wl.THREADS), "-r", "1",
-               "-o", "json", *flags]
+               "-o", "json", "--repack", "0", *flags]  # llama_server.NO_REPACK: AMX crashes here
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if out.returncode != 0:
             raise RuntimeError(f"llama-bench exited {out.returncode}: {out.stderr.strip()[-300:]}")

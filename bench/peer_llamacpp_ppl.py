@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from llama_server import NO_REPACK
 from quality_metrics import Scored
 
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
@@ -38,7 +39,7 @@ def llama_perplexity(binary: Path, gguf: str, text: Path, ctx: int, threads: int
     """Run llama-perplexity on `text` (output to `log`, logits next to it, removed after reading)."""
     logits = log.with_suffix(".logits")
     cmd = [str(binary), "-m", gguf, "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-t", str(threads),
-           "-tb", str(threads), "--kl-divergence-base", str(logits)]
+           "-tb", str(threads), "--kl-divergence-base", str(logits), *NO_REPACK]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     output = proc.stdout + proc.stderr
     log.write_text(" ".join(cmd) + "\n" + output)
