@@ -47,8 +47,8 @@ class LlamaBenchEngine(harness.Engine):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if out.returncode != 0:
             raise RuntimeError(f"llama-bench exited {out.returncode}: {out.stderr.strip()[-300:]}")
-        (test,) = json.loads(out.stdout)
-        return float(test["samples_ts"][0])
+        tests = json.loads(out.stdout)  # one per test: -p N -n M gives a prompt test, then a generation test
+        return float(tests[-1]["samples_ts"][0])
 
     def measure_itself(self, metric: str, work: wl.Workloads, index: int) -> float | None:
         if metric.startswith("prefill_"):
