@@ -179,7 +179,7 @@ class Run:
             self.results[key] = {"engine": runner.key, "error": why_not}
             return None
         return Worker(runner, key, worker_command(runner, self.work_path, self.gguf, self.args),
-                      wl.BENCH_DIR / "logs" / f"engine-{runner.key}.log")
+                      wl.BENCH_DIR / "logs" / f"{self.args.out.stem}-{runner.key}.log")  # one set per run
 
     def ready(self, worker: Worker) -> None:
         key, runner = worker.key, worker.runner
@@ -368,6 +368,7 @@ def main() -> None:
     gguf = wl.embedded_gguf_path()
     date = datetime.date.today().isoformat()
     out = args.out or BENCH / "results" / f"engine-{date}{'-quick' if args.quick else ''}.json"
+    args.out = out  # the runners' logs are named after it
     report = json.loads(out.read_text()) if out.exists() else {"engines": {}}
     report.update(
         {
