@@ -22,6 +22,7 @@ from glmserve.engine.runner import ModelRunner
 from glmserve.engine.sampling import SamplingParams
 from glmserve.engine.scheduler import Scheduler
 from glmserve.engine.sequence import Sequence
+from glmserve.engine.structured import GrammarCompiler
 from glmserve.errors import InvalidRequestError, PromptTooLongError
 from glmserve.kv.kv_format import kv_format
 from glmserve.kv.session_io import PendingRestore, wait_for_any
@@ -106,6 +107,7 @@ class LLMEngine:
         self.runner.offload = self.kv.offload
         self.scheduler = Scheduler(self.kv.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.kv.offload)
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.model.config.vocab_size, sorted(self.eos_token_ids))
         self.restoring: dict[str, tuple[Request, PendingRestore]] = {}  # waiting for their session's KV
 
     # -- sparse attention -------------------------------------------------------------------------
@@ -158,10 +160,10 @@ class LLMEngine:
         return sparse
 
     # -- requests ---------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template; use a completion prompt")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)
@@ -188,12 +190,19 @@ class LLMEngine:
             raise PromptTooLongError(len(token_ids), self.max_model_len)  # max_tokens 0 may fill the context
         if session_id is not None and self.kv.sessions is None:
             raise InvalidRequestError("sessions are off on this server (session_store 'off')")
+        vocab = self.runner.model.config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
+        # a cache hit when the server compiled it beforehand (off this thread)
+        grammar = self.grammars.compile(params.guided) if params.guided is not None else None
         seqs = [
             Sequence(request_id, i, token_ids, params,
                      IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens),
                      priority, cache_salt, sparse)
             for i in range(params.n)
         ]
+        for seq in seqs if grammar is not None else ():
+            seq.matcher = grammar.matcher()
         request = Request(request_id, token_ids, params, seqs, pending_samples=seqs[1:], session_id=session_id)
         restore = None
         if session_id is not None:
@@ -291,6 +300,8 @@ class LLMEngine:
         reason: tuple[str, str | int | None] | None = None
         if stop_string is not None:
             reason = ("stop", stop_string)
+        elif seq.matcher is not None and (not seq.matcher.consume_token(token) or seq.matcher.is_stopped()):
+            reason = ("stop", None)  # the grammar is complete (or, never expected, refused the token)
         elif seq.num_output_tokens >= params.min_tokens and (
             token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         ):

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+"""Batched sampling: logit bias, grammar masks, penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
 
 One tensor op per stage for the whole batch. Sampling uses the exponential-race trick
 (argmax of p / E with E ~ Exp(1) is a draw from p), so that seeded rows only need their own
@@ -11,6 +11,7 @@ import torch
 
 from glmserve.engine.outputs import TokenLogprob
 from glmserve.engine.sequence import Sequence
+from glmserve.engine.structured import apply_bitmask, fill_bitmask
 
 
 def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -42,6 +43,23 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         logits.sub_(frequency[:, None] * counts + presence[:, None] * (counts > 0))
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: each row's logit_bias added at its tokens (one index_put for the batch)."""
+    rows = [i for i, s in enumerate(seqs) for _ in s.params.logit_bias]
+    tokens = [t for s in seqs for t in s.params.logit_bias]
+    values = [v for s in seqs for v in s.params.logit_bias.values()]
+    dev = logits.device
+    logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(tokens, device=dev)),
+                      torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
+
+
+def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: the rows of sequences with a grammar keep only the tokens their matcher allows next."""
+    rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    bitmask = fill_bitmask([seqs[i].matcher for i in rows], logits.shape[1])
+    apply_bitmask(logits, torch.tensor(rows, device=logits.device), bitmask)
+
+
 def apply_truncation(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Masks tokens outside each row's top-k / top-p / min-p set with -inf."""
     dev = logits.device
@@ -66,8 +84,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     raw_logprobs = None
     if any(s.params.logprobs is not None for s in seqs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    if any(s.params.uses_penalties for s in seqs):
+    biased = any(s.params.logit_bias for s in seqs)
+    guided = any(s.matcher is not None for s in seqs)
+    penalized = any(s.params.uses_penalties for s in seqs)
+    if biased or guided or penalized:
         logits = logits.clone()
+    if biased:
+        apply_logit_bias(logits, seqs)
+    if guided:
+        apply_grammars(logits, seqs)
+    if penalized:
         apply_penalties(logits, seqs)
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):

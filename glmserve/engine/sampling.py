@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from glmserve.engine.structured import GuidedSpec
 from glmserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -20,6 +21,8 @@ class SamplingParams:
     also scores the prompt: each prompt token's logprob given the tokens before it, with the top-N
     alternatives (the first token has none); such a request computes its whole prompt, never taking
     prefix-cache blocks for it. max_tokens 0 only computes the prompt (no token is sampled).
+    logit_bias adds its value (in [-100, 100], OpenAI's range) to its token's logit before sampling. guided
+    constrains the output to a grammar (glmserve/engine/structured.py); the sample stops when the grammar ends.
     """
 
     n: int = 1
@@ -39,12 +42,15 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         self._validate()
 
     def _validate(self) -> None:
@@ -64,6 +70,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            (all(t >= 0 for t in self.logit_bias), "logit_bias token ids must be non-negative"),
+            (all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -60,6 +61,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.generator: torch.Generator | None = None
+        self.matcher: Any = None  # its grammar's llguidance matcher (params.guided), advanced by each token
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
 

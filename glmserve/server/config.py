@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from glmserve.gateway.settings import GatewaySettings, add_gateway_options
+from glmserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 @dataclass
@@ -31,6 +32,8 @@ class ServerConfig:
     session_summary_keep: int = 4
     # completion tokens any request may generate (None: the context's room); responses say when it bit
     max_tokens_cap: int | None = None
+    # tool-call format (glmserve/server/tool_parsers.py); "auto": the one the chat template implies
+    tool_call_parser: str = "auto"
     # keys, limits and billing (glmserve/gateway/admission.py) in front of the routes
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
 
@@ -45,6 +48,9 @@ class ServerConfig:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.session_summary_threshold < 1 or self.session_summary_keep < 1:
             raise ValueError("session_summary_threshold and session_summary_keep must be >= 1")
+        if self.tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be auto or one of {TOOL_CALL_PARSERS}, "
+                             f"got {self.tool_call_parser!r}")
         for alias, canonical in self.aliases.items():
             if not alias or not canonical:
                 raise ValueError(f"alias entries need a non-empty id and target, got {alias!r}={canonical!r}")
@@ -94,6 +100,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
                    help="completion tokens any request may generate (default: what the context leaves); responses "
                         "report the effective max_tokens and its source in x-glmserve-max-tokens* headers")
+    g.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_CALL_PARSERS],
+                   help="format of the model's tool calls (default: the one its chat template implies, else hermes)")
     add_gateway_options(parser)
 
 
@@ -108,5 +116,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         session_summary_threshold=args.session_summary_threshold,
         session_summary_keep=args.session_summary_keep,
         max_tokens_cap=args.max_tokens_cap,
+        tool_call_parser=args.tool_call_parser,
         gateway=GatewaySettings.from_args(args),
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from glmserve.engine.sampling import SamplingParams
+from glmserve.engine.structured import GuidedSpec
 from glmserve.server.errors import BadRequestError
 from glmserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -69,10 +70,13 @@ def tightest(budgets: list[TokenBudget]) -> TokenBudget:
 
 
 def sampling_params(
-    request: ChatCompletionRequest | CompletionRequest, budget: TokenBudget
+    request: ChatCompletionRequest | CompletionRequest, budget: TokenBudget, guided: GuidedSpec | None = None
 ) -> SamplingParams:
-    """Engine sampling parameters for `request`; fields the client left out keep the engine's defaults."""
+    """Engine sampling parameters for `request` (`guided`: its output constraint, compiled already); fields the
+    client left out keep the engine's defaults."""
     kwargs: dict[str, Any] = {
+        "guided": guided,
+        "logit_bias": {int(token): bias for token, bias in (request.logit_bias or {}).items()},
         "n": request.n,
         "stop": request.stop_list(),
         "ignore_eos": request.ignore_eos,

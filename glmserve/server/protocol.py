@@ -4,9 +4,12 @@ Field names and shapes follow OpenAI's API reference and the official `openai` p
 The extra sampling fields `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and
 `stop_token_ids` (and, for completions, `return_tokens_as_token_ids`) are accepted at the top
 level of the body, as vLLM's OpenAI server accepts them (vllm/entrypoints/openai/protocol.py).
+Structured output: `response_format` (json_object, json_schema) and vLLM's extras `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`; tools as OpenAI's (`tools`, `tool_choice`,
+`parallel_tool_calls`, `tool` and assistant `tool_calls` messages).
 Unknown fields are ignored, as vLLM does.
-Features the engine does not have (tools, logit_bias, json mode, suffix, best_of > n) are
-refused with a 400 instead of being silently dropped.
+Features the engine does not have (suffix, best_of > n) are refused with a 400 instead of being
+silently dropped.
 """
 
 from __future__ import annotations
@@ -40,10 +43,23 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call they answer
 
     def text(self) -> str:
         """The message content as one string (text parts joined by newlines, as vLLM does)."""
@@ -93,16 +109,31 @@ class SamplingRequest(_Request):
     sparse_attention: SparseAttentionRequest | None = None  # glmserve extra
     # session KV persistence (glmserve/kv/session_store.py); the X-Session-Id header is the alternative
     session_id: Annotated[str, Field(pattern=SESSION_ID_PATTERN)] | None = None
+    # structured output as vLLM's extras (glmserve/engine/structured.py)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+        for token, bias in (self.logit_bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if len(self.guided_fields()) > 1:
+            raise ValueError(f"only one of {', '.join(self.guided_fields())} may be given")
         if self.top_k is not None and self.top_k < -1:
             raise ValueError("top_k must be -1 or 0 (disabled) or a positive integer")
         return self
+
+    def guided_fields(self) -> list[str]:
+        """The structured-output fields the client set."""
+        return [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                if getattr(self, name) is not None]
 
     def sparse_overrides(self) -> dict[str, Any] | None:
         """The sparse settings the client gave (None: the server's default)."""
@@ -117,14 +148,54 @@ class SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a 'json_schema' object")
+        return self
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # with a session: replace earlier turns by a summary the model writes (glmserve/server/anchoring.py)
     session_summary: bool = False
 
@@ -132,13 +203,34 @@ class ChatCompletionRequest(SamplingRequest):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported by this server")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tool function names must be unique")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
+        constrained = self.guided_fields() + (["response_format"] if self.json_format() else [])
+        if self.forces_tool_call():
+            constrained.append("tool_choice")
+        if len(constrained) > 1:
+            raise ValueError(f"only one of {', '.join(constrained)} may constrain the output")
         return self
+
+    def json_format(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
+
+    def active_tools(self) -> list[ToolDefinition]:
+        """The tools the model may call: none with tool_choice 'none', only the named one for a named choice."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return list(self.tools)
+
+    def forces_tool_call(self) -> bool:
+        """tool_choice 'required' or a named function: the output is constrained to a call."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
 
     def token_limit(self) -> int | None:
         """max_completion_tokens, or the older max_tokens."""
@@ -230,13 +322,47 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class _Sparse(BaseModel):
+    """Only the fields a chunk sets are sent."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCallDelta(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Sparse):
+    """A streamed tool call: its first delta has id, type and name (arguments ""), later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatChoice(BaseModel):
@@ -256,15 +382,12 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
-class ChoiceDelta(BaseModel):
+class ChoiceDelta(_Sparse):
     """Only the fields a chunk sets are sent (`{"content": "..."}`, `{}` with the finish reason)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

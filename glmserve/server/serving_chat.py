@@ -1,4 +1,8 @@
-"""POST /v1/chat/completions: one engine request (n samples) per API request."""
+"""POST /v1/chat/completions: one engine request (n samples) per API request.
+
+With tools the model may call (glmserve/server/tool_stream.py), each choice's output is read as content and
+tool calls; a choice that called a tool finishes with `tool_calls`.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from fastapi.responses import Response
 from glmserve.server.anchoring import anchor_messages
 from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation, cancel_on_disconnect, start_all
+from glmserve.server.guided import compiled_guided
 from glmserve.server.logprobs import chat_logprobs
 from glmserve.server.params import sampling_params, token_budget
 from glmserve.server.protocol import (
@@ -22,10 +27,12 @@ from glmserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceDelta,
+    FinishReason,
 )
 from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
 from glmserve.server.sessions_routes import request_session_id
 from glmserve.server.state import ServedModel, ServingContext
+from glmserve.server.tool_stream import ToolCalls
 from glmserve.server.usage import usage_of
 
 
@@ -39,9 +46,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
             raise BadRequestError("session_summary needs a session_id (or an X-Session-Id header)",
                                   param="session_summary")
         messages = await anchor_messages(messages, session_id, model, ctx)
-    prompt_ids = model.chat_prompt(messages)
+    tools = body.active_tools()
+    prompt_ids = model.chat_prompt(messages, tools)
     budget = token_budget(body.token_limit(), len(prompt_ids), model.max_model_len, ctx.config.max_tokens_cap)
-    params = sampling_params(body, budget)
+    params = sampling_params(body, budget, await compiled_guided(body, model))
     generation = Generation(ctx.engine, ctx.metrics, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}",
                             sparse=body.sparse_overrides(), session_id=session_id, budget=budget)
     await cancel_on_disconnect(raw, start_all([generation]))
@@ -53,19 +61,28 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     finally:
         generation.abort()
     want_logprobs = body.num_logprobs() is not None
-    choices = [
-        ChatChoice(
+    choices = []
+    for c in final.outputs:
+        content, calls = _tool_calls(body, model).message(c.text) if tools else (c.text, [])
+        choices.append(ChatChoice(
             index=c.index,
-            message=AssistantMessage(content=c.text),
+            message=AssistantMessage(content=content, tool_calls=calls or None),
             logprobs=chat_logprobs(model.formatter, c.token_ids, c.logprobs) if want_logprobs else None,
-            finish_reason=c.finish_reason,
-        )
-        for c in final.outputs
-    ]
+            finish_reason=_finish_reason(c.finish_reason, bool(calls)),
+        ))
     response = ChatCompletionResponse(
         id=generation.request_id, model=model_id, choices=choices, usage=usage_of([final])
     )
     return json_response(response, headers=budget.headers())
+
+
+def _tool_calls(body: ChatCompletionRequest, model: ServedModel) -> ToolCalls:
+    return ToolCalls(model.tool_parser, body.active_tools(), body.parallel_tool_calls)
+
+
+def _finish_reason(engine_reason: str | None, called: bool) -> FinishReason | None:
+    """`tool_calls` for a choice that stopped after calling tools (not one cut by max_tokens)."""
+    return "tool_calls" if called and engine_reason == "stop" else engine_reason  # type: ignore[return-value]
 
 
 async def _stream(
@@ -82,6 +99,7 @@ async def _stream(
     sent_text = [0] * body.n
     sent_tokens = [0] * body.n
     finished = [False] * body.n
+    calls = [_tool_calls(body, model) for _ in range(body.n)] if body.active_tools() else None
     try:
         for i in range(body.n):
             yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
@@ -94,11 +112,17 @@ async def _stream(
                 if want_logprobs and token_ids:
                     logprobs = chat_logprobs(model.formatter, token_ids, c.logprobs[sent_tokens[i] :])
                 sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                tool_deltas = None
+                if calls is not None:
+                    text, tool_deltas = calls[i].deltas(c.text, final=c.finish_reason is not None)
                 if text or logprobs is not None:
                     yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(content=text), logprobs=logprobs)])
+                for delta in tool_deltas or ():
+                    yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(tool_calls=[delta]))])
                 if c.finish_reason is not None and not finished[i]:
                     finished[i] = True
-                    yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=c.finish_reason)])
+                    reason = _finish_reason(c.finish_reason, calls is not None and calls[i].called)
+                    yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=reason)])
         if body.include_usage():
             assert generation.last is not None
             yield event(

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from glmserve.engine.outputs import CompletionOutput, RequestOutput
 from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation, abort_all, cancel_on_disconnect, merge_outputs, start_all
+from glmserve.server.guided import compiled_guided
 from glmserve.server.logprobs import completion_logprobs, echo_logprobs
 from glmserve.server.params import sampling_params, tightest, token_budget
 from glmserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
@@ -40,12 +41,13 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     request_id = f"cmpl-{uuid.uuid4().hex}"
     budgets = [token_budget(body.token_limit(), len(ids), model.max_model_len, ctx.config.max_tokens_cap)
                for ids in prompts]
+    guided = await compiled_guided(body, model)
     generations = [
         Generation(
             ctx.engine,
             ctx.metrics,
             ids,
-            sampling_params(body, budget),
+            sampling_params(body, budget, guided),
             f"{request_id}-{i}",
             sparse=body.sparse_overrides(),
             session_id=session_id,
