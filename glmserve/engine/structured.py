@@ -46,7 +46,7 @@ class GuidedSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> GuidedSpec:
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # key order kept: properties are written in it
 
     @classmethod
     def choice(cls, choices: list[str]) -> GuidedSpec:

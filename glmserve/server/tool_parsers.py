@@ -140,9 +140,10 @@ class Llama3JsonParser(_JsonCalls):
 
     def parse(self, text: str, final: bool, tools: list[ToolDefinition]) -> ParsedOutput:
         body = text.lstrip()
-        if body.startswith(self.python_tag):
+        tagged = body.startswith(self.python_tag)
+        if tagged:
             body = body[len(self.python_tag):].lstrip()
-        elif not final and self.python_tag.startswith(body):
+        if not final and (self.python_tag.startswith(body) or (tagged and not body)):
             return ParsedOutput("", [])  # maybe the tag, maybe text
         if not body.startswith("{"):
             return ParsedOutput(text, [])
@@ -210,7 +211,7 @@ class Glm45Parser(_TaggedCalls):
             key_rule = " | ".join(json.dumps(k) for k in keys) or '""'
             rules.append(f'call{i}: "{self.open_tag}{tool.function.name}\\n" (arg{i} "\\n")* "{self.close_tag}"\n'
                          f'arg{i}: "<arg_key>" ({key_rule}) "</arg_key>\\n<arg_value>" VALUE "</arg_value>"')
-        calls = 'call ("\\n" call)*' if parallel else "call"
+        calls = 'call ("\\n"? call)*' if parallel else "call"
         return (f"start: {calls}\ncall: " + " | ".join(f"call{i}" for i in range(len(tools))) + "\n"
                 + "\n".join(rules) + "\nVALUE: /[^<]*/\n")
 
