@@ -456,7 +456,7 @@ def test_max_tokens_beyond_context_is_clamped(server: Server) -> None:
         ({"model": SERVED, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
         ({"model": SERVED, "messages": QUESTION, "top_logprobs": 2}, None),
         ({"model": SERVED, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
-        ({"model": SERVED, "messages": QUESTION, "tools": [{"type": "function"}]}, None),
+        ({"model": SERVED, "messages": QUESTION, "tools": [{"type": "function"}]}, "tools.0.function"),
         ({"model": SERVED}, "messages"),
     ],
 )

@@ -1,0 +1,82 @@
+"""The cost of grammar masks per decode step (glmserve/engine/structured.py), at batch 1 and 32.
+
+For each batch size, runs B requests in steady decode without a grammar and with a JSON schema (a long string
+field, so that no sequence finishes early), interleaved, and reports the median step time of each, the median
+time of the mask itself (llguidance's batched bitmask fill + the sampler's tensor op, timed around
+`sampler.apply_grammars`) and its share of the guided step.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_structured.py [--steps 16] [--repeats 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from glmserve.config import EngineConfig
+from glmserve.engine import sampler
+from glmserve.engine.llm_engine import LLMEngine
+from glmserve.engine.sampling import SamplingParams
+from glmserve.engine.structured import GuidedSpec
+
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                                           "story": {"type": "string"}}, "required": ["title", "story"]}
+mask_times: list[float] = []
+
+
+def _timed_grammars(original):
+    def run(logits, seqs):
+        start = time.perf_counter()
+        original(logits, seqs)
+        mask_times.append(time.perf_counter() - start)
+    return run
+
+
+def decode_steps(engine: LLMEngine, batch: int, steps: int, guided: bool, tag: str) -> list[float]:
+    """Step times of `steps` decode steps of `batch` requests (after their prefill)."""
+    params = SamplingParams(temperature=1.0, max_tokens=steps + 8, ignore_eos=True,
+                            guided=GuidedSpec.json_schema(SCHEMA) if guided else None)
+    prompt = engine.apply_chat_template([{"role": "user", "content": "Tell me a long story as JSON."}])
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, prompt, params)
+    while any(not engine.requests[r].seqs[0].output_token_ids for r in ids):
+        engine.step()
+    mask_times.clear()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batches", default="1,32")
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(num_threads=args.threads, max_num_seqs=32, max_model_len=1024,
+                                    kv_cache_memory_bytes=256 << 20))
+    engine.grammars.compile(GuidedSpec.json_schema(SCHEMA))  # as the server does, before the request
+    sampler.apply_grammars = _timed_grammars(sampler.apply_grammars)
+    print("| batch | step, no grammar (ms) | step, JSON schema (ms) | mask (ms) | mask / guided step "
+          "| guided / plain |")
+    print("|---|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        plain, guided, masks = [], [], []
+        for r in range(args.repeats):  # interleaved A/B
+            plain += decode_steps(engine, batch, args.steps, False, f"p{batch}-{r}")
+            guided += decode_steps(engine, batch, args.steps, True, f"g{batch}-{r}")
+            masks += mask_times
+        p, g, m = (statistics.median(x) * 1e3 for x in (plain, guided, masks))
+        print(f"| {batch} | {p:.1f} | {g:.1f} | {m:.2f} | {m / g:.1%} | {g / p:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
