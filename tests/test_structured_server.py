@@ -37,7 +37,7 @@ WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log_path = tmp_path_factory.mktemp("structured") / "server.log"
     args = ["--served-model-name", SERVED, "--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 << 20),
-            "--num-threads", "1", "--shutdown-timeout", "10"]
+            "--num-threads", "1", "--shutdown-timeout", "10", "--quantization", "none"]
     with glmserve_process(args, log_path) as process, httpx.Client(base_url=process.base_url, timeout=30) as http:
         wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", process.log)
         yield process
@@ -74,14 +74,16 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
 
 
 def test_json_object_streamed_with_a_stop_string(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(model=SERVED, messages=ASK, response_format={"type": "json_object"},
-                                            max_tokens=120, temperature=0, stream=True)
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    assert isinstance(json.loads(text), dict)
-    cut = client.chat.completions.create(model=SERVED, messages=ASK, response_format={"type": "json_object"},
-                                         max_tokens=120, temperature=0, stop=[","])
-    assert cut.choices[0].finish_reason == "stop" and text.startswith(cut.choices[0].message.content)
-    assert "," not in cut.choices[0].message.content
+    copy = [{"role": "user", "content": 'Repeat this JSON object exactly: {"name": "Bob", "age": 42}'}]
+    request = dict(model=SERVED, messages=copy, response_format={"type": "json_object"}, max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(**request)
+    assert whole.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(whole.choices[0].message.content), dict)
+    stream = client.chat.completions.create(**request, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == whole.choices[0].message.content
+    cut = client.chat.completions.create(**request, stop=[","])
+    assert cut.choices[0].finish_reason == "stop"
+    assert whole.choices[0].message.content.startswith(cut.choices[0].message.content + ",")
 
 
 def test_guided_choice_and_regex(client: openai.OpenAI) -> None:
