@@ -5,7 +5,7 @@ field, so that no sequence finishes early), interleaved, and reports the median 
 time of the mask itself (llguidance's batched bitmask fill + the sampler's tensor op, timed around
 `sampler.apply_grammars`) and its share of the guided step.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_structured.py [--steps 16] [--repeats 3] [--threads 1]
+    PYTHONPATH=. .venv/bin/python bench/bench_structured.py [--steps 16] [--repeats 3] [--quantization none]
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--quantization", default=None, help="none: float weights (default: the checkpoint's)")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(num_threads=args.threads, max_num_seqs=32, max_model_len=1024,
-                                    kv_cache_memory_bytes=256 << 20))
+                                    kv_cache_memory_bytes=256 << 20, quantization=args.quantization))
     engine.grammars.compile(GuidedSpec.json_schema(SCHEMA))  # as the server does, before the request
     sampler.apply_grammars = _timed_grammars(sampler.apply_grammars)
     print("| batch | step, no grammar (ms) | step, JSON schema (ms) | mask (ms) | mask / guided step "

@@ -133,7 +133,7 @@ class GrammarCompiler:
 
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+_BIT_VALUES = (1 << torch.arange(32, dtype=torch.int64)).to(torch.int32)  # bit j of a word; bit 31 is negative
 _executor: list[Any] = []  # llguidance's LLExecutor, made on first use
 
 
@@ -152,9 +152,14 @@ def fill_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: -inf on the tokens `bitmask` forbids, in the logits rows `rows` (one tensor op for the batch)."""
+    """In place: -inf on the tokens `bitmask` forbids, in the logits rows `rows` (tensor ops for the whole batch;
+    in place when every row is constrained)."""
     vocab = logits.shape[1]
-    allowed = ((bitmask.to(logits.device)[:, :, None] >> _BITS.to(logits.device)) & 1).flatten(1)[:, :vocab]
-    if allowed.shape[1] < vocab:  # logits wider than the grammar's vocabulary: the padding is never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
+    dev = logits.device
+    forbidden = ((bitmask.to(dev)[:, :, None] & _BIT_VALUES.to(dev)) == 0).flatten(1)[:, :vocab]
+    if forbidden.shape[1] < vocab:  # logits wider than the grammar's vocabulary: the padding is never allowed
+        forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
+    if len(rows) == len(logits):
+        logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
