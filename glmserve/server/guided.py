@@ -33,7 +33,7 @@ def guided_spec(request: ChatCompletionRequest | CompletionRequest, parser: Tool
     if not isinstance(request, ChatCompletionRequest):
         return None
     if request.forces_tool_call() and parser is not None:
-        return GuidedSpec("grammar", parser.grammar(request.active_tools(), request.parallel_tool_calls))
+        return GuidedSpec("grammar", parser.grammar(request.active_tools(), request.parallel_calls()))
     fmt = request.response_format
     if fmt is None or fmt.type == "text":
         return None

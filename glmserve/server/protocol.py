@@ -228,6 +228,11 @@ class ChatCompletionRequest(SamplingRequest):
             return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
         return list(self.tools)
 
+    def parallel_calls(self) -> bool:
+        """Whether a choice may make several calls: parallel_tool_calls, and never for a named function (one call
+        of it, as OpenAI's forced function)."""
+        return self.parallel_tool_calls and not isinstance(self.tool_choice, NamedToolChoice)
+
     def forces_tool_call(self) -> bool:
         """tool_choice 'required' or a named function: the output is constrained to a call."""
         return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))

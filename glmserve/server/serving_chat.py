@@ -77,7 +77,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
 
 
 def _tool_calls(body: ChatCompletionRequest, model: ServedModel) -> ToolCalls:
-    return ToolCalls(model.tool_parser, body.active_tools(), body.parallel_tool_calls)
+    return ToolCalls(model.tool_parser, body.active_tools(), body.parallel_calls())
 
 
 def _finish_reason(engine_reason: str | None, called: bool) -> FinishReason | None:
