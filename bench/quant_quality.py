@@ -1,9 +1,15 @@
-"""Quantization quality on held-out text, side by side in one run: the float model vs `glmserve quantize`
-outputs (RTN, GPTQ, mixed by sensitivity at a bits budget, the seeds' recipe). Each configuration is written as
-a compressed-tensors folder, read back, and its layers' weights (dequantized, outlier columns restored) run in
-the float model: the reference backend's arithmetic, weight-only (W8A8's activation rounding is not applied).
-Weight memory: quantized layers at their bits per weight with 16-bit scales, everything else (embeddings, norms,
-outlier columns) at 16 bits, vs all of it in bf16.
+"""Quantization quality, side by side in one run: the float model vs every weight format `glmserve quantize`
+writes (round to nearest, GPTQ, AWQ, mixed by measured sensitivity at a bits budget, the seeds' recipe), plus
+llama.cpp's Q8_0 rounding. Each compressed-tensors configuration is written as a folder, read back, and run in the
+float model with the reference backend's arithmetic: its layers' weights dequantized (outlier columns restored),
+the float tensors it stores (norms, which AWQ rescales) loaded, and activations fake-quantized where the scheme
+quantizes them (W8A8's int8 tokens, FP8's E4M3 tokens). The engine's own kernels (cpu_block's int8 activation
+blocks) are not in these numbers: bench/bench_quality.py measures through the server.
+
+Reported per configuration, on the calibration text (what GPTQ/AWQ/sensitivity saw) and on held-out text:
+perplexity, its increase over float32, and the mean KL divergence KL(float || quantized) of the next-token
+distributions. Weight memory: quantized layers at their bits per weight with 16-bit scales, everything else
+(embeddings, norms, outlier columns) at 16 bits, vs all of it in bf16.
 
   PYTHONPATH=. python bench/quant_quality.py --calib bench/data/calib_en.txt bench/data/calib_zh.txt \\
       --heldout bench/data/heldout_en.txt bench/data/heldout_zh.txt
@@ -13,25 +19,46 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from glmserve.cli import run_quantize
 from glmserve.models.hf_float import load_float
+from glmserve.quant.calibrate import collect_stats, linear_layers
 from glmserve.quant.compressed_tensors import dense_weight, load_checkpoint
-from glmserve.quant.perplexity import perplexity, token_windows
+from glmserve.quant.perplexity import token_windows
 from glmserve.quant.pipeline import bits_per_weight, scheme_specs, weight_bytes
+from glmserve.quant.quantize import quantize
+from glmserve.quant.reference import dequantize, fake_quantize_activations
+from glmserve.quant.schemes import scheme
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
+    "int8": dict(scheme="int8"),
+    "gptq-int8": dict(scheme="int8", method="gptq"),
+    "q8_0": dict(gguf="q8_0"),  # llama.cpp's rounding, not a compressed-tensors format: applied in memory
+    "w8a8": dict(scheme="w8a8"),
+    "fp8": dict(scheme="fp8"),
+    "fp8-block": dict(scheme="fp8-block"),
+    "nvfp4": dict(scheme="nvfp4"),
     "rtn-w4a16": dict(scheme="w4a16"),
+    "rtn-w4a16-asym": dict(scheme="w4a16-asym"),
+    "rtn-w4a16-g64": dict(scheme="w4a16-g64"),
+    "rtn-w4a16-asym-g64": dict(scheme="w4a16-asym-g64"),
     "gptq-w4a16": dict(scheme="w4a16", method="gptq"),
-    "mixed-sensitivity": dict(bits_budget=None, candidates="int8,w4a16-g64"),  # budget: w4a16's bits
+    "gptq-w4a16-asym": dict(scheme="w4a16-asym", method="gptq"),
+    "awq-w4a16": dict(scheme="w4a16", method="awq"),
+    "awq-w4a16-asym": dict(scheme="w4a16-asym", method="awq"),
+    # the budget of uniform w4a16 (sym g32, 4.5 bits): compare with the rtn-w4a16 row and the best uniform row
+    # at or below it (rtn-w4a16-asym-g64, 4.31 bits)
+    "mixed-sensitivity": dict(bits_budget="w4a16", candidates="w4a16-asym-g64,w4a16-asym,int8",
+                              sensitivity="fisher"),
     "seeds-recipe": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml")),
-    "rtn-int8": dict(scheme="int8"),
 }
 
 
@@ -42,17 +69,71 @@ def _windows(tokenizer, files: list[str], seq_len: int, tokens: int):
 
 
 @torch.no_grad()
-def _ppl_of_checkpoint(model: torch.nn.Module, folder: Path, windows) -> float:
-    _, modules, _ = load_checkpoint(folder)
-    layers = dict(model.named_modules())
-    saved = {n: layers[n].weight.data for n in modules}
-    try:
-        for n, m in modules.items():
-            layers[n].weight.data = dense_weight(m)
-        return perplexity(model, windows)
-    finally:
-        for n, w in saved.items():
+def _evaluate(model: torch.nn.Module, windows, reference: list[torch.Tensor] | None):
+    """(perplexity, mean KL(reference || model) per predicted token or None, the log-probs in float16)."""
+    nll, kl, count, logprobs = 0.0, 0.0, 0, []
+    for i, ids in enumerate(windows):
+        lp = F.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+        nll -= lp.gather(1, ids[0, 1:, None]).sum().item()
+        count += ids.shape[1] - 1
+        if reference is None:
+            logprobs.append(lp.half())
+        else:
+            ref = reference[i].float()
+            kl += (ref.exp() * (ref - lp)).sum().item()
+    return math.exp(nll / count), None if reference is None else kl / count, logprobs
+
+
+class _Applied:
+    """The float model running a configuration's weights (and activation rounding) until exit."""
+
+    def __init__(self, model: torch.nn.Module, weights: dict[str, torch.Tensor], activations: dict,
+                 float_tensors: dict[str, torch.Tensor]):
+        self.model, self.weights, self.activations, self.float_tensors = model, weights, activations, float_tensors
+
+    def __enter__(self):
+        layers = dict(self.model.named_modules())
+        state = self.model.state_dict()
+        self.saved = {n: layers[n].weight.data for n in self.weights}
+        self.saved_float = {k: state[k].clone() for k in self.float_tensors if k in state}
+        for n, w in self.weights.items():
             layers[n].weight.data = w
+        self.model.load_state_dict({k: v for k, v in self.float_tensors.items() if k in state}, strict=False)
+        self.hooks = [layers[n].register_forward_pre_hook(
+            lambda _m, args, spec=spec: (fake_quantize_activations(args[0], spec),) + args[1:])
+            for n, spec in self.activations.items() if spec is not None]
+        return self
+
+    def __exit__(self, *exc):
+        layers = dict(self.model.named_modules())
+        for h in self.hooks:
+            h.remove()
+        for n, w in self.saved.items():
+            layers[n].weight.data = w
+        self.model.load_state_dict(self.saved_float, strict=False)
+
+
+def _run(ckpt, options: dict, args, stats: dict, hidden: int):
+    """(_Applied context, pipeline Result or None, GGUF spec or None) of one configuration; writes and reads
+    back its folder. `stats`: calibration statistics shared by the configurations (collected on first use)."""
+    if "gguf" in options:
+        spec = scheme(options["gguf"]).weight
+        layers = {n: m for n, m in linear_layers(ckpt.model).items() if n != "lm_head"}
+        weights = {n: dequantize(quantize(m.weight.data, spec)) for n, m in layers.items()}
+        return _Applied(ckpt.model, weights, {}, {}), None, spec
+    options = dict(options)
+    if "bits_budget" in options:
+        options["bits_budget"] = bits_per_weight(scheme_specs(options["bits_budget"])[0], hidden)
+    if not stats:
+        windows = _windows(ckpt.tokenizer, args.calib, args.seq_len, args.calib_tokens)
+        names = [n for n in linear_layers(ckpt.model) if n != "lm_head"]
+        stats.update(collect_stats(ckpt.model, windows, names))
+    with tempfile.TemporaryDirectory() as out:
+        _, result = run_quantize(ckpt, out, calib=args.calib, calib_tokens=args.calib_tokens, seq_len=args.seq_len,
+                                 stats=stats, **options)
+        _, modules, rest = load_checkpoint(Path(out))
+    weights = {n: dense_weight(m) for n, m in modules.items()}
+    return _Applied(ckpt.model, weights, {n: m.activations for n, m in modules.items()}, rest), result, None
 
 
 def main() -> None:
@@ -60,10 +141,9 @@ def main() -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--calib", nargs="+", required=True)
     p.add_argument("--heldout", nargs="+", required=True)
-    p.add_argument("--calib-tokens", type=int, default=1024)
-    p.add_argument("--sensitivity-tokens", type=int, default=128, help="calibration tokens of each sensitivity "
-                   "loss evaluation (one per layer unit and candidate)")
-    p.add_argument("--eval-tokens", type=int, default=2048)
+    p.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens (GPTQ, AWQ, outlier "
+                   "channels, Fisher sensitivity), an equal share from each file")
+    p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of each evaluation set")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--threads", type=int, default=1)
@@ -71,40 +151,51 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ckpt = load_float(args.model)
-    heldout = _windows(ckpt.tokenizer, args.heldout, args.seq_len, args.eval_tokens)
+    evals = {"calib": _windows(ckpt.tokenizer, args.calib, args.seq_len, args.eval_tokens),
+             "heldout": _windows(ckpt.tokenizer, args.heldout, args.seq_len, args.eval_tokens)}
     t0 = time.time()
-    base = perplexity(ckpt.model, heldout)
+    base, reference = {}, {}
+    for k, ws in evals.items():
+        base[k], _, reference[k] = _evaluate(ckpt.model, ws, None)
     _, bf16 = weight_bytes(ckpt.model, None)
-    rows = [{"config": "float32", "ppl": base, "ppl_increase": 0.0, "weights_mib": bf16 / 2**20,
-             "vs_bf16": 0.0, "seconds": time.time() - t0}]
-    print(f"float32: ppl {base:.4f} on {sum(w.shape[1] for w in heldout)} held-out tokens", flush=True)
+    rows = [{"config": "float32", "ppl": base, "increase": {k: 0.0 for k in base}, "kl": {k: 0.0 for k in base},
+             "weights_mib": bf16 / 2**20, "vs_bf16": 0.0, "seconds": time.time() - t0}]
+    print(f"float32: ppl {base} ({ {k: sum(w.shape[1] for w in ws) for k, ws in evals.items()} } tokens)", flush=True)
     hidden = ckpt.model.config.hidden_size
+    stats: dict = {}
     for name in args.configs.split(","):
-        options = dict(CONFIGS[name])
-        calib_tokens = args.calib_tokens
-        if "bits_budget" in options:  # the same budget as uniform w4a16 on the model's input width
-            options["bits_budget"] = bits_per_weight(scheme_specs("w4a16")[0], hidden)
-            calib_tokens, options["seq_len"] = args.sensitivity_tokens, args.sensitivity_tokens
         t0 = time.time()
-        with tempfile.TemporaryDirectory() as out:
-            _, result = run_quantize(ckpt, out, calib=args.calib, calib_tokens=calib_tokens, **options)
-            ppl = _ppl_of_checkpoint(ckpt.model, Path(out), heldout)
-        served, _ = weight_bytes(ckpt.model, result)
-        counts: dict[str, int] = {}
-        for s in result.schemes.values():
-            counts[s] = counts.get(s, 0) + 1
-        row = {"config": name, "ppl": ppl, "ppl_increase": ppl / base - 1, "weights_mib": served / 2**20,
-               "vs_bf16": 1 - served / bf16, "layers": counts, "seconds": time.time() - t0,
-               "budget": options.get("bits_budget"), "notes": result.notes}
+        applied, result, gguf_spec = _run(ckpt, CONFIGS[name], args, stats, hidden)
+        ppl, kl = {}, {}
+        with applied:
+            for k, ws in evals.items():
+                ppl[k], kl[k], _ = _evaluate(ckpt.model, ws, reference[k])
+        if result is None:  # a GGUF block format on every linear layer
+            layers = {n: m for n, m in linear_layers(ckpt.model).items() if n != "lm_head"}
+            served = bf16 - sum(m.weight.numel() * (2 - bits_per_weight(gguf_spec, m.in_features) / 8)
+                                for m in layers.values())
+            counts, notes = {gguf_spec.gguf_type: len(layers)}, []
+        else:
+            served, _ = weight_bytes(ckpt.model, result)
+            counts, notes = {}, result.notes
+            for s in result.schemes.values():
+                counts[s] = counts.get(s, 0) + 1
+        row = {"config": name, "ppl": ppl, "increase": {k: ppl[k] / base[k] - 1 for k in ppl}, "kl": kl,
+               "weights_mib": served / 2**20, "vs_bf16": 1 - served / bf16, "layers": counts,
+               "seconds": time.time() - t0, "notes": notes}
         rows.append(row)
-        print(f"{name}: ppl {ppl:.4f} ({row['ppl_increase']:+.2%}), weights {row['weights_mib']:.1f} MiB "
-              f"({row['vs_bf16']:.1%} below bf16), layers {counts}, {row['seconds']:.0f} s", flush=True)
-    print("\n| config | held-out ppl | vs float32 | weight MiB | below bf16 |\n|---|---|---|---|---|")
+        print(f"{name}: calib ppl {ppl['calib']:.3f} ({row['increase']['calib']:+.2%}), held-out ppl "
+              f"{ppl['heldout']:.3f} ({row['increase']['heldout']:+.2%}, KL {kl['heldout']:.4f}), weights "
+              f"{row['weights_mib']:.1f} MiB ({row['vs_bf16']:.1%} below bf16), layers {counts}, "
+              f"{row['seconds']:.0f} s", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+    print("\n| config | calib ppl | vs float32 | held-out ppl | vs float32 | KL held-out | weight MiB | below bf16 |"
+          "\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['ppl']:.3f} | {r['ppl_increase']:+.2%} | {r['weights_mib']:.1f} | "
-              f"{r['vs_bf16']:.1%} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        print(f"| {r['config']} | {r['ppl']['calib']:.3f} | {r['increase']['calib']:+.2%} | "
+              f"{r['ppl']['heldout']:.3f} | {r['increase']['heldout']:+.2%} | {r['kl']['heldout']:.4f} | "
+              f"{r['weights_mib']:.1f} | {r['vs_bf16']:.1%} |")
 
 
 if __name__ == "__main__":

@@ -193,8 +193,11 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most, an "
                         "equal share from each file")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
-    parser.add_argument("--method", default="rtn", choices=["rtn", "gptq"], help="round to nearest, or GPTQ "
-                        "(needs --calib)")
+    parser.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"], help="round to nearest, "
+                        "GPTQ or AWQ (needs --calib)")
+    parser.add_argument("--sensitivity", default="measured", choices=["measured", "fisher"],
+                        help="--bits-budget: measure each layer unit's loss increase, or estimate it from the "
+                        "Fisher diagonal (one gradient pass over the calibration text)")
     parser.add_argument("--dtype", default="auto", choices=list(QUANTIZE_DTYPES),
                         help="dtype of the tensors kept in float (auto: the source's)")
     parser.add_argument("--out", required=True, help="output folder")
@@ -203,9 +206,11 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
 
 def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | None = None,
                  bits_budget: float | None = None, candidates: str | None = None, calib: list[str] | None = None,
-                 calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto"):
+                 calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto",
+                 sensitivity: str = "measured", stats=None):
     """Quantize `model` (a path, 'default', or a loaded models.hf_float.FloatCheckpoint, left unchanged) into a
-    compressed-tensors folder `out`; returns (float model, pipeline Result)."""
+    compressed-tensors folder `out`; returns (float model, pipeline Result). `stats`: calibration statistics
+    already collected on these windows (calibrate.collect_stats), reused instead of collected again."""
     from pathlib import Path
 
     import torch
@@ -221,7 +226,7 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
     if scheme is not None:
         pipeline.scheme_specs(scheme)
     plan = pipeline.Plan(recipe=load_recipe(recipe) if recipe else uniform(scheme) if scheme else None,
-                         bits_budget=bits_budget, method=method)
+                         bits_budget=bits_budget, method=method, sensitivity=sensitivity)
     if candidates:
         plan.candidates = tuple(c.strip() for c in candidates.split(","))
     if pipeline.needs_calibration(plan) and not calib:
@@ -233,7 +238,7 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
         windows = [w for f in calib  # each file gets an equal share of the tokens (e.g. English and Chinese)
                    for w in token_windows(ckpt.tokenizer, Path(f).read_text(encoding="utf-8"), seq_len,
                                           max(calib_tokens // len(calib), 2))]
-    result = pipeline.quantize_model(ckpt.model, plan, windows)
+    result = pipeline.quantize_model(ckpt.model, plan, windows, stats)
     torch_dtype = None if QUANTIZE_DTYPES[dtype] is None else getattr(torch, QUANTIZE_DTYPES[dtype])
     pipeline.save(Path(out), ckpt.model, ckpt.tokenizer, result, torch_dtype)
     return ckpt.model, result
@@ -249,7 +254,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     model, result = run_quantize(args.model, args.out, scheme=args.scheme, recipe=args.recipe,
                                  bits_budget=args.bits_budget, candidates=args.candidates, calib=args.calib,
                                  calib_tokens=args.calib_tokens, seq_len=args.seq_len, method=args.method,
-                                 dtype=args.dtype)
+                                 dtype=args.dtype, sensitivity=args.sensitivity)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     counts: dict[str, int] = {}

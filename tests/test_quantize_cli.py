@@ -129,3 +129,19 @@ def test_cli_errors(tiny, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main(["quantize", str(tiny), "--out", str(tmp_path / "q"), *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_awq_folds_its_scales_into_the_norms_and_stays_close(tiny, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    out = tmp_path / "q"
+    _, result = run_quantize(str(tiny), str(out), scheme="w4a16", method="awq", calib=[str(calib)], seq_len=32)
+    assert any(k.endswith("input_layernorm.weight") for k in result.float_tensors)
+    _, _, rest = load_checkpoint(out)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).state_dict()
+    for name, t in result.float_tensors.items():  # the checkpoint holds the rescaled norms, not the float ones
+        assert torch.allclose(rest[name].float(), t) and not torch.allclose(t, base[name])
+        assert not torch.allclose(rest[name].float(), base[name])
+    ids = torch.tensor([[0, 5, 17, 42, 99, 7, 3, 250]])
+    ref, got = _float_logits(tiny, ids), _quantized_logits(tiny, out, ids)
+    assert ((got - ref).norm() / ref.norm()).item() < 0.35

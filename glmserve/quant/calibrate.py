@@ -1,15 +1,18 @@
 """Calibration: per-layer input statistics from a float model run on calibration text, and GPTQ.
 
 `collect_stats` hooks every named nn.Linear of a float model and accumulates, per layer, the input Gram matrix
-H = sum_tokens x x^T (GPTQ's Hessian up to a factor 2) and the per-input-channel absmax (outlier detection).
+H = sum_tokens x x^T (GPTQ's Hessian up to a factor 2), the per-input-channel absmax (outlier detection) and mean
+|x| (AWQ's salience).
 Layers fed the very same input tensor object in a forward pass (q/k/v, gate/up) share one accumulator. The statistics
 come from the float model in one pass (not GPTQ's sequential re-run through already-quantized layers).
 
 `gptq` follows Frantar et al. 2022 (arXiv 2210.17323), Algorithm 1 and the authors' reference implementation
 (gptq.py, `fasterquant`): dampen H by `damp` times its mean diagonal, take the upper Cholesky factor of H^-1,
-quantize columns left to right in blocks of 128, spreading each column's error over the not-yet-quantized
-columns; group scales (and zero points) are set from the error-updated weights when a group's first column is
-reached, so the result is an ordinary group-wise QuantizedWeight that every backend runs.
+quantize columns in blocks of 128, spreading each column's error over the not-yet-quantized columns. By default in
+act order with static groups (the reference's --act-order with static_groups=True): SmolLM2's inputs have a few
+channels whose activations are 100x the rest, and quantizing those columns last leaves no columns to absorb their
+error. Without act order, group scales (and zero points) are set from the error-updated weights when a group's
+first column is reached. Either way the result is an ordinary group-wise QuantizedWeight that every backend runs.
 """
 
 from __future__ import annotations
@@ -26,17 +29,29 @@ from glmserve.quant.weight import QuantizedWeight
 
 @dataclass
 class InputStats:
-    """One layer input's statistics: Gram matrix [in, in] (float64), channel absmax [in], token count."""
+    """One layer input's statistics: Gram matrix [in, in] (float64), channel absmax and sum of |x| [in], token
+    count."""
 
     gram: torch.Tensor
     absmax: torch.Tensor
+    abssum: torch.Tensor
     tokens: int = 0
+
+    @classmethod
+    def empty(cls, n: int) -> InputStats:
+        return cls(torch.zeros(n, n, dtype=torch.float64), torch.zeros(n), torch.zeros(n, dtype=torch.float64))
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).to(torch.float64)
         self.gram.addmm_(x.T, x)
         self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0).to(self.absmax.dtype))
+        self.abssum += x.abs().sum(dim=0)
         self.tokens += x.shape[0]
+
+    @property
+    def absmean(self) -> torch.Tensor:
+        """Mean |x| per input channel (AWQ's activation salience)."""
+        return self.abssum / max(self.tokens, 1)
 
     @property
     def hessian(self) -> torch.Tensor:
@@ -67,8 +82,7 @@ def collect_stats(model: torch.nn.Module, batches: Iterable[torch.Tensor], names
                 stats.setdefault(name, hit[1])
                 return
             if name not in stats:
-                n = x.shape[-1]
-                stats[name] = InputStats(torch.zeros(n, n, dtype=torch.float64), torch.zeros(n))
+                stats[name] = InputStats.empty(x.shape[-1])
             stats[name].add(x)
             seen[id(x)] = (x, stats[name])
         return pre
@@ -103,9 +117,14 @@ def gptq_supports(spec: QuantSpec) -> bool:
 
 
 @torch.no_grad()
-def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 0.01,
-         block: int = 128) -> QuantizedWeight:
-    """GPTQ-quantize `w` [out, in] (int, group or channel strategy) given its input Hessian [in, in]."""
+def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 0.01, block: int = 128,
+         act_order: bool = True) -> QuantizedWeight:
+    """GPTQ-quantize `w` [out, in] (int, group or channel strategy) given its input Hessian [in, in].
+
+    act_order: quantize columns in order of decreasing Hessian diagonal (the reference's --act-order), so the
+    inputs with the largest activations are rounded first while the most columns remain to absorb their error;
+    groups stay contiguous with scales set from the weights before any update (the reference's static_groups,
+    llm-compressor's actorder "static"), so the output is an ordinary group-wise weight."""
     if not gptq_supports(spec):
         raise ValueError(f"GPTQ quantizes integer group/channel weights, not {spec}")
     out_f, in_f = w.shape
@@ -117,13 +136,24 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    group_spec = QuantSpec(spec.num_bits, "int", spec.symmetric, "channel")
+    static = None
+    if act_order:
+        static = [quantize(W[:, g0:g0 + group].float(), group_spec) for g0 in range(0, in_f, group)]
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+    else:
+        perm = torch.arange(in_f)
+    W, H = W[:, perm], H[perm][:, perm]
     H += torch.eye(in_f, dtype=H.dtype) * damp * torch.diag(H).mean()
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
     codes = torch.empty(out_f, in_f)
     scales = torch.empty(out_f, in_f // group)
     zeros = None if spec.symmetric else torch.empty(out_f, in_f // group)
-    group_spec = QuantSpec(spec.num_bits, "int", spec.symmetric, "channel")
+    if static is not None:
+        scales[:] = torch.cat([q.scales.float() for q in static], dim=1)
+        if zeros is not None:
+            zeros[:] = torch.stack([q.zeros.float().reshape(-1) for q in static], dim=1)
     scale = zero = None
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)
@@ -131,7 +161,11 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
         err1 = torch.zeros_like(W1)
         for i in range(b1 - b0):
             col = b0 + i
-            if col % group == 0:  # this group's scale from the error-updated weights (later blocks included)
+            if static is not None:
+                g = int(perm[col]) // group
+                scale = scales[:, g:g + 1].double()
+                zero = None if zeros is None else zeros[:, g:g + 1].double()
+            elif col % group == 0:  # this group's scale from the error-updated weights (later blocks included)
                 cols = torch.cat([W1[:, i:], W[:, b1:]], dim=1)[:, :group]
                 q = quantize(cols.float(), group_spec)
                 scale = q.scales.to(torch.float64)
@@ -140,7 +174,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
                 if zeros is not None:
                     zeros[:, col // group] = q.zeros.squeeze(1).float()
             c = _codes_for(W1[:, i:i + 1], scale, zero, spec)
-            codes[:, col] = c.squeeze(1).float()
+            codes[:, int(perm[col])] = c.squeeze(1).float()
             err = (W1[:, i:i + 1] - _value(c, scale, zero)) / Hinv1[i, i]
             W1[:, i:] -= err @ Hinv1[i:i + 1, i:]
             err1[:, i:i + 1] = err

@@ -43,5 +43,11 @@ def mean_nll(model: torch.nn.Module, windows: Sequence[torch.Tensor], batch: int
     return total / count
 
 
+def window_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss of one batch of windows [b, T], differentiable (Fisher sensitivity)."""
+    logits = model(ids).logits[:, :-1].float()
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
 def perplexity(model: torch.nn.Module, windows: Sequence[torch.Tensor]) -> float:
     return math.exp(mean_nll(model, windows))

@@ -1,6 +1,6 @@
 """The core of `glmserve quantize`: a float transformers model -> per-layer formats (a scheme, a recipe, or a
-bits-per-weight budget by measured sensitivity) -> QuantizedModules (round to nearest or GPTQ, outlier columns
-kept in float) -> a compressed-tensors safetensors folder."""
+bits-per-weight budget by measured sensitivity) -> QuantizedModules (round to nearest, GPTQ or AWQ, outlier
+columns kept in float) -> a compressed-tensors safetensors folder."""
 
 from __future__ import annotations
 
@@ -12,20 +12,22 @@ import torch
 from tqdm import tqdm
 
 from glmserve.errors import InvalidRequestError
+from glmserve.quant import awq
 from glmserve.quant.calibrate import InputStats, collect_stats, gptq, gptq_supports, linear_layers
 from glmserve.quant.compressed_tensors import OutlierColumns, QuantizedModule, save_checkpoint, spec_to_args
-from glmserve.quant.perplexity import mean_nll
+from glmserve.quant.perplexity import mean_nll, window_loss
 from glmserve.quant.quantize import quantize
 from glmserve.quant.recipe import NONE, Recipe
 from glmserve.quant.schemes import SCHEMES, scheme
-from glmserve.quant.sensitivity import allocate, bits_per_weight, measure, units
+from glmserve.quant.sensitivity import allocate, bits_per_weight, fisher_deltas, measure, units
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
 # the schemes this command can write: every named scheme compressed-tensors holds (not GGUF blocks, not none)
 WRITABLE_SCHEMES = tuple(n for n, sch in SCHEMES.items() if sch.weight is not None and sch.weight.gguf_type is None)
 DEFAULT_CANDIDATES = ("int8", "w4a16", "w4a16-g64")
+SENSITIVITY = ("measured", "fisher")
 
 
 def scheme_specs(name: str) -> tuple[QuantSpec, QuantSpec | None]:
@@ -42,12 +44,14 @@ def scheme_specs(name: str) -> tuple[QuantSpec, QuantSpec | None]:
 @dataclass
 class Plan:
     """What to do: per-layer schemes come from `recipe`, or from a sensitivity allocation over `candidates`
-    under `bits_budget`; `method` quantizes integer layers (GPTQ needs calibration)."""
+    under `bits_budget` (`sensitivity`: each unit's loss increase measured, or estimated from the Fisher
+    diagonal: sensitivity.py); `method` quantizes integer layers (GPTQ and AWQ need calibration)."""
 
     recipe: Recipe | None = None
     bits_budget: float | None = None
     candidates: Sequence[str] = DEFAULT_CANDIDATES
     method: str = "rtn"
+    sensitivity: str = "measured"
     gptq_damp: float = 0.01
 
 
@@ -57,10 +61,11 @@ class Result:
     schemes: dict[str, str]  # module name -> scheme name
     notes: list[str] = field(default_factory=list)
     sensitivity: dict[tuple[str, ...], dict[str, float]] | None = None
+    float_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # float tensors AWQ rescaled (norms)
 
 
 def needs_calibration(plan: Plan) -> bool:
-    return plan.method == "gptq" or plan.bits_budget is not None or (
+    return plan.method in ("gptq", "awq") or plan.bits_budget is not None or (
         plan.recipe is not None and plan.recipe.activation_threshold is not None)
 
 
@@ -80,8 +85,14 @@ def choose_schemes(model: torch.nn.Module, plan: Plan,
         raise InvalidRequestError("--bits-budget measures layer sensitivity on calibration text: give --calib")
     cands = {c: scheme_specs(c)[0] for c in plan.candidates}
     unit_list = units(names)
-    progress = tqdm(total=len(unit_list) * len(cands), desc="sensitivity", unit="eval")
-    deltas = measure(model, lambda m: mean_nll(m, calib), unit_list, cands, progress)
+    if plan.sensitivity not in SENSITIVITY:
+        raise InvalidRequestError(f"sensitivity {plan.sensitivity!r} is not one of {SENSITIVITY}")
+    if plan.sensitivity == "fisher":
+        progress = tqdm(total=len(calib), desc="fisher", unit="window")
+        deltas = fisher_deltas(model, window_loss, calib, unit_list, cands, progress)
+    else:
+        progress = tqdm(total=len(unit_list) * len(cands), desc="sensitivity", unit="eval")
+        deltas = measure(model, lambda m: mean_nll(m, calib), unit_list, cands, progress)
     progress.close()
     bits = {u: {c: bits_per_weight(s, layers[u[0]].in_features, layers[u[0]].out_features) for c, s in cands.items()}
             for u in unit_list}
@@ -90,8 +101,10 @@ def choose_schemes(model: torch.nn.Module, plan: Plan,
     return {n: choice[u] for u in unit_list for n in u}, deltas
 
 
-def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Tensor] | None = None) -> Result:
-    """Quantize the linear layers of a float model per `plan` (the model is left unchanged)."""
+def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Tensor] | None = None,
+                   stats: Mapping[str, InputStats] | None = None) -> Result:
+    """Quantize the linear layers of a float model per `plan` (the model is left unchanged). `stats`: input
+    statistics collect_stats already gathered on `calib` for these layers (else they are collected here)."""
     if plan.method not in METHODS:
         raise InvalidRequestError(f"method {plan.method!r} is not one of {METHODS}")
     if needs_calibration(plan) and not calib:
@@ -100,16 +113,22 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     notes = list(plan.recipe.notes) if plan.recipe else []
     schemes, deltas = choose_schemes(model, plan, calib)
     layers = linear_layers(model, schemes)
-    stats: dict[str, InputStats] = {}
     threshold = plan.recipe.activation_threshold if plan.recipe else None
-    if plan.method == "gptq" or threshold is not None:
+    if plan.method == "awq" and threshold is not None:
+        raise InvalidRequestError("AWQ rescales input channels; it does not combine with activation_threshold")
+    if stats is None and (plan.method in ("gptq", "awq") or threshold is not None):
         progress = tqdm(total=len(calib), desc="calibrate", unit="window")
         stats = collect_stats(model, calib, schemes, progress)
         progress.close()
+    stats = stats or {}
+    weights = {n: m.weight for n, m in layers.items()}
+    rescaled: dict[str, torch.Tensor] = {}
+    if plan.method == "awq":
+        weights, rescaled = _awq_scales(model, schemes, stats)
     modules = {}
     progress = tqdm(total=len(schemes), desc="quantize", unit="layer")
     for unit in units(list(schemes)):
-        parts = [_prepare(layers[name].weight, stats.get(name), threshold) for name in unit]
+        parts = [_prepare(weights[name], stats.get(name), threshold) for name in unit]
         spec, act = scheme_specs(schemes[unit[0]])
         if spec.strategy == "tensor_group" and len({schemes[n] for n in unit}) == 1:
             # NVFP4's fp32 global scale is one per fused layer (q|k|v, gate|up), as vLLM runs them and as
@@ -120,19 +139,67 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
             quantized = []
             for name, (w, hessian, _) in zip(unit, parts, strict=True):
                 spec = scheme_specs(schemes[name])[0]
-                gptq_it = plan.method == "gptq" and gptq_supports(spec)
-                quantized.append(gptq(w, hessian, spec, damp=plan.gptq_damp) if gptq_it else quantize(w, spec))
+                quantized.append(_quantize_layer(name, w, hessian, spec, plan))
         for name, q, (_, _, outliers) in zip(unit, quantized, parts, strict=True):
             modules[name] = QuantizedModule(q, scheme_specs(schemes[name])[1], outliers)
         progress.update(len(unit))
     progress.close()
-    if plan.method == "gptq" and any(not gptq_supports(m.weight.spec) for m in modules.values()):
-        notes.append("GPTQ applies to integer group/channel weights; fp8 and nvfp4 layers are rounded to nearest")
+    if plan.method != "rtn" and any(not gptq_supports(m.weight.spec) for m in modules.values()):
+        notes.append(f"{plan.method.upper()} applies to integer group/channel weights; fp8 and nvfp4 layers are "
+                     "rounded to nearest")
     if threshold is not None:
         kept = sum(len(m.outliers.columns) for m in modules.values() if m.outliers is not None)
         notes.append(f"activation_threshold {threshold}: {kept} input columns kept in float across "
                      f"{sum(m.outliers is not None for m in modules.values())} layers")
-    return Result(modules, schemes, notes, deltas)
+    return Result(modules, schemes, notes, deltas, rescaled)
+
+
+def _quantize_layer(name: str, w: torch.Tensor, hessian: torch.Tensor | None, spec: QuantSpec,
+                    plan: Plan) -> QuantizedWeight:
+    if plan.method == "rtn" or not gptq_supports(spec):
+        return quantize(w, spec)
+    if plan.method == "gptq":
+        return gptq(w, hessian, spec, damp=plan.gptq_damp)
+    if name.rpartition(".")[2] in ("q_proj", "k_proj"):  # llm-awq's auto_clip leaves q/k unclipped: their
+        return quantize(w, spec)  # error goes through the attention scores, which a per-layer error misses
+    return awq.clip_quantize(w, hessian, spec)
+
+
+# Llama-style decoder layers: the op whose output is each AWQ unit's input, where 1/s is folded
+# (llm-awq auto_scale.py: input_layernorm -> q/k/v, post_attention_layernorm -> gate/up, up_proj -> down_proj;
+# o_proj is scaled there only when v_proj's rows map one to one onto its inputs, not under grouped-query
+# attention, so here it is clipped only)
+AWQ_FOLDS = {"self_attn.q_proj": "input_layernorm", "mlp.gate_proj": "post_attention_layernorm",
+             "mlp.down_proj": "mlp.up_proj"}
+
+
+def _awq_scales(model: torch.nn.Module, schemes: Mapping[str, str],
+                stats: Mapping[str, InputStats]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(weights with AWQ's input-channel scales applied, the rescaled float tensors): each unit whose layers share
+    one integer scheme and have a known producer gets s from awq.search_scale."""
+    layers = linear_layers(model, schemes)
+    named = dict(model.named_modules())
+    weights = {n: m.weight.detach().float().clone() for n, m in layers.items()}
+    rescaled: dict[str, torch.Tensor] = {}
+    for unit in units(list(schemes)):
+        prefix, _, _ = unit[0].rpartition(".")
+        prefix, _, sub = prefix.rpartition(".")
+        producer = AWQ_FOLDS.get(f"{sub}.{unit[0].rpartition('.')[2]}")
+        spec = scheme_specs(schemes[unit[0]])[0]
+        target = f"{prefix}.{producer}" if producer else None
+        if (target is None or len({schemes[n] for n in unit}) > 1 or not gptq_supports(spec)
+                or target not in named or (producer == "mlp.up_proj" and target not in weights)):
+            continue
+        s = awq.search_scale([weights[n] for n in unit], stats[unit[0]].hessian, stats[unit[0]].absmean, spec)
+        if bool((s == 1).all()):  # round to nearest won the search: nothing to fold
+            continue
+        for n in unit:
+            weights[n] = weights[n] * s
+        if target in weights:  # a linear producer: its output rows
+            weights[target] = weights[target] / s[:, None]
+        else:  # a norm: its weight
+            rescaled[f"{target}.weight"] = named[target].weight.detach().float() / s
+    return weights, rescaled
 
 
 def _prepare(weight: torch.Tensor, stats: InputStats | None, threshold: float | None):
@@ -182,7 +249,9 @@ def save(out_dir: Path, model: torch.nn.Module, tokenizer, result: Result, dtype
         config["tie_word_embeddings"] = False
     if dtype is not None:
         config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
-    save_checkpoint(out_dir, result.modules, float_tensors(model, result.modules, dtype), config, ignore)
+    tensors = float_tensors(model, result.modules, dtype)
+    tensors.update({k: v.to(tensors[k].dtype) for k, v in result.float_tensors.items()})
+    save_checkpoint(out_dir, result.modules, tensors, config, ignore)
     tokenizer.save_pretrained(str(out_dir))
 
 
