@@ -133,7 +133,7 @@ def _run(ckpt, options: dict, args, stats: dict, hidden: int):
                                  stats=stats, **options)
         _, modules, rest = load_checkpoint(Path(out))
     weights = {n: dense_weight(m) for n, m in modules.items()}
-    return _Applied(ckpt.model, weights, {n: m.activations for n, m in modules.items()}, rest), result, None
+    return _Applied(ckpt.model, weights, {n: m.input_activations for n, m in modules.items()}, rest), result, None
 
 
 def main() -> None:
