@@ -3,6 +3,7 @@ variant this CPU runs (fixture cpu_isa: the avx512 build needs VNNI; the avx2 bu
 -mavx2 -mfma, no -march, so it is the build an AVX2-only AMD EPYC runs; scalar is the compiler's baseline),
 for every format it supports, at batch sizes 1, 3, 8, 33, 64 and SmolLM2's shapes (576 -> 49152 is the
 lm_head: batch 1 by default, batch 3 with -m slow; `grid` says which of the others run by default).
+Batches from DENSE_MIN_ROWS rows on CPUs with AMX take the bf16 GEMM path instead (tests at the end).
 
 Two checks per case:
 - vs an emulation: the kernel's own int8 activations (tested against their formula separately) times the
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from glmserve import kernels
 from glmserve.errors import InvalidRequestError
 from glmserve.quant import backend as registry
-from glmserve.quant.cpu_backend import CpuBlockBackend, block_form
+from glmserve.quant.cpu_backend import DENSE_MIN_ROWS, CpuBlockBackend, block_form, dense_apply, dense_path_for
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
 from glmserve.quant.spec import QuantSpec
@@ -250,3 +251,39 @@ def test_prepare_keeps_only_the_packed_layout(cpu_isa):
     assert prepared.nbytes == 192 * 576 // 2 + 2 * 2 * 192 * 576 // 32  # nibbles + fp16 d and m per block
     assert all(t.data_ptr() not in (w.codes.data_ptr(), w.scales.data_ptr())
                for t in (prepared.codes, prepared.scales, prepared.mins))
+
+
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "int8_channel_asym"])
+def test_dequantize_packed_is_the_stored_weight(cpu_isa, fmt):
+    """The dense form of the packed layout: d * c + m in float32 (one rounding of the sum), and that value
+    rounded to bfloat16 as torch rounds it (nearest even)."""
+    out, inp = 192, 576
+    p = CpuBlockBackend().prepare(weight(fmt, out, inp), None, CPU)
+    op = kernels.op("dequantize_packed", CPU, torch.float32)
+    w_stored, w_abs = stored_weight(fmt, out, inp)
+    f32 = op(p.codes, p.scales, p.mins, p.u4, out, False, torch.empty(out * inp))
+    assert f32.shape == (out, inp)
+    assert ((f32.double() - w_stored).abs() <= 2 ** -23 * w_abs.double() + 1e-12).all()
+    bf16 = op(p.codes, p.scales, p.mins, p.u4, out, True, torch.empty(out * inp + 7, dtype=torch.bfloat16))
+    assert torch.equal(bf16, f32.bfloat16())
+
+
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group64_asym"])
+def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt):
+    """From DENSE_MIN_ROWS rows (prefill) on AMX: bfloat16 activations, weights and outputs with float32
+    sums, so each output is within 2^-8 of sum |x w| (two roundings of 2^-9 per product) plus 2^-8 of itself
+    (the output's rounding) of `reference`. Other CPUs and builds keep the int8 path (checked above)."""
+    backend = CpuBlockBackend()
+    p = backend.prepare(weight(fmt, 192, 576), None, CPU)
+    if dense_path_for(CPU) is None:
+        assert p.dequantize is None
+        pytest.skip(f"no bf16 GEMM path on {cpu_isa} here (needs AMX and the avx512 build)")
+    x = activations(DENSE_MIN_ROWS + 3, 576)
+    y = backend.apply(p, x, None)
+    assert torch.equal(y, dense_apply(p, x))
+    w_ref, w_ref_abs, _ = reference_weight(fmt, 192, 576)
+    ref = F.linear(x, w_ref).double()
+    bound = 2 ** -8 * (x.abs() @ w_ref_abs.T).double() + 2 ** -8 * ref.abs() + 1e-6
+    assert ((y.double() - ref).abs() <= bound).all()
+    w8a8 = backend.prepare(weight("w8a8", 192, 576), TOKEN, CPU)
+    assert w8a8.dequantize is None  # int8 activations are W8A8's spec: never the bf16 path

@@ -56,7 +56,8 @@ class RopeTables:
 
 
 class RotaryEmbedding(RopeTables):
-    """Tables over the rotary dims (pairs duplicated as the layout wants); `apply` in every layer."""
+    """Tables over the rotary dims (pairs duplicated as the layout wants; neox style keeps the sin table with
+    its first half negated, see `_rotate`); `apply` in every layer."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, interleaved: bool = False):
         with torch.device("cpu"):  # real tables even when the model is built on the meta device
@@ -68,17 +69,21 @@ class RotaryEmbedding(RopeTables):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat([freqs, freqs], dim=-1)
         self.cos_table = emb.cos() * scaling
-        self.sin_table = emb.sin() * scaling
+        sin = emb.sin() * scaling
+        if not interleaved:  # rotate-half's sign folded into the table: [-x2, x1] * sin == [x2, x1] * signed sin
+            half = self.rotary_dim // 2
+            sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self.sin_table = sin
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Neox: the halves swapped (one roll; the sign is in the sin table); interleaved: pairs (-x2, x1)."""
         if self.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.stack((-x2, x1), dim=-1).flatten(-2)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+        return x.roll(self.rotary_dim // 2, dims=-1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]."""
+        """x: [T, heads, head_dim] (q and k heads may come as one tensor: the same rotation per head)."""
         if self.rotary_dim == x.shape[-1]:
             return x * cos + self._rotate(x) * sin
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]

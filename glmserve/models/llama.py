@@ -42,14 +42,13 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d)
+        qk = qkv[:, :(heads + kv_heads) * d].view(t, heads + kv_heads, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary.apply(q, *cos_sin), self.rotary.apply(k, *cos_sin)
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        q, k = self.rotary.apply(qk, *cos_sin).split([heads, kv_heads], dim=1)  # one rotation for q and k heads
         return self.o_proj(self.attn(q, k, v, meta))
 
 

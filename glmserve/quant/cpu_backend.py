@@ -26,9 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from glmserve import kernels
 from glmserve.errors import InvalidRequestError
+from glmserve.kernels.isa import cpu_flags
 from glmserve.quant.backend import register
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
@@ -36,6 +38,8 @@ from glmserve.quant.weight import QuantizedWeight
 QK = 32  # inputs per block (the kernel's)
 ROWS = 16  # output rows per tile (the kernel's)
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # bits of each GGUF block format this backend runs
+DENSE_MIN_ROWS = 128  # rows from which the bf16 GEMM path wins (bench/gemm_micro.py --quant)
+DENSE_FLAG = "amx_bf16"  # /proc/cpuinfo flag of CPUs where the dense path was measured to win (AMX)
 
 
 @dataclass
@@ -51,6 +55,7 @@ class PackedWeight:
     out_features: int
     per_token: bool
     linear: Callable
+    dequantize: Callable | None  # into bf16 for the dense path; None where it is not taken (dense_path_for)
 
     @property
     def nbytes(self) -> int:
@@ -98,19 +103,46 @@ class CpuBlockBackend:
         codes, scales, mins = block_form(weight)
         out_features, in_features = weight.shape
         u4 = weight.spec.num_bits == 4
+        per_token = bool(_activations_per_token(activations))
         return PackedWeight(*pack(codes, scales, mins, u4), u4=u4, in_features=in_features,
-                            out_features=out_features, per_token=bool(_activations_per_token(activations)),
-                            linear=kernels.op("quant_linear", device, torch.float32))
+                            out_features=out_features, per_token=per_token,
+                            linear=kernels.op("quant_linear", device, torch.float32),
+                            dequantize=None if per_token else dense_path_for(device))
 
     def apply(self, prepared: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         p = prepared
         if x.shape[-1] != p.in_features:
             raise InvalidRequestError(f"input has {x.shape[-1]} features, the weight takes {p.in_features}")
         rows = x.reshape(-1, p.in_features).to(torch.float32).contiguous()
-        out = p.linear(rows, p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
+        if p.dequantize is not None and rows.shape[0] >= DENSE_MIN_ROWS:
+            out = dense_apply(p, rows)
+        else:
+            out = p.linear(rows, p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
         if bias is not None:
             out += bias.to(torch.float32)
         return out.reshape(*x.shape[:-1], p.out_features).to(x.dtype)
+
+
+def dense_path_for(device: torch.device) -> Callable | None:
+    """The kernel's `dequantize_packed` where large batches take the bf16 GEMM path: a CPU with AMX and the
+    avx512 build active (GLMSERVE_CPU_ISA=avx2 or scalar stands for a CPU without AMX)."""
+    if DENSE_FLAG not in cpu_flags() or kernels.active_isa() != "avx512":
+        return None
+    return kernels.op("dequantize_packed", device, torch.float32)
+
+
+_scratch: dict[str, torch.Tensor] = {}  # one bf16 buffer for every layer's dequantized weight (grows)
+
+
+def dense_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """rows [T, in] float32 x the weight dequantized into the shared bf16 scratch -> [T, out] float32."""
+    kp = p.codes.shape[1] * QK
+    need = p.out_features * kp
+    buf = _scratch.get("bf16")
+    if buf is None or buf.numel() < need:
+        buf = _scratch["bf16"] = torch.empty(need, dtype=torch.bfloat16)
+    w = p.dequantize(p.codes, p.scales, p.mins, p.u4, p.out_features, True, buf)
+    return F.linear(rows.to(torch.bfloat16), w[:, :p.in_features]).to(torch.float32)
 
 
 def _per_block(t: torch.Tensor, spec: QuantSpec, out: int, blocks: int) -> torch.Tensor:

@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -345,10 +346,81 @@ at::Tensor quant_linear(const at::Tensor& x, bool per_token, const at::Tensor& c
   return matmul_impl(acts_of(a[0], a[1], a[2], a[3]), x.size(0), codes, wd, wm, u4, out_features);
 }
 
+// The packed weight back as a dense [out_features, kp] matrix (kp = blocks * 32) of w = d * c + m, in bfloat16
+// (rounded to nearest even) or float32, written into `out` (a reused scratch): large batches (prefill) run it
+// through torch's GEMM (oneDNN: AMX or AVX512-BF16 where the CPU has them), one layer at a time
+// (quant/cpu_backend.py `dense_apply`).
+template <typename T, bool U4>
+void dequantize_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* m, int64_t nblocks, int rows,
+                     int64_t kp, T* out) {
+  constexpr int64_t bytes = U4 ? U4_BLOCK : I8_BLOCK;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* c = codes + b * bytes;
+    float v[ROWS][QK];
+    for (int j = 0; j < (U4 ? 4 : 8); ++j)
+      for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < 4; ++t) {
+          const uint8_t byte = c[(j * ROWS + r) * 4 + t];
+          if (U4) {
+            v[r][4 * j + t] = static_cast<float>(byte & 0x0F);
+            v[r][16 + 4 * j + t] = static_cast<float>(byte >> 4);
+          } else {
+            v[r][4 * j + t] = static_cast<float>(static_cast<int8_t>(byte));
+          }
+        }
+    for (int r = 0; r < rows; ++r) {
+      const float dr = half_to_float(d[b * ROWS + r]), mr = m ? half_to_float(m[b * ROWS + r]) : 0.f;
+      T* o = out + r * kp + b * QK;
+      for (int i = 0; i < QK; ++i) {
+        const float w = dr * v[r][i] + mr;
+        if constexpr (std::is_same_v<T, uint16_t>) {  // float -> bfloat16 bits, round to nearest even
+          uint32_t u;
+          std::memcpy(&u, &w, 4);
+          o[i] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        } else {
+          o[i] = w;
+        }
+      }
+    }
+  }
+}
+
+at::Tensor dequantize_packed(const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm, bool u4,
+                             int64_t out_features, bool bf16, at::Tensor out) {
+  check_weights(codes, wd, wm);
+  const int64_t tiles = codes.size(0), nblocks = codes.size(1), kp = nblocks * QK;
+  TORCH_CHECK(tiles * ROWS >= out_features, "dequantize_packed: ", tiles, " tiles of 16 rows hold fewer than ", out_features);
+  TORCH_CHECK(codes.size(2) == (u4 ? U4_BLOCK : I8_BLOCK), "dequantize_packed: block bytes ", codes.size(2));
+  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(out.scalar_type() == dtype && out.is_contiguous() && out.numel() >= out_features * kp,
+              "dequantize_packed: out must be a contiguous ", dtype, " buffer of at least ", out_features * kp);
+  auto w = out.view({-1}).narrow(0, 0, out_features * kp).view({out_features, kp});
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(wd.data_ptr<at::Half>());
+  const uint16_t* mp = wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr;
+  void* op = w.data_ptr();
+  const int64_t block_bytes = codes.size(2);
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int rows = static_cast<int>(std::min<int64_t>(ROWS, out_features - t * ROWS));
+      const uint8_t* c = cp + t * nblocks * block_bytes;
+      const uint16_t* d = dp + t * nblocks * ROWS;
+      const uint16_t* m = mp ? mp + t * nblocks * ROWS : nullptr;
+      const int64_t at = t * ROWS * kp;
+      if (bf16 && u4) dequantize_tile<uint16_t, true>(c, d, m, nblocks, rows, kp, static_cast<uint16_t*>(op) + at);
+      else if (bf16) dequantize_tile<uint16_t, false>(c, d, m, nblocks, rows, kp, static_cast<uint16_t*>(op) + at);
+      else if (u4) dequantize_tile<float, true>(c, d, m, nblocks, rows, kp, static_cast<float*>(op) + at);
+      else dequantize_tile<float, false>(c, d, m, nblocks, rows, kp, static_cast<float*>(op) + at);
+    }
+  });
+  return w;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "int8 activations per block of 32 or per row (CPU)");
   m.def("quant_matmul", &quant_matmul, "quantized activations x packed int8/int4 block weights (CPU)");
   m.def("quant_linear", &quant_linear, "quantize_activations, then quant_matmul (CPU)");
+  m.def("dequantize_packed", &dequantize_packed, "packed block weights -> dense [out, blocks*32] bf16 or f32 (CPU)");
 }
