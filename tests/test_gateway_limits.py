@@ -295,3 +295,36 @@ def test_the_middleware_says_when_redis_is_down_and_still_limits(tmp_path: Path)
     text = generate_latest(app.registry).decode()
     assert 'glmserve_gateway_limit_backend_up{backend="redis"} 0.0' in text
     assert "glmserve_gateway_limit_fallback 1.0" in text
+
+
+def test_a_renewed_lease_holds_its_slot_and_an_abandoned_one_frees_it(limiter, tmp_path: Path) -> None:
+    """A gateway renews the leases of its requests in flight; one killed mid-request stops renewing, and its
+    slots come back within the lease (not after minutes)."""
+    key = _key(tmp_path, max_concurrency=1)
+
+    async def run():
+        held = await limiter.admit(key, Ask(f"r{next(_names)}", 10, 0, lease_s=1.0))
+        for _ in range(3):  # 1.5 s in all: past the first lease, kept by renewing
+            await asyncio.sleep(0.5)
+            await limiter.renew([held])
+        while_renewed = await limiter.admit(key, _ask())
+        await asyncio.sleep(1.2)  # no renewal: the lease runs out, as when its gateway was SIGKILLed
+        after_abandoned = await limiter.admit(key, _ask())
+        return held, while_renewed, after_abandoned
+
+    held, while_renewed, after_abandoned = asyncio.run(run())
+    assert held.decision.admitted
+    assert while_renewed.decision.reason == "concurrency"
+    assert after_abandoned.decision.admitted
+
+
+def test_renewing_a_settled_ticket_does_not_take_its_slot_back(limiter, tmp_path: Path) -> None:
+    key = _key(tmp_path, max_concurrency=1)
+
+    async def run():
+        done = await limiter.admit(key, _ask())
+        await limiter.settle(done, 10, 0)
+        await limiter.renew([done])
+        return await limiter.admit(key, _ask())
+
+    assert asyncio.run(run()).decision.admitted

@@ -7,7 +7,8 @@ Constructor:
   settings   GatewaySettings: keys_file (None: no authentication, requests billed to the key "anonymous"),
              redis_url (None: in-memory limits), ledger_url (None: SQLite under glmserve.paths.cache_dir()),
              prices_file (None: cost 0), replicas (the per-process fallback holds 1/replicas of each limit),
-             request_timeout_s (sizes the concurrency lease), default_max_tokens (reserved when a request sets none)
+             default_max_tokens (reserved when a request sets none); concurrency leases are LEASE_S, renewed every
+             RENEW_EVERY_S while the request runs (glmserve/gateway/limits.py)
   registry   prometheus CollectorRegistry the host exports at /metrics (glmserve/gateway/metrics.py names);
              None: a new one, at `middleware.registry`
   tokenizer  optional callable text -> token count, for exact prompt sizes at admission (else a chars/4 estimate);
@@ -50,7 +51,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmserve.gateway.keys import ANONYMOUS_KEY, ApiKey, KeyStore
 from glmserve.gateway.ledger import Ledger, LedgerRow, now_ms
-from glmserve.gateway.limits import Ask, Limiter, Ticket, budget_period, make_limiter
+from glmserve.gateway.limits import (
+    LEASE_S,
+    NO_LIMIT,
+    RENEW_EVERY_S,
+    Ask,
+    Limiter,
+    Ticket,
+    budget_period,
+    make_limiter,
+)
 from glmserve.gateway.metrics import GatewayMetrics
 from glmserve.gateway.openai_errors import error_body, ratelimit_headers, retry_headers, send_json
 from glmserve.gateway.prices import PriceTable, format_usd
@@ -127,7 +137,8 @@ class GatewayMiddleware:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, self.limiter.backend_state)
         self.tokenizer = tokenizer
-        self.lease_s = max(600.0, 5 * settings.request_timeout_s)
+        self._in_flight: dict[str, Ticket] = {}  # request id -> ticket, whose concurrency lease the heartbeat renews
+        self._heartbeat: asyncio.Task | None = None
 
     # -- entry -------------------------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -158,6 +169,8 @@ class GatewayMiddleware:
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def on_send(message: Message) -> None:
             if message["type"] == "lifespan.shutdown.complete":
+                if self._heartbeat is not None:
+                    self._heartbeat.cancel()
                 await self.limiter.close()
                 await asyncio.to_thread(self.ledger.close)
             await send(message)
@@ -230,10 +243,12 @@ class GatewayMiddleware:
             await self._too_large(send, key, tokens)
             return
         cost = self.prices.cost(model, prompt_tokens, 0, per_choice * n * prompts).cost_micro
-        ticket = await self.limiter.admit(key, Ask(f"gw-{uuid.uuid4().hex}", tokens, cost, self.lease_s))
+        ticket = await self.limiter.admit(key, Ask(f"gw-{uuid.uuid4().hex}", tokens, cost, LEASE_S))
         if not ticket.decision.admitted:
             await self._refuse(send, ticket)
             return
+        if ticket.decision.limits.max_concurrency != NO_LIMIT:
+            self._hold(ticket)
         self.metrics.admitted.labels(key.name).inc()
         streamed = bool(body.get("stream"))
         client_wants_usage = True
@@ -343,8 +358,23 @@ class GatewayMiddleware:
             self.metrics.cost.labels(name).inc(cost.cost_micro)
             self.metrics.list_cost.labels(name).inc(cost.list_micro)
 
+    def _hold(self, ticket: Ticket) -> None:
+        """Keeps the ticket's concurrency lease renewed until it settles."""
+        self._in_flight[ticket.ask.request_id] = ticket
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.create_task(self._renew_leases())
+
+    async def _renew_leases(self) -> None:
+        while self._in_flight:
+            await asyncio.sleep(RENEW_EVERY_S)
+            try:
+                await self.limiter.renew(list(self._in_flight.values()))
+            except Exception:  # noqa: BLE001 - the next beat tries again; a lost lease only frees a slot early
+                logger.exception("renewing concurrency leases failed")
+
     async def _settle(self, state: _Admitted) -> None:
         ticket = state.ticket
+        self._in_flight.pop(ticket.ask.request_id, None)
         if state.usage is None and state.status not in (None, 200):  # the backend refused it: nothing was used
             self.metrics.unbilled.labels("backend_error").inc()
             used_tokens, cost = 0, 0

@@ -5,7 +5,8 @@ Each key has up to five limits, all checked and taken together or not at all:
   rpm        token bucket: refills rpm/60 per second up to `rpm`
   tokens     token bucket: refills tpm/60 per second up to `tpm`; admission takes prompt tokens + the effective
              max_tokens, the end gives back what the request did not use (or takes what it used beyond that)
-  concurrency  requests in flight (each holds a lease that expires, so a killed gateway frees its slots)
+  concurrency  requests in flight (each holds a short lease that the gateway renews while the request runs
+               (`renew`, every RENEW_EVERY_S), so a killed gateway's slots free within LEASE_S)
   budget     micro-USD per day/month: admission takes the request's highest possible cost, the end settles it to
              the real cost
 
@@ -22,6 +23,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 RETRY_S = 1.0
 NO_LIMIT = -1
+LEASE_S = 30.0  # a concurrency slot outlives its gateway by at most this long
+RENEW_EVERY_S = 10.0  # how often a gateway renews the leases of its requests in flight
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,9 @@ class Limiter(Protocol):
     async def admit(self, key: ApiKey, ask: Ask) -> Ticket: ...
 
     async def settle(self, ticket: Ticket, tokens_used: int, cost_micro: int) -> None: ...
+
+    async def renew(self, tickets: Sequence[Ticket]) -> None:
+        """Extends the concurrency lease of each unsettled ticket to its `lease_s` from now."""
 
     def backend_state(self) -> dict[str, object]: ...
 
@@ -181,6 +188,14 @@ class MemoryLimiter:
             if lim.budget_micro != NO_LIMIT:
                 slot = (name, ticket.period)
                 self._spent[slot] = self._spent.get(slot, 0) + cost_micro - ticket.ask.cost_micro
+
+    async def renew(self, tickets: Sequence[Ticket]) -> None:
+        with self._lock:
+            now = self._clock()
+            for ticket in tickets:
+                inflight = self._inflight.get(ticket.key.name, {})
+                if not ticket.settled and ticket.ask.request_id in inflight:
+                    inflight[ticket.ask.request_id] = now + ticket.ask.lease_s
 
     def spent_micro(self, key: ApiKey) -> int:
         return self._spent.get((key.name, budget_period(key.budget_period)[0]), 0)
@@ -285,6 +300,17 @@ return 1
 """
 
 
+# KEYS: 1 concurrency zset. ARGV: 1 lease s, 2.. request ids. Moves the lease end of the ids still in the set
+# (XX: a settled request is not brought back).
+RENEW_LUA = """
+local t = redis.call('TIME')
+local until_ = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', until_, ARGV[i]) end
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[1]) * 1000)) end
+return 1
+"""
+
+
 def _num(text: bytes | str) -> float | None:
     text = text.decode() if isinstance(text, bytes) else text
     return None if text == "" else float(text)
@@ -305,6 +331,7 @@ class RedisLimiter:
         self._redis = aioredis.Redis(connection_pool=pool)
         self._admit = self._redis.register_script(ADMIT_LUA)
         self._settle = self._redis.register_script(SETTLE_LUA)
+        self._renew = self._redis.register_script(RENEW_LUA)
         self.fallback = MemoryLimiter(divisor=max(1, replicas))
         self.up = True
         self._failed_at = 0.0
@@ -366,6 +393,22 @@ class RedisLimiter:
         try:
             await self._settle(keys=[keys[2], keys[3], keys[4]], args=args)
         except (RedisError, OSError) as exc:  # the reservation stands (the lease frees the slot)
+            self._down(exc)
+
+    async def renew(self, tickets: Sequence[Ticket]) -> None:
+        from redis.exceptions import RedisError
+
+        await self.fallback.renew([t for t in tickets if t.decision.local])
+        by_key: dict[str, tuple[float, list[str]]] = {}  # the key's concurrency set -> (lease s, request ids)
+        for t in tickets:
+            if not t.decision.local and not t.settled and t.decision.limits.max_concurrency != NO_LIMIT:
+                zset = self._keys(t.key, t.period)[3]
+                lease, ids = by_key.setdefault(zset, (t.ask.lease_s, []))
+                ids.append(t.ask.request_id)
+        try:
+            for zset, (lease, ids) in by_key.items():
+                await self._renew(keys=[zset], args=[lease, *ids])
+        except (RedisError, OSError) as exc:  # the leases run out; admission falls back while Redis is away
             self._down(exc)
 
     def backend_state(self) -> dict[str, object]:
