@@ -328,3 +328,41 @@ def test_renewing_a_settled_ticket_does_not_take_its_slot_back(limiter, tmp_path
         return await limiter.admit(key, _ask())
 
     assert asyncio.run(run()).decision.admitted
+
+
+def test_the_middleware_renews_the_lease_of_a_long_request(tmp_path: Path, monkeypatch) -> None:
+    """A request that runs past its lease keeps its concurrency slot (the heartbeat renews it); the slot is
+    free again once the request ends."""
+    import httpx
+
+    from glmserve.gateway import admission
+    from glmserve.gateway.admission import GatewayMiddleware
+    from glmserve.gateway.settings import GatewaySettings
+
+    monkeypatch.setattr(admission, "LEASE_S", 0.6)
+    monkeypatch.setattr(admission, "RENEW_EVERY_S", 0.2)
+
+    async def slow_backend(scope, receive, send) -> None:
+        await asyncio.sleep(2.0 if scope["path"] == "/v1/completions" else 0)
+        body = b'{"id": "x", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}'
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nname = "a"\nkey = "sk-a-0123456789"\nmax_concurrency = 1\n')
+    app = GatewayMiddleware(slow_backend, GatewaySettings(keys_file=str(keys),
+                                                          ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}"))
+    auth = {"Authorization": "Bearer sk-a-0123456789"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def run() -> tuple[int, int, int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            long = asyncio.create_task(http.post("/v1/completions", json={"model": "m", "prompt": "hi",
+                                                                           "max_tokens": 2}, headers=auth))
+            await asyncio.sleep(1.2)  # twice the lease: without renewing, the slot would be free by now
+            during = (await http.post("/v1/chat/completions", json=chat, headers=auth)).status_code
+            first = (await long).status_code
+            after = (await http.post("/v1/chat/completions", json=chat, headers=auth)).status_code
+            return first, during, after
+
+    assert asyncio.run(run()) == (200, 429, 200)
