@@ -1,31 +1,45 @@
 """`python -m glmserve.kernels` (setup): builds every kernel for every instruction-set variant this CPU runs,
-prints what it built and which variant is active; with CI=true a kernel that fails to build exits non-zero."""
+as many at once as there are CPUs (one subprocess per extension: each is one translation unit, so torch's
+ninja build of it is serial), then loads each here, prints what it built and which variant is active; with
+CI=true a kernel that fails to build exits non-zero."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from glmserve.errors import KernelBuildError
 from glmserve.kernels.build import SOURCES, extension_name, in_ci, load
 from glmserve.kernels.dispatch import torch_only
 from glmserve.kernels.isa import active_isa, available_isas
 
+BUILD_ONE = "import sys; from glmserve.kernels.build import load; load(sys.argv[1], sys.argv[2])"
+
+
+def _build_in_subprocess(source: str, isa: str) -> None:
+    """Compiles one extension in its own process (its errors reappear when `main` loads it)."""
+    subprocess.run([sys.executable, "-c", BUILD_ONE, source, isa], check=False, capture_output=True)
+
 
 def main() -> int:
     if torch_only():
         print("GLMSERVE_TORCH_ONLY=1: C++ kernels not built (PyTorch path)")
         return 0
+    todo = [(source, isa) for isa in available_isas() for source in SOURCES]
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda job: _build_in_subprocess(*job), todo))
     failed = []
-    for isa in available_isas():
-        for source in SOURCES:
-            name = extension_name(source, isa)
-            try:
-                built = load(source, isa) is not None
-            except KernelBuildError as e:
-                print(e, file=sys.stderr)
-                built = False
-            print(f"{name}: {'built' if built else 'unavailable'}")
-            failed += [] if built else [name]
+    for source, isa in todo:
+        name = extension_name(source, isa)
+        try:
+            built = load(source, isa) is not None
+        except KernelBuildError as e:
+            print(e, file=sys.stderr)
+            built = False
+        print(f"{name}: {'built' if built else 'unavailable'}")
+        failed += [] if built else [name]
     print(f"active variant: {active_isa()} (this CPU runs {', '.join(available_isas())})")
     return 1 if failed and in_ci() else 0
 
