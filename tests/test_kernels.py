@@ -62,11 +62,13 @@ def test_setup_build_fails_under_ci_when_a_kernel_does_not_build(tmp_path, ci):
 @pytest.mark.skipif(kernels.torch_only(), reason="GLMSERVE_TORCH_ONLY=1: setup builds no kernels")
 def test_the_suite_loads_the_kernels_setup_built():
     """Setup (`python -m glmserve.kernels`, HOME untouched) and this suite (its own HOME) share one build
-    directory: each variant's shared library is already there, so no test compiles one again."""
-    for isa in kernels.available_isas():
-        for source in build.SOURCES:
-            name = build.extension_name(source, isa)
-            assert (build.build_directory(name) / f"{name}.so").exists(), name
+    directory: each variant's shared library is already there, so no test compiles one again. Without CI=true a
+    machine where setup could not build them (no compiler) skips, as the kernel tests do."""
+    names = [build.extension_name(source, isa) for isa in kernels.available_isas() for source in build.SOURCES]
+    missing = [name for name in names if not (build.build_directory(name) / f"{name}.so").exists()]
+    if missing and not build.in_ci():
+        pytest.skip(f"setup built no {', '.join(missing)} here")
+    assert not missing, missing
 
 
 def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path):

@@ -1,7 +1,7 @@
 """`python -m glmserve.kernels` (setup): builds every kernel for every instruction-set variant this CPU runs,
-as many at once as there are CPUs (one subprocess per extension: each is one translation unit, so torch's
-ninja build of it is serial), then loads each here, prints what it built and which variant is active; with
-CI=true a kernel that fails to build exits non-zero."""
+as many at once as there are CPUs (one subprocess per CPU, each building its share one after another: an
+extension is one translation unit, so torch's ninja build of it is serial), then loads each here, prints what
+it built and which variant is active; with CI=true a kernel that fails to build exits non-zero."""
 
 from __future__ import annotations
 
@@ -15,12 +15,23 @@ from glmserve.kernels.build import SOURCES, extension_name, in_ci, load
 from glmserve.kernels.dispatch import torch_only
 from glmserve.kernels.isa import active_isa, available_isas
 
-BUILD_ONE = "import sys; from glmserve.kernels.build import load; load(sys.argv[1], sys.argv[2])"
+BUILD_SHARE = """
+import sys
+from glmserve.errors import KernelBuildError
+from glmserve.kernels.build import load
+for job in sys.argv[1:]:
+    try:
+        load(*job.split(":"))
+    except KernelBuildError:
+        pass
+"""
 
 
-def _build_in_subprocess(source: str, isa: str) -> None:
-    """Compiles one extension in its own process (its errors reappear when `main` loads it)."""
-    subprocess.run([sys.executable, "-c", BUILD_ONE, source, isa], check=False, capture_output=True)
+def _build_in_subprocess(jobs: list[tuple[str, str]]) -> None:
+    """Compiles these extensions ("source:isa") in one process of their own; errors reappear when `main` loads."""
+    if jobs:
+        subprocess.run([sys.executable, "-c", BUILD_SHARE, *(f"{s}:{i}" for s, i in jobs)], check=False,
+                       capture_output=True)
 
 
 def main() -> int:
@@ -28,8 +39,9 @@ def main() -> int:
         print("GLMSERVE_TORCH_ONLY=1: C++ kernels not built (PyTorch path)")
         return 0
     todo = [(source, isa) for isa in available_isas() for source in SOURCES]
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        list(pool.map(lambda job: _build_in_subprocess(*job), todo))
+    workers = max(1, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(_build_in_subprocess, [todo[w::workers] for w in range(workers)]))
     failed = []
     for source, isa in todo:
         name = extension_name(source, isa)
