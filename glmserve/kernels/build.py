@@ -65,7 +65,8 @@ def extensions_root() -> Path:
 
 @contextlib.contextmanager
 def _exclusive_build(directory: Path) -> Iterator[None]:
-    """Holds the flock of one extension's build directory; clears torch's lock file left by a dead builder."""
+    """Holds the flock of one extension's build directory (closing the file releases it); clears torch's lock
+    file left by a dead builder."""
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "glmserve.flock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -73,10 +74,7 @@ def _exclusive_build(directory: Path) -> Iterator[None]:
         if stale.exists():
             log.warning("removing %s, left by a kernel build that did not finish", stale)
             stale.unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 @functools.cache
