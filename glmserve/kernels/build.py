@@ -1,7 +1,8 @@
 """Compiling and loading one kernel source for one instruction-set variant with torch's cpp_extension,
 on first use, cached in `build_directory(name)` under TORCH_EXTENSIONS_DIR (else torch's own default), one
-directory per checkout. A build that fails (no compiler, no ninja, unsupported platform) leaves the callers on
-their PyTorch path, except with CI=true, where it is an error: a CI run must not pass by skipping the kernels.
+directory per version of the sources. A build that fails (no compiler, no ninja, unsupported platform) leaves
+the callers on their PyTorch path, except with CI=true, where it is an error: a CI run must not pass by skipping
+the kernels.
 
 Builds of one extension are serialized by an flock on its directory, which the kernel releases when its
 holder dies. torch's own lock file is not: a process killed mid-build (a test server stopped at teardown, a
@@ -44,10 +45,19 @@ def extension_name(source: str, isa: str) -> str:
 
 
 def build_directory(name: str) -> Path:
-    """One extension's build directory, per checkout: the folder name carries a hash of this source tree's path,
-    so that two checkouts sharing one cache (worktrees, a clean clone for CI) do not rebuild each other's."""
-    checkout = hashlib.sha1(str(SOURCE_DIR.resolve()).encode()).hexdigest()[:8]
-    return extensions_root() / f"{name}-{checkout}"
+    """One extension's build directory per version of the kernel sources: the folder name carries a hash of
+    csrc's contents and the compiler flags, so checkouts with the same kernels (worktrees, a clean clone for CI)
+    share one build, and a checkout whose kernels differ never loads or overwrites another's."""
+    return extensions_root() / f"{name}-{_sources_digest()}"
+
+
+@functools.cache
+def _sources_digest() -> str:
+    digest = hashlib.sha1(" ".join(BASE_CFLAGS).encode())
+    for path in sorted(SOURCE_DIR.iterdir()):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:8]
 
 
 def extensions_root() -> Path:
