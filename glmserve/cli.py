@@ -154,7 +154,8 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     from glmserve.gateway.proxy_options import ProxyOptions
     from glmserve.gateway.settings import GatewaySettings
 
-    sys.exit(run_gateway(GatewaySettings.from_args(args), ProxyOptions.from_args(args), args.host, args.port))
+    sys.exit(run_gateway(GatewaySettings.from_args(args), ProxyOptions.from_args(args), args.host, args.port,
+                         args.workers))
 
 
 def cmd_train_indexer(args: argparse.Namespace) -> None:
@@ -297,6 +298,8 @@ def add_gateway_cli_args(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="gateway processes on one socket (more than one core; with --keys, needs --redis)")
     add_proxy_options(parser)
     add_gateway_options(parser)
 

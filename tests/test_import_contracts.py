@@ -44,3 +44,14 @@ def test_gateway_contract_catches_torch(tmp_path: Path) -> None:
     result = _lint(ROOT / "pyproject.toml", tmp_path)
     assert result.returncode != 0
     assert "glmserve.gateway.tensor_helper -> torch" in result.stdout
+
+
+def test_the_gateway_command_runs_without_torch() -> None:
+    """`glmserve gateway` (the CLI's parser, the gateway app and its workers' entry point) loads no torch,
+    transformers or engine code: a gateway process starts in a fraction of a second and stays small."""
+    code = ("import sys, glmserve.cli, glmserve.gateway.app, glmserve.gateway.workers; "
+            "glmserve.cli.build_parser().parse_args(['gateway', '--backend', 'http://127.0.0.1:9']); "
+            "print(sorted(m for m in ('torch', 'transformers', 'glmserve.engine') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -28,6 +28,7 @@ from glmserve.gateway.proxy import Proxy
 from glmserve.gateway.proxy_metrics import ProxyMetrics
 from glmserve.gateway.proxy_options import ProxyOptions
 from glmserve.gateway.settings import GatewaySettings
+from glmserve.gateway.workers import run_gateway_workers
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 # idle client connections are kept longer than clients keep them (httpx and the openai client: 5 s, aiohttp 15 s,
@@ -98,18 +99,27 @@ def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGI
               Route("/v1/models", models), Route("/{path:path}", proxy.handle, methods=ALL_METHODS)]
     app = Starlette(routes=routes, lifespan=lifespan)
     # keys, limits, billing and /v1/usage around the proxy; its metrics join the proxy's on /metrics
-    return GatewayMiddleware(app, settings, registry=proxy.metrics.registry)
+    middleware = GatewayMiddleware(app, settings, registry=proxy.metrics.registry)
+    proxy.metrics.live.extend(middleware.metrics.live)
+    return middleware
 
 
 def _exit_cleanly(signum: int, _: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def run_gateway(settings: GatewaySettings, options: ProxyOptions, host: str, port: int) -> int:
-    """Serves until SIGTERM/SIGINT; uvicorn re-raises the signal after its graceful shutdown, which exits 0."""
-    signal.signal(signal.SIGTERM, _exit_cleanly)
+def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per probe and per upstream request
+
+
+def run_gateway(settings: GatewaySettings, options: ProxyOptions, host: str, port: int, workers: int = 1) -> int:
+    """Serves until SIGTERM/SIGINT; uvicorn re-raises the signal after its graceful shutdown, which exits 0. With
+    workers > 1, uvicorn's supervisor runs that many gateway processes on one socket (workers.py)."""
+    if workers != 1:
+        return run_gateway_workers(settings, options, host, port, workers, keep_alive_s=CLIENT_KEEP_ALIVE_S)
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    configure_logging()
     app = create_gateway_app(settings, options)
     uvicorn.run(app, host=host, port=port, access_log=False, log_level="info", timeout_graceful_shutdown=30,
                 timeout_keep_alive=CLIENT_KEEP_ALIVE_S)

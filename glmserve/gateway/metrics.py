@@ -41,7 +41,8 @@ class GatewayMetrics:
         self.unbilled = Counter(f"{PREFIX}_unbilled_requests", "Admitted requests that ended without usage "
                                 "(client gone or backend cut the stream); their reservation is kept", ["reason"],
                                 registry=registry)
-        registry.register(_BackendCollector(backend_state))
+        self.live: list[Collector] = [_BackendCollector(backend_state)]  # read at scrape time
+        registry.register(self.live[0])
 
 
 class _BackendCollector(Collector):

@@ -8,9 +8,11 @@ from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from glmserve.gateway.backends import BackendPool
+from glmserve.gateway.workers import multiprocess_metrics
 
 PREFIX = "glmserve_gateway"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -37,10 +39,20 @@ class ProxyMetrics:
                                     registry=reg)
         self.duration = Histogram(f"{PREFIX}_upstream_duration_seconds", "Time to a backend's last byte",
                                   ["backend"], buckets=LATENCY_BUCKETS, registry=reg)
-        reg.register(_PoolCollector(pool))
+        # collectors that read live state at scrape time (the pool's; the admission middleware adds its own)
+        self.live: list[Collector] = [_PoolCollector(pool)]
+        reg.register(self.live[0])
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The registry's metrics; in a worker of `--workers N`, the counters and histograms summed over every
+        worker (prometheus_client's multiprocess files) and the live gauges of this worker."""
+        if not multiprocess_metrics():
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        for collector in self.live:
+            registry.register(collector)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 class _PoolCollector(Collector):
