@@ -79,3 +79,17 @@ def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path):
     (directory / "lock").touch()
     with build._exclusive_build(directory):
         assert not (directory / "lock").exists()
+
+
+def test_the_build_compiles_a_copy_of_the_source_inside_its_directory(tmp_path):
+    """build.ninja names the file it compiles; a copy inside the (source-hashed) build directory keeps that path and
+    its mtime the same for every checkout, so a second worktree reuses the build instead of rebuilding it."""
+    directory = tmp_path / "glmserve_sparse_scalar-0000"
+    directory.mkdir()
+    staged = build._staged_source(directory, "sparse")
+    assert staged.parent.parent == directory
+    assert staged.read_bytes() == (build.SOURCE_DIR / "sparse.cpp").read_bytes()
+    before = staged.stat().st_mtime_ns
+    os.utime(staged, ns=(before - 10**9, before - 10**9))  # as if staged by another checkout a second earlier
+    assert build._staged_source(directory, "sparse") == staged
+    assert staged.stat().st_mtime_ns == before - 10**9  # not rewritten: ninja sees nothing new

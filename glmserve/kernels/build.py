@@ -87,6 +87,20 @@ def _exclusive_build(directory: Path) -> Iterator[None]:
         yield
 
 
+def _staged_source(directory: Path, source: str) -> Path:
+    """csrc/`source`.cpp copied once into the build directory, the path the build compiles. torch writes the
+    source's absolute path into build.ninja and ninja rebuilds when that command or the source's mtime changes,
+    so compiling each checkout's own file rebuilt the shared directory for every worktree (and a fresh checkout's
+    newer mtime did too). The directory is named by the sources' hash, so an existing copy is the same text."""
+    staged = directory / "src" / f"{source}.cpp"
+    if not staged.exists():
+        staged.parent.mkdir(exist_ok=True)
+        partial = staged.with_suffix(".partial")
+        partial.write_bytes((SOURCE_DIR / f"{source}.cpp").read_bytes())
+        partial.rename(staged)
+    return staged
+
+
 @functools.cache
 def load(source: str, isa: str) -> ModuleType | None:
     """The extension built from csrc/`source`.cpp for variant `isa`, or None when it cannot be built
@@ -97,7 +111,7 @@ def load(source: str, isa: str) -> ModuleType | None:
 
         directory = build_directory(name)
         with _exclusive_build(directory):
-            module = build_extension(name=name, sources=[str(SOURCE_DIR / f"{source}.cpp")],
+            module = build_extension(name=name, sources=[str(_staged_source(directory, source))],
                                      extra_cflags=[*BASE_CFLAGS, *BY_NAME[isa].cflags],
                                      build_directory=str(directory), verbose=False)
     except Exception as e:
