@@ -26,10 +26,14 @@ import torch.nn.functional as F
 
 from glmserve import kernels
 from glmserve.errors import InvalidRequestError
+from glmserve.layers.embedding import QuantizedEmbedding
+from glmserve.layers.linear import QuantizedLinear
+from glmserve.layers.param_loading import WHOLE
 from glmserve.quant import backend as registry
 from glmserve.quant.cpu_backend import DENSE_MIN_ROWS, CpuBlockBackend, block_form, dense_apply, dense_path_for
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
+from glmserve.quant.schemes import Scheme
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
@@ -287,3 +291,45 @@ def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt):
     assert ((y.double() - ref).abs() <= bound).all()
     w8a8 = backend.prepare(weight("w8a8", 192, 576), TOKEN, CPU)
     assert w8a8.dequantize is None  # int8 activations are W8A8's spec: never the bf16 path
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dequantize_rows_reads_the_packed_layout_back(cpu_isa, fmt):
+    """Rows of d * c + m from the tiles (ids across tiles, the last one padded), one float32 rounding of the
+    stored weight; Q8_0 (a product only) equals reference.dequantize exactly."""
+    out, inp = 200, 640  # 13 tiles, 20 blocks
+    w = weight(fmt, out, inp)
+    backend = CpuBlockBackend()
+    ids = torch.tensor([0, 15, 16, 129, 199, 3, 16])
+    rows = backend.dequantize_rows(backend.prepare(w, FORMATS[fmt][1], CPU), ids, torch.float32)
+    w_stored, w_abs = stored_weight(fmt, out, inp)
+    assert rows.shape == (len(ids), inp)
+    assert ((rows.double() - w_stored[ids, :inp]).abs() <= 2 ** -24 * w_abs[ids, :inp].double() + 1e-12).all()
+    if fmt == "gguf_q8_0":
+        assert torch.equal(rows, dequantize(w)[ids])
+
+
+def test_cpu_block_layers_keep_no_canonical_copy(cpu_isa):
+    """The packed tiles serve a tied embedding's rows, so neither the head nor the embedding keeps the
+    canonical codes (int4 codes one byte each: more than the packed weight itself)."""
+    vocab, dim = 96, 64
+    q = weight("gguf_q8_0", vocab, dim)
+    native = Scheme("checkpoint", None)
+    embed = QuantizedEmbedding(vocab, dim, native, CPU, torch.float32)
+    head = QuantizedLinear(dim, [vocab], native, False, CPU, torch.float32)
+    embed.tie(head)
+    embed.load_weight("weight", q, WHOLE)
+    embed.finalize()
+    assert head._segments[0].canonical is None and embed.weight_bytes() == 0
+    ids = torch.tensor([[3, 17, 3], [95, 0, 1]])
+    assert torch.equal(embed(ids), dequantize(q)[ids])
+    assert head.weight_bytes() == CpuBlockBackend().prepare(q, None, CPU).nbytes
+
+
+def test_dequantize_rows_drops_the_input_padding(cpu_isa):
+    """in_features not a multiple of 32: the padded inputs of the last block are not returned."""
+    w = quantize(torch.randn(21, 100), QuantSpec(8, strategy="channel"))
+    backend = CpuBlockBackend()
+    ids = torch.tensor([20, 0, 16])
+    rows = backend.dequantize_rows(backend.prepare(w, None, CPU), ids, torch.float32)
+    torch.testing.assert_close(rows, dequantize(w)[ids], rtol=1e-3, atol=0)  # d rounded to fp16 by the packing

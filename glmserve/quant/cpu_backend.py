@@ -122,6 +122,22 @@ class CpuBlockBackend:
             out += bias.to(torch.float32)
         return out.reshape(*x.shape[:-1], p.out_features).to(x.dtype)
 
+    def dequantize_rows(self, prepared: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of w = d * c + m read back from the tile layout (`pack`'s inverse for those rows), so that
+        no canonical copy of the weight is kept (a tied embedding's lookup, weight inspection)."""
+        p = prepared
+        tile, row = ids // ROWS, ids % ROWS
+        codes = p.codes[tile].reshape(len(ids), p.codes.shape[1], 4 if p.u4 else 8, ROWS, 4)  # [n, blocks, j, row, t]
+        codes = codes[torch.arange(len(ids)), :, :, row]  # [n, blocks, j, t]
+        if p.u4:  # byte j*4+t holds input j*4+t (low nibble) and 16 + j*4+t (high nibble)
+            c = torch.cat((codes & 15, codes >> 4), dim=-2).to(torch.float32)
+        else:
+            c = codes.view(torch.int8).to(torch.float32)
+        w = c.flatten(2) * p.scales[tile, :, row].to(torch.float32).unsqueeze(-1)  # [n, blocks, 32]
+        if p.mins.numel():
+            w = w + p.mins[tile, :, row].to(torch.float32).unsqueeze(-1)
+        return w.flatten(1)[:, :p.in_features].to(dtype)
+
 
 def dense_path_for(device: torch.device) -> Callable | None:
     """The kernel's `dequantize_packed` where large batches take the bf16 GEMM path: a CPU with AMX and the
