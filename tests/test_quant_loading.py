@@ -30,6 +30,7 @@ from glmserve.cli import build_parser, main
 from glmserve.errors import InvalidRequestError, UnsupportedModelError
 from glmserve.layers.embedding import QuantizedEmbedding
 from glmserve.layers.linear import QuantizedLinear
+from glmserve.models import loader
 from glmserve.models.gguf_loader import load_gguf
 from glmserve.models.loader import load_model
 from glmserve.models.quantized import weight_bytes
@@ -173,6 +174,31 @@ def test_native_gguf_engine_equals_the_float_engine(small_gguf):
     prompts = [list(range(3, 20)), list(range(40, 47))]
     for got, want in zip(native.generate(prompts, PARAMS), floats.generate(prompts, PARAMS)):
         assert_same_output(got, want, tol=1e-5)
+
+
+def test_each_quantized_module_is_finalized_once_its_weights_arrived(small_gguf, monkeypatch):
+    """Repacking a module as soon as its last part is loaded frees its checkpoint codes while the rest still
+    streams in, so the load's peak memory is not every module's canonical copy at once."""
+    events: list[str] = []
+    real = QuantizedLinear.finalize
+
+    def recorded(self: QuantizedLinear) -> None:
+        events.append("finalize")
+        real(self)
+
+    monkeypatch.setattr(QuantizedLinear, "finalize", recorded)
+    ckpt = load_gguf(small_gguf[0])
+
+    def tensors():
+        for name, tensor in ckpt.tensors(native=True):
+            events.append(name)
+            yield name, tensor
+
+    loader._build(ckpt.config, tensors(), ckpt.native_formats(), torch.device("cpu"), torch.float32, None, False)
+    last_layer = max(i for i, e in enumerate(events) if e.startswith(f"model.layers.{LAYERS - 1}."))
+    first_finalize = events.index("finalize")
+    assert first_finalize < last_layer
+    assert all(not e.startswith(f"model.layers.{LAYERS - 1}.") for e in events[:first_finalize])
 
 
 # --- the embedded default model -----------------------------------------------------------------------------

@@ -27,8 +27,6 @@ The tokenizer is converted by transformers from the file's `tokenizer.*` metadat
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import importlib.metadata
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -152,7 +150,6 @@ class GGUFCheckpoint:
             if heads is not None:
                 values = _unpermute_rotary_rows(values, heads)
             yield hf_name, torch.from_numpy(values)
-        _return_freed_heap()
 
     def native_formats(self) -> dict[str, Scheme]:
         """{hf_name: its stored format} of the tensors `tensors(native=True)` yields quantized."""
@@ -369,16 +366,6 @@ def _hf_names(path: Path, arch: _Architecture, num_layers: int, tensors: Mapping
             raise UnsupportedGGUFError(f"{path}: tensor {name!r} has no Hugging Face counterpart in this loader")
         hf_names[name] = f"{modules[module]}.{kind}"
     return hf_names
-
-
-def _return_freed_heap() -> None:
-    """glibc keeps the freed load-time temporaries (blocks unpacked, repacked, dequantized: each under its
-    32 MiB mmap threshold) in its heap; malloc_trim hands them back (42 MB of the embedded model's 659 MB RSS
-    after load, measured). A no-op without glibc."""
-    libc = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-    if trim is not None:
-        trim(0)
 
 
 def _hf_shape(tensor: GGUFTensor) -> tuple[int, ...]:

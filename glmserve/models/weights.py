@@ -91,8 +91,8 @@ class LoadsCheckpoint:
     def load_weights(self: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Loads every parameter (and every quantized module's weights) exactly once, as `checkpoint_layout`
         says; a tensor with no place in the model, a shape mismatch and a parameter left (partly) unfilled
-        are errors. Ties lm_head to the embedding first where the config says so; finalizes the quantized
-        modules last."""
+        are errors. Ties lm_head to the embedding first where the config says so; finalizes each quantized
+        module once its slots are filled (the others, e.g. a tied head, last)."""
         layout = self.checkpoint_layout
         if self._ties_word_embeddings():
             self._tie_lm_head()
@@ -122,6 +122,9 @@ class LoadsCheckpoint:
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from exc
             filled[target] += numel(tensor)
+            if target in slots and all(filled[f"{owner_name}.{slot}"] == count
+                                       for slot, count in owner.weight_slots().items()):
+                owner.finalize()  # repacked now, its checkpoint parts freed: the load's peak holds one module's
         wrong = [n for n, count in expected.items() if filled[n] != count]
         if wrong:
             raise ValueError(f"checkpoint lacks (or repeats) {len(wrong)} tensors, e.g. {wrong[:5]}")
