@@ -176,14 +176,15 @@ def block_form(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, tor
     where a code is out of its format's range or a scale does not fit fp16."""
     spec, (out, inp) = weight.spec, weight.shape
     blocks = -(-inp // QK)
-    c = weight.codes.to(torch.int16)
+    c = weight.codes
     if spec.num_bits == 4:  # stored as unsigned nibbles: signed codes [-8, 7] move up by 8
         offset = 8 if int(c.min()) < 0 else 0
         lo, hi = 0, 15
     else:  # stored signed: uint8 codes (asymmetric int8) move down by 128
         offset = -128 if weight.codes.dtype == torch.uint8 else 0
         lo, hi = -128, 127
-    c = c + offset
+    if offset:  # widened only where codes move: an lm_head's int16 copies were the load's peak
+        c = c.to(torch.int16) + offset
     if int(c.min()) < lo or int(c.max()) > hi:
         raise InvalidRequestError(f"{spec}: codes outside the format's range")
     d = _per_block(weight.scales, spec, out, blocks)
