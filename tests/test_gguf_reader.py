@@ -73,3 +73,34 @@ def test_bad_magic_and_version(tmp_path):
     (tmp_path / "version.gguf").write_bytes(bytes(data))
     with pytest.raises(GGUFFormatError, match="version 99"):
         read_header(tmp_path / "version.gguf")
+
+
+def _resident_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_released_tensor_leaves_memory_and_still_reads_the_same(tmp_path):
+    """`release` drops a converted tensor's file pages (the load's peak no longer holds the whole file), and the
+    read-only map faults them in again, unchanged, should anything read them later."""
+    path = tmp_path / "big.gguf"
+    values = np.random.default_rng(1).standard_normal((1024, 2048)).astype(np.float32)  # 8 MiB
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("big", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    header = read_header(path)
+    (tensor,) = header.tensors
+    assert float(tensor.data.sum()) == pytest.approx(float(values.sum()), rel=1e-4)
+    assert _resident_kb(path) >= 8 * 1024
+    header.release(tensor)
+    assert _resident_kb(path) < 64
+    np.testing.assert_array_equal(tensor.data, values)

@@ -142,14 +142,16 @@ class GGUFCheckpoint:
             if native and _runs_natively(tensor):
                 weight = from_blocks(tensor.data, tensor.tensor_type.name, _hf_shape(tensor))
                 yield hf_name, weight if heads is None else _unpermute_quantized(weight, heads)
-                continue
-            if native:
-                values = dequantize_other(tensor.name, tensor.data, tensor.tensor_type, _hf_shape(tensor)).numpy()
             else:
-                values = _dequantize(tensor)
-            if heads is not None:
-                values = _unpermute_rotary_rows(values, heads)
-            yield hf_name, torch.from_numpy(values)
+                if native:
+                    values = dequantize_other(tensor.name, tensor.data, tensor.tensor_type,
+                                              _hf_shape(tensor)).numpy()
+                else:
+                    values = _dequantize(tensor)
+                if heads is not None:
+                    values = _unpermute_rotary_rows(values, heads)
+                yield hf_name, torch.from_numpy(values)
+            self.reader.release(tensor)  # the caller has taken this tensor; its file pages need not stay resident
 
     def native_formats(self) -> dict[str, Scheme]:
         """{hf_name: its stored format} of the tensors `tensors(native=True)` yields quantized."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,21 @@ class GGUFHeader:
     version: int
     metadata: dict[str, Any]
     tensors: list[GGUFTensor]
+    file: mmap.mmap | None = field(default=None, repr=False, compare=False)
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drops the file's pages under `tensor` from this process's memory (madvise MADV_DONTNEED) once its
+        data has been converted: the map is read-only and file-backed, so a later read faults them in again from
+        the page cache, but a load that reads every tensor once no longer holds the whole file resident on top
+        of the weights it builds (about 90 MB of the embedded model's load-time peak)."""
+        if self.file is None or not tensor.data.size or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.data.__array_interface__["data"][0] - self._base_address()
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        self.file.madvise(mmap.MADV_DONTNEED, first, start + tensor.data.nbytes - first)
+
+    def _base_address(self) -> int:
+        return np.frombuffer(self.file, dtype=np.uint8).__array_interface__["data"][0]
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -169,7 +184,7 @@ def read_header(path: str | Path) -> GGUFHeader:
     tensors = [_tensor(buffer, data_start, *entry) for entry in table]
     if len({t.name for t in tensors}) != len(tensors):
         raise GGUFFormatError("duplicate tensor names")
-    return GGUFHeader(path, version, metadata, tensors)
+    return GGUFHeader(path, version, metadata, tensors, file)
 
 
 def _tensor_entry(cursor: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
