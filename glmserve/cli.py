@@ -1,4 +1,4 @@
-"""Command line: `glmserve generate | chat | serve | billing | train-indexer | quantize`. With no --model, the
+"""Command line: `glmserve generate | chat | serve | billing | train-indexer | quantize | compress`. With no --model, the
 embedded SmolLM2 runs."""
 
 from __future__ import annotations
@@ -304,6 +304,34 @@ def add_gateway_cli_args(parser: argparse.ArgumentParser) -> None:
     add_gateway_options(parser)
 
 
+def cmd_compress(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from glmserve.compress import Document, compress
+    from glmserve.compress.tokens import HFTokenCounter
+
+    docs = []
+    for name in args.files:
+        try:
+            docs.append(Document(name, Path(name).read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise GlmServeError(f"cannot read {name}: {exc}") from exc
+    counter = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        counter = HFTokenCounter(AutoTokenizer.from_pretrained(args.tokenizer))
+    result = compress(docs, query=args.query, ratio=args.ratio, target_tokens=args.target_tokens,
+                      preset=args.preset, count_tokens=counter)
+    if args.json:
+        print(json.dumps(result.to_dict(), ensure_ascii=False, indent=1))
+    else:
+        print(result.text)
+        print(f"\n[{result.original_tokens} -> {result.compressed_tokens} tokens, {result.ratio:.2f}x, "
+              f"{len(result.spans)} spans]", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -341,6 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
     quant = sub.add_parser("quantize", help="write a quantized compressed-tensors safetensors folder")
     add_quantize_args(quant)
     quant.set_defaults(handler=cmd_quantize)
+    comp = sub.add_parser("compress", help="semantic context compression with a trace map (anchors kept verbatim)")
+    comp.add_argument("files", nargs="+", metavar="FILE")
+    comp.add_argument("--query", default=None, help="compress for this question (relevance + diversity)")
+    budget = comp.add_mutually_exclusive_group()
+    budget.add_argument("--ratio", type=float, default=None, help="target compression ratio (default 3.4)")
+    budget.add_argument("--target-tokens", type=int, default=None, help="token budget of the output")
+    budget.add_argument("--preset", choices=["short", "medium", "long"], default=None,
+                        help="token budget by task: short 4K, medium 32K, long 128K")
+    comp.add_argument("--tokenizer", default=None, help="count tokens with this HF tokenizer (default: the "
+                      "embedded SmolLM2's)")
+    comp.add_argument("--json", action="store_true", help="the text, token counts and trace map as JSON")
+    comp.set_defaults(handler=cmd_compress)
     return parser
 
 

@@ -20,6 +20,7 @@ from glmserve.config import EngineConfig
 from glmserve.engine.async_engine import AsyncEngine, EngineState
 from glmserve.gateway.admission import GatewayMiddleware, GatewayParts
 from glmserve.server.aliases import check_aliases
+from glmserve.server.compress_routes import router as compress_router
 from glmserve.server.config import ServerConfig
 from glmserve.server.errors import install_error_handlers
 from glmserve.server.generation import ClientDisconnectedError
@@ -144,4 +145,5 @@ def create_app(
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics_)
     app.include_router(router)
     app.include_router(sessions_router)
+    app.include_router(compress_router)
     return app
