@@ -1,5 +1,5 @@
-"""Command line: `glmserve generate | chat | serve | billing | train-indexer | quantize | compress`. With no --model, the
-embedded SmolLM2 runs."""
+"""Command line: `glmserve generate | chat | serve | billing | train-indexer | quantize | compress`. With no
+--model, the embedded SmolLM2 runs."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ import numpy as np
 from glmserve.compress.segment import Unit
 
 _CN_NUM = "零一二三四五六七八九十百千万亿两0-9０-９"
-_MONTH = r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)"
+_MONTH = (r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|Sep(?:t(?:ember)?)?"
+          r"|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)")
 
 STRUCTURAL = ("heading", "clause", "definition")
 FACTS = ("date", "amount", "xref", "entity")
@@ -27,8 +28,8 @@ PATTERNS: dict[str, re.Pattern[str]] = {
         rf"^[ \t]*(?:第[{_CN_NUM}]+[条款]|\d+(?:\.\d+)+\.?(?=\s)|\((?:[a-z]|[ivx]+|\d+)\)(?=\s)"
         r"|(?:Article|Section|Clause)\s+\d+(?:\.\d+)*)", re.M),
     "definition": re.compile(
-        r"[\"“][^\"”\n]{1,60}[\"”]\s*(?:\([^)\n]{0,40}\)\s*)?(?:means|shall mean|refers to|has the meaning|is defined as"
-        r"|shall have the meaning)"
+        r"[\"“][^\"”\n]{1,60}[\"”]\s*(?:\([^)\n]{0,40}\)\s*)?(?:means|shall mean|refers to"
+        r"|has the meaning|is defined as|shall have the meaning)"
         r"|\((?:the |each a |hereinafter(?: referred to as)? )?[\"“][^\"”\n]{1,60}[\"”]\)"
         r"|本[^\n。；]{0,12}所称|是指|系指|以下简称[“\"「]"),
     "date": re.compile(

@@ -23,7 +23,8 @@ _HEADING = re.compile(
     r"#{1,6}[ \t]+\S.*"  # Markdown
     rf"|第[{_CN_NUM}]+[章节编部分][^\n]{{0,60}}"  # 第一章 总则
     rf"|第[{_CN_NUM}]+条[ \t]*[^\n。；，]{{0,20}}"  # 第三条 (a title line, not a clause with its text)
-    r"|(?:Section|SECTION|Article|ARTICLE|Chapter|CHAPTER|Part|PART|Appendix|APPENDIX)[ \t]+[0-9IVXLA-Z][\w.]*\b[^\n]{0,80}"
+    r"|(?:Section|SECTION|Article|ARTICLE|Chapter|CHAPTER|Part|PART|Appendix|APPENDIX)"
+    r"[ \t]+[0-9IVXLA-Z][\w.]*\b[^\n]{0,80}"
     r"|\d+(?:\.\d+)*\.?[ \t]+[A-Z\"'“][^\n]{0,100}"  # 4.2. Package relationships
     r")(?<![.。;；:,，])$",
     re.M,
