@@ -44,7 +44,7 @@ _SENTENCE_END = re.compile(
 )
 _ABBREVIATION = re.compile(
     r"(?:\b(?:e\.g|i\.e|etc|vs|cf|Mr|Mrs|Ms|Dr|No|Nos|Sec|Secs|Art|Ch|Inc|Ltd|Co|Corp|St|Fig|approx|incl|"
-    r"resp|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec|U\.S|p|pp|para|Vol)\.|\b[A-Z]\.|\d\.)$"
+    r"resp|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec|U\.S|p|pp|para|Vol)\.|\b[A-Z]\.)$"
 )
 _CLAUSE_START = re.compile(rf"[ \t]*(第[{_CN_NUM}]+条|\d+(?:\.\d+)+)\.?(?=[ \t　]|$)")
 MAX_UNIT_CHARS = 1200  # a longer run without sentence punctuation (a table, a literal block) splits at lines
