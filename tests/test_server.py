@@ -692,3 +692,28 @@ def test_sigterm_finishes_in_flight_request_and_exits_zero(server: Server) -> No
     assert any('"finish_reason":"length"' in line for line in rest)
     assert server.proc.wait(timeout=60) == 0
     assert "Traceback" not in server.log()
+
+
+def test_compress_endpoint_trace_map(server: Server) -> None:
+    """POST /v1/compress: the contract's fields, spans verbatim from their documents, typed 400s."""
+    policy = "\n\n".join(
+        [f"{i}. Rule {i}\n\nThe maintainer must keep rule {i} in mind. It was adopted after long talks. "
+         f"Many people were there and the coffee was good. Packages must not break rule {i}." for i in range(1, 9)])
+    notes = "Minutes of the meeting. Everyone agreed. The venue was in Leeds on 2024-05-01."
+    body = {"documents": [{"id": "policy", "text": policy}, {"id": "notes", "text": notes}],
+            "query": "Where was the venue?", "target_ratio": 2}
+    with server.http() as http:
+        reply = http.post("/v1/compress", json=body)
+        assert reply.status_code == 200, reply.text
+        out = reply.json()
+        assert out["original_tokens"] > out["compressed_tokens"] > 0
+        texts = {"policy": policy, "notes": notes}
+        assert {s["doc"] for s in out["spans"]} == {"policy", "notes"}
+        for span in out["spans"]:
+            assert texts[span["doc"]][span["start"]:span["end"]] in out["text"]
+            assert span["kind"] in ("anchor", "narrative") and span["paragraph"] >= 1
+        assert "The venue was in Leeds on 2024-05-01." in out["text"]
+        assert all(f"{i}. Rule {i}" in out["text"] for i in range(1, 9))  # headings are anchors
+        bad = http.post("/v1/compress", json={**body, "target_ratio": 0.5})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        assert http.post("/v1/compress", json={"documents": []}).status_code == 400
