@@ -717,3 +717,25 @@ def test_compress_endpoint_trace_map(server: Server) -> None:
         bad = http.post("/v1/compress", json={**body, "target_ratio": 0.5})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
         assert http.post("/v1/compress", json={"documents": []}).status_code == 400
+
+
+def test_chat_context_compression_returns_the_trace_map(server: Server) -> None:
+    """The chat option compresses the documents before prefill and answers with the trace map beside it."""
+    text = "\n\n".join(f"{i}. Part {i}\n\nThe weather was mild and people talked for hours on day {i}. "
+                       f"Nothing much happened in the afternoon of day {i}." for i in range(1, 7))
+    text += "\n\n7. Office\n\nThe registered office is in Leeds."
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "Where is the registered office?"}],
+            "max_tokens": 4, "temperature": 0,
+            "context_compression": {"documents": [{"id": "memo", "text": text}], "target_ratio": 2}}
+    with server.http() as http:
+        reply = http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        out = reply.json()
+        trace = out["context_compression"]
+        assert "text" not in trace and trace["original_tokens"] > trace["compressed_tokens"]
+        assert out["usage"]["prompt_tokens"] > trace["compressed_tokens"]
+        kept = [text[s["start"]:s["end"]] for s in trace["spans"]]
+        assert "The registered office is in Leeds." in kept and "7. Office" in kept
+        assert out["choices"][0]["message"]["content"] is not None
+        streamed = http.post("/v1/chat/completions", json={**body, "stream": True})
+        assert streamed.status_code == 400

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 
 EMBED_CHARS = 320  # a unit is embedded from its first characters: the encoder's cost grows with length
+CACHE_ENTRIES = 200_000  # embeddings kept by text (about 400 MB at most): a document asked again is not re-encoded
+_cache: dict[str, np.ndarray] = {}
 _SPACE = re.compile(r"\s+")
 
 
@@ -27,4 +29,9 @@ def embed(texts: Sequence[str]) -> np.ndarray:
     if not texts:
         return np.zeros((0, 512), dtype=np.float32)
     clipped = [_SPACE.sub(" ", t[:EMBED_CHARS]).strip() or "." for t in texts]
-    return np.asarray(_model().encode(clipped), dtype=np.float32)
+    missing = list(dict.fromkeys(c for c in clipped if c not in _cache))
+    if missing:
+        if len(_cache) + len(missing) > CACHE_ENTRIES:
+            _cache.clear()
+        _cache.update(zip(missing, np.asarray(_model().encode(missing), dtype=np.float32)))
+    return np.stack([_cache[c] for c in clipped])

@@ -70,6 +70,24 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
 
+class CompressDocument(BaseModel):
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    text: str
+
+
+class ContextCompressionRequest(BaseModel):
+    """glmserve extra (`context_compression`, and the body of POST /v1/compress): documents compressed by
+    glmserve/compress/ to one of target_ratio / target_tokens / preset (default ratio 3.4)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    documents: Annotated[list[CompressDocument], Field(min_length=1, max_length=64)]
+    query: str | None = None  # in a chat request: the last user message when unset
+    target_ratio: float | None = None
+    target_tokens: int | None = None
+    preset: Literal["short", "medium", "long"] | None = None
+
+
 class SparseAttentionRequest(BaseModel):
     """glmserve extra: this request's sparse decode attention (glmserve/sparse_settings.py); unset fields
     keep the server's defaults, the engine validates the values (400 with the reason)."""
@@ -198,6 +216,8 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     # with a session: replace earlier turns by a summary the model writes (glmserve/server/anchoring.py)
     session_summary: bool = False
+    # glmserve extra: documents compressed before prefill (glmserve/server/compress_routes.py)
+    context_compression: ContextCompressionRequest | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -385,6 +405,12 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+
+
+class ChatCompletionWithTrace(ChatCompletionResponse):
+    """A chat completion of a request with `context_compression`: the trace map beside the answer."""
+
+    context_compression: dict[str, Any]
 
 
 class ChoiceDelta(_Sparse):

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from glmserve.server.anchoring import anchor_messages
+from glmserve.server.compress_routes import compress_context
 from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation, cancel_on_disconnect, start_all
 from glmserve.server.guided import compiled_guided
@@ -26,6 +27,7 @@ from glmserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatCompletionWithTrace,
     ChoiceDelta,
     FinishReason,
 )
@@ -46,6 +48,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
             raise BadRequestError("session_summary needs a session_id (or an X-Session-Id header)",
                                   param="session_summary")
         messages = await anchor_messages(messages, session_id, model, ctx)
+    trace = None
+    if body.context_compression is not None:
+        if body.stream:
+            raise BadRequestError("context_compression is not supported with stream yet", param="stream")
+        messages, trace = await compress_context(body.context_compression, messages, model.tokenizer)
     tools = body.active_tools()
     prompt_ids = model.chat_prompt(messages, tools)
     budget = token_budget(body.token_limit(), len(prompt_ids), model.max_model_len, ctx.config.max_tokens_cap)
@@ -73,6 +80,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     response = ChatCompletionResponse(
         id=generation.request_id, model=model_id, choices=choices, usage=usage_of([final])
     )
+    if trace is not None:
+        response = ChatCompletionWithTrace(**dict(response), context_compression=trace)
     return json_response(response, headers=budget.headers())
 
 

@@ -27,6 +27,7 @@ class ServedModel:
 
     def __init__(self, engine: LLMEngine, aliases: dict[str, str], tool_call_parser: str = "auto") -> None:
         self._engine = engine
+        self.tokenizer = engine.tokenizer  # the served model's (glmserve/compress counts tokens with it)
         self.aliases = AliasTable(engine.model_name, aliases)
         self.formatter = TokenFormatter(engine.tokenizer)
         self.max_model_len: int = engine.max_model_len
