@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import pytest
 
@@ -159,3 +160,33 @@ def test_cli_json(tmp_path, capsys, counter) -> None:
     text = path.read_text(encoding="utf-8")
     assert out["spans"] and all(text[s["start"]:s["end"]] in out["text"] for s in out["spans"])
     assert {s["kind"] for s in out["spans"]} == {"anchor", "narrative"}
+
+
+def test_contract_review_example_cites_findings(tmp_path, capsys) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "contract_review", Path(__file__).parents[1] / "examples" / "contract_review.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    rng = random.Random(11)
+    contract = random_contract(rng, 6) + (
+        "\n\n7. Payment\n\nLate payments bear interest at 3% per month."
+        "\n\n8. Liability\n\nThe total liability of the Supplier is limited to the fees paid."
+        "\n\n9. Law\n\nThis Agreement is governed by the laws of England.")
+    path = tmp_path / "contract.txt"
+    path.write_text(contract, encoding="utf-8")
+    module.main([str(path), "--rate-cap", "24", "--json"])
+    found = json.loads(capsys.readouterr().out)
+    findings = {f["rule"]: f for f in found if f["rule"] != "rate_cap"}
+    [rate] = [f for f in found if f["rule"] == "rate_cap" and f["status"] == "violation"]
+    assert rate["section"] == "7" and "36% a year" in rate["note"]
+    assert contract[contract.index(rate["quote"]):].startswith("Late payments bear interest at 3% per month.")
+    assert findings["liability"]["status"] == "ok" and findings["liability"]["section"] == "8"
+    assert findings["governing_law"]["section"] == "9"
+    assert findings["guarantee"]["status"] == "missing"
