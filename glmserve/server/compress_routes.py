@@ -29,13 +29,14 @@ router = APIRouter()
 CONTEXT_HEADER = "Documents (compressed: each passage is quoted verbatim from its source, in order):\n\n"
 
 
-async def run_compression(body: ContextCompressionRequest, tokenizer: Any, query: str | None) -> CompressionResult:
+async def run_compression(body: ContextCompressionRequest, tokenizer: Any, query: str | None,
+                          param: str | None = None) -> CompressionResult:
     docs = [Document(d.id, d.text) for d in body.documents]
     try:
         return await asyncio.to_thread(compress, docs, query, body.target_ratio, body.target_tokens, body.preset,
                                        HFTokenCounter(tokenizer))
     except InvalidRequestError as exc:
-        raise BadRequestError(str(exc), param="context_compression") from exc
+        raise BadRequestError(str(exc), param=param) from exc
 
 
 @router.post("/v1/compress")
@@ -50,7 +51,7 @@ async def compress_context(body: ContextCompressionRequest, messages: list[ChatM
     query = body.query
     if query is None:
         query = next((m.text() for m in reversed(messages) if m.role == "user"), None)
-    result = await run_compression(body, tokenizer, query)
+    result = await run_compression(body, tokenizer, query, "context_compression")
     at = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
     context = ChatMessage(role="system", content=CONTEXT_HEADER + result.text)
     trace = result.to_dict()
