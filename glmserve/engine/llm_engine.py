@@ -160,10 +160,13 @@ class LLMEngine:
         return sparse
 
     # -- requests ---------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
+        """`template_kwargs`: extra variables for the template (e.g. `enable_thinking`)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model's tokenizer has no chat template; use a completion prompt")
-        out = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        out = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                 **(template_kwargs or {}))
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)

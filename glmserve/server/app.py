@@ -29,6 +29,7 @@ from glmserve.server.protocol import ChatCompletionRequest, CompletionRequest, M
 from glmserve.server.responses import json_response
 from glmserve.server.serving_chat import create_chat_completion
 from glmserve.server.serving_completion import create_completion
+from glmserve.server.serving_responses import router as responses_router
 from glmserve.server.sessions_routes import router as sessions_router
 from glmserve.server.state import ServingContext
 
@@ -146,4 +147,5 @@ def create_app(
     app.include_router(router)
     app.include_router(sessions_router)
     app.include_router(compress_router)
+    app.include_router(responses_router)
     return app

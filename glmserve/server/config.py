@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from glmserve.gateway.settings import GatewaySettings, add_gateway_options
+from glmserve.server.reasoning import REASONING_PARSERS
 from glmserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -34,6 +35,8 @@ class ServerConfig:
     max_tokens_cap: int | None = None
     # tool-call format (glmserve/server/tool_parsers.py); "auto": the one the chat template implies
     tool_call_parser: str = "auto"
+    # reasoning format (glmserve/server/reasoning.py): the output's <think> part as reasoning_content; None: off
+    reasoning_parser: str | None = None
     # keys, limits and billing (glmserve/gateway/admission.py) in front of the routes
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
 
@@ -51,6 +54,8 @@ class ServerConfig:
         if self.tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser must be auto or one of {TOOL_CALL_PARSERS}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         for alias, canonical in self.aliases.items():
             if not alias or not canonical:
                 raise ValueError(f"alias entries need a non-empty id and target, got {alias!r}={canonical!r}")
@@ -102,6 +107,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "report the effective max_tokens and its source in x-glmserve-max-tokens* headers")
     g.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_CALL_PARSERS],
                    help="format of the model's tool calls (default: the one its chat template implies, else hermes)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split the model's <think> part into reasoning_content (as vLLM's parsers; default: off)")
     add_gateway_options(parser)
 
 
@@ -117,5 +124,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         session_summary_keep=args.session_summary_keep,
         max_tokens_cap=args.max_tokens_cap,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         gateway=GatewaySettings.from_args(args),
     )

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 PREFIX = "glmserve"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
-TRACKED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/usage"})
+TRACKED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/usage"})
 # counter name (without _total) -> (stats field, help), for glmserve/kv/tiers.py TierStats
 TIER_COUNTERS = {
     "kv_tier_saved_chunks": ("saved_chunks", "KV chunks copied out of the device pool into the host or disk tier"),

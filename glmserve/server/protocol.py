@@ -28,6 +28,11 @@ from pydantic import (
 
 MAX_TOP_LOGPROBS = 20
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+# apply_chat_template's own arguments, which chat_template_kwargs must not override
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                      "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                      "truncation", "max_length", "return_tensors", "return_dict",
+                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class _Request(BaseModel):
@@ -218,6 +223,8 @@ class ChatCompletionRequest(SamplingRequest):
     session_summary: bool = False
     # glmserve extra: documents compressed before prefill (glmserve/server/compress_routes.py)
     context_compression: ContextCompressionRequest | None = None
+    # extra chat-template variables, as vLLM and SGLang accept them (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -235,6 +242,9 @@ class ChatCompletionRequest(SamplingRequest):
             constrained.append("tool_choice")
         if len(constrained) > 1:
             raise ValueError(f"only one of {', '.join(constrained)} may constrain the output")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         return self
 
     def json_format(self) -> bool:
@@ -361,6 +371,7 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # with a reasoning parser (glmserve/server/reasoning.py), as vLLM
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -418,6 +429,7 @@ class ChoiceDelta(_Sparse):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

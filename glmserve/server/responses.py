@@ -28,14 +28,17 @@ def event(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
-def error_event(exc: Exception) -> str:
-    """An error frame for a stream whose 200 header is already sent (no traceback)."""
+def stream_error(exc: Exception) -> dict:
+    """The error body for a stream whose 200 header is already sent (no traceback)."""
     if isinstance(exc, APIError):
-        body = error_body(exc.message, exc.error_type, param=exc.param, code=exc.code)
-    else:
-        logger.error("unhandled error while streaming a response", exc_info=exc)
-        body = error_body("The server had an internal error while processing the request.", "server_error")
-    return f"data: {json.dumps(body)}\n\n"
+        return error_body(exc.message, exc.error_type, param=exc.param, code=exc.code)
+    logger.error("unhandled error while streaming a response", exc_info=exc)
+    return error_body("The server had an internal error while processing the request.", "server_error")
+
+
+def error_event(exc: Exception) -> str:
+    """An error frame of a chat or completion stream."""
+    return f"data: {json.dumps(stream_error(exc))}\n\n"
 
 
 class SSEResponse(StreamingResponse):

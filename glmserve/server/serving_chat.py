@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: one engine request (n samples) per API request.
 
 With tools the model may call (glmserve/server/tool_stream.py), each choice's output is read as content and
-tool calls; a choice that called a tool finishes with `tool_calls`.
+tool calls; a choice that called a tool finishes with `tool_calls`. With a reasoning parser
+(glmserve/server/reasoning.py) the output's thinking part comes first, as `reasoning_content`. `start_chat` is
+shared with POST /v1/responses (glmserve/server/serving_responses.py).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -19,7 +23,7 @@ from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation, cancel_on_disconnect, start_all
 from glmserve.server.guided import compiled_guided
 from glmserve.server.logprobs import chat_logprobs
-from glmserve.server.params import sampling_params, token_budget
+from glmserve.server.params import TokenBudget, sampling_params, token_budget
 from glmserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -31,6 +35,7 @@ from glmserve.server.protocol import (
     ChoiceDelta,
     FinishReason,
 )
+from glmserve.server.reasoning import ReasoningParser, ReasoningStream, thinking_disabled
 from glmserve.server.responses import DONE, SSEResponse, error_event, event, json_response
 from glmserve.server.sessions_routes import request_session_id
 from glmserve.server.state import ServedModel, ServingContext
@@ -38,10 +43,23 @@ from glmserve.server.tool_stream import ToolCalls
 from glmserve.server.usage import usage_of
 
 
-async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServingContext) -> Response:
+@dataclass
+class ChatRun:
+    """A started chat request: the model, the id the client asked for, the engine request and its budget."""
+
+    model: ServedModel
+    model_id: str
+    generation: Generation
+    budget: TokenBudget
+    reasoning: ReasoningParser | None  # None: no reasoning parser, or the request switched thinking off
+    trace: dict[str, Any] | None = None  # the trace map of the documents context_compression compressed
+
+
+async def start_chat(body: ChatCompletionRequest, raw: Request, ctx: ServingContext, request_id: str,
+                     session_id: str | None) -> ChatRun:
+    """Renders the conversation, compiles its constraint and starts the engine request (errors are HTTP errors)."""
     model = ctx.loaded()
     model_id = model.aliases.resolve(body.model)
-    session_id = request_session_id(body.session_id, raw)
     messages = body.messages
     if body.session_summary:
         if session_id is None:
@@ -53,15 +71,22 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         if body.stream:
             raise BadRequestError("context_compression is not supported with stream yet", param="stream")
         messages, trace = await compress_context(body.context_compression, messages, model.tokenizer)
-    tools = body.active_tools()
-    prompt_ids = model.chat_prompt(messages, tools)
+    prompt_ids = model.chat_prompt(messages, body.active_tools(), body.chat_template_kwargs)
     budget = token_budget(body.token_limit(), len(prompt_ids), model.max_model_len, ctx.config.max_tokens_cap)
     params = sampling_params(body, budget, await compiled_guided(body, model))
-    generation = Generation(ctx.engine, ctx.metrics, prompt_ids, params, f"chatcmpl-{uuid.uuid4().hex}",
+    generation = Generation(ctx.engine, ctx.metrics, prompt_ids, params, request_id,
                             sparse=body.sparse_overrides(), session_id=session_id, budget=budget)
     await cancel_on_disconnect(raw, start_all([generation]))
+    reasoning = None if thinking_disabled(body.chat_template_kwargs) else model.reasoning_parser
+    return ChatRun(model, model_id, generation, budget, reasoning, trace)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServingContext) -> Response:
+    run = await start_chat(body, raw, ctx, f"chatcmpl-{uuid.uuid4().hex}", request_session_id(body.session_id, raw))
+    model, model_id, generation, budget = run.model, run.model_id, run.generation, run.budget
+    tools = body.active_tools()
     if body.stream:
-        return SSEResponse(_stream(body, generation, model, model_id), on_close=generation.abort,
+        return SSEResponse(_stream(body, run), on_close=generation.abort,
                            headers=budget.headers())
     try:
         final = await cancel_on_disconnect(raw, generation.final())
@@ -70,18 +95,20 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     want_logprobs = body.num_logprobs() is not None
     choices = []
     for c in final.outputs:
-        content, calls = _tool_calls(body, model).message(c.text) if tools else (c.text, [])
+        split = ReasoningStream(run.reasoning)
+        split.update(c.text, final=True)
+        content, calls = _tool_calls(body, model).message(split.content) if tools else (split.content, [])
         choices.append(ChatChoice(
             index=c.index,
-            message=AssistantMessage(content=content, tool_calls=calls or None),
+            message=AssistantMessage(content=content, reasoning_content=split.reasoning, tool_calls=calls or None),
             logprobs=chat_logprobs(model.formatter, c.token_ids, c.logprobs) if want_logprobs else None,
             finish_reason=_finish_reason(c.finish_reason, bool(calls)),
         ))
     response = ChatCompletionResponse(
         id=generation.request_id, model=model_id, choices=choices, usage=usage_of([final])
     )
-    if trace is not None:
-        response = ChatCompletionWithTrace(**dict(response), context_compression=trace)
+    if run.trace is not None:
+        response = ChatCompletionWithTrace(**dict(response), context_compression=run.trace)
     return json_response(response, headers=budget.headers())
 
 
@@ -94,11 +121,10 @@ def _finish_reason(engine_reason: str | None, called: bool) -> FinishReason | No
     return "tool_calls" if called and engine_reason == "stop" else engine_reason  # type: ignore[return-value]
 
 
-async def _stream(
-    body: ChatCompletionRequest, generation: Generation, model: ServedModel, model_id: str
-) -> AsyncIterator[str]:
-    """Chunks as OpenAI sends them: a role delta, content deltas, a finish delta per choice,
-    then (stream_options.include_usage) a usage chunk with no choices, then [DONE]."""
+async def _stream(body: ChatCompletionRequest, run: ChatRun) -> AsyncIterator[str]:
+    """Chunks as OpenAI sends them: a role delta, content (and reasoning_content) deltas, a finish delta per
+    choice, then (stream_options.include_usage) a usage chunk with no choices, then [DONE]."""
+    generation, model, model_id = run.generation, run.model, run.model_id
     created = int(time.time())
     want_logprobs = body.num_logprobs() is not None
 
@@ -107,6 +133,7 @@ async def _stream(
 
     sent_text = [0] * body.n
     sent_tokens = [0] * body.n
+    splits = [ReasoningStream(run.reasoning) for _ in range(body.n)]
     finished = [False] * body.n
     calls = [_tool_calls(body, model) for _ in range(body.n)] if body.active_tools() else None
     try:
@@ -115,15 +142,20 @@ async def _stream(
         async for output in generation.outputs():
             for c in output.outputs:
                 i = c.index
-                text = c.text[sent_text[i] :]
+                final = c.finish_reason is not None
+                reasoning = splits[i].update(c.text, final)
+                content = splits[i].content
+                text = content[sent_text[i] :]
                 token_ids = c.token_ids[sent_tokens[i] :]
                 logprobs = None
                 if want_logprobs and token_ids:
                     logprobs = chat_logprobs(model.formatter, token_ids, c.logprobs[sent_tokens[i] :])
-                sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                sent_text[i], sent_tokens[i] = len(content), len(c.token_ids)
                 tool_deltas = None
                 if calls is not None:
-                    text, tool_deltas = calls[i].deltas(c.text, final=c.finish_reason is not None)
+                    text, tool_deltas = calls[i].deltas(content, final=final)
+                if reasoning:
+                    yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(reasoning_content=reasoning))])
                 if text or logprobs is not None:
                     yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(content=text), logprobs=logprobs)])
                 for delta in tool_deltas or ():

@@ -18,6 +18,7 @@ from glmserve.server.errors import BadRequestError, ServiceUnavailableError
 from glmserve.server.logprobs import TokenFormatter
 from glmserve.server.metrics import ServerMetrics
 from glmserve.server.protocol import ChatMessage, ToolDefinition
+from glmserve.server.reasoning import ReasoningParser, reasoning_parser
 from glmserve.server.tool_parsers import ToolParser, detect_tool_parser, tool_parser
 
 
@@ -25,7 +26,8 @@ class ServedModel:
     """The model this server serves, as the handlers use it: aliases, tokenization, token formatting
     (built once the engine has loaded it)."""
 
-    def __init__(self, engine: LLMEngine, aliases: dict[str, str], tool_call_parser: str = "auto") -> None:
+    def __init__(self, engine: LLMEngine, aliases: dict[str, str], tool_call_parser: str = "auto",
+                 reasoning: str | None = None) -> None:
         self._engine = engine
         self.tokenizer = engine.tokenizer  # the served model's (glmserve/compress counts tokens with it)
         self.aliases = AliasTable(engine.model_name, aliases)
@@ -34,12 +36,14 @@ class ServedModel:
         self._chat_template: str | None = getattr(engine.tokenizer, "chat_template", None)
         self.tool_parser: ToolParser = tool_parser(
             detect_tool_parser(self._chat_template) if tool_call_parser == "auto" else tool_call_parser)
+        self.reasoning_parser: ReasoningParser | None = reasoning_parser(reasoning)
 
-    def chat_prompt(self, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         """Token ids of the conversation (with the tools the model may call) and the generation prompt."""
         turns, template_tools = template_turns(messages, tools or [], self._chat_template)
         try:
-            return list(self._engine.apply_chat_template(turns, template_tools))
+            return list(self._engine.apply_chat_template(turns, template_tools, template_kwargs))
         except Exception as exc:  # a template may reject an ordering of roles, for instance
             raise BadRequestError(f"The chat template rejected the messages: {exc}", param="messages") from exc
 
@@ -65,7 +69,8 @@ class ServingContext:
 
     def on_engine_loaded(self, engine: LLMEngine) -> None:
         """Engine hook: build the model helpers (a bad alias fails startup here)."""
-        self._loaded = ServedModel(engine, self.config.aliases, self.config.tool_call_parser)
+        self._loaded = ServedModel(engine, self.config.aliases, self.config.tool_call_parser,
+                                   self.config.reasoning_parser)
 
     def count_tokens(self, text: str) -> int | None:
         """Tokens of `text` for the gateway's admission (None until the model is loaded)."""
