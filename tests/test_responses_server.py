@@ -1,8 +1,9 @@
 """The Responses API, reasoning content and the frameworks' helpers end to end: a real `glmserve serve` process
 on the embedded SmolLM2 (with `--reasoning-parser glm45` and a session store in a temporary directory), driven by
 the official `openai` client (`responses.create` / `.stream` / `.parse`, `chat.completions.stream`) and LangChain's
-`ChatOpenAI` (`bind_tools`, `with_structured_output(method="json_schema")`). The tool-call and framework tests are
-slow (several forced calls each); the item and event logic they rely on is tested fast in tests/test_reasoning.py."""
+`ChatOpenAI` (`bind_tools`, `with_structured_output(method="json_schema")`). The tool-call, text-format and framework
+tests are slow (several constrained answers each); the item and event logic they rely on is tested fast in
+tests/test_reasoning.py."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class City(BaseModel):
     country: str = Field(max_length=20)
 
 
+@pytest.mark.slow
 def test_parse_and_stream_with_a_text_format(client: openai.OpenAI) -> None:
     ask = dict(model=SERVED, input="Name a large city as JSON.", temperature=0, max_output_tokens=60)
     parsed = client.responses.parse(**ask, text_format=City)
