@@ -97,7 +97,7 @@ class FunctionToolChoice(_Request):
 
 class TextFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
-    name: str = "response"
+    name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None

@@ -104,7 +104,7 @@ def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
         return None
     if fmt.type == "json_object":
         return {"type": "json_object"}
-    return {"type": "json_schema", "json_schema": {"name": fmt.name, "description": fmt.description,
+    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "description": fmt.description,
                                                    "schema": fmt.schema_, "strict": fmt.strict}}
 
 
