@@ -23,6 +23,7 @@ import asyncio
 import enum
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -258,14 +259,20 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            start = time.monotonic()
+            logger.info("startup: loading %s", self.config.model or "the embedded default model")
             engine = LLMEngine(self.config)
             self._llm = engine
+            loaded = time.monotonic()
+            _log_loaded(engine, loaded - start)
             if self._on_loaded is not None:
                 self._on_loaded(engine)
             self._stats = engine.stats()
             self._set_state(EngineState.WARMING_UP)
             self._warm_up(engine)
             self._stats = engine.stats()
+            logger.info("startup: warm-up generation in %.2f s; ready after %.2f s", time.monotonic() - loaded,
+                        time.monotonic() - start)
             self._set_state(EngineState.READY)
             self._loop(engine)
             engine.close()
@@ -326,3 +333,19 @@ class AsyncEngine:
             channel.send(EngineStoppedError(message))
         if self._on_failure is not None:
             self._on_failure(message)
+
+
+def _log_loaded(engine: LLMEngine, seconds: float) -> None:
+    """Startup lines: the weights (format, bytes) and the KV pool (blocks, bytes)."""
+    model = engine.runner.model
+    tensors = [*model.parameters(), *model.buffers()]
+    formats = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors}))
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    quant = engine.config.quantization or "as in the checkpoint"
+    logger.info("startup: model %s loaded in %.2f s: weights %s (quantization: %s), %.1f MB on %s", engine.model_name,
+                seconds, formats, quant, weight_bytes / 1e6, engine.device)
+    pool = engine.runner.kv_cache
+    stats = engine.stats()
+    logger.info("startup: KV pool %d blocks x %d tokens (%s), %.1f MB; max_model_len %d", stats.num_total_blocks,
+                engine.config.block_size, engine.kv_format.name, pool.numel() * pool.element_size() / 1e6,
+                engine.max_model_len)

@@ -24,6 +24,8 @@ from glmserve.server.compress_routes import router as compress_router
 from glmserve.server.config import ServerConfig
 from glmserve.server.errors import install_error_handlers
 from glmserve.server.generation import ClientDisconnectedError
+from glmserve.server.limits import BodySizeLimit
+from glmserve.server.logs import RequestIdMiddleware
 from glmserve.server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from glmserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from glmserve.server.responses import json_response
@@ -143,7 +145,9 @@ def create_app(
     parts = GatewayParts.build(server_config.gateway)
     app.add_middleware(GatewayMiddleware, settings=server_config.gateway, registry=metrics_.registry,
                        tokenizer=serving.count_tokens, parts=parts)
+    app.add_middleware(BodySizeLimit, max_bytes=server_config.limits.max_body_bytes)  # before any body is parsed
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics_)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every log line of the request carries its id
     app.include_router(router)
     app.include_router(sessions_router)
     app.include_router(compress_router)

@@ -7,9 +7,10 @@ Engine options (model, max_model_len, max_num_seqs, max_waiting_requests, ...) l
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from glmserve.gateway.settings import GatewaySettings, add_gateway_options
+from glmserve.server.limits import RequestLimits, flag
 from glmserve.server.reasoning import REASONING_PARSERS
 from glmserve.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -39,6 +40,9 @@ class ServerConfig:
     reasoning_parser: str | None = None
     # keys, limits and billing (glmserve/gateway/admission.py) in front of the routes
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    # what one request may cost (glmserve/server/limits.py)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    log_format: str = "text"  # or "json" (glmserve/server/logs.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -51,6 +55,8 @@ class ServerConfig:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.session_summary_threshold < 1 or self.session_summary_keep < 1:
             raise ValueError("session_summary_threshold and session_summary_keep must be >= 1")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser must be auto or one of {TOOL_CALL_PARSERS}, "
                              f"got {self.tool_call_parser!r}")
@@ -98,6 +104,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds in-flight requests may still run before they are aborted",
     )
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines as text or as one JSON object each (for log collectors)")
     g.add_argument("--session-summary-threshold", type=int, default=4096,
                    help="prompt tokens above which a session_summary request has its earlier turns summarized")
     g.add_argument("--session-summary-keep", type=int, default=4,
@@ -109,7 +117,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="format of the model's tool calls (default: the one its chat template implies, else hermes)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split the model's <think> part into reasoning_content (as vLLM's parsers; default: off)")
+    add_limit_args(parser)
     add_gateway_options(parser)
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per RequestLimits field (`--max-body-bytes` ...); a refused request names its flag."""
+    g = parser.add_argument_group("request limits (over a limit: 400, or 413 for the body)")
+    helps = {
+        "max_body_bytes": "bytes of one request body",
+        "max_messages": "messages of one chat request",
+        "max_prompt_tokens": "tokens of one prompt (default: what the context holds)",
+        "max_n": "choices (n) of one request",
+        "max_logprobs": "logprobs / top_logprobs alternatives per token",
+        "max_stop_strings": "stop strings of one request",
+        "max_stop_length": "characters of one stop string",
+    }
+    defaults = RequestLimits()
+    for name, text in helps.items():
+        g.add_argument(flag(name), dest=name, type=int, default=getattr(defaults, name), metavar="N",
+                       help=f"{text} (default: {getattr(defaults, name)})")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -126,4 +153,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         gateway=GatewaySettings.from_args(args),
+        limits=RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)}),
+        log_format=args.log_format,
     )

@@ -9,6 +9,7 @@ caught; the handler installed here turns that into a clean exit with status 0.
 from __future__ import annotations
 
 import logging
+import logging.config
 import signal
 from types import FrameType
 
@@ -17,8 +18,10 @@ import uvicorn
 from glmserve.config import EngineConfig
 from glmserve.server.app import create_app
 from glmserve.server.config import ServerConfig
+from glmserve.server.logs import logging_config
 
 logger = logging.getLogger(__name__)
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def _exit_cleanly(signum: int, _: FrameType | None) -> None:
@@ -28,7 +31,11 @@ def _exit_cleanly(signum: int, _: FrameType | None) -> None:
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until stopped. Returns 0 after a graceful shutdown, 1 if the engine failed."""
     signal.signal(signal.SIGTERM, _exit_cleanly)  # also covers a SIGTERM before uvicorn is up
-    logging.basicConfig(level=server_config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    log_config = logging_config(server_config.log_level, server_config.log_format)
+    logging.config.dictConfig(log_config)
+    if server_config.host not in LOOPBACK_HOSTS and server_config.gateway.keys_file is None:
+        logger.warning("listening on %s without API keys (--keys FILE): anyone who can reach this address can "
+                       "use the model", server_config.host)
     server: uvicorn.Server | None = None
 
     def on_engine_failure(message: str) -> None:
@@ -42,6 +49,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         host=server_config.host,
         port=server_config.port,
         log_level=server_config.log_level,
+        log_config=log_config,
         timeout_graceful_shutdown=server_config.shutdown_timeout_s,
     )
     server = uvicorn.Server(config)

@@ -36,7 +36,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "docu
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN and inf: 400, as OpenAI
 
 
 class StreamOptions(_Request):
@@ -65,6 +65,13 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # tool turns: the call they answer
+
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        # as OpenAI's API: only an assistant turn (one that called tools, say) may come without content
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
 
     def text(self) -> str:
         """The message content as one string (text parts joined by newlines, as vLLM does)."""
@@ -97,7 +104,7 @@ class SparseAttentionRequest(BaseModel):
     """glmserve extra: this request's sparse decode attention (glmserve/sparse_settings.py); unset fields
     keep the server's defaults, the engine validates the values (400 with the reason)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mode: Literal["dense", "block", "learned", "native"] | None = None
     top_k: int | None = None

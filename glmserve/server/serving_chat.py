@@ -22,6 +22,7 @@ from glmserve.server.compress_routes import compress_context
 from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation, cancel_on_disconnect, start_all
 from glmserve.server.guided import compiled_guided
+from glmserve.server.limits import check_prompt_tokens, check_request
 from glmserve.server.logprobs import chat_logprobs
 from glmserve.server.params import TokenBudget, sampling_params, token_budget
 from glmserve.server.protocol import (
@@ -60,6 +61,7 @@ async def start_chat(body: ChatCompletionRequest, raw: Request, ctx: ServingCont
     """Renders the conversation, compiles its constraint and starts the engine request (errors are HTTP errors)."""
     model = ctx.loaded()
     model_id = model.aliases.resolve(body.model)
+    check_request(ctx.config.limits, body)
     messages = body.messages
     if body.session_summary:
         if session_id is None:
@@ -72,6 +74,7 @@ async def start_chat(body: ChatCompletionRequest, raw: Request, ctx: ServingCont
             raise BadRequestError("context_compression is not supported with stream yet", param="stream")
         messages, trace = await compress_context(body.context_compression, messages, model.tokenizer)
     prompt_ids = model.chat_prompt(messages, body.active_tools(), body.chat_template_kwargs)
+    check_prompt_tokens(ctx.config.limits, len(prompt_ids), "messages")
     budget = token_budget(body.token_limit(), len(prompt_ids), model.max_model_len, ctx.config.max_tokens_cap)
     params = sampling_params(body, budget, await compiled_guided(body, model))
     generation = Generation(ctx.engine, ctx.metrics, prompt_ids, params, request_id,

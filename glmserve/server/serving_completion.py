@@ -19,6 +19,7 @@ from glmserve.engine.outputs import CompletionOutput, RequestOutput
 from glmserve.server.errors import BadRequestError
 from glmserve.server.generation import Generation, abort_all, cancel_on_disconnect, merge_outputs, start_all
 from glmserve.server.guided import compiled_guided
+from glmserve.server.limits import check_prompt_tokens, check_request
 from glmserve.server.logprobs import completion_logprobs, echo_logprobs
 from glmserve.server.params import sampling_params, tightest, token_budget
 from glmserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
@@ -31,10 +32,13 @@ from glmserve.server.usage import usage_of
 async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingContext) -> Response:
     model = ctx.loaded()
     model_id = model.aliases.resolve(body.model)
+    check_request(ctx.config.limits, body)
     if body.max_tokens == 0 and not body.echo:
         raise BadRequestError("max_tokens 0 is only allowed with echo: it returns the prompt, scored with logprobs",
                               param="max_tokens")
     prompts = [model.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+    for ids in prompts:
+        check_prompt_tokens(ctx.config.limits, len(ids), "prompt")
     session_id = request_session_id(body.session_id, raw)
     if session_id is not None and len(prompts) > 1:
         raise BadRequestError("a request with a session_id takes one prompt", param="prompt")
