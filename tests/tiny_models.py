@@ -56,3 +56,17 @@ def make_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
     model.save_pretrained(out_dir)
     tiny_tokenizer(config.vocab_size).save_pretrained(out_dir)
     return out_dir
+
+
+# a plain chat template (the tiny tokenizer has none), for server tests that need chat completions
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] or '' }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def make_tiny_chat_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
+    """`make_tiny_model` whose tokenizer has a chat template."""
+    make_tiny_model(arch, out_dir, seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(out_dir)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

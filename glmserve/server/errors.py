@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from glmserve.errors import InvalidRequestError
+
 logger = logging.getLogger(__name__)
 
 
@@ -107,6 +109,10 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         message, param = _validation_message(exc)
         return api_error_response(BadRequestError(message, param=param), retry_after_s)
 
+    async def on_invalid_request(_: Request, exc: Exception) -> JSONResponse:
+        # the engine's typed refusal of a value (a guided_choice, say) that a handler did not translate itself
+        return api_error_response(BadRequestError(str(exc)), retry_after_s)
+
     async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
@@ -120,5 +126,6 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(InvalidRequestError, on_invalid_request)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)
