@@ -220,7 +220,7 @@ class GatewayMiddleware:
         raw = await _read_body(receive)
         try:
             body = json.loads(raw) if raw else {}
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deeply: the app refuses it too
             body = None
         if not isinstance(body, dict):  # not JSON: the app answers 400; counted as a request of the raw size
             body = {"prompt": raw.decode(errors="replace")}

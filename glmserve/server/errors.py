@@ -113,6 +113,10 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         # the engine's typed refusal of a value (a guided_choice, say) that a handler did not translate itself
         return api_error_response(BadRequestError(str(exc)), retry_after_s)
 
+    async def on_too_deep(_: Request, exc: Exception) -> JSONResponse:
+        # json.loads of a body nested thousands of levels deep (pydantic's own depth limit catches the rest)
+        return api_error_response(BadRequestError("The request body is nested too deeply."), retry_after_s)
+
     async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
@@ -127,5 +131,6 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(InvalidRequestError, on_invalid_request)
+    app.add_exception_handler(RecursionError, on_too_deep)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)
