@@ -60,8 +60,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
         for i, (ids, budget) in enumerate(zip(prompts, budgets))
     ]
     headers = tightest(budgets).headers()
-    echoes = [_echo_text(body, model, p) for p in body.prompts()]
     await cancel_on_disconnect(raw, start_all(generations))
+    echoes = [_echo_text(body, model, p) for p in body.prompts()]  # after the engine checked the token ids
     if body.stream:
         builder = _ChoiceBuilder(body, model, echoes)
         events = _stream(body, generations, builder, request_id, model_id)
