@@ -20,10 +20,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def redis_server(workdir: Path) -> Iterator[str]:
-    """Starts redis-server (REDIS_BIN must exist) and yields its URL once it accepts connections."""
+def redis_server(workdir: Path, port: int | None = None) -> Iterator[str]:
+    """Starts redis-server (REDIS_BIN must exist; on `port`, else a free one) and yields its URL once it accepts
+    connections."""
     assert REDIS_BIN is not None, "redis-server is not installed (.ci/run installs it)"
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen(
         [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(workdir)],

@@ -56,11 +56,13 @@ def glmserve_process(args: list[str], log_path: Path, load_gate: Path | None = N
 
 
 @contextmanager
-def listening_process(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
-    """Starts a uvicorn server process (`argv`, output to `log_path`) and yields once it listens (its port read
-    from uvicorn's "Uvicorn running on" line). On exit a still-running one gets SIGTERM and must exit with 0."""
+def listening_process(argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+                      preexec_fn: Callable[[], None] | None = None) -> Iterator[ServerProcess]:
+    """Starts a uvicorn server process (`argv`, output to `log_path`; `preexec_fn` runs in the child before exec)
+    and yields once it listens (its port read from uvicorn's "Uvicorn running on" line). On exit a still-running
+    one gets SIGTERM and must exit with 0."""
     with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn)
     server = ServerProcess(proc, "", log_path)
 
     def port() -> int | None:

@@ -50,6 +50,7 @@ class TierStats:
     loaded_chunks: int = 0  # chunks copied back into the device pool
     loaded_tokens: int = 0
     failed_loads: int = 0  # missing or corrupt in the tier that listed them: recomputed
+    failed_writes: int = 0  # the disk refused them (budget, disk full, file size limit): recomputed when needed
     demoted_chunks: int = 0  # host tier → disk tier
     save_seconds: float = 0.0  # in the engine step: gather (+ host copy)
     write_seconds: float = 0.0  # in the disk writer thread: to bytes, checksum, write, fsync
@@ -130,8 +131,10 @@ class DiskWriter:
         start = time.perf_counter()
         try:
             if not self.disk.put(key, self.io.to_bytes(data)):
+                self.stats.failed_writes += 1
                 logger.warning("KV disk tier: no room for a chunk (budget or disk full); it will be recomputed")
         except Exception:  # a lost chunk costs a recompute later, never a request
+            self.stats.failed_writes += 1
             logger.exception("KV disk tier: writing a chunk failed")
         finally:
             with self.lock:

@@ -34,6 +34,8 @@ TIER_COUNTERS = {
     "kv_tier_loaded_chunks": ("loaded_chunks", "KV chunks loaded back into the device pool from the host or disk tier"),
     "kv_tier_loaded_tokens": ("loaded_tokens", "Prompt tokens whose KV was loaded from the host or disk tier"),
     "kv_tier_failed_loads": ("failed_loads", "KV chunks missing or corrupt when loaded from a tier (recomputed)"),
+    "kv_tier_failed_writes": ("failed_writes", "KV chunks the disk tier could not write (budget, disk full, file "
+                                               "size limit): recomputed when needed"),
     "kv_tier_demoted_chunks": ("demoted_chunks", "KV chunks moved down from the host tier to the disk tier"),
     "kv_tier_save_seconds": ("save_seconds", "Seconds engine steps spent copying chunks out of the device pool"),
     "kv_tier_write_seconds": ("write_seconds", "Seconds the disk writer thread spent writing chunks"),
