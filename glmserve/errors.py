@@ -37,5 +37,9 @@ class EngineOverloadedError(GlmServeError):
     """The waiting queue is full; the caller should retry later."""
 
 
+class SessionStoreUnavailableError(GlmServeError):
+    """The session store cannot be reached (Redis down, say): sessions cost a recompute until it is back."""
+
+
 class KernelBuildError(GlmServeError):
     """A C++ kernel failed to build where the kernels are required (CI=true)."""

@@ -140,6 +140,7 @@ HOSTILE = {
     "negative n": (b'{"model":"tiny","prompt":"a","n":-1}', 400),
     "session id with a path": (b'{"model":"tiny","prompt":"a","max_tokens":1,"session_id":"../../etc/passwd"}', 400),
     "not an object": (b'[1, 2, 3]', 400),
+    "negative token id with echo": (b'{"model":"tiny","prompt":[-5, 3],"echo":true,"max_tokens":1}', 400),
     "empty body": (b"", 400),
 }
 
@@ -187,7 +188,7 @@ def _metric(server: ServerProcess, name: str) -> float:
 
 def test_fuzzing_from_the_openapi_schema_gets_no_5xx(server: ServerProcess) -> None:
     """A bounded run (`python bench/fuzz_api.py --cases 3000` is the long one)."""
-    report = fuzz(server.base_url, cases=int(os.environ.get("GLMSERVE_FUZZ_CASES", "60")), seed=3)
+    report = fuzz(server.base_url, cases=int(os.environ.get("GLMSERVE_FUZZ_CASES", "50")), seed=3)
     assert not report.failures, "\n".join(report.failures)
     assert report.statuses[200] > 0 and sum(n for s, n in report.statuses.items() if s != 200) > 0
     engine_idle(server.base_url)
@@ -222,7 +223,7 @@ async def _abort_streams(base_url: str, count: int, concurrency: int, seed: int)
 
 
 def test_streams_aborted_at_random_points_leave_the_pool_idle(server: ServerProcess) -> None:
-    count = int(os.environ.get("GLMSERVE_ABORTED_STREAMS", "100"))
+    count = int(os.environ.get("GLMSERVE_ABORTED_STREAMS", "60"))
     completed = asyncio.run(_abort_streams(server.base_url, count, concurrency=8, seed=5))
     assert 0 < completed < count  # some ran to the end, the others were cut at random points
     engine_idle(server.base_url)

@@ -33,14 +33,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from glmserve.errors import InvalidRequestError
+from glmserve.errors import InvalidRequestError, SessionStoreUnavailableError
 from glmserve.kv.blocks import BlockManager
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
 from glmserve.kv.kv_io import KVBlockIO
@@ -154,7 +155,10 @@ class SessionKV:
     def store_bytes(self) -> int:
         """Bytes the session store holds (0 before it is opened: no session has been used yet)."""
         store = self._store
-        return 0 if store is None else store.store.nbytes
+        try:
+            return 0 if store is None else store.store.nbytes
+        except Exception:  # an unreachable store holds nothing this server can use
+            return 0
 
     # -- writes ---------------------------------------------------------------------------------------
     def save(self, session_id: str, token_ids: list[int], block_table: list[int], num_computed: int,
@@ -166,7 +170,13 @@ class SessionKV:
         num_blocks = min(num_computed // bs, len(block_table))
         if num_blocks == 0:
             return
-        plan = self.sessions.plan_save(session_id, token_ids[:num_blocks * bs])
+        try:
+            plan = self.sessions.plan_save(session_id, token_ids[:num_blocks * bs])
+        except Exception:  # an unreachable store (Redis down) costs a recompute next turn, never the engine
+            logger.warning("session %s: the session store cannot be reached; this turn's KV is not saved",
+                           session_id, exc_info=True)
+            self.stats.save_failures += 1
+            return
         if partial and plan.replaced_tokens > plan.record.num_tokens:
             return
         gathered = []
@@ -293,11 +303,13 @@ class SessionKV:
     # -- the HTTP API ---------------------------------------------------------------------------------
     def info(self, session_id: str) -> dict | None:
         self.wait(session_id)
-        return self.sessions.info(session_id)
+        with _reaching_the_store():
+            return self.sessions.info(session_id)
 
     def delete(self, session_id: str) -> bool:
         self.wait(session_id)
-        return self.sessions.delete(session_id)
+        with _reaching_the_store():
+            return self.sessions.delete(session_id)
 
     def summary(self, session_id: str) -> dict | None:
         """The session's anchoring summary (server/anchoring.py), or None."""
@@ -308,3 +320,12 @@ class SessionKV:
     def set_summary(self, session_id: str, summary: dict | None) -> None:
         self.wait(session_id)
         self.sessions.set_summary(session_id, summary)
+
+
+@contextmanager
+def _reaching_the_store() -> Iterator[None]:
+    """Any failure of the store's backend (a Redis connection error, an OSError) as SessionStoreUnavailableError."""
+    try:
+        yield
+    except Exception as exc:
+        raise SessionStoreUnavailableError(f"the session store cannot be reached: {exc}") from exc

@@ -5,7 +5,8 @@ A chat or text completion joins a session with the request field `session_id` (`
 characters of letters, digits and `._:@-`. The engine keeps the session's KV between turns
 (`AsyncEngine.session_info` etc.): the next turn's `usage.prompt_tokens_details.cached_tokens` counts what
 was loaded back. `GET /v1/sessions/{id}` shows a session's size and turns, `DELETE` frees its chunks;
-an unknown or expired session is a 404 (`session_not_found`).
+an unknown or expired session is a 404 (`session_not_found`), an unreachable store (Redis down) a 503
+(`session_store_unavailable`) while requests in sessions still answer (recomputed).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from glmserve.engine.async_engine import AsyncEngine
-from glmserve.server.errors import APIError, BadRequestError
+from glmserve.errors import SessionStoreUnavailableError
+from glmserve.server.errors import APIError, BadRequestError, ServiceUnavailableError
 from glmserve.server.protocol import SESSION_ID_PATTERN
 
 SESSION_HEADER = "X-Session-Id"
@@ -53,9 +55,16 @@ def _engine(request: Request) -> AsyncEngine:
     return serving.engine
 
 
+def _unavailable(exc: SessionStoreUnavailableError) -> ServiceUnavailableError:
+    return ServiceUnavailableError(str(exc), code="session_store_unavailable")
+
+
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> JSONResponse:
-    info = await _engine(request).session_info(_check_id(session_id))
+    try:
+        info = await _engine(request).session_info(_check_id(session_id))
+    except SessionStoreUnavailableError as exc:
+        raise _unavailable(exc) from exc
     if info is None:
         raise SessionNotFoundError(f"session {session_id!r} does not exist", param="session_id")
     return JSONResponse(info)
@@ -63,6 +72,10 @@ async def get_session(session_id: str, request: Request) -> JSONResponse:
 
 @router.delete("/v1/sessions/{session_id}")
 async def delete_session(session_id: str, request: Request) -> JSONResponse:
-    if not await _engine(request).delete_session(_check_id(session_id)):
+    try:
+        deleted = await _engine(request).delete_session(_check_id(session_id))
+    except SessionStoreUnavailableError as exc:
+        raise _unavailable(exc) from exc
+    if not deleted:
         raise SessionNotFoundError(f"session {session_id!r} does not exist", param="session_id")
     return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
