@@ -238,6 +238,12 @@ class AsyncEngine:
         if channel is not None:
             channel.send(EngineStoppedError(f"Request {request_id} was aborted."))
 
+    def release(self, request_id: str) -> None:
+        """Forget a finished request whose output stream was not read to its end (a client that left after the
+        last output): otherwise it would count as in flight until its iterator is garbage-collected."""
+        with self._cond:
+            self._channels.pop(request_id, None)
+
     def _admit(self, request: _NewRequest) -> None:
         with self._cond:
             if self._state is EngineState.LOADING or self._state is EngineState.WARMING_UP:

@@ -102,9 +102,12 @@ class Generation:
         return self.last
 
     def abort(self) -> None:
-        """Abort the engine request unless it has finished (safe to call more than once)."""
+        """Abort the engine request unless it has finished, and release it either way (safe to call more than
+        once; the soak's aborted streams found finished requests still counted in flight without the release)."""
         if self.last is None or not self.last.finished:
             self._engine.abort(self.request_id)
+        else:
+            self._engine.release(self.request_id)
 
     def _record(self, output: RequestOutput) -> None:
         for completion in output.outputs:
