@@ -103,7 +103,7 @@ class Generation:
 
     def abort(self) -> None:
         """Abort the engine request unless it has finished, and release it either way (safe to call more than
-        once; the soak's aborted streams found finished requests still counted in flight without the release)."""
+        once; without the release, streams aborted at random points left finished requests counted in flight)."""
         if self.last is None or not self.last.finished:
             self._engine.abort(self.request_id)
         else:
