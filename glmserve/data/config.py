@@ -1,0 +1,67 @@
+"""The cleaning pipeline's settings: per step its datatrove keyword arguments (published thresholds by
+default), per-language overrides, `false` to switch a step off; read from a YAML or JSON file."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from glmserve.errors import InvalidRequestError
+
+# Steps in pipeline order. Empty settings = datatrove's defaults, which are the published thresholds
+# (Gopher: Rae et al. 2021, Table A1; C4: Raffel et al. 2020, Sec. 2.2; FineWeb: Penedo et al. 2024).
+STEPS = ("mojibake", "language", "gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality",
+         "minhash")
+
+# Chinese function words for Gopher's stop-word rule (its English list cannot match Chinese text)
+ZH_STOP_WORDS = ["的", "了", "是", "在", "和", "有", "也", "就", "不", "这", "我们", "一个", "与", "中", "对"]
+
+DEFAULTS: dict[str, Any] = {
+    "languages": ["en", "zh"],
+    "mojibake": {"max_marks_per_100_chars": 0.3},
+    "language": {"min_probability": 0.65},
+    "gopher_repetition": {"view": "raw"},
+    # jieba words are 1-3 characters: Gopher's 3-10 mean word length is for English
+    "gopher_quality": {"view": "raw", "zh": {"min_avg_word_length": 1, "max_avg_word_length": 6,
+                                            "stop_words": ZH_STOP_WORDS}},
+    # C4 and FineWeb count lines as paragraphs (web text); plain text hard-wrapped at 72 columns (licenses,
+    # man pages) is seen unwrapped, else every wrapped line "lacks terminal punctuation"
+    "c4_quality": {"view": "unwrap"},
+    "fineweb_quality": {"view": "unwrap"},
+    "minhash": {"n_grams": 5, "num_buckets": 14, "hashes_per_bucket": 8},
+}
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None) -> dict[str, Any]:
+    """DEFAULTS merged with the file's settings (YAML or JSON); unknown keys are an error."""
+    if path is None:
+        return copy.deepcopy(DEFAULTS)
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise InvalidRequestError(f"cannot read config file {p}: {e}") from e
+    import yaml
+
+    try:
+        user = json.loads(text) if p.suffix == ".json" else (yaml.safe_load(text) or {})
+    except (ValueError, yaml.YAMLError) as e:
+        raise InvalidRequestError(f"config file {p} is not valid: {e}") from e
+    if not isinstance(user, dict):
+        raise InvalidRequestError(f"config file {p} must hold a mapping of step names to settings")
+    unknown = set(user) - set(DEFAULTS)
+    if unknown:
+        raise InvalidRequestError(f"config file {p}: unknown keys {sorted(unknown)} (known: {sorted(DEFAULTS)})")
+    return _merge(DEFAULTS, user)

@@ -1,0 +1,74 @@
+"""Reading and writing record files: JSONL (one JSON object per line) or Parquet by suffix, each written to a
+temporary file and renamed so that nothing is left half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from glmserve.errors import InvalidRequestError
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of a JSONL file; a line that is not a JSON object with a string `text` is an error."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise InvalidRequestError(f"{path}:{n}: a record must be a JSON object with a string 'text'")
+            yield rec
+
+
+def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of a .jsonl or .parquet file."""
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidRequestError(f"input file {p} does not exist")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(p)
+        if "text" not in table.column_names:
+            raise InvalidRequestError(f"{p}: the Parquet file has no 'text' column")
+        yield from table.to_pylist()
+    else:
+        yield from iter_jsonl(p)
+
+
+def count_records(path: str | Path) -> int:
+    """Number of records (validating every one)."""
+    return sum(1 for _ in read_records(path))
+
+
+def write_records(path: str | Path, data: Iterable[dict[str, Any]] | dict[str, Any]) -> None:
+    """JSONL (records), Parquet (records) or one indented JSON document (.json), atomically."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+    try:
+        if p.suffix == ".parquet":
+            os.close(fd)
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(list(data)), tmp)
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                if p.suffix == ".json":
+                    json.dump(data, f, ensure_ascii=False, indent=2)
+                else:
+                    for rec in data:
+                        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,101 @@
+"""Text helpers the filters share: Chinese handling (full-width forms, jieba words), mojibake repair, and the
+unwrapped view of hard-wrapped plain text."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from functools import lru_cache
+
+# Full-width ASCII (U+FF01..U+FF5E) and the ideographic space fold to half-width by NFKC; Chinese punctuation
+# proper (，。、《》「」) has no half-width form and is kept.
+_FULLWIDTH = {cp: cp - 0xFEE0 for cp in range(0xFF01, 0xFF5F)} | {0x3000: 0x20}
+# Chinese sentence punctuation seen as its ASCII role by the English-centric filters (terminal marks, commas)
+_CJK_PUNCT_ROLE = str.maketrans({"。": ".", "！": "!", "？": "?", "，": ",", "；": ";", "：": ":", "、": ","})
+_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+# Characters typical of UTF-8 read as Latin-1 / cp1252 ("Ã©", "â€™", "å¤§"): a lead byte 0xC2-0xEF shown as a
+# Latin-1 letter followed by a continuation byte shown as one of 0x80-0xBF (or the cp1252 glyphs of 0x80-0x9F).
+_MOJIBAKE = re.compile("[\u00c2-\u00ef][\u0080-\u00bf\u2018-\u203a\u20ac\u0152\u0153\u0160\u0161\u0178\u017d"
+                       "\u017e\u0192\u02c6\u02dc\u2122]")
+
+
+def fold_fullwidth(text: str) -> str:
+    """Full-width letters, digits and ASCII punctuation to half-width; Chinese punctuation stays."""
+    return text.translate(_FULLWIDTH)
+
+
+def cjk_share(text: str) -> float:
+    """Share of non-space characters that are CJK ideographs."""
+    chars = sum(1 for c in text if not c.isspace())
+    return len(_CJK.findall(text)) / chars if chars else 0.0
+
+
+@lru_cache(maxsize=1)
+def _jieba():
+    import logging
+
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)
+    return jieba
+
+
+def chinese_words(text: str) -> list[str]:
+    """jieba's words of a Chinese text (spaces dropped)."""
+    return [w for w in _jieba().lcut(text) if w.strip()]
+
+
+def chinese_view(text: str) -> str:
+    """Chinese text as the word-based filters expect it: jieba words separated by spaces, line by line, with
+    sentence punctuation in its ASCII role (so that terminal-punctuation rules see the end of a sentence)."""
+    out = []
+    for line in fold_fullwidth(text).split("\n"):
+        words = chinese_words(line.translate(_CJK_PUNCT_ROLE))
+        out.append(re.sub(r" ([.!?,;:])", r"\1", " ".join(words)))
+    return "\n".join(out)
+
+
+def mojibake_score(text: str) -> float:
+    """Mojibake marks per 100 characters (0 for clean text)."""
+    return 100.0 * (len(_MOJIBAKE.findall(text)) + text.count("\ufffd")) / max(1, len(text))
+
+
+def repair_mojibake(text: str) -> str:
+    """Undo one round of UTF-8 decoded as cp1252 or Latin-1, where that makes the text cleaner; else unchanged."""
+    best, best_score = text, mojibake_score(text)
+    if best_score == 0:
+        return text
+    for codec in ("cp1252", "latin-1"):
+        try:
+            fixed = text.encode(codec).decode("utf-8")
+        except UnicodeError:
+            continue
+        score = mojibake_score(fixed)
+        if score < best_score:
+            best, best_score = fixed, score
+    return unicodedata.normalize("NFC", best)
+
+
+_LIST_ITEM = re.compile(r"^\s*(?:[-*•]|\(?\d+[.)]|\(?[a-zA-Z][.)]|\d+(?:\.\d+)+\.?)\s")
+
+
+def unwrap(text: str) -> str:
+    """Plain text hard-wrapped at a fixed width (licenses, man pages, READMEs) as one line per paragraph or list
+    item: the filters written for web text (FineWeb, C4) count lines as paragraphs. A line starting a numbered
+    or bulleted item, an indented line after a blank, or a blank line starts a new one."""
+    paragraphs: list[str] = []
+    current: list[str] = []
+    for raw in text.split("\n"):
+        line = raw.strip()
+        if not line:
+            if current:
+                paragraphs.append(" ".join(current))
+                current = []
+            continue
+        if current and _LIST_ITEM.match(raw):
+            paragraphs.append(" ".join(current))
+            current = []
+        current.append(line)
+    if current:
+        paragraphs.append(" ".join(current))
+    return "\n".join(paragraphs)
