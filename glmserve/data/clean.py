@@ -114,7 +114,7 @@ def _minhash(cfg: dict[str, Any], work: Path, rejected: Path, progress: bool) ->
 
     settings = cfg["minhash"]
     try:
-        mh = MinhashConfig(**settings, hash_config=HashConfig(precision=64, hash_fc="sha1"))
+        mh = MinhashConfig(**settings, hash_config=HashConfig(precision=64))
     except TypeError as e:
         raise InvalidRequestError(f"config step 'minhash': {e}") from e
     filtered, mdir = work / "filtered", work / "minhash"
