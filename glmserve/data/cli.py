@@ -1,0 +1,48 @@
+"""`glmserve data clean | scrub`: the command-line side of the data pipeline (glmserve/cli.py delegates here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_clean(args: argparse.Namespace) -> None:
+    from glmserve.data.clean import clean
+
+    report = clean(args.input, args.out, config=args.config, output_format=args.format)
+    summary = {k: report[k] for k in ("records_in", "records_out", "estimated_valid_share")}
+    summary["removed"] = {s["step"]: s["removed"] for s in report["steps"]}
+    print(json.dumps(summary, ensure_ascii=False))
+
+
+def _cmd_scrub(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from glmserve.data.pii import scrub_records
+    from glmserve.data.records import count_records, read_records, write_records
+
+    total = count_records(args.input)
+    records = tqdm(read_records(args.input), total=total, desc="scrub", unit="doc", disable=not sys.stderr.isatty())
+    write_records(args.out, scrub_records(records, keep_spans=args.spans))
+    print(json.dumps({"records": total, "out": args.out}))
+
+
+def add_data_parser(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("data", help="training-data pipeline: clean, scrub")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    clean = data_sub.add_parser("clean", help="rule filters and MinHash dedup on datatrove: kept.jsonl, "
+                                "rejected.jsonl, report.json in DIR (a rerun resumes)")
+    clean.add_argument("input", metavar="IN.jsonl", help="JSONL or .parquet records with 'text' (and 'id')")
+    clean.add_argument("--out", required=True, metavar="DIR")
+    clean.add_argument("--config", default=None, metavar="FILE",
+                       help="YAML/JSON settings per step (glmserve/data/config.py DEFAULTS); false = step off")
+    clean.add_argument("--format", default="jsonl", choices=["jsonl", "parquet"],
+                       help="parquet: kept.parquet and rejected.parquet as well")
+    clean.set_defaults(handler=_cmd_clean)
+    scrub = data_sub.add_parser("scrub", help="replace PII (Presidio + Chinese ID, mobile, bank card, name "
+                                "recognizers) by same-shape placeholders")
+    scrub.add_argument("input", metavar="IN.jsonl")
+    scrub.add_argument("--out", required=True, metavar="OUT.jsonl")
+    scrub.add_argument("--spans", action="store_true", help="record each finding's span, not only its type")
+    scrub.set_defaults(handler=_cmd_scrub)
