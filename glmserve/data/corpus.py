@@ -101,7 +101,7 @@ def foreign_sentences(langs: tuple[str, ...] = ("de", "fr", "es")) -> dict[str, 
             try:
                 with open(path, "rb") as f:
                     catalog = gettext.GNUTranslations(f)._catalog
-            except (OSError, UnicodeDecodeError, gettext.error if hasattr(gettext, "error") else OSError):
+            except (OSError, UnicodeDecodeError):
                 continue
             sents += [v.replace("\n", " ").strip() for k, v in catalog.items()
                       if isinstance(v, str) and k and len(v) > 60 and "%" not in v]

@@ -60,8 +60,8 @@ def _recognizers():
         """Presidio's e-mail recognizer with an ASCII local part (its `\\w` swallows adjacent Chinese text)
         and the bundled public-suffix list."""
 
-        PATTERNS = [Pattern("email", r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"
-                                     r"\.[A-Za-z]{2,24}(?![A-Za-z0-9-])", 0.5)]
+        PATTERNS = [Pattern("email", r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@"
+                                     r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,24}(?![A-Za-z0-9-])", 0.5)]
 
         def validate_result(self, pattern_text: str) -> bool:
             return offline_tld(pattern_text).fqdn != ""
