@@ -114,7 +114,8 @@ def _minhash(cfg: dict[str, Any], work: Path, rejected: Path, progress: bool) ->
 
     settings = cfg["minhash"]
     try:
-        mh = MinhashConfig(**settings, hash_config=HashConfig(precision=64))
+        # sha1: datatrove 0.10 passes str to xxhash, which xxhash 4 refuses
+        mh = MinhashConfig(**settings, hash_config=HashConfig(precision=64, hash_fc="sha1"))
     except TypeError as e:
         raise InvalidRequestError(f"config step 'minhash': {e}") from e
     filtered, mdir = work / "filtered", work / "minhash"

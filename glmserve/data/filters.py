@@ -20,7 +20,7 @@ from glmserve.data.text import chinese_view, cjk_share, mojibake_score, repair_m
 
 class RegexWordTokenizer(WordTokenizer):
     """Words as runs of letters/digits (with inner apostrophes) and single punctuation marks; sentences end at
-    a terminal mark or a newline (the rule of datatrove's WhitespaceTokenizer). datatrove's English tokenizer
+    a terminal mark or a newline (the rule of datatrove's WhitespaceTokenizer, keeping an unterminated tail). datatrove's English tokenizer
     is spaCy's, whose import alone costs seconds per process; the filters only count words and sentences."""
 
     _word = regex.compile(r"\w+(?:['’]\w+)*|[^\w\s]")
@@ -30,7 +30,12 @@ class RegexWordTokenizer(WordTokenizer):
         return self._word.findall(text)
 
     def sent_tokenize(self, text: str) -> list[str]:
-        return [s.strip() for s in self._sent.findall(text) if s.strip()]
+        sents, end = [], 0
+        for m in self._sent.finditer(text):
+            sents.append(m.group().strip())
+            end = m.end()
+        sents.append(text[end:].strip())  # a last sentence without its mark
+        return [s for s in sents if s]
 
     def span_tokenize(self, text: str) -> list[tuple[int, int]]:
         return list(simple_span_tokenize(text, self.sent_tokenize(text)))

@@ -7,8 +7,8 @@ import re
 import unicodedata
 from functools import lru_cache
 
-# Full-width ASCII (U+FF01..U+FF5E) and the ideographic space fold to half-width by NFKC; Chinese punctuation
-# proper (，。、《》「」) has no half-width form and is kept.
+# Full-width ASCII (U+FF01..U+FF5E, with ，！？：；) and the ideographic space fold to half-width as NFKC does; punctuation
+# with no half-width form (。、《》「」) is kept.
 _FULLWIDTH = {cp: cp - 0xFEE0 for cp in range(0xFF01, 0xFF5F)} | {0x3000: 0x20}
 # Chinese sentence punctuation seen as its ASCII role by the English-centric filters (terminal marks, commas)
 _CJK_PUNCT_ROLE = str.maketrans({"。": ".", "！": "!", "？": "?", "，": ",", "；": ";", "：": ":", "、": ","})
@@ -20,7 +20,7 @@ _MOJIBAKE = re.compile("[\u00c2-\u00ef][\u0080-\u00bf\u2018-\u203a\u20ac\u0152\u
 
 
 def fold_fullwidth(text: str) -> str:
-    """Full-width letters, digits and ASCII punctuation to half-width; Chinese punctuation stays."""
+    """Full-width letters, digits and ASCII punctuation to half-width; 。、《》「」 stay."""
     return text.translate(_FULLWIDTH)
 
 
