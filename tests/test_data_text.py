@@ -58,7 +58,8 @@ def test_language_filter_py3langid():
 
 
 def test_unwrap_joins_wrapped_lines_and_keeps_numbered_items():
-    text = "1. Definitions.\n\n   \"License\" shall mean the terms\n   and conditions.\n(a) first item\nwrapped here.\n(b) second"
+    text = ("1. Definitions.\n\n   \"License\" shall mean the terms\n   and conditions.\n(a) first item\n"
+            "wrapped here.\n(b) second")
     assert unwrap(text).split("\n") == ["1. Definitions.", "\"License\" shall mean the terms and conditions.",
                                         "(a) first item wrapped here.", "(b) second"]
 
@@ -73,6 +74,6 @@ def test_fineweb_rejects_the_apache_license_as_is_but_keeps_it_unwrapped():
     assert ours.filter(Document(text=text, id="lic", metadata={"language": "en"})) is True
 
 
-def test_regex_tokenizer_words_and_sentences():
-    assert WORDS.word_tokenize("It's a test, isn't it?") == ["It's", "a", "test", ",", "isn't", "it", "?"]
+def test_gopher_tokenizer_words_and_sentences():
+    assert WORDS.word_tokenize("It's a test, isn't it?") == ["It's", "a", "test,", "isn't", "it?"]
     assert WORDS.sent_tokenize("One. Two! Three") == ["One.", "Two!", "Three"]

@@ -27,11 +27,13 @@ BADWORDS_SKIPPED = ("C4 bad-words filter skipped: datatrove downloads its word l
 def _kept_adapter(writer, document) -> dict:
     meta = dict(document.metadata)
     meta.pop("filter_reason", None)
+    meta.pop("file_path", None)
     return {"id": document.id, "text": document.text, **meta}
 
 
 def _rejected_adapter(step: str, writer, document) -> dict:
     meta = dict(document.metadata)
+    meta.pop("file_path", None)
     detail = meta.pop("filter_reason", None)
     return {"id": document.id, "text": document.text, **meta, "reason": step, "detail": detail or step}
 
@@ -39,9 +41,10 @@ def _rejected_adapter(step: str, writer, document) -> dict:
 def _reader(path: Path, progress: bool):
     from datatrove.pipeline.readers import JsonlReader, ParquetReader
 
-    cls = ParquetReader if path.suffix == ".parquet" else JsonlReader
-    return cls(str(path.parent), glob_pattern=path.name, recursive=False, doc_progress=progress,
-               add_file_path=False)
+    if path.suffix == ".parquet":
+        return ParquetReader(str(path.parent), glob_pattern=path.name, recursive=False, doc_progress=progress)
+    return JsonlReader(str(path.parent), glob_pattern=path.name, recursive=False, doc_progress=progress,
+                       add_file_path=False)
 
 
 def _writer(folder: Path, name: str, adapter):

@@ -67,7 +67,9 @@ def debian_docs(root: str = "/usr/share/doc") -> Iterator[tuple[str, str]]:
     """(source, text) of plain-text READMEs and specs under /usr/share/doc (gzip ones too)."""
     for path in sorted(Path(root).rglob("*")):
         name = path.name.lower()
-        if not path.is_file() or "changelog" in name or name == "copyright":
+        rel = path.relative_to(root).as_posix().lower()
+        if (not path.is_file() or "changelog" in name or name == "copyright" or "html" in name
+                or "test" in rel or "/examples/" in rel):  # markup, test data and sample files are no prose
             continue
         if not (name.startswith(("readme", "news", "faq")) or name.endswith((".txt", ".txt.gz", ".md"))):
             continue

@@ -18,16 +18,16 @@ from datatrove.utils.word_tokenizers import WordTokenizer, simple_span_tokenize
 from glmserve.data.text import chinese_view, cjk_share, mojibake_score, repair_mojibake, unwrap
 
 
-class RegexWordTokenizer(WordTokenizer):
-    """Words as runs of letters/digits (with inner apostrophes) and single punctuation marks; sentences end at
-    a terminal mark or a newline (the rule of datatrove's WhitespaceTokenizer, keeping an unterminated tail). datatrove's English tokenizer
-    is spaCy's, whose import alone costs seconds per process; the filters only count words and sentences."""
+class GopherWordTokenizer(WordTokenizer):
+    """Words as Gopher defines them, whitespace-separated tokens (Rae et al. 2021, App. A.1.1): datatrove's
+    spaCy tokenizer splits off punctuation, so that the rule "80% of words hold a letter" fails ordinary
+    prose with parentheses and commas; spaCy's import also costs seconds per process. Sentences end at a
+    terminal mark or a newline (the rule of datatrove's WhitespaceTokenizer, keeping an unterminated tail)."""
 
-    _word = regex.compile(r"\w+(?:['’]\w+)*|[^\w\s]")
-    _sent = regex.compile(rf"(?:(?:\p{{Lu}}\.)|.)+?[{re.escape(''.join(TERMINAL_PUNCTUATION))}\n]+[\"'”]?")
+    _sent = regex.compile(rf"(?:(?:\p{{Lu}}\.)|.)+?[{re.escape(''.join(TERMINAL_PUNCTUATION))}\n]+[\"'\u201d]?")
 
     def word_tokenize(self, text: str) -> list[str]:
-        return self._word.findall(text)
+        return text.split()
 
     def sent_tokenize(self, text: str) -> list[str]:
         sents, end = [], 0
@@ -41,7 +41,7 @@ class RegexWordTokenizer(WordTokenizer):
         return list(simple_span_tokenize(text, self.sent_tokenize(text)))
 
 
-WORDS = RegexWordTokenizer()
+WORDS = GopherWordTokenizer()
 
 
 class MojibakeFilter(BaseFilter):
@@ -100,7 +100,16 @@ class LanguageIdFilter(BaseFilter):
         return True
 
 
-VIEWS: dict[str, Callable[[str], str]] = {"raw": lambda t: t, "unwrap": unwrap}
+_TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$", re.MULTILINE)
+
+
+def prose(text: str) -> str:
+    """The unwrapped text without table rows: Gopher's word statistics are about prose, and a table of
+    numbers fails its "80% of words hold a letter" rule."""
+    return unwrap(_TABLE_ROW.sub("", text))
+
+
+VIEWS: dict[str, Callable[[str], str]] = {"raw": lambda t: t, "unwrap": unwrap, "prose": prose}
 
 
 class PerLanguageFilter(BaseFilter):

@@ -7,8 +7,8 @@ import re
 import unicodedata
 from functools import lru_cache
 
-# Full-width ASCII (U+FF01..U+FF5E, with ，！？：；) and the ideographic space fold to half-width as NFKC does; punctuation
-# with no half-width form (。、《》「」) is kept.
+# Full-width ASCII (U+FF01..U+FF5E, with ，！？：；) and the ideographic space fold to half-width as NFKC
+# does; punctuation with no half-width form (。、《》「」) is kept.
 _FULLWIDTH = {cp: cp - 0xFEE0 for cp in range(0xFF01, 0xFF5F)} | {0x3000: 0x20}
 # Chinese sentence punctuation seen as its ASCII role by the English-centric filters (terminal marks, commas)
 _CJK_PUNCT_ROLE = str.maketrans({"。": ".", "！": "!", "？": "?", "，": ",", "；": ";", "：": ":", "、": ","})
@@ -76,18 +76,21 @@ def repair_mojibake(text: str) -> str:
     return unicodedata.normalize("NFC", best)
 
 
+_RULE_LINE = re.compile(r"^\s*([=\-~^*#_+])\1{2,}\s*$")
+_ATX_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+")
 _LIST_ITEM = re.compile(r"^\s*(?:[-*•]|\(?\d+[.)]|\(?[a-zA-Z][.)]|\d+(?:\.\d+)+\.?)\s")
 
 
 def unwrap(text: str) -> str:
     """Plain text hard-wrapped at a fixed width (licenses, man pages, READMEs) as one line per paragraph or list
     item: the filters written for web text (FineWeb, C4) count lines as paragraphs. A line starting a numbered
-    or bulleted item, an indented line after a blank, or a blank line starts a new one."""
+    or bulleted item, or a blank line, starts a new one; Markdown/reST markup is no content: rule lines
+    (`=====` under a heading) end a paragraph and are dropped, `#` heading marks are dropped."""
     paragraphs: list[str] = []
     current: list[str] = []
     for raw in text.split("\n"):
-        line = raw.strip()
-        if not line:
+        line = _ATX_HEADING.sub("", raw).strip()
+        if not line or _RULE_LINE.match(raw):
             if current:
                 paragraphs.append(" ".join(current))
                 current = []
