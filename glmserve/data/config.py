@@ -29,8 +29,9 @@ DEFAULTS: dict[str, Any] = {
     # C4 and FineWeb count lines as paragraphs (web text); plain text hard-wrapped at 72 columns (licenses,
     # man pages) is seen unwrapped, else every wrapped line "lacks terminal punctuation"
     # tuned on the benchmark's 'tune' split (bench/RESULTS.md "Training data"): C4's curly-bracket rule drops
-    # every technical document with a code or dict example, and 5 sentences drops short READMEs
-    "c4_quality": {"view": "unwrap", "filter_curly_bracket": False, "min_num_sentences": 3},
+    # every technical document with a code or dict example, and its sentence count (lines without terminal
+    # punctuation dropped first) removed only valid API references there (attribute lists): one is asked
+    "c4_quality": {"view": "unwrap", "filter_curly_bracket": False, "min_num_sentences": 1},
     # FineWeb's published rule drops documents with >= 10% of characters in duplicated lines (Penedo et al.
     # 2024, "custom heuristic filters"); datatrove's default is 0.01
     "fineweb_quality": {"view": "unwrap", "char_duplicates_ratio": 0.1},

@@ -85,7 +85,8 @@ def _recognizers():
                 context=["手机", "电话", "phone", "mobile"])
 
     class BankCardRecognizer(PatternRecognizer):
-        """16-19 digit card numbers (UnionPay and others) in groups of 4 or one run, with a valid Luhn digit."""
+        """16-19 digit card numbers (UnionPay and others) in groups of 4 or one run, in an issuer range, with a
+        valid Luhn digit."""
 
         def __init__(self):
             super().__init__("BANK_CARD", patterns=[Pattern(
@@ -94,8 +95,10 @@ def _recognizers():
 
         def validate_result(self, pattern_text: str) -> bool:
             digits = re.sub(r"[ -]", "", pattern_text)
-            # an 18-digit run in the resident-ID layout (region + birth date) is an ID or an order number
-            return luhn.is_valid(digits) and not (len(digits) == 18 and _birth_date(digits) is not None)
+            # issuer ranges start with 2-6 (Mastercard 2/5, Amex/JCB 3, Visa 4, UnionPay/Discover 6); an
+            # 18-digit run in the resident-ID layout (region + birth date) is an ID or an order number
+            return (digits[0] in "23456" and luhn.is_valid(digits)
+                    and not (len(digits) == 18 and _birth_date(digits) is not None))
 
     class Ipv4Recognizer(PatternRecognizer):
         """Dotted quads bounded by anything but digits and dots (Presidio's \\b misses them inside Chinese)."""
