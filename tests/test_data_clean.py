@@ -4,6 +4,9 @@ bad input."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,3 +114,17 @@ def test_clean_unknown_config_key(tmp_path: Path, capsys):
     with pytest.raises(SystemExit):
         main(["data", "clean", str(src), "--out", str(tmp_path / "out"), "--config", str(cfg)])
     assert "unknown keys ['gopher']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_minhash_pool_from_an_unguarded_main_finishes(tmp_path: Path):
+    """The known trap: with datatrove's forkserver a pool's workers re-import an unguarded __main__ (here
+    `python -c`) and the run hangs; our pool forks."""
+    src = tmp_path / "in.jsonl"
+    write_records(src, _corpus())
+    code = (f"from glmserve.data.clean import clean; "
+            f"print(clean({str(src)!r}, {str(tmp_path / 'out')!r}, progress=False, workers=2)['records_out'])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "3"

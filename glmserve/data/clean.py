@@ -95,15 +95,18 @@ def _filter_steps(cfg: dict[str, Any], rejected: Path) -> list:
     return steps
 
 
-def _run_stage(work: Path, stage: str, pipeline: list, tasks: int = 1) -> None:
+def _run_stage(work: Path, stage: str, pipeline: list, tasks: int = 1, workers: int = 1) -> None:
     from datatrove.executor import LocalPipelineExecutor
 
-    # workers=1: the tasks run in this process one after the other, without datatrove's forkserver pool
-    LocalPipelineExecutor(pipeline, tasks=tasks, workers=1, logging_dir=str(work / "logs" / stage),
-                          skip_completed=True).run()
+    # workers=1 runs the tasks in this process one after the other. A pool is started with "fork": under
+    # datatrove's default "forkserver" every worker imports the caller's __main__ again, and a script or
+    # `python -c` without an `if __name__ == "__main__"` guard starts the pipeline anew in each worker,
+    # which fails to bootstrap while the pool waits for it forever (the "MinHash hangs with workers=2").
+    LocalPipelineExecutor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)),
+                          logging_dir=str(work / "logs" / stage), skip_completed=True, start_method="fork").run()
 
 
-def _minhash(cfg: dict[str, Any], work: Path, rejected: Path, progress: bool) -> None:
+def _minhash(cfg: dict[str, Any], work: Path, rejected: Path, progress: bool, workers: int) -> None:
     from datatrove.pipeline.dedup.minhash import (
         MinhashConfig,
         MinhashDedupBuckets,
@@ -127,7 +130,7 @@ def _minhash(cfg: dict[str, Any], work: Path, rejected: Path, progress: bool) ->
                                                                                   language=WORDS)])
     # one task per bucket, as datatrove requires (world_size % num_buckets == 0)
     _run_stage(work, "minhash_buckets", [MinhashDedupBuckets(str(mdir / "signatures"), str(mdir / "buckets"),
-                                                             config=mh)], tasks=mh.num_buckets)
+                                                             config=mh)], tasks=mh.num_buckets, workers=workers)
     _run_stage(work, "minhash_clusters", [MinhashDedupCluster(str(mdir / "buckets"), str(mdir / "remove_ids"),
                                                               config=mh)])
     writer = _writer(rejected / "minhash", "${rank}.jsonl", partial(_rejected_adapter, "minhash"))
@@ -161,10 +164,13 @@ def _valid_share(records: list[dict]) -> float | None:
 
 
 def clean(input_path: str | Path, out_dir: str | Path, config: str | Path | None = None,
-          output_format: str = "jsonl", progress: bool | None = None) -> dict[str, Any]:
-    """Runs the pipeline on one JSONL or Parquet file of records with `text` (and `id`); returns the report."""
+          output_format: str = "jsonl", progress: bool | None = None, workers: int = 1) -> dict[str, Any]:
+    """Runs the pipeline on one JSONL or Parquet file of records with `text` (and `id`); returns the report.
+    `workers` > 1 runs MinHash's 14 bucket tasks in a pool of that many processes."""
     t0 = time.perf_counter()
     input_path, out = Path(input_path), Path(out_dir)
+    if workers < 1:
+        raise InvalidRequestError(f"workers must be at least 1, not {workers}")
     if output_format not in ("jsonl", "parquet"):
         raise InvalidRequestError(f"output format must be jsonl or parquet, not {output_format!r}")
     cfg = load_config(config)
@@ -177,7 +183,7 @@ def clean(input_path: str | Path, out_dir: str | Path, config: str | Path | None
                                  _writer(work / "filtered", "${rank}.jsonl", _kept_adapter)])
     skipped = [{"step": "c4_badwords", "why": BADWORDS_SKIPPED}]
     if cfg["minhash"] is not False and any(True for _ in _parts(work / "filtered")):
-        _minhash(cfg, work, rejected_dir, progress)
+        _minhash(cfg, work, rejected_dir, progress, workers)
         kept = list(_parts(work / "kept"))
     else:
         kept = list(_parts(work / "filtered"))

@@ -10,7 +10,7 @@ import sys
 def _cmd_clean(args: argparse.Namespace) -> None:
     from glmserve.data.clean import clean
 
-    report = clean(args.input, args.out, config=args.config, output_format=args.format)
+    report = clean(args.input, args.out, config=args.config, output_format=args.format, workers=args.workers)
     summary = {k: report[k] for k in ("records_in", "records_out", "estimated_valid_share")}
     summary["removed"] = {s["step"]: s["removed"] for s in report["steps"]}
     print(json.dumps(summary, ensure_ascii=False))
@@ -39,6 +39,8 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
                        help="YAML/JSON settings per step (glmserve/data/config.py DEFAULTS); false = step off")
     clean.add_argument("--format", default="jsonl", choices=["jsonl", "parquet"],
                        help="parquet: kept.parquet and rejected.parquet as well")
+    clean.add_argument("--workers", type=int, default=1,
+                       help="processes for MinHash's bucket tasks (default 1: all in this process)")
     clean.set_defaults(handler=_cmd_clean)
     scrub = data_sub.add_parser("scrub", help="replace PII (Presidio + Chinese ID, mobile, bank card, name "
                                 "recognizers) by same-shape placeholders")
