@@ -51,7 +51,7 @@ def test_lookalikes_are_left_alone(text: str):
 
 
 def test_planted_corpus_recall_and_hard_negatives():
-    corpus = build_pii_corpus(seed=5, per_type=10)
+    corpus = build_pii_corpus(seed=5, per_type=4)
     for rec in corpus:
         out, found = scrub_text(rec["text"])
         if rec["planted"]:
