@@ -666,32 +666,7 @@ def test_alias_to_another_model_is_refused_at_startup() -> None:
     assert "Traceback" not in result.stderr
 
 
-# ---------------------------------------------------------------------- shutdown (keep last)
-
-
-def test_sigterm_finishes_in_flight_request_and_exits_zero(server: Server) -> None:
-    max_tokens = 16
-    body = {"model": SERVED, "messages": QUESTION, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    body["stream_options"] = {"include_usage": True}
-    with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
-        lines = response.iter_lines()
-        assert next(line for line in lines if line).startswith("data: ")
-        server.proc.send_signal(signal.SIGTERM)
-
-        def refused() -> bool:  # the listening socket closes at once
-            try:
-                httpx.get(f"{server.base_url}/health", timeout=5)
-            except httpx.ConnectError:
-                return True
-            return False
-
-        wait_for(refused, 10, "the server to stop accepting connections", server.log)
-        rest = [line for line in lines if line]  # ... while the in-flight stream runs to its end
-    assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2][len("data: ") :])["usage"]["completion_tokens"] == max_tokens
-    assert any('"finish_reason":"length"' in line for line in rest)
-    assert server.proc.wait(timeout=60) == 0
-    assert "Traceback" not in server.log()
+# ---------------------------------------------------------------------- context compression
 
 
 def test_compress_endpoint_trace_map(server: Server) -> None:
@@ -739,3 +714,31 @@ def test_chat_context_compression_returns_the_trace_map(server: Server) -> None:
         assert out["choices"][0]["message"]["content"] is not None
         streamed = http.post("/v1/chat/completions", json={**body, "stream": True})
         assert streamed.status_code == 400
+
+
+# ---------------------------------------------------------------------- shutdown (keep last)
+
+
+def test_sigterm_finishes_in_flight_request_and_exits_zero(server: Server) -> None:
+    max_tokens = 16
+    body = {"model": SERVED, "messages": QUESTION, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        server.proc.send_signal(signal.SIGTERM)
+
+        def refused() -> bool:  # the listening socket closes at once
+            try:
+                httpx.get(f"{server.base_url}/health", timeout=5)
+            except httpx.ConnectError:
+                return True
+            return False
+
+        wait_for(refused, 10, "the server to stop accepting connections", server.log)
+        rest = [line for line in lines if line]  # ... while the in-flight stream runs to its end
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: ") :])["usage"]["completion_tokens"] == max_tokens
+    assert any('"finish_reason":"length"' in line for line in rest)
+    assert server.proc.wait(timeout=60) == 0
+    assert "Traceback" not in server.log()
