@@ -16,6 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import STARTUP_TIMEOUT_S, ServerProcess, glmserve_process, wait_for
+from tiny_models import make_tiny_chat_model
 
 from glmserve.gateway.ledger import Ledger
 
@@ -47,12 +48,13 @@ def _metric(base_url: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
     work = tmp_path_factory.mktemp("serve-gateway")
+    model = make_tiny_chat_model("llama", work / "model")  # a chat template, for POST /v1/responses
     (work / "keys.toml").write_text(f'[[key]]\nname = "team-a"\nkey = "{KEY}"\nrpm = 1000\ntpm = 100000\n')
     (work / "prices.toml").write_text(PRICES)
     ledger = work / "ledger.sqlite3"
-    args = ["--model", str(tiny_model_dir("llama")), "--served-model-name", SERVED, "--max-model-len", "128",
+    args = ["--model", str(model), "--served-model-name", SERVED, "--max-model-len", "128",
             "--kv-cache-memory-bytes", str(8 << 20), "--num-threads", "1", "--max-tokens-cap", str(CAP),
             "--keys", str(work / "keys.toml"), "--prices", str(work / "prices.toml"), "--ledger", f"sqlite:///{ledger}"]
     with glmserve_process(args, work / "server.log") as process:
@@ -103,6 +105,25 @@ def test_serve_bills_through_the_gateway_and_reports_the_token_budget(served) ->
     out = subprocess.run([sys.executable, "-m", "glmserve.cli", "billing", "report", "--ledger",
                           f"sqlite:///{ledger_path}"], capture_output=True, text=True, check=True).stdout
     assert "team-a" in out and "without_cache_usd" in out and "TOTAL" in out
+
+
+def test_responses_are_billed_streamed_or_not_as_their_usage_says(served) -> None:
+    """POST /v1/responses goes through admission and billing like chat: one ledger row per answered response, the
+    Responses usage shape (input/output tokens, cached input) read whole and from `response.completed`."""
+    process, ledger_path = served
+    client = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    whole = client.responses.create(model=SERVED, input="hello there", max_output_tokens=4, store=False)
+    events = list(client.responses.create(model=SERVED, input="hello there", max_output_tokens=4, store=False,
+                                          stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")  # incomplete: cut at 4 tokens
+    streamed = events[-1].response
+    rows = {r.request_id: r for r in Ledger(f"sqlite:///{ledger_path}").rows()}
+    for response, is_streamed in ((whole, False), (streamed, True)):
+        row = rows[response.id]
+        assert row.streamed is is_streamed and row.key_name == "team-a"
+        assert (row.prompt_tokens, row.completion_tokens) == (response.usage.input_tokens, response.usage.output_tokens)
+        assert row.cached_tokens == response.usage.input_tokens_details.cached_tokens
+        assert row.completion_tokens > 0
 
 
 def test_serve_without_keys_bills_the_anonymous_key(tiny_model_dir, tmp_path: Path, isolated_root: Path) -> None:

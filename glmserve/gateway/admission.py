@@ -69,7 +69,8 @@ from glmserve.gateway.usage_stream import SSEUsageFilter, Usage, usage_of
 
 logger = logging.getLogger(__name__)
 
-BILLED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+BILLED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+RESPONSES_PATH = "/v1/responses"  # its streams always end with their usage; it takes no stream_options
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/metrics"})
 HEALTH_PATH = "/v1/health"  # readiness; liveness (/health) stays as the host answers it
 USAGE_PATH = "/v1/usage"
@@ -92,15 +93,24 @@ class _Admitted:
     status: int | None = None  # the wrapped app's HTTP status
 
 
+def _message_text(content: object) -> str:
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
 def _prompt_text(body: dict) -> tuple[str, int]:
-    """The request's prompt text and its number of messages (chat) or prompts (completions)."""
+    """The request's prompt text and its number of messages (chat, Responses input items) or prompts
+    (completions)."""
     if "messages" in body:
-        parts = []
-        for m in body.get("messages") or []:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):
-                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            parts.append(str(content or ""))
+        parts = [_message_text(m.get("content") if isinstance(m, dict) else None) for m in body.get("messages") or []]
+        return "\n".join(parts), max(1, len(parts))
+    if "input" in body:  # POST /v1/responses: a string, or items (messages, function calls and their outputs)
+        items = body["input"] if isinstance(body["input"], list) else [{"content": body["input"]}]
+        parts = [_message_text(body.get("instructions"))] if body.get("instructions") else []
+        for item in items:
+            if isinstance(item, dict):
+                parts.append(_message_text(item.get("content", item.get("output", item.get("arguments")))))
         return "\n".join(parts), max(1, len(parts))
     prompt = body.get("prompt", "")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
@@ -208,7 +218,7 @@ class GatewayMiddleware:
 
     def _max_tokens(self, body: dict, key: ApiKey, prompt_tokens: int) -> tuple[int, bool]:
         """Completion tokens to reserve per choice, and whether the client set them."""
-        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        asked = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
         if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
             return asked, True
         default = self.settings.default_max_tokens
@@ -252,7 +262,7 @@ class GatewayMiddleware:
         self.metrics.admitted.labels(key.name).inc()
         streamed = bool(body.get("stream"))
         client_wants_usage = True
-        if streamed and forward is None:
+        if streamed and forward is None and scope["path"] != RESPONSES_PATH:
             options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
             client_wants_usage = bool(options.get("include_usage"))
             body["stream_options"] = {**options, "include_usage": True}

@@ -1,5 +1,7 @@
 """Reading `usage` out of OpenAI-compatible responses: a whole JSON body, or a server-sent event stream whose
-usage chunk (`"choices": []`, sent when `stream_options.include_usage` is set) the client may not have asked for."""
+usage chunk (`"choices": []`, sent when `stream_options.include_usage` is set) the client may not have asked for.
+The Responses API's shape is read too: `usage` {input_tokens, output_tokens, input_tokens_details.cached_tokens},
+streamed inside the `response` object of its `response.completed` (or `.incomplete`) event."""
 
 from __future__ import annotations
 
@@ -15,11 +17,16 @@ class Usage:
 
 
 def parse_usage(usage: object) -> Usage | None:
-    """OpenAI's usage object (prompt_tokens_details.cached_tokens optional) as Usage; None if absent or malformed."""
+    """OpenAI's usage object (prompt_tokens_details.cached_tokens optional; or the Responses API's input_tokens,
+    output_tokens and input_tokens_details) as Usage; None if absent or malformed."""
     if not isinstance(usage, dict):
         return None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    details = usage.get("prompt_tokens_details") or {}
+    if "input_tokens" in usage:
+        prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
+        details = usage.get("input_tokens_details") or {}
+    else:
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
@@ -66,6 +73,8 @@ class SSEUsageFilter:
             keep = True
             if b'"usage"' in event or self.response_id is None:
                 doc = _data_json(event)
+                if isinstance(doc, dict) and isinstance(doc.get("response"), dict):  # a Responses API event
+                    doc = doc["response"]
                 if isinstance(doc, dict):
                     if self.response_id is None and isinstance(doc.get("id"), str):
                         self.response_id = doc["id"]
