@@ -196,6 +196,9 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     parser.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"], help="round to nearest, "
                         "GPTQ or AWQ (needs --calib)")
+    parser.add_argument("--smooth", type=float, default=None, metavar="ALPHA", help="SmoothQuant: migrate "
+                        "activation outliers into the weights with strength ALPHA in [0, 1] (0.5 typical; for "
+                        "w8a8 / fp8; needs --calib)")
     parser.add_argument("--sensitivity", default="measured", choices=["measured", "fisher"],
                         help="--bits-budget: measure each layer unit's loss increase, or estimate it from the "
                         "Fisher diagonal (one gradient pass over the calibration text)")
@@ -208,7 +211,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
 def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | None = None,
                  bits_budget: float | None = None, candidates: str | None = None, calib: list[str] | None = None,
                  calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto",
-                 sensitivity: str = "measured", stats=None):
+                 sensitivity: str = "measured", smooth: float | None = None, stats=None):
     """Quantize `model` (a path, 'default', or a loaded models.hf_float.FloatCheckpoint, left unchanged) into a
     compressed-tensors folder `out`; returns (float model, pipeline Result). `stats`: calibration statistics
     already collected on these windows (calibrate.collect_stats), reused instead of collected again."""
@@ -227,12 +230,12 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
     if scheme is not None:
         pipeline.scheme_specs(scheme)
     plan = pipeline.Plan(recipe=load_recipe(recipe) if recipe else uniform(scheme) if scheme else None,
-                         bits_budget=bits_budget, method=method, sensitivity=sensitivity)
+                         bits_budget=bits_budget, method=method, sensitivity=sensitivity, smooth=smooth)
     if candidates:
         plan.candidates = tuple(c.strip() for c in candidates.split(","))
     if pipeline.needs_calibration(plan) and not calib:
-        raise InvalidRequestError("this needs calibration text: give --calib FILE (GPTQ, --bits-budget and a "
-                                  "recipe's activation_threshold measure activations)")
+        raise InvalidRequestError("this needs calibration text: give --calib FILE (GPTQ, AWQ, --smooth, "
+                                  "--bits-budget and a recipe's activation_threshold measure activations)")
     ckpt = model if isinstance(model, FloatCheckpoint) else load_float(model)
     windows = None
     if calib:
@@ -255,7 +258,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     model, result = run_quantize(args.model, args.out, scheme=args.scheme, recipe=args.recipe,
                                  bits_budget=args.bits_budget, candidates=args.candidates, calib=args.calib,
                                  calib_tokens=args.calib_tokens, seq_len=args.seq_len, method=args.method,
-                                 dtype=args.dtype, sensitivity=args.sensitivity)
+                                 dtype=args.dtype, sensitivity=args.sensitivity, smooth=args.smooth)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     counts: dict[str, int] = {}

@@ -28,7 +28,8 @@ def _correlated_inputs(tokens: int, dim: int, seed: int) -> torch.Tensor:
     return torch.randn(tokens, 16, generator=g) @ mix + 0.1 * torch.randn(tokens, dim, generator=g)
 
 
-@pytest.mark.parametrize("spec", [W4G32, W4G32_ASYM, QuantSpec(4, "int", True, "channel")])
+@pytest.mark.parametrize("spec", [W4G32, W4G32_ASYM, QuantSpec(4, "int", True, "channel"),
+                                  QuantSpec(8, "float", True, "channel")])
 def test_gptq_reduces_layer_output_error_vs_rtn(spec):
     torch.manual_seed(0)
     w = torch.randn(96, 128) * 0.05
@@ -250,3 +251,25 @@ def test_fisher_estimate_ranks_the_damaged_layer_like_the_measurement():
     assert max(est, key=lambda u: est[u]["w4"]) == ("l1",)
     assert all(0 <= d["w8"] < d["w4"] for d in est.values())
     assert all(not p.requires_grad or p.grad is None for p in model.parameters())
+
+
+def test_smoothquant_scale_flattens_activation_outliers_and_cuts_w8a8_error():
+    """Inputs with a few channels 50x the rest (as LLMs' activations): per-token int8 activations lose the ordinary
+    channels; SmoothQuant's migration (alpha 0.5) keeps the float product and cuts the W8A8 output error."""
+    from glmserve.quant.reference import fake_quantize_activations
+    from glmserve.quant.schemes import INT8_TOKENS
+    from glmserve.quant.smoothquant import smooth_scale
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 128, generator=g)
+    x[:, :4] *= 50.0
+    w = torch.randn(64, 128, generator=g) * 0.05
+    s = smooth_scale([w], x.abs().amax(dim=0), 0.5)
+    torch.testing.assert_close((x / s) @ (w * s).T, x @ w.T, rtol=1e-4, atol=1e-4)  # the float function kept
+    assert (x / s).abs().amax(dim=0)[:4].max() < x.abs().amax(dim=0)[:4].min()  # outlier channels shrunk
+
+    def w8a8_error(x_in, w_in):
+        y = fake_quantize_activations(x_in, INT8_TOKENS) @ dequantize(quantize(w_in, W8)).T
+        return ((y - x @ w.T) ** 2).mean().item()
+
+    assert w8a8_error(x / s, w * s) < 0.5 * w8a8_error(x, w)

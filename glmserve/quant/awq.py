@@ -74,3 +74,8 @@ def clip_quantize(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec) -> Qu
         best_err = torch.where(better, err, best_err)
         best = torch.where(better.unsqueeze(-1), clipped, best)
     return quantize(ungrouped(best, spec, w.shape), spec)
+
+
+def supports(spec: QuantSpec) -> bool:
+    """AWQ's scale search and clipping: integer group / channel weights."""
+    return spec.type == "int" and spec.strategy in ("group", "channel") and spec.gguf_type is None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glmserve.quant.quantize import quantize
+from glmserve.quant.quantize import FP8_MAX, quantize
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
@@ -56,6 +56,12 @@ class InputStats:
     @property
     def hessian(self) -> torch.Tensor:
         return self.gram / max(self.tokens, 1)
+
+    def divided(self, s: torch.Tensor) -> InputStats:
+        """The statistics of the inputs x / s (s [in] > 0: an input-channel scale folded into the producer)."""
+        s64 = s.to(torch.float64)
+        return InputStats(self.gram / (s64[:, None] * s64[None, :]), self.absmax / s.to(self.absmax.dtype),
+                          self.abssum / s64, self.tokens)
 
 
 def linear_layers(model: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, torch.nn.Linear]:
@@ -101,7 +107,10 @@ def collect_stats(model: torch.nn.Module, batches: Iterable[torch.Tensor], names
 
 
 def _codes_for(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
-    """Integer codes of the columns `w` [out, k] under one scale (and zero point) per row, as quantize() rounds."""
+    """Codes (integers, or E4M3 values) of the columns `w` [out, k] under one scale (and zero point) per row, as
+    quantize() rounds."""
+    if spec.type == "float":
+        return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(w.dtype)
     if zero is None:
         qmax = 2 ** (spec.num_bits - 1) - 1
         return torch.round(w / scale).clamp(-qmax - 1, qmax)
@@ -113,7 +122,10 @@ def _value(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) 
 
 
 def gptq_supports(spec: QuantSpec) -> bool:
-    return spec.type == "int" and spec.strategy in ("group", "channel") and spec.gguf_type is None
+    """Integer group/channel weights, and FP8 E4M3 per channel or group (its codes rounded onto the E4M3 grid
+    under fixed scales, as llm-compressor's GPTQ runs any quantization args through one fake-quantize)."""
+    fp8 = spec.type == "float" and spec.num_bits == 8 and spec.symmetric
+    return (spec.type == "int" or fp8) and spec.strategy in ("group", "channel") and spec.gguf_type is None
 
 
 @torch.no_grad()
@@ -126,7 +138,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
     groups stay contiguous with scales set from the weights before any update (the reference's static_groups,
     llm-compressor's actorder "static"), so the output is an ordinary group-wise weight."""
     if not gptq_supports(spec):
-        raise ValueError(f"GPTQ quantizes integer group/channel weights, not {spec}")
+        raise ValueError(f"GPTQ quantizes integer or FP8 group/channel weights, not {spec}")
     out_f, in_f = w.shape
     group = spec.group_size if spec.strategy == "group" else in_f
     if in_f % group:
@@ -136,7 +148,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    group_spec = QuantSpec(spec.num_bits, "int", spec.symmetric, "channel")
+    group_spec = QuantSpec(spec.num_bits, spec.type, spec.symmetric, "channel")
     static = None
     if act_order:
         static = [quantize(W[:, g0:g0 + group].float(), group_spec) for g0 in range(0, in_f, group)]

@@ -1,6 +1,6 @@
 """The core of `glmserve quantize`: a float transformers model -> per-layer formats (a scheme, a recipe, or a
-bits-per-weight budget by measured sensitivity) -> QuantizedModules (round to nearest, GPTQ or AWQ, outlier
-columns kept in float) -> a compressed-tensors safetensors folder."""
+bits-per-weight budget by measured sensitivity) -> optional SmoothQuant migration -> QuantizedModules (round to
+nearest, GPTQ or AWQ, outlier columns kept in float) -> a compressed-tensors safetensors folder."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from glmserve.errors import InvalidRequestError
-from glmserve.quant import awq
+from glmserve.quant import awq, smoothquant
 from glmserve.quant.calibrate import InputStats, collect_stats, gptq, gptq_supports, linear_layers
 from glmserve.quant.compressed_tensors import OutlierColumns, QuantizedModule, save_checkpoint, spec_to_args
 from glmserve.quant.perplexity import mean_nll, window_loss
@@ -53,6 +53,7 @@ class Plan:
     method: str = "rtn"
     sensitivity: str = "measured"
     gptq_damp: float = 0.01
+    smooth: float | None = None  # SmoothQuant's alpha (smoothquant.py); None: no migration
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Result:
 
 
 def needs_calibration(plan: Plan) -> bool:
-    return plan.method in ("gptq", "awq") or plan.bits_budget is not None or (
+    return plan.method in ("gptq", "awq") or plan.bits_budget is not None or plan.smooth is not None or (
         plan.recipe is not None and plan.recipe.activation_threshold is not None)
 
 
@@ -114,17 +115,26 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     schemes, deltas = choose_schemes(model, plan, calib)
     layers = linear_layers(model, schemes)
     threshold = plan.recipe.activation_threshold if plan.recipe else None
-    if plan.method == "awq" and threshold is not None:
-        raise InvalidRequestError("AWQ rescales input channels; it does not combine with activation_threshold")
-    if stats is None and (plan.method in ("gptq", "awq") or threshold is not None):
+    if plan.method == "awq" and (threshold is not None or plan.smooth is not None):
+        raise InvalidRequestError("AWQ rescales input channels; it does not combine with activation_threshold "
+                                  "or SmoothQuant")
+    if plan.smooth is not None:
+        smoothquant.check_alpha(plan.smooth)
+    if stats is None and needs_calibration(plan):
         progress = tqdm(total=len(calib), desc="calibrate", unit="window")
         stats = collect_stats(model, calib, schemes, progress)
         progress.close()
-    stats = stats or {}
+    stats = dict(stats or {})
     weights = {n: m.weight for n, m in layers.items()}
     rescaled: dict[str, torch.Tensor] = {}
     if plan.method == "awq":
-        weights, rescaled = _awq_scales(model, schemes, stats)
+        weights, rescaled = _fold_scales(model, schemes, stats, _awq_search)
+    elif plan.smooth is not None:
+        alpha = plan.smooth
+        weights, rescaled = _fold_scales(model, schemes, stats,
+                                         lambda ws, st, _spec: smoothquant.smooth_scale(ws, st.absmax, alpha))
+        notes.append(f"SmoothQuant alpha {alpha}: input scales folded into {len(rescaled)} norms and "
+                     f"{sum(n.endswith('.up_proj') for n in schemes) if rescaled else 0} up_proj layers' rows")
     modules = {}
     progress = tqdm(total=len(schemes), desc="quantize", unit="layer")
     for unit in units(list(schemes)):
@@ -144,9 +154,10 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
             modules[name] = QuantizedModule(q, scheme_specs(schemes[name])[1], outliers)
         progress.update(len(unit))
     progress.close()
-    if plan.method != "rtn" and any(not gptq_supports(m.weight.spec) for m in modules.values()):
-        notes.append(f"{plan.method.upper()} applies to integer group/channel weights; fp8 and nvfp4 layers are "
-                     "rounded to nearest")
+    supported = gptq_supports if plan.method == "gptq" else awq.supports
+    if plan.method != "rtn" and any(not supported(m.weight.spec) for m in modules.values()):
+        notes.append(f"{plan.method.upper()} applies to integer{' and fp8' if plan.method == 'gptq' else ''} "
+                     "group/channel weights; the other layers are rounded to nearest")
     if threshold is not None:
         kept = sum(len(m.outliers.columns) for m in modules.values() if m.outliers is not None)
         notes.append(f"activation_threshold {threshold}: {kept} input columns kept in float across "
@@ -156,10 +167,10 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
 
 def _quantize_layer(name: str, w: torch.Tensor, hessian: torch.Tensor | None, spec: QuantSpec,
                     plan: Plan) -> QuantizedWeight:
-    if plan.method == "rtn" or not gptq_supports(spec):
-        return quantize(w, spec)
-    if plan.method == "gptq":
+    if plan.method == "gptq" and gptq_supports(spec):
         return gptq(w, hessian, spec, damp=plan.gptq_damp)
+    if plan.method != "awq" or not awq.supports(spec):
+        return quantize(w, spec)
     if name.rpartition(".")[2] in ("q_proj", "k_proj"):  # llm-awq's auto_clip leaves q/k unclipped: their
         return quantize(w, spec)  # error goes through the attention scores, which a per-layer error misses
     return awq.clip_quantize(w, hessian, spec)
@@ -173,10 +184,19 @@ AWQ_FOLDS = {"self_attn.q_proj": "input_layernorm", "mlp.gate_proj": "post_atten
              "mlp.down_proj": "mlp.up_proj"}
 
 
-def _awq_scales(model: torch.nn.Module, schemes: Mapping[str, str],
-                stats: Mapping[str, InputStats]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(weights with AWQ's input-channel scales applied, the rescaled float tensors): each unit whose layers share
-    one integer scheme and have a known producer gets s from awq.search_scale."""
+def _awq_search(weights: list[torch.Tensor], stats: InputStats, spec: QuantSpec) -> torch.Tensor | None:
+    if not awq.supports(spec):
+        return None
+    s = awq.search_scale(weights, stats.hessian, stats.absmean, spec)
+    return None if bool((s == 1).all()) else s  # round to nearest won the search: nothing to fold
+
+
+def _fold_scales(model: torch.nn.Module, schemes: Mapping[str, str], stats: dict[str, InputStats],
+                 search) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(weights with input-channel scales s applied, the rescaled float tensors): each unit whose layers share one
+    scheme and have a known producer gets s = search(its weights, its input stats, spec) (None: left as is);
+    the producer computes its output / s, and `stats` is updated in place to the statistics of those inputs (GPTQ
+    and outlier detection after SmoothQuant see what the layer will)."""
     layers = linear_layers(model, schemes)
     named = dict(model.named_modules())
     weights = {n: m.weight.detach().float().clone() for n, m in layers.items()}
@@ -187,14 +207,16 @@ def _awq_scales(model: torch.nn.Module, schemes: Mapping[str, str],
         producer = AWQ_FOLDS.get(f"{sub}.{unit[0].rpartition('.')[2]}")
         spec = scheme_specs(schemes[unit[0]])[0]
         target = f"{prefix}.{producer}" if producer else None
-        if (target is None or len({schemes[n] for n in unit}) > 1 or not gptq_supports(spec)
+        if (target is None or len({schemes[n] for n in unit}) > 1
                 or target not in named or (producer == "mlp.up_proj" and target not in weights)):
             continue
-        s = awq.search_scale([weights[n] for n in unit], stats[unit[0]].hessian, stats[unit[0]].absmean, spec)
-        if bool((s == 1).all()):  # round to nearest won the search: nothing to fold
+        s = search([weights[n] for n in unit], stats[unit[0]], spec)
+        if s is None:
             continue
+        divided = stats[unit[0]].divided(s)
         for n in unit:
             weights[n] = weights[n] * s
+            stats[n] = divided
         if target in weights:  # a linear producer: its output rows
             weights[target] = weights[target] / s[:, None]
         else:  # a norm: its weight
