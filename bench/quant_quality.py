@@ -40,10 +40,19 @@ from glmserve.quant.schemes import scheme
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
     "int8": dict(scheme="int8"),
+    "int8-g64": dict(scheme="int8-g64"),
+    "int8-g32": dict(scheme="int8-g32"),
     "gptq-int8": dict(scheme="int8", method="gptq"),
     "q8_0": dict(gguf="q8_0"),  # llama.cpp's rounding, not a compressed-tensors format: applied in memory
     "w8a8": dict(scheme="w8a8"),
+    # SmoothQuant (Xiao et al. 2022) at the paper's alpha 0.5 and at 0.8 (its choice for some models)
+    "w8a8-sq": dict(scheme="w8a8", smooth=0.5),
+    "w8a8-sq0.8": dict(scheme="w8a8", smooth=0.8),
+    "gptq-w8a8-sq": dict(scheme="w8a8", smooth=0.5, method="gptq"),
     "fp8": dict(scheme="fp8"),
+    "fp8-sq": dict(scheme="fp8", smooth=0.5),
+    "gptq-fp8": dict(scheme="fp8", method="gptq"),
+    "gptq-fp8-sq": dict(scheme="fp8", smooth=0.5, method="gptq"),
     "fp8-block": dict(scheme="fp8-block"),
     "nvfp4": dict(scheme="nvfp4"),
     "rtn-w4a16": dict(scheme="w4a16"),
@@ -59,6 +68,7 @@ CONFIGS = {
     "mixed-sensitivity": dict(bits_budget="w4a16", candidates="w4a16-asym-g64,w4a16-asym,int8",
                               sensitivity="fisher"),
     "seeds-recipe": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml")),
+    "gptq-seeds-recipe": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml"), method="gptq"),
 }
 
 
@@ -88,8 +98,9 @@ class _Applied:
     """The float model running a configuration's weights (and activation rounding) until exit."""
 
     def __init__(self, model: torch.nn.Module, weights: dict[str, torch.Tensor], activations: dict,
-                 float_tensors: dict[str, torch.Tensor]):
+                 float_tensors: dict[str, torch.Tensor], kept: dict[str, torch.Tensor] | None = None):
         self.model, self.weights, self.activations, self.float_tensors = model, weights, activations, float_tensors
+        self.kept = kept or {}  # layer -> input columns kept in float (outlier columns): not rounded either
 
     def __enter__(self):
         layers = dict(self.model.named_modules())
@@ -100,7 +111,7 @@ class _Applied:
             layers[n].weight.data = w
         self.model.load_state_dict({k: v for k, v in self.float_tensors.items() if k in state}, strict=False)
         self.hooks = [layers[n].register_forward_pre_hook(
-            lambda _m, args, spec=spec: (fake_quantize_activations(args[0], spec),) + args[1:])
+            lambda _m, args, spec=spec, kept=self.kept.get(n): (_round_inputs(args[0], spec, kept),) + args[1:])
             for n, spec in self.activations.items() if spec is not None]
         return self
 
@@ -111,6 +122,18 @@ class _Applied:
         for n, w in self.saved.items():
             layers[n].weight.data = w
         self.model.load_state_dict(self.saved_float, strict=False)
+
+
+def _round_inputs(x: torch.Tensor, spec, kept: torch.Tensor | None) -> torch.Tensor:
+    """The activations as the layer quantizes them; input channels `kept` in float (the outlier columns, whose
+    weights are float too: LLM.int8()'s decomposition) are left out of the rounding and of its per-token scale."""
+    if kept is None:
+        return fake_quantize_activations(x, spec)
+    rest = torch.ones(x.shape[-1], dtype=torch.bool)
+    rest[kept] = False
+    out = x.clone()
+    out[..., rest] = fake_quantize_activations(x[..., rest], spec)
+    return out
 
 
 def _run(ckpt, options: dict, args, stats: dict, hidden: int):
@@ -133,7 +156,9 @@ def _run(ckpt, options: dict, args, stats: dict, hidden: int):
                                  stats=stats, **options)
         _, modules, rest = load_checkpoint(Path(out))
     weights = {n: dense_weight(m) for n, m in modules.items()}
-    return _Applied(ckpt.model, weights, {n: m.input_activations for n, m in modules.items()}, rest), result, None
+    kept = {n: m.outliers.columns for n, m in modules.items() if m.outliers is not None}
+    return (_Applied(ckpt.model, weights, {n: m.input_activations for n, m in modules.items()}, rest, kept),
+            result, None)
 
 
 def main() -> None:
