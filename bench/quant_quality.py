@@ -1,10 +1,11 @@
-"""Quantization quality, side by side in one run: the float model vs every weight format `glmserve quantize`
-writes (round to nearest, GPTQ, AWQ, mixed by measured sensitivity at a bits budget, the seeds' recipe), plus
+"""Quantization quality, side by side in one run: the float model vs every weight format `glmserve quantize` writes
+(round to nearest, GPTQ, AWQ, SmoothQuant, mixed by measured sensitivity at a bits budget, the seeds' recipe), plus
 llama.cpp's Q8_0 rounding. Each compressed-tensors configuration is written as a folder, read back, and run in the
-float model with the reference backend's arithmetic: its layers' weights dequantized (outlier columns restored),
-the float tensors it stores (norms, which AWQ rescales) loaded, and activations fake-quantized where the scheme
-quantizes them (W8A8's int8 tokens, FP8's E4M3 tokens). The engine's own kernels (cpu_block's int8 activation
-blocks) are not in these numbers: bench/bench_quality.py measures through the server.
+float model with the reference backend's arithmetic: its layers' weights dequantized (outlier columns restored), the
+float tensors it stores (norms, which AWQ rescales) loaded, and activations fake-quantized where the scheme
+quantizes them (W8A8's int8 tokens, FP8's E4M3 tokens; input channels whose weight columns a recipe keeps in float
+are left out of that rounding, as LLM.int8()'s decomposition computes them). The engine's own kernels (cpu_block's
+int8 activation blocks) are not in these numbers: bench/bench_quality.py measures through the server.
 
 Reported per configuration, on the calibration text (what GPTQ/AWQ/sensitivity saw) and on held-out text:
 perplexity, its increase over float32, and the mean KL divergence KL(float || quantized) of the next-token

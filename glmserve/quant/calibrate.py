@@ -13,6 +13,8 @@ act order with static groups (the reference's --act-order with static_groups=Tru
 channels whose activations are 100x the rest, and quantizing those columns last leaves no columns to absorb their
 error. Without act order, group scales (and zero points) are set from the error-updated weights when a group's
 first column is reached. Either way the result is an ordinary group-wise QuantizedWeight that every backend runs.
+FP8 E4M3 weights (per channel or group) go through the same loop, each column rounded onto the E4M3 grid under
+the fixed scales.
 """
 
 from __future__ import annotations
