@@ -9,6 +9,7 @@ FP8_TOKEN = QuantSpec(8, "float", True, "token", dynamic=True)
 
 SCHEMES: dict[str, tuple[QuantSpec, QuantSpec | None]] = {
     "int8": (QuantSpec(8, "int", True, "channel"), None),
+    "int8-g64": (QuantSpec(8, "int", True, "group", group_size=64), None),
     "w8a8": (QuantSpec(8, "int", True, "channel"), INT8_TOKEN),
     "w4a16": (QuantSpec(4, "int", True, "group", group_size=32), None),
     "w4a16-asym": (QuantSpec(4, "int", False, "group", group_size=32), None),
