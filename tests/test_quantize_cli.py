@@ -155,7 +155,7 @@ def test_smoothquant_folds_into_norms_and_up_proj_and_round_trips(tiny, tmp_path
     out = tmp_path / "q"
     _, result = run_quantize(str(tiny), str(out), scheme="w8a8", smooth=0.5, calib=[str(calib)], seq_len=32)
     assert any(k.endswith("post_attention_layernorm.weight") for k in result.float_tensors)
-    assert any("SmoothQuant alpha 0.5" in n for n in result.notes)
+    assert any("SmoothQuant alpha 0.5: input scales folded into 4 norms and 2 linear layers" in n for n in result.notes)
     config, modules, rest = load_checkpoint(out)
     for name in modules:
         _same_module(result.modules[name], modules[name])

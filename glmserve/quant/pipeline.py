@@ -128,13 +128,13 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     weights = {n: m.weight for n, m in layers.items()}
     rescaled: dict[str, torch.Tensor] = {}
     if plan.method == "awq":
-        weights, rescaled = _fold_scales(model, schemes, stats, _awq_search)
+        weights, rescaled, _ = _fold_scales(model, schemes, stats, _awq_search)
     elif plan.smooth is not None:
         alpha = plan.smooth
-        weights, rescaled = _fold_scales(model, schemes, stats,
-                                         lambda ws, st, _spec: smoothquant.smooth_scale(ws, st.absmax, alpha))
+        weights, rescaled, folded = _fold_scales(
+            model, schemes, stats, lambda ws, st, _spec: smoothquant.smooth_scale(ws, st.absmax, alpha))
         notes.append(f"SmoothQuant alpha {alpha}: input scales folded into {len(rescaled)} norms and "
-                     f"{sum(n.endswith('.up_proj') for n in schemes) if rescaled else 0} up_proj layers' rows")
+                     f"{len(folded) - len(rescaled)} linear layers' rows")
     modules = {}
     progress = tqdm(total=len(schemes), desc="quantize", unit="layer")
     for unit in units(list(schemes)):
@@ -192,15 +192,16 @@ def _awq_search(weights: list[torch.Tensor], stats: InputStats, spec: QuantSpec)
 
 
 def _fold_scales(model: torch.nn.Module, schemes: Mapping[str, str], stats: dict[str, InputStats],
-                 search) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(weights with input-channel scales s applied, the rescaled float tensors): each unit whose layers share one
-    scheme and have a known producer gets s = search(its weights, its input stats, spec) (None: left as is);
-    the producer computes its output / s, and `stats` is updated in place to the statistics of those inputs (GPTQ
-    and outlier detection after SmoothQuant see what the layer will)."""
+                 search) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """(weights with input-channel scales s applied, the rescaled float tensors, the producers folded into): each unit
+    whose layers share one scheme and have a known producer gets s = search(its weights, its input stats, spec) (None:
+    left as is); the producer computes its output / s, and `stats` is updated in place to the statistics of those
+    inputs (GPTQ and outlier detection after SmoothQuant see what the layer will)."""
     layers = linear_layers(model, schemes)
     named = dict(model.named_modules())
     weights = {n: m.weight.detach().float().clone() for n, m in layers.items()}
     rescaled: dict[str, torch.Tensor] = {}
+    folded: list[str] = []
     for unit in units(list(schemes)):
         prefix, _, _ = unit[0].rpartition(".")
         prefix, _, sub = prefix.rpartition(".")
@@ -221,7 +222,8 @@ def _fold_scales(model: torch.nn.Module, schemes: Mapping[str, str], stats: dict
             weights[target] = weights[target] / s[:, None]
         else:  # a norm: its weight
             rescaled[f"{target}.weight"] = named[target].weight.detach().float() / s
-    return weights, rescaled
+        folded.append(target)
+    return weights, rescaled, folded
 
 
 def _prepare(weight: torch.Tensor, stats: InputStats | None, threshold: float | None):
