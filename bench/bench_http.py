@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 import workloads as wl
+from llama_server import NO_REPACK
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -245,6 +246,7 @@ def server_command(key: str, port: int, peer_dtype: str) -> tuple[list[str], dic
             "32768",
             "--alias",
             SERVED_NAME,
+            *NO_REPACK,  # ggml's AMX repack crashes on this KVM guest (bench/llama_server.py)
         ], {}
     if key == "vllm":
         return [
