@@ -45,15 +45,20 @@ def extension_name(source: str, isa: str) -> str:
 
 
 def build_directory(name: str) -> Path:
-    """One extension's build directory per version of the kernel sources: the folder name carries a hash of
-    csrc's contents and the compiler flags, so checkouts with the same kernels (worktrees, a clean clone for CI)
-    share one build, and a checkout whose kernels differ never loads or overwrites another's."""
+    """One extension's build directory per version of the kernel sources and torch installation: the folder name
+    carries a hash of csrc's contents, the compiler flags and torch's location, so checkouts with the same kernels
+    and environment (worktrees on one venv) share one build, and a checkout whose kernels or venv differ (a clean
+    clone for CI) never loads or overwrites another's."""
     return extensions_root() / f"{name}-{_sources_digest()}"
 
 
 @functools.cache
 def _sources_digest() -> str:
-    digest = hashlib.sha1(" ".join(BASE_CFLAGS).encode())
+    # the torch installation too: build.ninja holds its include and library paths, so two environments (a venv
+    # and a CI clone's venv) sharing one cache would each find the other's command changed and rebuild, in turn
+    import torch
+
+    digest = hashlib.sha1(f"{' '.join(BASE_CFLAGS)} {torch.__version__} {Path(torch.__file__).parent}".encode())
     for path in sorted(SOURCE_DIR.iterdir()):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
