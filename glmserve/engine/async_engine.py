@@ -32,6 +32,8 @@ from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.outputs import EngineStats, RequestOutput, StorageStats
 from glmserve.engine.sampling import SamplingParams
 from glmserve.errors import EngineOverloadedError, GlmServeError
+from glmserve.models.quantized import HoldsWeights
+from glmserve.models.quantized import weight_bytes as model_weight_bytes
 from glmserve.sparse_settings import SparseAttentionParams
 
 logger = logging.getLogger(__name__)
@@ -345,8 +347,9 @@ def _log_loaded(engine: LLMEngine, seconds: float) -> None:
     """Startup lines: the weights (format, bytes) and the KV pool (blocks, bytes)."""
     model = engine.runner.model
     tensors = [*model.parameters(), *model.buffers()]
-    formats = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors}))
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    schemes = {m.scheme.name for m in model.modules() if isinstance(m, HoldsWeights)}
+    formats = "+".join(sorted(schemes | {str(t.dtype).removeprefix("torch.") for t in tensors}))
+    weight_bytes = model_weight_bytes(model) + sum(t.numel() * t.element_size() for t in model.buffers())
     quant = engine.config.quantization or "as in the checkpoint"
     logger.info("startup: model %s loaded in %.2f s: weights %s (quantization: %s), %.1f MB on %s", engine.model_name,
                 seconds, formats, quant, weight_bytes / 1e6, engine.device)
