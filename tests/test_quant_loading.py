@@ -92,7 +92,8 @@ def test_none_is_the_float_path(tiny_model_dir):
 
 
 def test_unknown_scheme_is_a_clear_error(tiny_model_dir):
-    with pytest.raises(InvalidRequestError, match="unknown quantization scheme 'int5'; known: none, int8, w8a8"):
+    with pytest.raises(InvalidRequestError,
+                       match="unknown quantization scheme 'int5'; known: none, int8, .*w8a8, .*nvfp4"):
         _engine(tiny_model_dir("llama"), quantization="int5")
     with pytest.raises(InvalidRequestError, match="cannot gather rows"):
         _engine(tiny_model_dir("llama"), quantization="fp8-block", quantize_embeddings=True)
