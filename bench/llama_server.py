@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import workloads as wl
+from serve_process import stop
 
 BIN = wl.BENCH_DIR / "bin"
 BUILD_BIN = wl.BENCH_DIR / "llama.cpp-build" / "bin"  # where setup_peers.sh builds them before installing
@@ -93,10 +94,4 @@ def running(flags: list[str], log: Path, gguf: Path | None = None, ready_timeout
             time.sleep(0.05)
         yield server
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, 30)

@@ -29,13 +29,18 @@ def glmserve(flags: list[str], log_path: Path, ready_timeout_s: float) -> Iterat
     try:
         yield _wait_ready(proc, log_path, ready_timeout_s)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, 60)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM a server still running, SIGKILL it if it has not exited within `timeout_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _wait_ready(proc: subprocess.Popen, log_path: Path, timeout_s: float) -> str:
