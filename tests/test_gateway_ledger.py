@@ -9,6 +9,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,6 +96,23 @@ def test_group_commit_writes_each_row_once_and_one_bad_row_fails_alone(ledger_ur
     reopened.close()
     assert sorted(r.request_id for r in rows) == sorted(f"g{i}" for i in range(100))
     assert sum(r.cost_micro for r in rows) == sum(range(100))  # the first write of each id (in queue order) wins
+
+
+def test_sqlite_checkpoints_run_off_the_commit_path_and_move_the_wal_into_the_file(tmp_path: Path) -> None:
+    """Commits never checkpoint (autocheckpoint off on the writer's connection); the checkpointer thread moves
+    the WAL's pages into the database file on its own, so the file grows while the ledger stays open."""
+    path = tmp_path / "ledger.sqlite3"
+    ledger = Ledger(f"sqlite:///{path}")
+    assert ledger._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    empty_size = path.stat().st_size
+    ledger.record_many([_row(f"c{i}", model="m" * 200) for i in range(500)])
+    deadline = time.monotonic() + 30
+    while path.stat().st_size <= empty_size and time.monotonic() < deadline:
+        time.sleep(0.1)
+    grown = path.stat().st_size
+    ledger.close()
+    assert grown > empty_size, "the rows never left the WAL for the database file"
+    assert len(Ledger(f"sqlite:///{path}").rows()) == 500
 
 
 def test_billing_report_shows_the_saving(ledger_url: str) -> None:

@@ -4,7 +4,9 @@ A row is written in one transaction (never half a row) before the response's las
 writing the same request id twice keeps the first row (idempotent). `Ledger.write` (the gateway's path) is a group
 commit: one writer thread takes every row waiting and commits them in one transaction, and each caller resumes
 after its row's commit, so a gateway killed with SIGKILL has billed exactly the usage its clients received, while
-under load many rows share one commit and one thread wake-up. Requests refused before a backend answered
+under load many rows share one commit and one thread wake-up. SQLite's WAL checkpoints (which fsync) run in a
+thread of their own with its own connection, never inside a commit that requests wait on (their ~10-30 ms were
+the commit path's p99: bench/RESULTS.md "Gateway"). Requests refused before a backend answered
 (401, 429, ...) write nothing. Money is integer micro-USD.
 
 URLs: `sqlite:///ABSOLUTE/PATH` or `sqlite:///relative/path` (three slashes, then the path), or
@@ -78,6 +80,7 @@ _SUMS = ("SELECT key_name, model, COUNT(*), SUM(prompt_tokens), SUM(cached_token
 
 
 _Pending = tuple[LedgerRow, asyncio.Future, asyncio.AbstractEventLoop]
+CHECKPOINT_EVERY_S = 1.0  # how often the checkpointer thread moves the SQLite WAL into the database file
 
 
 class Ledger:
@@ -88,6 +91,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
+        self._checkpoints: _Checkpointer | None = None  # SQLite only
         if self.url.startswith("sqlite:///"):
             path = Path(self.url.removeprefix("sqlite:///"))
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,10 +100,12 @@ class Ledger:
                 self._conn.execute("PRAGMA journal_mode=WAL")
                 self._conn.execute("PRAGMA synchronous=NORMAL")  # WAL commits survive a killed process
                 self._conn.execute("PRAGMA busy_timeout=5000")
+                self._conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread does it, off commits
                 self._conn.execute(SCHEMA)
                 self._conn.execute(INDEX)
             except sqlite3.Error as exc:
                 raise LedgerError(f"cannot open the SQLite ledger {path}: {exc}") from exc
+            self._checkpoints = _Checkpointer(path)
             self._param = "?"
             self._insert_tail = " ON CONFLICT (request_id) DO NOTHING"
         elif self.url.startswith(("postgresql://", "postgres://")):
@@ -207,8 +213,40 @@ class Ledger:
             self._pending.put(None)
             self._writer.join()
             self._writer = None
+        if self._checkpoints is not None:
+            self._checkpoints.stop()
         with self._lock:
             self._conn.close()
+
+
+class _Checkpointer:
+    """Runs SQLite's PASSIVE WAL checkpoint every CHECKPOINT_EVERY_S on its own connection (it waits for no writer
+    and no writer waits for it; the WAL would otherwise grow without bound with autocheckpoint off)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ledger-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        conn = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
+        try:
+            conn.execute("PRAGMA busy_timeout=5000")
+            while not self._stopping.wait(CHECKPOINT_EVERY_S):
+                self._checkpoint(conn)
+            self._checkpoint(conn)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _checkpoint(conn: sqlite3.Connection) -> None:
+        with suppress(sqlite3.Error):  # busy or locked: the next round moves what is left
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
 
 
 def _resolve(done: list[tuple[asyncio.Future, bool | Exception]]) -> None:
