@@ -24,6 +24,9 @@ from glmserve.server.compress_routes import router as compress_router
 from glmserve.server.config import ServerConfig
 from glmserve.server.errors import install_error_handlers
 from glmserve.server.generation import ClientDisconnectedError
+from glmserve.server.interaction_log import InteractionLog
+from glmserve.server.interactions import Interactions
+from glmserve.server.interactions import router as feedback_router
 from glmserve.server.limits import BodySizeLimit
 from glmserve.server.logs import RequestIdMiddleware
 from glmserve.server.metrics import HTTPMetricsMiddleware, ServerMetrics
@@ -125,12 +128,17 @@ def create_app(
     )
     metrics_ = ServerMetrics(engine)
     serving = ServingContext(engine, metrics_, server_config)
+    if server_config.log_interactions is not None:
+        serving.interactions = Interactions(InteractionLog(server_config.log_interactions, metrics_.registry,
+                                                           server_config.log_interactions_max_bytes))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
         await engine.shutdown()
+        if serving.interactions is not None:
+            serving.interactions.log.close()
 
     app = FastAPI(title="glmserve", lifespan=lifespan)
     app.state.serving = serving
@@ -152,4 +160,5 @@ def create_app(
     app.include_router(sessions_router)
     app.include_router(compress_router)
     app.include_router(responses_router)
+    app.include_router(feedback_router)
     return app

@@ -43,6 +43,9 @@ class ServerConfig:
     # what one request may cost (glmserve/server/limits.py)
     limits: RequestLimits = field(default_factory=RequestLimits)
     log_format: str = "text"  # or "json" (glmserve/server/logs.py)
+    # one JSONL line per finished request in this directory (glmserve/server/interactions.py); None: off
+    log_interactions: str | None = None
+    log_interactions_max_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -55,6 +58,8 @@ class ServerConfig:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.session_summary_threshold < 1 or self.session_summary_keep < 1:
             raise ValueError("session_summary_threshold and session_summary_keep must be >= 1")
+        if self.log_interactions_max_bytes < 1024:
+            raise ValueError(f"log_interactions_max_bytes must be >= 1024, got {self.log_interactions_max_bytes}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
@@ -117,6 +122,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="format of the model's tool calls (default: the one its chat template implies, else hermes)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split the model's <think> part into reasoning_content (as vLLM's parsers; default: off)")
+    g.add_argument("--log-interactions", default=None, metavar="DIR",
+                   help="write each finished request (messages, answer, finish reason, usage) and client feedback "
+                        "(POST /v1/feedback) as JSONL in DIR, for `glmserve data feedback` (default: off)")
+    g.add_argument("--log-interactions-max-bytes", type=int, default=64 << 20, metavar="N",
+                   help="bytes per interaction log file before it rotates (files rotate each UTC day too)")
     add_limit_args(parser)
     add_gateway_options(parser)
 
@@ -155,4 +165,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         gateway=GatewaySettings.from_args(args),
         limits=RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)}),
         log_format=args.log_format,
+        log_interactions=args.log_interactions,
+        log_interactions_max_bytes=args.log_interactions_max_bytes,
     )

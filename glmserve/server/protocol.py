@@ -130,6 +130,7 @@ class SamplingRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None  # OpenAI's tags; written to the interaction log (--log-interactions)
     # extras accepted as vLLM accepts them
     top_k: int | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None

@@ -89,7 +89,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     model, model_id, generation, budget = run.model, run.model_id, run.generation, run.budget
     tools = body.active_tools()
     if body.stream:
-        return SSEResponse(_stream(body, run), on_close=generation.abort,
+        return SSEResponse(_stream(body, run, ctx), on_close=generation.abort,
                            headers=budget.headers())
     try:
         final = await cancel_on_disconnect(raw, generation.final())
@@ -112,6 +112,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     )
     if run.trace is not None:
         response = ChatCompletionWithTrace(**dict(response), context_compression=run.trace)
+    if ctx.interactions is not None:
+        ctx.interactions.chat(generation.request_id, model_id, body.messages, final, body.metadata)
     return json_response(response, headers=budget.headers())
 
 
@@ -124,7 +126,7 @@ def _finish_reason(engine_reason: str | None, called: bool) -> FinishReason | No
     return "tool_calls" if called and engine_reason == "stop" else engine_reason  # type: ignore[return-value]
 
 
-async def _stream(body: ChatCompletionRequest, run: ChatRun) -> AsyncIterator[str]:
+async def _stream(body: ChatCompletionRequest, run: ChatRun, ctx: ServingContext) -> AsyncIterator[str]:
     """Chunks as OpenAI sends them: a role delta, content (and reasoning_content) deltas, a finish delta per
     choice, then (stream_options.include_usage) a usage chunk with no choices, then [DONE]."""
     generation, model, model_id = run.generation, run.model, run.model_id
@@ -178,6 +180,8 @@ async def _stream(body: ChatCompletionRequest, run: ChatRun) -> AsyncIterator[st
                     usage=usage_of([generation.last]),
                 )
             )
+        if ctx.interactions is not None and generation.last is not None:
+            ctx.interactions.chat(generation.request_id, model_id, body.messages, generation.last, body.metadata)
     except Exception as exc:
         yield error_event(exc)
     yield DONE

@@ -64,7 +64,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     echoes = [_echo_text(body, model, p) for p in body.prompts()]  # after the engine checked the token ids
     if body.stream:
         builder = _ChoiceBuilder(body, model, echoes)
-        events = _stream(body, generations, builder, request_id, model_id)
+        events = _stream(body, generations, builder, request_id, model_id, ctx)
         return SSEResponse(events, on_close=lambda: abort_all(generations), headers=headers)
     try:
         finals = await cancel_on_disconnect(raw, _finals(generations))
@@ -74,6 +74,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServingC
     choices = [choice for p, final in enumerate(finals) for c in final.outputs
                if (choice := builder.delta(p, final, c))]
     response = CompletionResponse(id=request_id, model=model_id, choices=choices, usage=usage_of(finals))
+    if ctx.interactions is not None:
+        ctx.interactions.completion(request_id, model_id, body.prompts(), finals, body.metadata)
     return json_response(response, headers=headers)
 
 
@@ -142,6 +144,7 @@ async def _stream(
     builder: _ChoiceBuilder,
     request_id: str,
     model_id: str,
+    ctx: ServingContext,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     try:
@@ -152,6 +155,9 @@ async def _stream(
         if body.include_usage():
             usage = usage_of([g.last for g in generations if g.last is not None])
             yield event(CompletionResponse(id=request_id, created=created, model=model_id, choices=[], usage=usage))
+        if ctx.interactions is not None:
+            ctx.interactions.completion(request_id, model_id, body.prompts(), [g.last for g in generations
+                                                                               if g.last is not None], body.metadata)
     except Exception as exc:
         yield error_event(exc)
     yield DONE

@@ -15,6 +15,7 @@ from glmserve.server.aliases import AliasTable
 from glmserve.server.chat_turns import template_turns
 from glmserve.server.config import ServerConfig
 from glmserve.server.errors import BadRequestError, ServiceUnavailableError
+from glmserve.server.interactions import Interactions
 from glmserve.server.logprobs import TokenFormatter
 from glmserve.server.metrics import ServerMetrics
 from glmserve.server.protocol import ChatMessage, ToolDefinition
@@ -65,6 +66,7 @@ class ServingContext:
     engine: AsyncEngine
     metrics: ServerMetrics
     config: ServerConfig
+    interactions: Interactions | None = None  # --log-interactions
     _loaded: ServedModel | None = field(default=None, init=False)
 
     def on_engine_loaded(self, engine: LLMEngine) -> None:
