@@ -108,22 +108,16 @@ def _run_stage(work: Path, stage: str, pipeline: list, tasks: int = 1, workers: 
 
 def _minhash(cfg: dict[str, Any], work: Path, rejected: Path, progress: bool, workers: int) -> None:
     from datatrove.pipeline.dedup.minhash import (
-        MinhashConfig,
         MinhashDedupBuckets,
         MinhashDedupCluster,
         MinhashDedupFilter,
         MinhashDedupSignature,
     )
-    from datatrove.utils.hashing import HashConfig
 
     from glmserve.data.filters import WORDS
+    from glmserve.data.near_dup import minhash_config
 
-    settings = cfg["minhash"]
-    try:
-        # sha1: datatrove 0.10 passes str to xxhash, which xxhash 4 refuses
-        mh = MinhashConfig(**settings, hash_config=HashConfig(precision=64, hash_fc="sha1"))
-    except TypeError as e:
-        raise InvalidRequestError(f"config step 'minhash': {e}") from e
+    mh = minhash_config(cfg["minhash"])
     filtered, mdir = work / "filtered", work / "minhash"
     _run_stage(work, "minhash_signatures", [_reader(filtered / "00000.jsonl", False),
                                             MinhashDedupSignature(str(mdir / "signatures"), config=mh,

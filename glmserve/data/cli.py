@@ -28,8 +28,14 @@ def _cmd_scrub(args: argparse.Namespace) -> None:
     print(json.dumps({"records": total, "out": args.out}))
 
 
+def _cmd_augment(args: argparse.Namespace) -> None:
+    from glmserve.data.augment import augment
+
+    print(json.dumps(augment(args.input, args.out, kind=args.kind, lang=args.lang), ensure_ascii=False))
+
+
 def add_data_parser(sub: argparse._SubParsersAction) -> None:
-    data = sub.add_parser("data", help="training-data pipeline: clean, scrub")
+    data = sub.add_parser("data", help="training-data pipeline: clean, scrub, augment, feedback")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     clean = data_sub.add_parser("clean", help="rule filters and MinHash dedup on datatrove: kept.jsonl, "
                                 "rejected.jsonl, report.json in DIR (a rerun resumes)")
@@ -48,3 +54,11 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     scrub.add_argument("--out", required=True, metavar="OUT.jsonl")
     scrub.add_argument("--spans", action="store_true", help="record each finding's span, not only its type")
     scrub.set_defaults(handler=_cmd_scrub)
+    augment = data_sub.add_parser("augment", help="code-explanation pairs (Python docstrings) and section-summary "
+                                  "pairs (Markdown, RST, numbered text) as chat JSONL (glmserve/data/augment.py)")
+    augment.add_argument("input", nargs="+", metavar="IN", help="files or directories (walked)")
+    augment.add_argument("--out", required=True, metavar="OUT.jsonl")
+    augment.add_argument("--kind", default="auto", choices=["code", "sections", "auto"],
+                         help="auto: .py files are code, .md/.rst/.txt documents")
+    augment.add_argument("--lang", default="en", choices=["en", "zh"], help="language of the templates")
+    augment.set_defaults(handler=_cmd_augment)
