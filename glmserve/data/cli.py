@@ -34,6 +34,15 @@ def _cmd_augment(args: argparse.Namespace) -> None:
     print(json.dumps(augment(args.input, args.out, kind=args.kind, lang=args.lang), ensure_ascii=False))
 
 
+def _cmd_feedback(args: argparse.Namespace) -> None:
+    from glmserve.data.feedback import feedback
+
+    report = feedback(args.log_dir, args.out, train_sets=args.train_set, max_self_share=args.max_self_share,
+                      min_tier=args.min_tier)
+    print(json.dumps({k: report[k] for k in ("interactions", "candidates", "kept", "tiers", "rejected_by_reason",
+                                             "self_share")}, ensure_ascii=False))
+
+
 def add_data_parser(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="training-data pipeline: clean, scrub, augment, feedback")
     data_sub = data.add_subparsers(dest="data_command", required=True)
@@ -62,3 +71,15 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
                          help="auto: .py files are code, .md/.rst/.txt documents")
     augment.add_argument("--lang", default="en", choices=["en", "zh"], help="language of the templates")
     augment.set_defaults(handler=_cmd_augment)
+    fb = data_sub.add_parser("feedback", help="served interactions (serve --log-interactions DIR) to training "
+                             "records: graded, PII-scrubbed, deduplicated, capped (glmserve/data/feedback.py)")
+    fb.add_argument("log_dir", metavar="DIR")
+    fb.add_argument("--out", required=True, metavar="OUT", help="directory for kept.jsonl, rejected.jsonl, report.json")
+    fb.add_argument("--train-set", action="append", default=[], metavar="FILE",
+                    help="JSONL/Parquet training records (text, messages or prompt/completion) to deduplicate "
+                         "against and to cap the share against (repeatable)")
+    fb.add_argument("--max-self-share", type=float, default=0.2,
+                    help="largest share of training set + kept records that may come from the logs (default 0.2)")
+    fb.add_argument("--min-tier", default="medium", choices=["high", "medium", "low"],
+                    help="lowest confidence tier kept (default medium)")
+    fb.set_defaults(handler=_cmd_feedback)
