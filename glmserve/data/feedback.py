@@ -6,7 +6,8 @@ token ids, a conversation with tool calls (their arguments are not scrubbed), a 
 The rest get a confidence score (RULE below) and a tier: high >= 0.8, medium >= 0.6, low below; tiers under
 `min_tier` (default medium) are rejected as `low_confidence`. Survivors have every message and the answer
 scrubbed of PII (glmserve/data/pii.py), then are dropped when they repeat the training set or a better
-candidate (exact or MinHash near duplicate, glmserve/data/near_dup.py), best score first. Last, the
+candidate (exact or MinHash near duplicate of the text scrubbed or not, system turns left out,
+glmserve/data/near_dup.py), best score first. Last, the
 self-generated share is capped: at most `max_self_share` of training set + kept records come from the logs
 (lowest scores dropped first, `self_share_cap`); without --train-set there is nothing to cap against, which the
 report says. OUT/kept.jsonl holds chat records (`messages`) or prompt/completion records, each with `id`, tier,
@@ -163,12 +164,22 @@ def candidates(logs: Logs) -> Iterator[Candidate]:
 
 
 def _dedup_text(rec: dict[str, Any]) -> str:
-    """The text a record is compared by: `text`, or its messages' contents, or prompt and completion."""
+    """The text a record is compared by: `text`, or its messages' contents (system and developer turns left out:
+    one deployment's instructions are in every conversation and would make them all near duplicates), or
+    prompt and completion."""
     if isinstance(rec.get("text"), str):
         return rec["text"]
     if isinstance(rec.get("messages"), list):
-        return "\n".join(str(m.get("content") or "") for m in rec["messages"] if isinstance(m, dict))
+        return "\n".join(str(m.get("content") or "") for m in rec["messages"]
+                         if isinstance(m, dict) and m.get("role") not in ("system", "developer"))
     return f"{rec.get('prompt') or ''}\n{rec.get('completion') or ''}"
+
+
+def _raw_text(c: Candidate) -> str:
+    """The candidate's text before scrubbing (a training set that was never scrubbed matches this one)."""
+    if c.rec.get("messages") is not None:
+        return _dedup_text({"messages": [*c.rec["messages"], {"role": "assistant", "content": c.choice["text"]}]})
+    return _dedup_text({"prompt": c.rec["prompt"], "completion": c.choice["text"]})
 
 
 def _read_train_set(path: str | Path) -> Iterator[dict[str, Any]]:
@@ -248,7 +259,7 @@ def feedback(log_dir: str | Path, out_dir: str | Path, train_sets: list[str] | N
     for c in tqdm(survivors, desc="feedback", unit="answer", disable=not show):
         record = _scrubbed(c, pii)
         text = _dedup_text(record)
-        hit = index.match(text)
+        hit = index.match(text) or index.match(_raw_text(c))
         if hit is not None:
             how, other = hit
             from_train = other.startswith(TRAIN_ID)
