@@ -114,7 +114,7 @@ def _records(path: Path) -> list[dict]:
 
 def test_python_definitions_with_docstrings(tmp_path: Path) -> None:
     src = tmp_path / "mod.py"
-    src.write_text(CODE, encoding="utf-8")
+    src.write_text(CODE.replace("\n\nclass Stack", "\n\x0c\nclass Stack"), encoding="utf-8")  # a form feed line
     report = augment([str(src)], tmp_path / "out.jsonl")
     records = _records(tmp_path / "out.jsonl")
     assert report["by_task"] == {"code_explanation": 4, "code_generation": 4}

@@ -49,10 +49,16 @@ class Stats:
     skipped: Counter = field(default_factory=Counter)
 
 
+def _lines(text: str) -> list[str]:
+    """Lines with their ends, split only at \\n, \\r\\n and \\r as Python's tokenizer does (str.splitlines also
+    splits at form feeds and other separators, which would shift ast's line numbers)."""
+    return re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$", text)
+
+
 def _line_offsets(text: str) -> list[int]:
     """Character offset of the start of each line (1-based line n starts at offsets[n - 1])."""
     offsets, pos = [0], 0
-    for line in text.splitlines(keepends=True):
+    for line in _lines(text):
         pos += len(line)
         offsets.append(pos)
     return offsets
@@ -100,7 +106,7 @@ def code_pairs(source: dict[str, Any], text: str, lang: str, stats: Stats) -> It
     except SyntaxError:
         stats.skipped["python_syntax_error"] += 1
         return
-    lines = text.splitlines(keepends=True)
+    lines = _lines(text)
     offsets = _line_offsets(text)
     for node, name, kind in _definitions(tree.body):
         doc = ast.get_docstring(node)
@@ -204,7 +210,7 @@ def _numbered_headings(lines: list[str], offsets: list[int]) -> list[Heading]:
 
 def headings(text: str, suffix: str) -> list[Heading]:
     """The document's headings with their section ends."""
-    lines = text.splitlines(keepends=True)
+    lines = _lines(text)
     offsets = _line_offsets(text)
     if suffix in (".md", ".markdown"):
         found = _markdown_headings(lines, offsets)
