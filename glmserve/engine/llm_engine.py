@@ -299,7 +299,7 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        stop_string = seq.detokenizer.append(token)
+        stop_string = seq.detokenize(token)
         reason: tuple[str, str | int | None] | None = None
         if stop_string is not None:
             reason = ("stop", stop_string)
@@ -325,6 +325,7 @@ class LLMEngine:
                 index=s.index,
                 text=s.detokenizer.visible_text(s.is_finished),
                 token_ids=s.output_token_ids,
+                text_ends=list(s.text_ends),
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,  # a snapshot across threads
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,

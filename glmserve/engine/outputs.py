@@ -22,7 +22,10 @@ class TokenLogprob:
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request. `text` and `token_ids` are cumulative and append-only."""
+    """One sample of a request. `text` and `token_ids` are cumulative and append-only. `text_ends[i]` is where
+    token i's text ends in the full text (`text[:text_ends[i]]` is what tokens 0..i wrote; while running, the
+    visible `text` may hold back a tail that could become a stop string); a token that completes no character
+    (part of a multi-byte one, a skipped special token) ends where the one before it does."""
 
     index: int
     text: str
@@ -30,6 +33,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None  # None while running, else "stop" | "length" | "abort"
     stop_reason: str | int | None = None
+    text_ends: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -53,6 +53,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.kv = SeqKV(self.seq_id, self.token_ids, self.num_prompt_tokens, cache_salt)
         self.detokenizer = detokenizer
+        self.text_ends: list[int] = []  # per output token: the length of the detokenized text once it was added
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # the request's prompt logprobs: sample 0 computes them, the other samples then share its cached prompt
         self.prompt_scores: PromptScores | None = None
@@ -113,6 +114,19 @@ class Sequence:
     def sort_key(self) -> tuple[int, int]:
         """Scheduling order: lower priority value first, then arrival."""
         return (self.priority, self.seq_id)
+
+    def detokenize(self, token_id: int) -> str | None:
+        """Adds the (appended) token's text; returns the stop string it completed (the text is cut there, which
+        may shorten what earlier tokens of that stop string had added)."""
+        stop = self.detokenizer.append(token_id)
+        end = len(self.detokenizer.text)
+        ends = self.text_ends
+        i = len(ends)
+        while stop is not None and i and ends[i - 1] > end:
+            i -= 1
+            ends[i] = end
+        ends.append(end)
+        return stop
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
         self.token_ids.append(token_id)

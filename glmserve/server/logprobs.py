@@ -8,6 +8,7 @@ multi-byte character: the byte-level alphabet is mapped back to bytes for those.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from tokenizers import decoders
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from glmserve.engine.outputs import CompletionOutput
 from glmserve.engine.outputs import TokenLogprob as EngineTokenLogprob
 from glmserve.server.protocol import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
@@ -65,6 +67,16 @@ def chat_logprobs(
         for tid, lp in zip(token_ids, logprobs)
     ]
     return ChoiceLogprobs(content=content)
+
+
+def span_logprobs(fmt: TokenFormatter, output: CompletionOutput, start: int, end: int) -> list[TokenLogprob]:
+    """The logprobs of the tokens whose text ends within `output.text[start:end]` (a Responses `output_text`
+    part, or one delta of it): spans that tile a text give each of its tokens once, so a stream's deltas carry
+    the logprobs of the whole answer."""
+    first = bisect.bisect_right(output.text_ends, start)
+    last = bisect.bisect_right(output.text_ends, end)
+    content = chat_logprobs(fmt, output.token_ids[first:last], (output.logprobs or [])[first:last]).content
+    return content or []
 
 
 def completion_logprobs(

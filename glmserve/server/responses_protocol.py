@@ -107,6 +107,14 @@ class TextConfig(_Request):
     format: TextFormat | None = None
 
 
+# OpenAI's `include` values (openai/types/responses/response_includable.py); the others name items of built-in
+# tools or images, which this server refuses anyway, so they include nothing
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs", "reasoning.encrypted_content", INCLUDE_LOGPROBS)
+
+
 class ResponsesRequest(_Request):
     model: str | None = None
     input: str | list[InputItem]
@@ -123,11 +131,27 @@ class ResponsesRequest(_Request):
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # alternatives per token, with INCLUDE_LOGPROBS
     # glmserve / vLLM extras, as on chat completions
     seed: int | None = None
     top_k: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     session_id: Annotated[str, Field(pattern=SESSION_ID_PATTERN)] | None = None
+
+    @model_validator(mode="after")
+    def _check_include(self) -> ResponsesRequest:
+        for value in self.include or ():
+            if value not in INCLUDABLE:
+                raise ValueError(f"unknown include value {value!r}; expected one of {', '.join(INCLUDABLE)}")
+            if value == "reasoning.encrypted_content":
+                raise ValueError("include 'reasoning.encrypted_content' is not supported by this server (reasoning "
+                                 "is returned as text; use store and previous_response_id to continue)")
+        return self
+
+    def logprobs(self) -> int | None:
+        """None: no logprobs; else the alternatives per token (message.output_text.logprobs included)."""
+        return (self.top_logprobs or 0) if INCLUDE_LOGPROBS in (self.include or ()) else None
 
 
 # ---------------------------------------------------------------------- output
@@ -220,6 +244,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     tool_choice: Any = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: int | None = None
     top_p: float | None = None
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None = None

@@ -108,7 +108,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
             finish_reason=_finish_reason(c.finish_reason, bool(calls)),
         ))
     response = ChatCompletionResponse(
-        id=generation.request_id, model=model_id, choices=choices, usage=usage_of([final])
+        id=generation.request_id, model=model_id, choices=choices, usage=usage_of([final], run.reasoning)
     )
     if run.trace is not None:
         response = ChatCompletionWithTrace(**dict(response), context_compression=run.trace)
@@ -177,7 +177,7 @@ async def _stream(body: ChatCompletionRequest, run: ChatRun, ctx: ServingContext
                     created=created,
                     model=model_id,
                     choices=[],
-                    usage=usage_of([generation.last]),
+                    usage=usage_of([generation.last], run.reasoning),
                 )
             )
         if ctx.interactions is not None and generation.last is not None:

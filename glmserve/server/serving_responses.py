@@ -30,8 +30,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from glmserve.engine.outputs import CompletionOutput
 from glmserve.server.errors import APIError, BadRequestError
 from glmserve.server.generation import cancel_on_disconnect
+from glmserve.server.logprobs import TokenFormatter, span_logprobs
 from glmserve.server.protocol import ChatCompletionRequest, ChatMessage
 from glmserve.server.reasoning import ReasoningParser, ReasoningStream
 from glmserve.server.responses import SSEResponse, json_response, stream_error
@@ -118,6 +120,7 @@ def chat_request(body: ResponsesRequest, messages: list[ChatMessage]) -> ChatCom
         "seed": body.seed, "top_k": body.top_k, "stream": body.stream, "user": body.user,
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body),
         "chat_template_kwargs": body.chat_template_kwargs,
+        "logprobs": body.logprobs() is not None, "top_logprobs": body.logprobs(),
         "tools": [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                   for t in body.tools] if body.tools else None,
         "tool_choice": ({"type": "function", "function": {"name": choice.name}}
@@ -139,19 +142,26 @@ class OutputBuilder:
     """Reads the cumulative output text into output items and the stream events that build them.
 
     Items open one after the other (reasoning, message, function calls); opening one closes the previous. The
-    whole answer (non-streamed) is one `feed(text, final=True)`, so both paths make the same items.
+    whole answer (non-streamed) is one `feed(text, final=True)`, so both paths make the same items. With a token
+    formatter (`message.output_text.logprobs` included), each text delta carries the logprobs of the tokens that
+    wrote it, read from the engine's output (`feed`'s `tokens`).
     """
 
-    def __init__(self, reasoning: ReasoningParser | None, calls: ToolCalls | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, calls: ToolCalls | None,
+                 formatter: TokenFormatter | None = None) -> None:
         self._split = ReasoningStream(reasoning)
         self._calls = calls
+        self._formatter = formatter
+        self._tokens: CompletionOutput | None = None
         self._sent_content = 0
         self._pending = ""  # blank content not shown yet: it opens a message only if text follows
         self._open: OutputItem | None = None
         self._by_call: dict[int, OutputFunctionCall] = {}
         self.items: list[OutputItem] = []
 
-    def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
+    def feed(self, text: str, final: bool, tokens: CompletionOutput | None = None) -> list[dict[str, Any]]:
+        """The events that the output so far (`text`; `tokens`: the engine's output it is the text of) adds."""
+        self._tokens = tokens
         events: list[dict[str, Any]] = []
         reasoning = self._split.update(text, final)
         if reasoning:
@@ -194,9 +204,20 @@ class OutputBuilder:
             return
         self._pending = ""
         item = self._current(OutputMessage, events)
-        item.content[0].text += text
+        part = item.content[0]
+        logprobs = self._logprobs(len(part.text), len(part.text) + len(text))
+        part.text += text
+        part.logprobs += logprobs
         if text:
-            events.append(self._part_event("response.output_text.delta", item, delta=text, logprobs=[]))
+            events.append(self._part_event("response.output_text.delta", item, delta=text, logprobs=logprobs))
+
+    def _logprobs(self, start: int, end: int) -> list[dict[str, Any]]:
+        """The logprobs of the tokens that wrote the message's text[start:end]."""
+        if self._formatter is None or self._tokens is None:
+            return []
+        offset = self._split.content_start  # the message's text is the content's beginning
+        return [t.model_dump(mode="json") for t in
+                span_logprobs(self._formatter, self._tokens, offset + start, offset + end)]
 
     def _current(self, kind: type, events: list[dict[str, Any]]) -> Any:
         if not isinstance(self._open, kind):
@@ -226,7 +247,7 @@ class OutputBuilder:
         else:
             text = item.content[0].text
             kind = "output_text" if isinstance(item, OutputMessage) else "reasoning_text"
-            extra = {"logprobs": []} if isinstance(item, OutputMessage) else {}
+            extra = {"logprobs": item.content[0].logprobs} if isinstance(item, OutputMessage) else {}
             events.append(self._part_event(f"response.{kind}.done", item, text=text, **extra))
             events.append(self._part_event("response.content_part.done", item,
                                            part=item.content[0].model_dump(mode="json")))
@@ -270,13 +291,15 @@ class _Turn:
         tools = chat.active_tools()
         calls = ToolCalls(run.model.tool_parser, tools, chat.parallel_calls()) if tools else None
         self.body, self.run, self.history, self.session_id, self.store = body, run, history, session_id, store
-        self.builder = OutputBuilder(run.reasoning, calls)
+        self.builder = OutputBuilder(run.reasoning, calls,
+                                     run.model.formatter if body.logprobs() is not None else None)
         choice = body.tool_choice
         self.response = ResponseObject(
             id=run.generation.request_id, model=run.model_id, instructions=body.instructions,
             max_output_tokens=body.max_output_tokens, metadata=body.metadata or {},
             parallel_tool_calls=body.parallel_tool_calls, previous_response_id=body.previous_response_id,
             store=store, temperature=body.temperature, top_p=body.top_p, user=body.user,
+            top_logprobs=body.top_logprobs,
             text={"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                              if body.text is not None and body.text.format is not None else {"type": "text"})},
             tool_choice=choice.model_dump() if isinstance(choice, FunctionToolChoice) else (choice or "auto"),
@@ -288,7 +311,7 @@ class _Turn:
         assert final is not None
         complete = final.outputs[0].finish_reason != "length"
         events = self.builder.close(complete)
-        usage = usage_of([final])
+        usage = usage_of([final], self.run.reasoning)
         r = self.response
         r.output, r.completed_at = self.builder.items, time.time()
         r.status = "completed" if complete else "incomplete"
@@ -296,7 +319,8 @@ class _Turn:
         r.usage = ResponseUsage(
             input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
-            output_tokens_details=OutputTokensDetails())
+            output_tokens_details=OutputTokensDetails(
+                reasoning_tokens=usage.completion_tokens_details.reasoning_tokens))
         if self.store:
             messages = [*self.history, assistant_turn(r.output)]
             await ctx.engine.set_session_summary(r.id, {
@@ -326,7 +350,7 @@ async def _stream(turn: _Turn, ctx: ServingContext) -> AsyncIterator[str]:
     try:
         async for output in turn.run.generation.outputs():
             c = output.outputs[0]
-            yield _sse(turn.builder.feed(c.text, final=c.finish_reason is not None), counter)
+            yield _sse(turn.builder.feed(c.text, final=c.finish_reason is not None, tokens=c), counter)
         events = await turn.finish(ctx)
         done = "response.completed" if turn.response.status == "completed" else "response.incomplete"
         yield _sse([*events, {"type": done, "response": turn.response.model_dump(mode="json")}], counter)
@@ -358,7 +382,7 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
         final = await cancel_on_disconnect(raw, run.generation.final())
     finally:
         run.generation.abort()
-    turn.builder.feed(final.outputs[0].text, final=True)
+    turn.builder.feed(final.outputs[0].text, final=True, tokens=final.outputs[0])
     await turn.finish(ctx)
     return json_response(turn.response, headers=turn.headers())
 
