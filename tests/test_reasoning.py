@@ -4,9 +4,15 @@
 from __future__ import annotations
 
 import pytest
+from tiny_models import tiny_tokenizer
 
+from glmserve.engine.detokenizer import IncrementalDetokenizer
+from glmserve.engine.outputs import CompletionOutput, TokenLogprob
+from glmserve.engine.sampling import SamplingParams
+from glmserve.engine.sequence import Sequence
+from glmserve.server.logprobs import TokenFormatter
 from glmserve.server.protocol import ToolDefinition
-from glmserve.server.reasoning import ReasoningStream, reasoning_parser, thinking_disabled
+from glmserve.server.reasoning import ReasoningStream, reasoning_parser, reasoning_tokens, thinking_disabled
 from glmserve.server.serving_responses import OutputBuilder
 from glmserve.server.tool_parsers import tool_parser
 from glmserve.server.tool_stream import ToolCalls
@@ -49,6 +55,18 @@ def test_thinking_switch_and_unknown_parser() -> None:
     assert not thinking_disabled(None) and not thinking_disabled({"enable_thinking": True})
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         reasoning_parser("qwen9")
+
+
+def test_reasoning_tokens_are_those_between_the_tags() -> None:
+    glm, r1 = reasoning_parser("glm45"), reasoning_parser("deepseek_r1")
+    text = "<think>pl</think>A"
+    assert reasoning_tokens(glm, text, [7, 8, 9, 17, 18]) == 2  # a token per tag, as GLM's: <think> p l </think> A
+    # tags of several tokens: "<" "think" ">p" "l" "</" "think>" "A"; the token with the tag's end and "p" counts
+    assert reasoning_tokens(glm, text, [1, 6, 8, 9, 11, 17, 18]) == 2
+    assert reasoning_tokens(glm, "<think>abc", [7, 8, 9, 10]) == 3  # cut short while thinking: all after the tag
+    assert reasoning_tokens(r1, "ab</think>c", [1, 2, 10, 11]) == 2  # the template opened the tag
+    assert reasoning_tokens(glm, "<think></think>Hi", [7, 15, 17]) == 0
+    assert reasoning_tokens(glm, "Hello", [5]) == 0 and reasoning_tokens(None, text, [7, 8, 9, 17, 18]) == 0
 
 
 WEATHER = ToolDefinition.model_validate({"type": "function", "function": {
@@ -102,3 +120,47 @@ def test_blank_text_before_a_call_makes_no_message_and_an_empty_answer_one() -> 
     assert [e["type"] for e in events] == ["response.output_item.added", "response.content_part.added",
                                            "response.output_text.done", "response.content_part.done",
                                            "response.output_item.done"]
+
+
+def _engine_output(tokenizer, text: str) -> CompletionOutput:
+    """What the engine hands back for an output of `text`'s tokens (made-up logprobs): the text ends are the
+    sequence's own (Sequence.detokenize)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    seq = Sequence("r", 0, [0], SamplingParams(logprobs=1), IncrementalDetokenizer(tokenizer, [0], stop=[]))
+    for i, token in enumerate(ids):
+        seq.append_token(token, TokenLogprob(token, -i / 8, [(token, -i / 8)]))
+        seq.detokenize(token)
+    return CompletionOutput(0, seq.detokenizer.text, seq.output_token_ids, seq.logprobs, text_ends=seq.text_ends)
+
+
+def test_message_logprobs_are_its_tokens_whole_and_streamed() -> None:
+    tokenizer = tiny_tokenizer(320)
+    out = _engine_output(tokenizer, ANSWER)
+    assert out.text == ANSWER and out.text_ends[-1] == len(ANSWER)
+    pieces = [tokenizer.decode([t]) for t in out.token_ids]  # ASCII: the pieces are the text, token by token
+    starts = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    thought = (len("<think>"), ANSWER.index("</think>"))
+    assert reasoning_tokens(reasoning_parser("glm45"), out.text, out.text_ends) == sum(
+        s < thought[1] and s + len(p) > thought[0] for s, p in zip(starts, pieces)) > 3
+
+    def builder() -> OutputBuilder:
+        return OutputBuilder(reasoning_parser("glm45"), ToolCalls(tool_parser("hermes"), [WEATHER], parallel=True),
+                             TokenFormatter(tokenizer))
+
+    whole = builder()
+    whole.feed(out.text, final=True, tokens=out)
+    whole.close(complete=True)
+    message = whole.items[1].content[0]
+    assert message.text.strip() == "Let me check." and message.logprobs
+    assert "".join(lp["token"] for lp in message.logprobs).strip() == "Let me check."
+    assert all(len(lp["top_logprobs"]) == 1 for lp in message.logprobs)
+
+    streamed, events = builder(), []
+    for k in range(len(out.token_ids)):
+        prefix = CompletionOutput(0, out.text[:out.text_ends[k]], out.token_ids[:k + 1], out.logprobs[:k + 1],
+                                  text_ends=out.text_ends[:k + 1])
+        events += streamed.feed(prefix.text, final=k == len(out.token_ids) - 1, tokens=prefix)
+    events += streamed.close(complete=True)
+    deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert deltas == done["logprobs"] == message.logprobs == streamed.items[1].content[0].logprobs

@@ -104,11 +104,16 @@ def test_stop_token_ids_and_max_tokens(tiny):
 def test_stop_string_is_trimmed(smollm2):
     messages = [{"role": "user", "content": "Write a short story about a cat."}]
     params = SamplingParams(temperature=0, max_tokens=40)
-    full = smollm2.chat(messages, params)[0].outputs[0].text
+    whole = smollm2.chat(messages, params)[0].outputs[0]
+    full = whole.text
     assert len(full) > 40, full
     stop = full[20:26]
     out = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0].outputs[0]
     assert out.text == full[: full.index(stop)] and out.finish_reason == "stop" and out.stop_reason == stop
+    # each token's text end: what the tokens up to it decode to; the stop string's cut ends every token in it
+    tok = smollm2.tokenizer
+    assert [full[:e] for e in whole.text_ends] == [tok.decode(whole.token_ids[:i + 1]) for i in range(40)]
+    assert out.text_ends == [min(e, len(out.text)) for e in whole.text_ends[:len(out.token_ids)]]
 
 
 def test_incremental_detokenizer_handles_multibyte_text(smollm2):

@@ -3,8 +3,9 @@
 Field names and shapes follow OpenAI's API reference and the official `openai` package's types
 (openai/types/responses/): input as text or a list of items (messages, `function_call`, `function_call_output`;
 `reasoning` items are accepted and left out of the prompt), `instructions`, function tools, `tool_choice`,
-`text.format`, `previous_response_id`, `store`, `stream`. Built-in tools (web search, files, ...) and non-text
-content are refused with a 400. Unknown fields are ignored.
+`text.format`, `previous_response_id`, `store`, `stream`, `include` (`message.output_text.logprobs`) and
+`top_logprobs`; the chat extras `seed`, `top_k`, `chat_template_kwargs`, `session_id` and vLLM's `guided_*` fields.
+Built-in tools (web search, files, ...) and non-text content are refused with a 400. Unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ class ResponsesRequest(_Request):
     top_k: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     session_id: Annotated[str, Field(pattern=SESSION_ID_PATTERN)] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_include(self) -> ResponsesRequest:

@@ -121,6 +121,8 @@ def chat_request(body: ResponsesRequest, messages: list[ChatMessage]) -> ChatCom
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": _response_format(body),
         "chat_template_kwargs": body.chat_template_kwargs,
         "logprobs": body.logprobs() is not None, "top_logprobs": body.logprobs(),
+        "guided_json": body.guided_json, "guided_regex": body.guided_regex, "guided_choice": body.guided_choice,
+        "guided_grammar": body.guided_grammar,
         "tools": [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                   for t in body.tools] if body.tools else None,
         "tool_choice": ({"type": "function", "function": {"name": choice.name}}
