@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -27,15 +29,21 @@ CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items(
 THINKING = r"<think>[a-z]{1,6}( [a-z]{1,6}){0,2}\.</think>\n[A-Z][a-z]{1,6}( [a-z]{1,6})?\."
 
 
+@contextmanager
+def _serving(sessions: Path, log: Path) -> Iterator[ServerProcess]:
+    """`glmserve serve` with the glm45 reasoning parser and its session store in `sessions`, once ready."""
+    args = ["--served-model-name", SERVED, "--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 << 20),
+            "--num-threads", "1", "--shutdown-timeout", "10", "--quantization", "none",
+            "--reasoning-parser", "glm45", "--session-store", str(sessions)]
+    with glmserve_process(args, log) as process, httpx.Client(base_url=process.base_url, timeout=30) as http:
+        wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", process.log)
+        yield process
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("responses")
-    args = ["--served-model-name", SERVED, "--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 << 20),
-            "--num-threads", "1", "--shutdown-timeout", "10", "--quantization", "none",
-            "--reasoning-parser", "glm45", "--session-store", str(root / "sessions")]
-    with glmserve_process(args, root / "server.log") as process, httpx.Client(base_url=process.base_url,
-                                                                               timeout=30) as http:
-        wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", process.log)
+    with _serving(root / "sessions", root / "server.log") as process:
         yield process
 
 
@@ -108,6 +116,23 @@ def test_previous_response_id_continues_in_the_session(client: openai.OpenAI, se
 
 
 @pytest.mark.slow
+def test_a_stored_response_continues_after_a_restart(tmp_path: Path) -> None:
+    """A stored response outlives its server: the next server on the same session store continues the
+    conversation from it, with the first turn's KV read back from the store (cached tokens)."""
+    turn = dict(model=SERVED, instructions="You are terse.", temperature=0, max_output_tokens=8)
+    with _serving(tmp_path / "sessions", tmp_path / "first.log") as process:
+        client = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        first = client.responses.create(**turn, input="My name is Alice and I live in Lyon, a city in France. " * 4)
+    with _serving(tmp_path / "sessions", tmp_path / "second.log") as process:  # the first got SIGTERM, exited 0
+        client = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        second = client.responses.create(**turn, previous_response_id=first.id, input="Where do I live?")
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens  # the history is in
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 2
+
+
+@pytest.mark.slow
 def test_function_tools_whole_streamed_and_answered(client: openai.OpenAI) -> None:
     request = dict(model=SERVED, input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
                    parallel_tool_calls=False, temperature=0, max_output_tokens=80)
@@ -134,22 +159,60 @@ def test_function_tools_whole_streamed_and_answered(client: openai.OpenAI) -> No
         client.responses.create(model=SERVED, input="x", tools=[{"type": "web_search"}])
 
 
+def _thinking_tokens(tokens: list[str], reasoning: str) -> int:
+    """Of an output's tokens (their texts, which join to `<think>REASONING</think>...`), those that hold reasoning
+    text."""
+    starts = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    span = (len("<think>"), len("<think>") + len(reasoning))
+    return sum(s < span[1] and s + len(t) > span[0] for s, t in zip(starts, tokens))
+
+
 def test_reasoning_content_whole_streamed_and_switched_off(client: openai.OpenAI) -> None:
     request = dict(model=SERVED, messages=[{"role": "user", "content": "Is the sky blue? Think first."}],
                    temperature=0, max_tokens=30)
-    whole = client.chat.completions.create(**request, extra_body={"guided_regex": THINKING})
+    whole = client.chat.completions.create(**request, logprobs=True, extra_body={"guided_regex": THINKING})
     message = whole.choices[0].message
     assert message.reasoning_content and "<think>" not in message.content and "think>" not in message.reasoning_content
     assert message.content[0].isupper() and message.content.endswith(".")
-    chunks = list(client.chat.completions.create(**request, stream=True, extra_body={"guided_regex": THINKING}))
+    tokens = [t.token for t in whole.choices[0].logprobs.content]
+    thinking = whole.usage.completion_tokens_details.reasoning_tokens
+    assert thinking == _thinking_tokens(tokens, message.reasoning_content) and 0 < thinking < len(tokens) - 3
+    chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"guided_regex": THINKING}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
     assert "".join(d.content or "" for d in deltas) == message.content
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking
     off = client.chat.completions.create(**request, extra_body={"guided_regex": THINKING,
                                                                 "chat_template_kwargs": {"enable_thinking": False}})
     assert off.choices[0].message.reasoning_content is None and off.choices[0].message.content.startswith("<think>")
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
         client.chat.completions.create(**request, extra_body={"chat_template_kwargs": {"tokenize": False}})
+
+
+def test_responses_reasoning_tokens_and_message_logprobs(client: openai.OpenAI) -> None:
+    """The chat test's request as a response: the same thinking, counted alike; the message's logprobs (with 2
+    alternatives each) are its own tokens', not the reasoning's, and the stream's text deltas carry them all."""
+    request = dict(model=SERVED, input="Is the sky blue? Think first.", temperature=0, max_output_tokens=30,
+                   include=["message.output_text.logprobs"], top_logprobs=2, extra_body={"guided_regex": THINKING})
+    chat = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": request["input"]}],
+                                          temperature=0, max_tokens=30, extra_body={"guided_regex": THINKING})
+    whole = client.responses.create(**request)
+    assert [i.type for i in whole.output] == ["reasoning", "message"] and whole.top_logprobs == 2
+    assert whole.output[0].content[0].text == chat.choices[0].message.reasoning_content
+    assert whole.usage.output_tokens_details.reasoning_tokens == chat.usage.completion_tokens_details.reasoning_tokens
+    logprobs = whole.output[1].content[0].logprobs
+    assert "".join(lp.token for lp in logprobs).lstrip("\n") == whole.output_text == chat.choices[0].message.content
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob >= lp.logprob - 1e-4 for lp in logprobs)
+    events = list(client.responses.create(**request, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in logprobs]
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens > 0
+    plain = client.responses.create(model=SERVED, input=request["input"], max_output_tokens=3, top_logprobs=2)
+    assert plain.output[-1].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError, match="include"):
+        client.responses.create(model=SERVED, input="Hi", include=["message.output_text.everything"])
 
 
 @pytest.mark.slow

@@ -141,6 +141,25 @@ def test_required_tool_call_whole_and_streamed(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
+def test_auto_tool_choice_reads_the_call_the_model_writes(client: openai.OpenAI) -> None:
+    """With `auto` the model may call or answer: here it writes a call (forced by a guided_regex of the call's text,
+    so it does not depend on the model), which is read into tool_calls, whole and streamed; with `none` the same
+    text stays content."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    request = dict(model=SERVED, messages=WEATHER_ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=60,
+                   extra_body={"guided_regex": call.replace("{", r"\{").replace("}", r"\}")})
+    whole = client.chat.completions.create(**request, tool_choice="auto").choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert _check_weather_call(whole.message.tool_calls[0]) == {"city": "Paris", "unit": "celsius"}
+    chunks = list(client.chat.completions.create(**request, stream=True))  # auto is the default with tools
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].function.arguments == ""
+    assert json.loads("".join(d.function.arguments for d in deltas[1:])) == {"city": "Paris", "unit": "celsius"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    none = client.chat.completions.create(**request, tool_choice="none").choices[0]
+    assert none.finish_reason == "stop" and none.message.tool_calls is None and none.message.content == call
+
+
 def test_named_tool_call_and_round_trip(client: openai.OpenAI) -> None:
     named = client.chat.completions.create(model=SERVED, messages=WEATHER_ASK, tools=[WEATHER, TIME], n=2,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
