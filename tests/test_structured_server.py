@@ -141,6 +141,7 @@ def test_required_tool_call_whole_and_streamed(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
+@pytest.mark.slow
 def test_auto_tool_choice_reads_the_call_the_model_writes(client: openai.OpenAI) -> None:
     """With `auto` the model may call or answer: here it writes a call (forced by a guided_regex of the call's text,
     so it does not depend on the model), which is read into tool_calls, whole and streamed; with `none` the same
