@@ -126,6 +126,56 @@ def test_responses_are_billed_streamed_or_not_as_their_usage_says(served) -> Non
         assert row.completion_tokens > 0
 
 
+# one request per route that reaches the engine (/v1/compress: the compressor; its body here is one the route
+# itself refuses with a 400, so that a 401 shows the refusal came first)
+GUARDED = [
+    ("POST", "/v1/chat/completions", {"model": SERVED, "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"model": SERVED, "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 2, "stream": True}),
+    ("POST", "/v1/completions", {"model": SERVED, "prompt": "hello there", "max_tokens": 2}),
+    ("POST", "/v1/completions", {"model": SERVED, "prompt": "hello there", "max_tokens": 2, "stream": True}),
+    ("POST", "/v1/responses", {"model": SERVED, "input": "hello there", "max_output_tokens": 2, "store": False}),
+    ("POST", "/v1/compress", {"documents": []}),
+    ("GET", "/v1/sessions/some-session", None),
+    ("DELETE", "/v1/sessions/some-session", None),
+]
+BAD_KEYS = [{}, {"Authorization": "Bearer sk-nope"}, {"Authorization": f"Bearer {KEY[:-1]}X"},
+            {"Authorization": "Bearer"}, {"Authorization": f"Basic {KEY}"}, {"x-api-key": "sk-wrong"}, {"api-key": ""}]
+
+
+def test_a_request_with_an_invalid_or_missing_key_never_reaches_the_engine(served) -> None:
+    """Keys on: every route that reaches the engine answers 401 in OpenAI's format to a missing, unknown,
+    mangled or malformed key, and the engine saw none of it: no request received, no prefix lookup, no prompt
+    or generated token, no KV block taken, no ledger row."""
+    process, ledger_path = served
+    base = process.base_url
+
+    def seen() -> tuple:
+        engine = httpx.get(f"{base}/v1/health").json()["engine"]
+        assert engine["num_free_blocks"] == engine["num_total_blocks"], engine
+        return (engine["requests_received"], engine["prefix_cache_queries"], engine["num_preemptions"],
+                _metric(base, "glmserve_prompt_tokens_total"), _metric(base, "glmserve_generation_tokens_total"),
+                _metric(base, "glmserve_time_to_first_token_seconds_count"),
+                len(Ledger(f"sqlite:///{ledger_path}").rows()))
+
+    good = {"Authorization": f"Bearer {KEY}"}
+    compress = httpx.post(f"{base}/v1/compress", json={"documents": []}, headers=good, timeout=60)
+    assert compress.status_code == 400  # the route's own refusal, with a key
+    before = seen()
+    for method, path, body in GUARDED:
+        for headers in BAD_KEYS:
+            response = httpx.request(method, f"{base}{path}", json=body, headers=headers, timeout=60)
+            assert response.status_code == 401, (method, path, headers, response.text)
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_api_key"
+    assert seen() == before
+    # the same requests with the key do reach it
+    assert httpx.post(f"{base}/v1/completions", json=GUARDED[2][2], headers=good, timeout=60).status_code == 200
+    after = seen()
+    assert after[0] == before[0] + 1 and after[3] > before[3]
+
+
 def test_serve_without_keys_bills_the_anonymous_key(tiny_model_dir, tmp_path: Path, isolated_root: Path) -> None:
     args = ["--model", str(tiny_model_dir("llama")), "--served-model-name", SERVED, "--max-model-len", "128",
             "--kv-cache-memory-bytes", str(8 << 20), "--num-threads", "1"]

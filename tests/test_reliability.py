@@ -3,8 +3,9 @@ limits named with their flags, bad values that must be 4xx and never 5xx, fuzzin
 schema (bench/fuzz_api.py), streams aborted at random points, session ids that stay in their directory, request
 ids in the `x-request-id` header and in every JSON log line, and the startup lines.
 
-One server serves the module; it runs with small limits so that each is easy to reach, JSON logs, and a
-session store in a temp directory. Afterwards the engine must be idle with every KV block free.
+One server serves the module; it runs with small limits so that each is easy to reach, JSON logs at debug level
+(the engine thread's lines for each request), and a session store in a temp directory. Afterwards the engine
+must be idle with every KV block free.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ USER = [{"role": "user", "content": "The quick brown fox"}]
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("reliability")
     model = make_tiny_chat_model("llama", root / "model")
-    args = ["--model", str(model), *FUZZ_SERVER_FLAGS, "--log-format", "json",
+    args = ["--model", str(model), *FUZZ_SERVER_FLAGS, "--log-format", "json", "--log-level", "debug",
             "--session-store", str(root / "sessions"), "--kv-chunk-tokens", "64"]
     for name, value in LIMITS.items():
         args = [*args, name, str(value)]
@@ -196,7 +197,7 @@ def test_fuzzing_from_the_openapi_schema_gets_no_5xx(server: ServerProcess) -> N
 
 async def _abort_streams(base_url: str, count: int, concurrency: int, seed: int) -> int:
     """Opens `count` streams, `concurrency` at a time, each left after a random number of chunks (0: before
-    the first one); returns how many ran to the end."""
+    the first one) and sent with the request id `abort-{seed}-{i}`; returns how many ran to the end."""
     rng = random.Random(seed)
     plan = [rng.randint(0, 12) for _ in range(count)]
     completed = 0
@@ -206,7 +207,8 @@ async def _abort_streams(base_url: str, count: int, concurrency: int, seed: int)
         nonlocal completed
         body = {"model": "tiny", "prompt": f"stream {i} " * rng.randint(1, 8), "max_tokens": 4,
                 "stream": True, "ignore_eos": True}
-        async with gate, http.stream("POST", "/v1/completions", json=body) as response:
+        headers = {"x-request-id": f"abort-{seed}-{i}"}
+        async with gate, http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
             assert response.status_code in (200, 503), await response.aread()
             seen = 0
             async for line in response.aiter_lines():
@@ -227,6 +229,10 @@ def test_streams_aborted_at_random_points_leave_the_pool_idle(server: ServerProc
     completed = asyncio.run(_abort_streams(server.base_url, count, concurrency=8, seed=5))
     assert 0 < completed < count  # some ran to the end, the others were cut at random points
     engine_idle(server.base_url)
+    # the engine thread's abort lines name the HTTP request that was left
+    aborts = [r for r in _log_records(server) if r["logger"] == "glmserve.engine.llm_engine" and " aborted " in
+              r["message"]]
+    assert all(r["request_id"].startswith("abort-5-") and r["thread"] == "glmserve-engine" for r in aborts), aborts
 
 
 @pytest.mark.slow
@@ -259,6 +265,26 @@ def test_request_id_header_is_honoured_or_made_and_in_every_log_line(server: Ser
     lines = [line for line in server.log().splitlines() if line.strip()]
     assert lines and all(line.startswith("{") for line in lines), [x for x in lines if not x.startswith("{")][:5]
     assert all({"time", "level", "logger", "request_id", "message"} <= set(r) for r in _log_records(server))
+
+
+def test_engine_thread_lines_carry_the_request_id_sent(server: ServerProcess) -> None:
+    """The context variable of the HTTP request does not reach the engine thread: the id travels with the request
+    and the engine names it in what it logs about that request (here its debug lines: added, finished)."""
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60,
+                      headers={"x-request-id": "trace-engine-7"}) as response:
+        assert response.status_code == 200 and response.read().decode().endswith("data: [DONE]\n\n")
+
+    def engine_lines() -> list[dict[str, Any]]:
+        return [r for r in _log_records(server) if r["logger"] == "glmserve.engine.llm_engine"
+                and r["request_id"] == "trace-engine-7"]
+
+    wait_for(lambda: len(engine_lines()) >= 2, 30, "the engine's lines about the request", server.log)
+    added, finished = engine_lines()[:2]
+    assert " added: " in added["message"] and " finished (" in finished["message"]
+    assert added["thread"] == finished["thread"] == "glmserve-engine"
+    # a line about no request still says so
+    assert any(r["request_id"] == "-" and r["thread"] == "glmserve-engine" for r in _log_records(server))
 
 
 def test_startup_logs_each_stage_with_timings(server: ServerProcess) -> None:

@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from glmserve import log_context
 from glmserve.config import EngineConfig
 from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.outputs import EngineStats, RequestOutput, StorageStats
@@ -95,6 +96,7 @@ class _NewRequest:
     channel: _Channel
     sparse: SparseAttentionParams | dict | None = None
     session_id: str | None = None
+    log_id: str = field(default_factory=log_context.current)  # read on the caller's task: the HTTP request's id
 
 
 class AsyncEngine:
@@ -316,7 +318,7 @@ class AsyncEngine:
             for request in incoming:
                 try:
                     engine.add_request(request.request_id, request.prompt, request.params, sparse=request.sparse,
-                                       session_id=request.session_id)
+                                       session_id=request.session_id, log_id=request.log_id)
                 except Exception as exc:  # invalid request: only this request fails
                     request.channel.send(exc)
             for request_id in aborts:

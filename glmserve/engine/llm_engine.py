@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from glmserve import log_context
 from glmserve.config import EngineConfig
 from glmserve.engine.detokenizer import IncrementalDetokenizer
 from glmserve.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StorageStats
@@ -40,6 +42,8 @@ from glmserve.sparse_settings import SparseAttentionParams, resolve_sparse_param
 
 RESTORE_POLL_S = 0.02  # with nothing else to run, how long a step waits for a session read
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class Request:
@@ -49,6 +53,7 @@ class Request:
     seqs: list[Sequence]
     pending_samples: list[Sequence] = field(default_factory=list)  # admitted once the prompt is computed
     session_id: str | None = None  # its KV is saved to the session store when sample 0 finishes
+    log_id: str = log_context.NO_REQUEST  # the id its log lines name (glmserve/log_context.py)
 
     @property
     def finished(self) -> bool:
@@ -109,6 +114,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, loaded.model.config.vocab_size, sorted(self.eos_token_ids))
         self.restoring: dict[str, tuple[Request, PendingRestore]] = {}  # waiting for their session's KV
+        self.requests_received = 0  # add_request calls, valid or not (what reached the engine)
 
     # -- sparse attention -------------------------------------------------------------------------
     def _sparse_bytes_per_block(self, layers: list[ScoredLayer], kv_dtype: torch.dtype) -> int:
@@ -181,8 +187,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None,
-                    sparse: SparseAttentionParams | dict | None = None, session_id: str | None = None) -> None:
-        """`session_id`: load the session's stored KV for the prompt's prefix, save the turn's KV at its end."""
+                    sparse: SparseAttentionParams | dict | None = None, session_id: str | None = None,
+                    log_id: str = log_context.NO_REQUEST) -> None:
+        """`session_id`: load the session's stored KV for the prompt's prefix, save the turn's KV at its end.
+        `log_id`: the id that engine-side log lines about this request name (the HTTP request's)."""
+        self.requests_received += 1
+        with log_context.about(log_id):
+            self._add_request(request_id, prompt, params, priority, cache_salt, sparse, session_id, log_id)
+
+    def _add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
+                     cache_salt: str | None, sparse: SparseAttentionParams | dict | None, session_id: str | None,
+                     log_id: str) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         sparse = self.resolve_sparse(sparse)
@@ -201,12 +216,15 @@ class LLMEngine:
         seqs = [
             Sequence(request_id, i, token_ids, params,
                      IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens),
-                     priority, cache_salt, sparse)
+                     priority, cache_salt, sparse, log_id)
             for i in range(params.n)
         ]
         for seq in seqs if grammar is not None else ():
             seq.matcher = grammar.matcher()
-        request = Request(request_id, token_ids, params, seqs, pending_samples=seqs[1:], session_id=session_id)
+        request = Request(request_id, token_ids, params, seqs, pending_samples=seqs[1:], session_id=session_id,
+                          log_id=log_id)
+        logger.debug("request %s added: %d prompt tokens, %d samples%s", request_id, len(token_ids), params.n,
+                     f", session {session_id}" if session_id is not None else "")
         restore = None
         if session_id is not None:
             restore = self.kv.sessions.start_restore(session_id, token_ids, cache_salt)  # type: ignore[union-attr]
@@ -220,14 +238,16 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return
-        self.restoring.pop(request_id, None)
-        self._save_session(request.seqs[0], partial=True)  # the KV it computed, before its blocks are freed
-        del self.requests[request_id]
-        for seq in request.seqs:
-            if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self.scheduler.remove(seq)
-        request.pending_samples.clear()
+        with log_context.about(request.log_id):
+            logger.info("request %s aborted (%d tokens generated)", request_id, request.seqs[0].num_output_tokens)
+            self.restoring.pop(request_id, None)
+            self._save_session(request.seqs[0], partial=True)  # the KV it computed, before its blocks are freed
+            del self.requests[request_id]
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.remove(seq)
+            request.pending_samples.clear()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -260,8 +280,11 @@ class LLMEngine:
         return [self._output(r) for r in touched.values()]
 
     def _finish(self, seq: Sequence) -> None:
-        self._save_session(seq)
-        self.scheduler.remove(seq)
+        with log_context.about(seq.log_id):
+            logger.debug("request %s sample %d finished (%s): %d tokens generated", seq.request_id, seq.index,
+                         seq.finish_reason, seq.num_output_tokens)
+            self._save_session(seq)
+            self.scheduler.remove(seq)
 
     def _admit_restored(self) -> None:
         """Requests whose session KV has been read: load it into the pool (one chunk per step while others
@@ -272,9 +295,12 @@ class LLMEngine:
         if idle:
             wait_for_any([restore for _, restore in self.restoring.values()], RESTORE_POLL_S)
         for request_id, (request, restore) in list(self.restoring.items()):
-            if restore.done() and self.kv.sessions.load_restored(restore, None if idle else 1):  # type: ignore[union-attr]
-                del self.restoring[request_id]
-                self.scheduler.add(request.seqs[0])
+            if not restore.done():
+                continue
+            with log_context.about(request.log_id):
+                if self.kv.sessions.load_restored(restore, None if idle else 1):  # type: ignore[union-attr]
+                    del self.restoring[request_id]
+                    self.scheduler.add(request.seqs[0])
 
     def _save_session(self, seq: Sequence, partial: bool = False) -> None:
         """Sample 0 of a session's request ends: its KV goes to the session store. `partial`: the turn was cut
@@ -289,7 +315,8 @@ class LLMEngine:
         """Save the KV that unfinished session turns computed, then finish background work (session writes, KV
         tier disk writes), so that a restart finds it; the engine must not be used afterwards."""
         for request in self.requests.values():
-            self._save_session(request.seqs[0], partial=True)
+            with log_context.about(request.log_id):
+                self._save_session(request.seqs[0], partial=True)
         self.kv.close()
 
     def _admit_pending_samples(self, request: Request) -> None:
@@ -349,6 +376,7 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            requests_received=self.requests_received,
         )
 
     def storage_stats(self) -> StorageStats:

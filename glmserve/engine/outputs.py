@@ -59,6 +59,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    requests_received: int = 0  # every add_request since the start (the warm-up included), valid or not
 
 
 @dataclass(frozen=True)

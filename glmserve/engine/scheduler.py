@@ -12,12 +12,16 @@ last scheduled; only when none can go does it preempt.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from dataclasses import dataclass
 
+from glmserve import log_context
 from glmserve.engine.sequence import Sequence, SequenceStatus
 from glmserve.kv.blocks import BlockManager
 from glmserve.kv.offload import RunningKVOffload
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,6 +71,9 @@ class Scheduler:
             self.offload.drop(seq.kv)
 
     def _preempt(self, seq: Sequence) -> None:
+        with log_context.about(seq.log_id):
+            logger.info("request %s preempted (no free KV blocks): its KV is recomputed when it is resumed",
+                        seq.request_id)
         self.running.remove(seq)
         self._free(seq)
         self.num_preemptions += 1

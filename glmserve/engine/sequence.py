@@ -14,6 +14,7 @@ from glmserve.engine.outputs import TokenLogprob
 from glmserve.engine.prompt_logprobs import PromptScores
 from glmserve.engine.sampling import SamplingParams
 from glmserve.kv.seq_kv import SeqKV
+from glmserve.log_context import NO_REQUEST
 from glmserve.sparse_settings import SparseAttentionParams
 
 _seq_counter = itertools.count()
@@ -38,11 +39,13 @@ class Sequence:
         priority: int = 0,
         cache_salt: str | None = None,
         sparse: SparseAttentionParams | None = None,
+        log_id: str = NO_REQUEST,
     ):
         self.seq_id = next(_seq_counter)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.request_id = request_id
+        self.log_id = log_id  # the id its log lines name (the HTTP request's, glmserve/log_context.py)
         self.index = index
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

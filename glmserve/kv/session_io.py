@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from glmserve import log_context
 from glmserve.errors import InvalidRequestError, SessionStoreUnavailableError
 from glmserve.kv.blocks import BlockManager
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore
@@ -184,7 +185,7 @@ class SessionKV:
             first = i * self.chunk_blocks
             ids = block_table[first:first + len(plan.record.chunk_tokens[i]) // bs]
             gathered.append(self.io.gather(torch.tensor(ids, dtype=torch.long)))
-        future = self._writer.submit(self._write, plan, gathered)
+        future = self._writer.submit(log_context.carried(self._write), plan, gathered)
         with self._lock:
             self._pending[session_id] = future
 
@@ -230,7 +231,7 @@ class SessionKV:
         if on_device == len(hashes):
             return None
         first_chunk = on_device // self.chunk_blocks
-        future = self._reader.submit(self._read, session_id, list(token_ids), first_chunk)
+        future = self._reader.submit(log_context.carried(self._read), session_id, list(token_ids), first_chunk)
         prompt_blocks = -(-len(token_ids) // self.blocks.block_size)
         return PendingRestore(hashes, prompt_blocks, first_chunk, future)
 

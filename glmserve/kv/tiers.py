@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from glmserve import log_context
 from glmserve.errors import InvalidRequestError
 from glmserve.kv.chunk_store import ChunkStore, DiskChunkStore, LruIndex
 from glmserve.kv.kv_io import KVBlockIO
@@ -120,7 +121,7 @@ class DiskWriter:
         while self.futures and self.queued_bytes + size > self.max_pending_bytes:
             self._wait_oldest()
         self.queued_bytes += size
-        self.futures.append((self.executor.submit(self._write, key, data), size))
+        self.futures.append((self.executor.submit(log_context.carried(self._write), key, data), size))
 
     def _wait_oldest(self) -> None:
         future, size = self.futures.popleft()

@@ -2,9 +2,9 @@
 
 `RequestIdMiddleware` gives each HTTP request an id (the client's `x-request-id` when it is 1-128 printable
 ASCII characters, else a new one), returns it in the `x-request-id` response header and keeps it in a context
-variable for the request's task; `logging_config` (a `logging.config.dictConfig` dict, also given to uvicorn
-so that its access and error lines look the same) adds it to every line: `[-]` outside any request (startup,
-the engine thread).
+variable for the request's task (glmserve/log_context.py, which the engine carries onto its own thread with
+each request); `logging_config` (a `logging.config.dictConfig` dict, also given to uvicorn so that its access
+and error lines look the same) adds it to every line: `[-]` outside any request (startup, a whole batch).
 """
 
 from __future__ import annotations
@@ -14,33 +14,35 @@ import logging
 import re
 import time
 import uuid
-from contextvars import ContextVar
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from glmserve import log_context
+from glmserve.log_context import NO_REQUEST
+
 REQUEST_ID_HEADER = "x-request-id"
-NO_REQUEST = "-"
 _VALID_ID = re.compile(rb"[\x21-\x7e]{1,128}")
-request_id: ContextVar[str] = ContextVar("glmserve_request_id", default=NO_REQUEST)
 
 
 class RequestIdFilter(logging.Filter):
-    """Sets `record.request_id` from the running request's context."""
+    """Sets `record.request_id` from the context of the request being served (on any thread)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = request_id.get()
+        record.request_id = log_context.current()
         return True
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time (UTC, ISO 8601), level, logger, request_id, message (and exc_info)."""
+    """One JSON object per line: time (UTC, ISO 8601), level, logger, thread, request_id, message (and
+    exc_info)."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
+            "thread": record.threadName,
             "request_id": getattr(record, "request_id", NO_REQUEST),
             "message": record.getMessage(),
         }
@@ -82,7 +84,6 @@ class RequestIdMiddleware:
             return
         given = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode())
         rid = given.decode() if given is not None and _VALID_ID.fullmatch(given) else uuid.uuid4().hex
-        token = request_id.set(rid)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -90,7 +91,5 @@ class RequestIdMiddleware:
                 message = {**message, "headers": [*headers, (REQUEST_ID_HEADER.encode(), rid.encode())]}
             await send(message)
 
-        try:
+        with log_context.about(rid):
             await self.app(scope, receive, send_with_id)
-        finally:
-            request_id.reset(token)
