@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--model", default="tiny", help="'tiny' (a random Llama, torch-only), 'embedded', or a path")
+    parser.add_argument("--log", default=None, help="where the server writes its log (default: a temp file)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="glmserve-soak-") as tmp:
         flags = ["--served-model-name", "soak", "--max-model-len", "512", "--num-threads", "1",
@@ -167,7 +168,7 @@ def main() -> None:
                       "--kv-cache-memory-bytes", str(16 << 20)]
         elif args.model != "embedded":
             flags += ["--model", args.model]
-        log = Path(tmp) / "server.log"
+        log = Path(args.log) if args.log is not None else Path(tmp) / "server.log"
         with glmserve(flags, log, ready_timeout_s=600) as base_url:
             pid = int(re.search(r"Started server process \[(\d+)\]", log.read_text()).group(1))
             figures = asyncio.run(soak(base_url, pid, args.clients, args.minutes * 60))

@@ -76,6 +76,8 @@ def fuzz(base_url: str, cases: int, seed: int = 0, timeout_s: float = 60.0) -> F
     @given(case=strategy)
     def one(case: Any) -> None:
         report.cases += 1
+        if report.cases % 250 == 0:
+            print(f"fuzz: {report.cases} cases, statuses {dict(report.statuses)}", file=sys.stderr, flush=True)
         try:
             response = case.call(base_url=base_url, timeout=timeout_s)
         except Exception as exc:  # the server dropped the connection or hung: as bad as a 5xx
@@ -115,7 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log", default=None, help="where to keep the server's log (default: removed)")
+    parser.add_argument("--log", default=None, help="where the server writes its log (default: a temp file)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from serve_process import glmserve
@@ -125,18 +127,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="glmserve-fuzz-") as tmp:
         model = make_tiny_chat_model("llama", Path(tmp) / "model")
         flags = ["--model", str(model), *FUZZ_SERVER_FLAGS, "--session-store", str(Path(tmp) / "sessions")]
-        with glmserve(flags, Path(tmp) / "server.log", ready_timeout_s=300) as base_url:
+        log_path = Path(args.log) if args.log is not None else Path(tmp) / "server.log"
+        with glmserve(flags, log_path, ready_timeout_s=300) as base_url:
             start = time.monotonic()
             report = fuzz(base_url, args.cases, args.seed)
             seconds = time.monotonic() - start
-            idle = engine_idle(base_url)
-            log = (Path(tmp) / "server.log").read_text(errors="replace")
-        if args.log is not None:
-            Path(args.log).write_text(log)
+            try:
+                idle = engine_idle(base_url)
+                after = f"idle, {idle['num_free_blocks']}/{idle['num_total_blocks']} blocks free"
+            except (AssertionError, httpx.HTTPError) as exc:  # not idle, or the server is gone: a finding
+                after = f"{type(exc).__name__}: {exc}"
+            log = log_path.read_text(errors="replace")
     print(json.dumps({"cases": report.cases, "seconds": round(seconds, 1),
                       "statuses": {str(k): v for k, v in sorted(report.statuses.items(), key=str)},
-                      "failures": report.failures, "tracebacks_in_log": log.count("Traceback"),
-                      "idle_free_blocks": f"{idle['num_free_blocks']}/{idle['num_total_blocks']}"}, indent=1))
+                      "failures": report.failures, "tracebacks_in_log": log.count("Traceback"), "after": after,
+                      "load_average": os.getloadavg()}, indent=1))
 
 
 if __name__ == "__main__":
