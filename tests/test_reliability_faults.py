@@ -47,8 +47,9 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def complete(http: httpx.Client, prompt: list[int], **extra) -> dict:
-    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **extra})
+def complete(http: httpx.Client, prompt: list[int], headers: dict[str, str] | None = None, **extra) -> dict:
+    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **extra},
+                         headers=headers)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -122,10 +123,16 @@ def test_redis_stopped_and_restarted_mid_run(tiny_model_dir, tmp_path: Path) -> 
             redis = None
             for i in range(3):  # sessions degrade to a recompute: the client sees 200s
                 complete(http, tokens(1, 150) + tokens(10 + i, 20), session_id="before")
-                complete(http, tokens(20 + i, 100), session_id=f"during-{i}")
+                complete(http, tokens(20 + i, 100), {"x-request-id": f"redis-down-{i}"}, session_id=f"during-{i}")
             for path in ("/v1/sessions/before", "/metrics", "/v1/health"):
                 answer = http.get(path)
                 assert answer.status_code < 500 or answer.status_code == 503, (path, answer.text)
+            # the engine thread's line about the lost save names the HTTP request
+            def lost() -> list[str]:
+                return [x for x in server.log().splitlines() if "session during-0: the session store cannot" in x]
+
+            wait_for(lost, 30, "the lost save's line", server.log)
+            assert all("[redis-down-0]" in line for line in lost()), lost()
             redis = redis_server(tmp_path, port)  # back, empty (no persistence)
             redis.__enter__()
             saves = metric(http, "glmserve_session_saves_total")
