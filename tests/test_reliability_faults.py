@@ -1,18 +1,20 @@
 """Broken parts under a real `glmserve serve` process (a tiny random Llama, torch-only), each a test: session KV
 chunk files truncated, bit-flipped or deleted between write and read, the server SIGKILLed right after a turn
 (while its KV is being written) and restarted, Redis stopped and restarted mid-run, and the disk tier's file
-system full (the kernel's file size limit, RLIMIT_FSIZE, on the server process: its writes fail with EFBIG as
-they would with ENOSPC on a full tmpfs, which needs root here). Each time the client sees only 200s; the loss
-is counted in a metric and recomputed.
+system full: a 64 KB tmpfs (ENOSPC; mounting needs root, skipped otherwise) and the kernel's file size limit,
+RLIMIT_FSIZE, on the server process (EFBIG, the same path; no root needed). Each time the client sees only
+200s; the loss is counted in a metric and recomputed.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
+import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import httpx
@@ -152,13 +154,33 @@ def _file_size_limit(limit: int):
     return limit_writes
 
 
-def test_full_disk_tier_still_answers_and_says_so(tiny_model_dir, tmp_path: Path) -> None:
-    """Chunks of 256 tokens (128 KB) under a 64 KB file size limit: every disk-tier write fails; the server's
-    own log file stays far below the limit."""
-    log = tmp_path / "server.log"
+@contextmanager
+def _full_tmpfs(path: Path, size: int) -> Iterator[None]:
+    """A tmpfs of `size` bytes mounted at `path` (skips the test where mounting is not allowed)."""
+    path.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                                   capture_output=True, timeout=30).returncode == 0
+    if not mounted:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("full", ["tmpfs", "file-size-limit"])
+def test_full_disk_tier_still_answers_and_says_so(tiny_model_dir, tmp_path: Path, full: str) -> None:
+    """Chunks of 256 tokens (128 KB) on a 64 KB tmpfs, or under a 64 KB file size limit: every disk-tier write
+    fails (the server's own log file is elsewhere, or far below the limit)."""
+    log, kv = tmp_path / "server.log", tmp_path / "kv"
     args = [sys.executable, "-m", "glmserve.cli", "serve", "--port", "0", "--model", str(tiny_model_dir("llama")),
-            *ARGS, "--kv-chunk-tokens", "256", "--kv-disk-dir", str(tmp_path / "kv"), "--session-store", "off"]
-    with listening_process(args, log, preexec_fn=_file_size_limit(64 << 10)) as server, \
+            *ARGS, "--kv-chunk-tokens", "256", "--kv-disk-dir", str(kv), "--session-store", "off"]
+    with _full_tmpfs(kv, 64 << 10) if full == "tmpfs" else nullcontext():
+        _fill_the_disk_tier(args, log, kv, _file_size_limit(64 << 10) if full == "file-size-limit" else None)
+
+
+def _fill_the_disk_tier(args: list[str], log: Path, kv: Path, preexec_fn: Callable[[], None] | None) -> None:
+    with listening_process(args, log, preexec_fn=preexec_fn) as server, \
             httpx.Client(base_url=server.base_url, timeout=120) as http:
         wait_for(lambda: http.get("/v1/health").status_code == 200, STARTUP_TIMEOUT_S, "readiness", server.log)
         prompts = [tokens(40 + i, 300) for i in range(3)]
@@ -167,5 +189,5 @@ def test_full_disk_tier_still_answers_and_says_so(tiny_model_dir, tmp_path: Path
         wait_for(lambda: metric(http, "glmserve_kv_tier_failed_writes_total") > 0, 30, "a failed write", server.log)
         assert metric(http, "glmserve_kv_tier_loaded_chunks_total") == 0
         assert "KV disk tier: no room for a chunk" in server.log()
-        assert not list((tmp_path / "kv").iterdir())  # nothing half-written
+        assert not list(kv.iterdir())  # nothing half-written
 
