@@ -25,10 +25,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from glmserve import log_context
 from glmserve.engine.outputs import CompletionOutput, RequestOutput
 from glmserve.server.errors import APIError
 from glmserve.server.interaction_log import InteractionLog
-from glmserve.server.logs import request_id as http_request_id
 from glmserve.server.protocol import ChatMessage
 from glmserve.server.usage import usage_of
 
@@ -95,7 +95,7 @@ class Interactions:
                                 .encode()).hexdigest()[:32]
         self._ids.touch(response_id)
         self.log.submit({
-            "type": "interaction", "id": response_id, "x_request_id": http_request_id.get(), "time": time.time(),
+            "type": "interaction", "id": response_id, "x_request_id": log_context.current(), "time": time.time(),
             "endpoint": endpoint, "model": model, **request,
             "choices": [_choice(c) for final in finals for c in final.outputs],
             "usage": usage_of(finals).model_dump(), "metadata": metadata,
