@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from glmserve.compress import Document, compress  # noqa: E402
 from glmserve.compress.anchors import detect, is_structural  # noqa: E402
 from glmserve.compress.bm25 import bm25_scores  # noqa: E402
-from glmserve.compress.embed import embed  # noqa: E402
 from glmserve.compress.segment import segment  # noqa: E402
 from glmserve.compress.tokens import default_counter  # noqa: E402
+from glmserve.embed import embed  # noqa: E402
 from glmserve.paths import cache_dir  # noqa: E402
 
 _ANSWER = re.compile(r"\b\d+(?:\.\d+)+\b|\b\d{2,}\b|\"[^\"\n]{2,30}\"")

