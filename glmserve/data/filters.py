@@ -15,7 +15,7 @@ from datatrove.pipeline.writers.disk_base import DiskWriter
 from datatrove.utils.text import TERMINAL_PUNCTUATION
 from datatrove.utils.word_tokenizers import WordTokenizer, simple_span_tokenize
 
-from glmserve.data.text import chinese_view, cjk_share, mojibake_score, repair_mojibake, unwrap
+from glmserve.data.text import chinese_view, cjk_share, mojibake_score, prose, repair_mojibake, unwrap
 
 
 class GopherWordTokenizer(WordTokenizer):
@@ -98,15 +98,6 @@ class LanguageIdFilter(BaseFilter):
         if prob < self.min_probability:
             return False, "language_uncertain"
         return True
-
-
-_TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$", re.MULTILINE)
-
-
-def prose(text: str) -> str:
-    """The unwrapped text without table rows: Gopher's word statistics are about prose, and a table of
-    numbers fails its "80% of words hold a letter" rule."""
-    return unwrap(_TABLE_ROW.sub("", text))
 
 
 VIEWS: dict[str, Callable[[str], str]] = {"raw": lambda t: t, "unwrap": unwrap, "prose": prose}

@@ -1,5 +1,5 @@
-"""Text helpers the filters share: Chinese handling (full-width forms, jieba words), mojibake repair, and the
-unwrapped view of hard-wrapped plain text."""
+"""Text helpers the filters share: Chinese handling (full-width forms, jieba words), mojibake repair, the
+unwrapped view of hard-wrapped plain text and the prose view (the text without its code, data and markup)."""
 
 from __future__ import annotations
 
@@ -102,3 +102,48 @@ def unwrap(text: str) -> str:
     if current:
         paragraphs.append(" ".join(current))
     return "\n".join(paragraphs)
+
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$")
+_HTML_COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
+_MD_LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")  # [text](url) and ![alt](src): the text is prose, the URL is not
+_SETEXT_RULE = re.compile(r"^\s*[=\-]{3,}\s*$")
+_CODE_SYMBOLS = set("{}[]()<>=;:/\\|$&*^~`@#%+\"'_")
+CODE_SYMBOL_SHARE = 0.2  # English prose has 2-6% of these characters; shell lines and source code 20-50%
+
+
+def _code_like(line: str) -> bool:
+    """A line of source code, a shell command or tabular data rather than prose: many code symbols, or
+    tab-separated columns."""
+    chars = [c for c in line if not c.isspace()]
+    if "\t" in line.strip() and len(line.split("\t")) >= 3:
+        return True
+    return len(chars) >= 8 and sum(c in _CODE_SYMBOLS for c in chars) > CODE_SYMBOL_SHARE * len(chars)
+
+
+def prose(text: str) -> str:
+    """The unwrapped prose of a technical document: the filters' word and line statistics (Gopher, FineWeb)
+    are about natural language, and a document's code examples, doctests, tables and markup fail them for the
+    wrong reason (an alpha-word share, a repeated `import` line). Dropped: fenced code blocks, doctest blocks
+    (from a `>>>` line to the next blank line), HTML comments, table rows, headings (Markdown `#` and underlined
+    titles: a title is no sentence), code-like lines; Markdown links keep their text."""
+    lines = _HTML_COMMENT.sub("", text).split("\n")
+    out: list[str] = []
+    fenced = doctest = False
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if stripped.startswith(">>>"):
+            doctest = True
+        elif not stripped:
+            doctest = False
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        if (fenced or doctest or _TABLE_ROW.match(line) or _ATX_HEADING.match(line)
+                or (stripped and _SETEXT_RULE.match(nxt) and not _SETEXT_RULE.match(line))):
+            continue
+        line = _MD_LINK.sub(r"\1", line)
+        out.append("" if _code_like(line) else line)
+    return unwrap("\n".join(out))
