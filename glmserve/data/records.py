@@ -1,8 +1,9 @@
-"""Reading and writing record files: JSONL (one JSON object per line) or Parquet by suffix, each written to a
-temporary file and renamed so that nothing is left half-written."""
+"""Reading and writing record files: JSONL (one JSON object per line), Parquet or CSV (the review sample, for
+spreadsheets) by suffix, each written to a temporary file and renamed so that nothing is left half-written."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import tempfile
@@ -28,8 +29,17 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
             yield rec
 
 
+def iter_csv(path: Path) -> Iterator[dict[str, Any]]:
+    """Rows of a CSV file with a header line that names a `text` column."""
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        if "text" not in (reader.fieldnames or []):
+            raise InvalidRequestError(f"{path}: the CSV file has no 'text' column in its header")
+        yield from reader
+
+
 def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Records of a .jsonl or .parquet file."""
+    """Records of a .jsonl, .parquet or .csv file."""
     p = Path(path)
     if not p.is_file():
         raise InvalidRequestError(f"input file {p} does not exist")
@@ -40,6 +50,8 @@ def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
         if "text" not in table.column_names:
             raise InvalidRequestError(f"{p}: the Parquet file has no 'text' column")
         yield from table.to_pylist()
+    elif p.suffix == ".csv":
+        yield from iter_csv(p)
     else:
         yield from iter_jsonl(p)
 
@@ -50,7 +62,8 @@ def count_records(path: str | Path) -> int:
 
 
 def write_records(path: str | Path, data: Iterable[dict[str, Any]] | dict[str, Any]) -> None:
-    """JSONL (records), Parquet (records) or one indented JSON document (.json), atomically."""
+    """JSONL, Parquet or CSV (records; CSV columns are the keys of the first record) or one indented JSON
+    document (.json), atomically."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
@@ -61,6 +74,12 @@ def write_records(path: str | Path, data: Iterable[dict[str, Any]] | dict[str, A
             import pyarrow.parquet as pq
 
             pq.write_table(pa.Table.from_pylist(list(data)), tmp)
+        elif p.suffix == ".csv":
+            rows = list(data)
+            with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["id", "text"])
+                writer.writeheader()
+                writer.writerows(rows)
         else:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 if p.suffix == ".json":
