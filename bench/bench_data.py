@@ -1,4 +1,4 @@
-"""Cleaning and PII benchmark on the labeled noisy corpus (glmserve/data/corpus.py), offline.
+"""Cleaning, quality-model and PII benchmark on the labeled noisy corpus (glmserve/data/corpus.py), offline.
 
     PYTHONPATH=. .venv/bin/python bench/bench_data.py [--max-valid N] [--pii-per-type N] [--out results.json]
 
@@ -6,8 +6,11 @@ Two corpora from disjoint source halves: 'tune' (seed 0; the thresholds in glmse
 adjusted looking at it) and 'heldout' (seed 1; never looked at while tuning). For each: valid share before and
 after `glmserve data clean`, valid documents lost, per-step precision (share of its removals that were noise)
 and recall (share of each noise type removed, and by which step), MinHash recall on planted duplicates of
-Jaccard >= 0.8 that reached it, documents per second (one process: the local executor runs workers=1).
-Then PII recall per planted type and false findings on look-alike hard negatives.
+Jaccard >= 0.8 that reached it, documents per second (one process: the local executor runs workers=1), valid
+documents lost per language. The quality model (glmserve/data/quality_model.npz, trained on the tune split by
+`glmserve data train-quality`): AUC on the held-out split's sources (all, English, Chinese) and the tune split's
+out-of-fold AUC (5 folds by source). Then PII recall per planted type and false findings on look-alike hard
+negatives.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from glmserve.data.clean import clean
-from glmserve.data.corpus import build_corpus, build_pii_corpus
+from glmserve.data.corpus import VALID_KINDS, build_corpus, build_pii_corpus
 from glmserve.data.pii import scrub_text
+from glmserve.data.quality import auc, load_model, out_of_fold_scores, training_set
 from glmserve.data.records import read_records, write_records
 
 
-def eval_clean(split: str, seed: int, max_valid: int | None, work: Path) -> dict:
-    corpus = build_corpus(seed=seed, split=split, max_valid=max_valid)
+def eval_clean(corpus: list[dict], split: str, seed: int, work: Path) -> dict:
     path = work / f"{split}.jsonl"
     write_records(path, corpus)
     t0 = time.perf_counter()
@@ -40,6 +43,8 @@ def eval_clean(split: str, seed: int, max_valid: int | None, work: Path) -> dict
     kept = list(read_records(work / f"out-{split}" / "kept.jsonl"))
     n_valid = sum(r["valid"] for r in corpus)
     lost = [r for r in rejected if by_id[r["id"]]["valid"]]
+    lost_lang = Counter(by_id[r["id"]].get("lang", "en") for r in lost)
+    valid_lang = Counter(r.get("lang", "en") for r in corpus if r["valid"])
     per_step: dict[str, Counter] = defaultdict(Counter)
     for r in rejected:
         per_step[r["reason"]][by_id[r["id"]]["kind"]] += 1
@@ -48,7 +53,7 @@ def eval_clean(split: str, seed: int, max_valid: int | None, work: Path) -> dict
     steps = {}
     for step, kinds in per_step.items():
         removed = sum(kinds.values())
-        noise = sum(v for k, v in kinds.items() if not _valid_kind(k))
+        noise = sum(v for k, v in kinds.items() if k not in VALID_KINDS)
         steps[step] = {"removed": removed, "precision": round(noise / removed, 4) if removed else None,
                        "recall_of_all_noise": round(noise / sum(noise_total.values()), 4),
                        "by_kind": dict(kinds.most_common())}
@@ -61,6 +66,10 @@ def eval_clean(split: str, seed: int, max_valid: int | None, work: Path) -> dict
         "valid_share_before": round(n_valid / len(corpus), 4),
         "valid_share_after": round(sum(by_id[r["id"]]["valid"] for r in kept) / max(1, len(kept)), 4),
         "valid_lost": round(len(lost) / n_valid, 4),
+        "valid_lost_by_language": {lang: round(lost_lang[lang] / n, 4) for lang, n in sorted(valid_lang.items())},
+        "rescued_by_quality": report["rescued_by_quality"],
+        "rescued_valid": sum(by_id[r["id"]]["valid"] for r in kept if "rescued" in r),
+        "rescued_noise": sum(not by_id[r["id"]]["valid"] for r in kept if "rescued" in r),
         "valid_lost_by_step": dict(Counter(f"{r['reason']}:{by_id[r['id']]['kind']}" for r in lost).most_common()),
         "noise_recall_by_kind": {k: round(removed_kind[k] / n, 4) for k, n in sorted(noise_total.items())},
         "steps": steps,
@@ -72,8 +81,17 @@ def eval_clean(split: str, seed: int, max_valid: int | None, work: Path) -> dict
     }
 
 
-def _valid_kind(kind: str) -> bool:
-    return kind in ("document", "license", "clauses", "table")
+def eval_quality(tune: list[dict], heldout: list[dict]) -> dict:
+    """AUC of the shipped model on held-out sources, and out-of-fold on tune (what its threshold was set on)."""
+    rows, oof = out_of_fold_scores(tune)
+    out = {"tune_out_of_fold_auc": round(auc(oof, training_set(rows)[1]), 4)}
+    model = load_model()
+    for name, keep in (("all", lambda r: True), ("en", lambda r: r.get("lang", "en") == "en"),
+                       ("zh", lambda r: r.get("lang") == "zh" or r["kind"].startswith("zh_"))):
+        texts, y = training_set([r for r in heldout if keep(r)])
+        out[f"heldout_auc_{name}"] = round(auc(model.score(texts), y), 4)
+        out[f"heldout_records_{name}"] = len(y)
+    return out
 
 
 def eval_pii(per_type: int) -> dict:
@@ -106,10 +124,14 @@ def main() -> None:
     args = ap.parse_args()
     results = {"load_average": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
+        corpora = {split: build_corpus(seed=seed, split=split, max_valid=args.max_valid)
+                   for split, seed in (("tune", 0), ("heldout", 1))}
         for split, seed in (("tune", 0), ("heldout", 1)):
-            results[split] = eval_clean(split, seed, args.max_valid, Path(tmp))
+            results[split] = eval_clean(corpora[split], split, seed, Path(tmp))
             print(json.dumps({k: v for k, v in results[split].items() if k != "report_steps"}, indent=1),
                   file=sys.stderr)
+    results["quality_model"] = eval_quality(corpora["tune"], corpora["heldout"])
+    print(json.dumps(results["quality_model"]), file=sys.stderr)
     results["pii"] = eval_pii(args.pii_per_type)
     results["load_average_end"] = os.getloadavg()
     print(json.dumps(results, indent=1))

@@ -1,5 +1,6 @@
 """`glmserve data clean`: the layered cleaning pipeline on datatrove's local executor. Stage 1 reads JSONL or
-Parquet and runs the rule filters (mojibake, language, Gopher repetition and quality, C4, FineWeb); MinHash
+Parquet and runs the rule filters (mojibake, language, length, Gopher repetition and quality, C4, FineWeb; the
+learned quality score may overrule the last four, and drop documents itself when configured); MinHash
 near-duplicate removal follows in datatrove's four stages (signatures, buckets, clusters, filter). Every stage
 logs its finished tasks, so a rerun on the same DIR skips them. Writes kept.jsonl, rejected.jsonl (`reason` =
 the step that removed the record) and report.json."""
@@ -77,21 +78,28 @@ def _datatrove_filter(step: str, settings: dict[str, Any]):
 
 
 def _filter_steps(cfg: dict[str, Any], rejected: Path) -> list:
-    from glmserve.data.filters import LanguageIdFilter, MojibakeFilter, PerLanguageFilter
+    from glmserve.data.filters import LanguageIdFilter, LengthFilter, MojibakeFilter, PerLanguageFilter
+    from glmserve.data.quality import quality_filter
 
+    quality = cfg["quality"] or {}
     steps = []
     for step in STEPS[:-1]:
         settings = cfg[step]
-        if settings is False:
+        if settings is False or (step == "quality" and settings.get("min_score") is None):
             continue
         writer = _writer(rejected / step, "${rank}.jsonl", partial(_rejected_adapter, step))
         if step == "mojibake":
             steps.append(MojibakeFilter(**settings, exclusion_writer=writer))
         elif step == "language":
             steps.append(LanguageIdFilter(tuple(cfg["languages"]), **settings, exclusion_writer=writer))
+        elif step == "length":
+            steps.append(LengthFilter(**settings, exclusion_writer=writer))
+        elif step == "quality":
+            steps.append(quality_filter(settings["min_score"], settings.get("model"), exclusion_writer=writer))
         else:
             steps.append(PerLanguageFilter(step, _datatrove_filter(step, settings), settings.get("view", "raw"),
-                                           exclusion_writer=writer))
+                                           rescue_score=quality.get("rescue_score"),
+                                           quality_model=quality.get("model"), exclusion_writer=writer))
     return steps
 
 
@@ -203,6 +211,8 @@ def clean(input_path: str | Path, out_dir: str | Path, config: str | Path | None
     report = {
         "input": str(input_path), "records_in": n_in, "records_out": len(kept), "steps": steps,
         "skipped_steps": skipped,
+        # documents a rule rejected and the quality model kept (its confidence above quality.rescue_score)
+        "rescued_by_quality": dict(Counter(r["rescued"] for r in kept if "rescued" in r).most_common()),
         "estimated_valid_share": share,
         "valid_share_source": "the records' boolean `valid` labels" if share is not None else
         "no `valid` labels in the input records",

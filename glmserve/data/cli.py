@@ -43,8 +43,35 @@ def _cmd_feedback(args: argparse.Namespace) -> None:
                                              "self_share")}, ensure_ascii=False))
 
 
+def _cmd_train_quality(args: argparse.Namespace) -> None:
+    from glmserve.data.corpus import build_corpus
+    from glmserve.data.quality import auc, train, training_set
+    from glmserve.data.records import read_records
+
+    train_recs = list(read_records(args.train)) if args.train else build_corpus(seed=0, split="tune")
+    heldout = list(read_records(args.heldout)) if args.heldout else build_corpus(seed=1, split="heldout")
+    model = train(train_recs)
+    model.save(args.out)
+    texts, y = training_set(heldout)
+    print(json.dumps({"out": args.out, "trained_on": len(training_set(train_recs)[1]), "heldout": len(y),
+                      "heldout_auc": round(auc(model.score(texts), y), 4)}))
+
+
+def _cmd_review_export(args: argparse.Namespace) -> None:
+    from glmserve.data.review import export_sample
+
+    counts = export_sample(args.run_dir, args.per_stage, args.out, seed=args.seed)
+    print(json.dumps({"out": args.out, "records": sum(counts.values()), "per_stage": counts}))
+
+
+def _cmd_review_import(args: argparse.Namespace) -> None:
+    from glmserve.data.review import import_labels
+
+    print(json.dumps(import_labels(args.sample, args.report), ensure_ascii=False))
+
+
 def add_data_parser(sub: argparse._SubParsersAction) -> None:
-    data = sub.add_parser("data", help="training-data pipeline: clean, scrub, augment, feedback")
+    data = sub.add_parser("data", help="training-data pipeline: clean, train-quality, review, scrub, augment, feedback")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     clean = data_sub.add_parser("clean", help="rule filters and MinHash dedup on datatrove: kept.jsonl, "
                                 "rejected.jsonl, report.json in DIR (a rerun resumes)")
@@ -57,6 +84,27 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     clean.add_argument("--workers", type=int, default=1,
                        help="processes for MinHash's bucket tasks (default 1: all in this process)")
     clean.set_defaults(handler=_cmd_clean)
+    tq = data_sub.add_parser("train-quality", help="fit the quality model (logistic regression over sentence "
+                             "embeddings) on records labeled `valid`; prints its AUC on held-out sources")
+    tq.add_argument("--out", required=True, metavar="MODEL.npz")
+    tq.add_argument("--train", default=None, metavar="IN.jsonl",
+                    help="labeled records (default: the generated corpus's tune split, glmserve/data/corpus.py)")
+    tq.add_argument("--heldout", default=None, metavar="IN.jsonl",
+                    help="labeled records from other sources (default: the corpus's heldout split)")
+    tq.set_defaults(handler=_cmd_train_quality)
+    review = data_sub.add_parser("review", help="the human review sample: export records per stage to label, "
+                                 "import the labels (agreement, valid share of the kept set with a Wilson interval)")
+    review_sub = review.add_subparsers(dest="review_command", required=True)
+    export = review_sub.add_parser("export", help="N kept and N rejected records per step of a clean run")
+    export.add_argument("run_dir", metavar="DIR", help="the --out DIR of `glmserve data clean`")
+    export.add_argument("--per-stage", type=int, required=True, metavar="N")
+    export.add_argument("--out", required=True, metavar="SAMPLE.jsonl|.csv")
+    export.add_argument("--seed", type=int, default=0, help="another seed draws another stable sample")
+    export.set_defaults(handler=_cmd_review_export)
+    imp = review_sub.add_parser("import", help="read the labeled sample ('label': valid/invalid); writes review.json")
+    imp.add_argument("sample", metavar="SAMPLE.csv|.jsonl")
+    imp.add_argument("--report", required=True, metavar="DIR")
+    imp.set_defaults(handler=_cmd_review_import)
     scrub = data_sub.add_parser("scrub", help="replace PII (Presidio + Chinese ID, mobile, bank card, name "
                                 "recognizers) by same-shape placeholders")
     scrub.add_argument("input", metavar="IN.jsonl")

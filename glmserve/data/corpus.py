@@ -1,7 +1,9 @@
 """The labeled noisy corpus for the cleaning benchmark, built offline from texts on this machine: Python's
-standard-library docstrings and Debian's /usr/share/doc as valid documents, /usr/share/common-licenses as hard
-negatives (with generated numbered-clause lists and tables), /usr/share/locale translations as wrong-language
-text; mixed to a valid share (68% by default) with labeled noise. Every record has `id`, `text`, `valid`,
+standard-library docstrings and Debian's /usr/share/doc as valid documents, Chinese ones from Debian's zh_CN/zh_TW
+man pages and Vim's Chinese tutor lessons (also with full-width letters and digits, still valid),
+/usr/share/common-licenses as hard negatives (with generated numbered-clause lists and tables),
+/usr/share/locale translations as wrong-language text, Chinese read with the wrong codec and full-width spam
+as Chinese noise; mixed to a valid share (68% by default) with labeled noise. Every record has `id`, `text`, `valid`,
 `kind` (valid kinds or the noise type) and `source`; near duplicates carry their exact `jaccard` to the
 original on MinHash's shingles (word 5-grams of datatrove's simplified text). A PII corpus plants IDs, cards,
 e-mails, phones and IPs with their spans beside hard negatives that look alike."""
@@ -15,15 +17,20 @@ import gzip
 import hashlib
 import os
 import random
+import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from glmserve.data.text import cjk_share
+
 MIN_WORDS = 80
 MAX_CHARS = 12_000
 NOISE_KINDS = ("exact_dup", "near_dup", "boilerplate", "navigation", "minified_code", "base64", "log", "mojibake",
-               "wrong_language", "too_short", "keyword_spam")
+               "wrong_language", "too_short", "keyword_spam", "zh_mojibake", "zh_spam")
+VALID_KINDS = ("document", "zh_document", "zh_fullwidth", "license", "clauses", "table")
+MIN_ZH_CHARS = 300
 
 
 def shingles(text: str, n: int = 5) -> set[str]:
@@ -80,6 +87,46 @@ def debian_docs(root: str = "/usr/share/doc") -> Iterator[tuple[str, str]]:
             continue
         if _ok(text):
             yield f"debian:{path.relative_to(root).as_posix()}", text
+
+
+_ROFF_ESCAPE = re.compile(r"\\f[BIRP]|\\f\(..|\\&|\\\*\(..|\\\(..|\\[ e|]")
+
+
+def roff_text(source: str) -> str:
+    """The text of a man page's roff source: macro lines dropped (section titles kept), font and character
+    escapes removed."""
+    out = []
+    for line in source.split("\n"):
+        if line.startswith((".SH", ".SS")):
+            out += ["", line.partition(" ")[2].strip('"')]
+        elif line.startswith((".", "'")):
+            out += [""] if line.startswith((".PP", ".sp", ".TP", ".IP")) else []
+        else:
+            out.append(_ROFF_ESCAPE.sub("", line.replace("\\-", "-")))
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip()
+
+
+def chinese_docs() -> Iterator[tuple[str, str]]:
+    """(source, text) of Chinese prose: Debian's zh_CN/zh_TW man pages (the mostly translated ones) and the
+    lessons of Vim's Chinese tutors (simplified and traditional)."""
+    for path in sorted(Path("/usr/share/man").glob("zh_*/man*/*.gz")):
+        try:
+            text = roff_text(gzip.decompress(path.read_bytes()).decode("utf-8"))
+        except (OSError, UnicodeDecodeError, gzip.BadGzipFile):
+            continue
+        if cjk_share(text) >= 0.4 and len(text) >= MIN_ZH_CHARS:
+            yield f"man:{path.relative_to('/usr/share/man').as_posix()}", text[:MAX_CHARS]
+    # tutor.zh.utf-8 is a copy of tutor.zh_tw.utf-8
+    for path in sorted(Path("/usr/share/vim").glob("vim*/tutor/tutor.zh_*.utf-8")):
+        lessons = re.split(r"\n~{20,}\n", path.read_text(encoding="utf-8"))
+        for i, lesson in enumerate(lessons):
+            if cjk_share(lesson) >= 0.3 and len(lesson) >= MIN_ZH_CHARS:
+                yield f"vim:{path.name}:{i}", lesson.strip()
+
+
+def to_fullwidth(text: str) -> str:
+    """ASCII letters and digits in their full-width forms (as some Chinese input methods type them)."""
+    return "".join(chr(ord(c) + 0xFEE0) if c.isascii() and c.isalnum() else c for c in text)
 
 
 def licenses(root: str = "/usr/share/common-licenses") -> Iterator[tuple[str, str]]:
@@ -164,6 +211,8 @@ BOILERPLATE = ["We use cookies to improve your experience.", "Accept all cookies
                "Terms of use", "All rights reserved.", "Subscribe to our newsletter", "Share this page",
                "Copyright 2024 Example Corp.", "Sign in", "Follow us on social media", "Back to top"]
 NAV = ["Home", "About", "Products", "Pricing", "Blog", "Contact", "Docs", "Login", "Careers", "Support"]
+ZH_SPAM = ["特价", "优惠", "免费", "包邮", "秒杀", "ＶＩＰ", "热卖", "抢购", "正品", "折扣", "ＳＡＬＥ", "１００％",
+           "低价"]
 SPAM = ["cheap", "best", "buy", "online", "discount", "free", "shipping", "deal", "sale", "offer", "now"]
 
 
@@ -202,6 +251,13 @@ def _noise(kind: str, rng: random.Random, valid: list[dict], foreign: dict[str, 
         for _ in range(2):  # twice: one round of repair cannot undo it
             text = text.encode("utf-8").decode("cp1252", errors="replace")
         return rec | {"text": text, "source": "generated"}
+    elif kind == "zh_mojibake":  # UTF-8 Chinese read as GBK or Big5, undecodable bytes dropped: no repair
+        zh = [r for r in valid if r["kind"] == "zh_document"] or valid
+        codec = rng.choice(["gbk", "big5"])
+        return rec | {"text": rng.choice(zh)["text"].encode("utf-8").decode(codec, errors="ignore"),
+                      "source": "generated"}
+    elif kind == "zh_spam":
+        lines = ["！".join(rng.choice(ZH_SPAM) for _ in range(rng.randint(6, 12))) for _ in range(rng.randint(10, 30))]
     elif kind == "wrong_language":
         lang = rng.choice(sorted(foreign))
         pool = foreign[lang]
@@ -232,8 +288,12 @@ def build_corpus(seed: int = 0, valid_share: float = 0.68, split: str = "tune", 
     rng.shuffle(plain)
     plain = plain[:max_valid] if max_valid else plain
     lic = [d for d in licenses() if in_split(d[0])]
+    zh = [d for d in chinese_docs() if in_split(d[0])]
     sents = _sentences([t for _, t in plain])
     valid = [{"text": t, "valid": True, "kind": "document", "source": s} for s, t in plain]
+    wide = set(rng.sample(range(len(zh)), len(zh) // 4))  # a quarter typed with full-width letters and digits
+    valid += [{"text": to_fullwidth(t) if i in wide else t, "valid": True, "source": s, "lang": "zh",
+               "kind": "zh_fullwidth" if i in wide else "zh_document"} for i, (s, t) in enumerate(zh)]
     valid += [{"text": t, "valid": True, "kind": "license", "source": s} for s, t in lic]
     n_hard = max(2, len(valid) // 20)
     valid += [{"text": _clauses(rng, sents), "valid": True, "kind": "clauses", "source": "generated"}
@@ -243,7 +303,7 @@ def build_corpus(seed: int = 0, valid_share: float = 0.68, split: str = "tune", 
     for i, rec in enumerate(valid):
         rec["id"] = f"{split}-{seed}-v{i:05d}"
     foreign = foreign_sentences()
-    kinds = [k for k in NOISE_KINDS if k != "wrong_language" or foreign]
+    kinds = [k for k in NOISE_KINDS if (k != "wrong_language" or foreign) and (not k.startswith("zh_") or zh)]
     n_noise = round(len(valid) * (1 - valid_share) / valid_share)
     noise = []
     for i in range(n_noise):

@@ -24,6 +24,14 @@ def fold_fullwidth(text: str) -> str:
     return text.translate(_FULLWIDTH)
 
 
+_FULLWIDTH_ALNUM = {cp: cp - 0xFEE0 for r in ((0xFF10, 0xFF1A), (0xFF21, 0xFF3B), (0xFF41, 0xFF5B)) for cp in range(*r)}
+
+
+def fold_fullwidth_alnum(text: str) -> str:
+    """Full-width letters and digits to ASCII (the repair kept in the text: Chinese punctuation stays)."""
+    return text.translate(_FULLWIDTH_ALNUM)
+
+
 def cjk_share(text: str) -> float:
     """Share of non-space characters that are CJK ideographs."""
     chars = sum(1 for c in text if not c.isspace())
@@ -55,17 +63,38 @@ def chinese_view(text: str) -> str:
     return "\n".join(out)
 
 
+@lru_cache(maxsize=1)
+def _common_hanzi() -> frozenset[str]:
+    """The frequently used ideographs: GB2312 level 1 (3,755 simplified, lead bytes 0xB0-0xD7) and Big5 level 1
+    (5,401 traditional, 0xA440-0xC67E). Chinese prose draws almost all its characters from them; UTF-8 bytes
+    read as GBK or Big5 land mostly on rare ones (measured: 0.01% rare in the Vim tutor, 44-69% in its
+    mojibake)."""
+    codes = [("gb2312", (a << 8) | b) for a in range(0xB0, 0xD8) for b in range(0xA1, 0xFF)]
+    codes += [("big5", code) for code in range(0xA440, 0xC67F)]
+    chars = set()
+    for codec, code in codes:
+        try:
+            chars.add(bytes([code >> 8, code & 0xFF]).decode(codec))
+        except UnicodeDecodeError:  # unassigned code points inside the ranges
+            continue
+    return frozenset(chars)
+
+
 def mojibake_score(text: str) -> float:
-    """Mojibake marks per 100 characters (0 for clean text)."""
-    return 100.0 * (len(_MOJIBAKE.findall(text)) + text.count("\ufffd")) / max(1, len(text))
+    """Mojibake marks per 100 characters (0 for clean text): Latin-1/cp1252 pairs of UTF-8 bytes, U+FFFD, and
+    rare CJK ideographs (UTF-8 Chinese read as GBK or Big5)."""
+    common = _common_hanzi()
+    rare = sum(1 for c in _CJK.findall(text) if c not in common)
+    return 100.0 * (len(_MOJIBAKE.findall(text)) + text.count("\ufffd") + rare) / max(1, len(text))
 
 
 def repair_mojibake(text: str) -> str:
-    """Undo one round of UTF-8 decoded as cp1252 or Latin-1, where that makes the text cleaner; else unchanged."""
+    """Undo one round of UTF-8 decoded as cp1252, Latin-1, GBK or Big5, where that makes the text cleaner; else
+    unchanged."""
     best, best_score = text, mojibake_score(text)
     if best_score == 0:
         return text
-    for codec in ("cp1252", "latin-1"):
+    for codec in ("cp1252", "latin-1", "gbk", "big5"):
         try:
             fixed = text.encode(codec).decode("utf-8")
         except UnicodeError:
