@@ -54,3 +54,11 @@ def test_prose_view_leaves_out_code_doctests_headings_and_link_urls():
            "Title\n=====\n\nLast words of the document.\n<!-- hidden -->")
     assert prose(doc).split("\n") == ["Create a collection of name/value pairs.", "See the docs for details.",
                                       "Last words of the document."]
+
+
+def test_roff_text_keeps_the_words_of_a_man_page():
+    from glmserve.data.corpus import roff_text
+
+    src = ('.TH "USERADD" "8"\n.SH "名称"\nuseradd \\- 创建一个新用户\n.SH "描述"\n.PP\n\\fBuseradd\\fR\n'
+           "是一个添加用户的底层工具\\&。\n")
+    assert roff_text(src) == "名称\nuseradd - 创建一个新用户\n\n描述\n\nuseradd\n是一个添加用户的底层工具。"

@@ -252,7 +252,7 @@ def _noise(kind: str, rng: random.Random, valid: list[dict], foreign: dict[str, 
             text = text.encode("utf-8").decode("cp1252", errors="replace")
         return rec | {"text": text, "source": "generated"}
     elif kind == "zh_mojibake":  # UTF-8 Chinese read as GBK or Big5, undecodable bytes dropped: no repair
-        zh = [r for r in valid if r["kind"] == "zh_document"] or valid
+        zh = [r for r in valid if r.get("kind") == "zh_document"] or valid
         codec = rng.choice(["gbk", "big5"])
         return rec | {"text": rng.choice(zh)["text"].encode("utf-8").decode(codec, errors="ignore"),
                       "source": "generated"}
