@@ -31,16 +31,17 @@ from glmserve.data.quality import auc, load_model, out_of_fold_scores, training_
 from glmserve.data.records import read_records, write_records
 
 
-def eval_clean(corpus: list[dict], split: str, seed: int, work: Path) -> dict:
+def eval_clean(corpus: list[dict], split: str, seed: int, work: Path, config: Path | None = None) -> dict:
     path = work / f"{split}.jsonl"
     write_records(path, corpus)
     t0 = time.perf_counter()
     cpu0 = time.process_time()
-    report = clean(path, work / f"out-{split}", progress=False)
+    out = work / f"out-{split}{'-' + config.stem if config else ''}"
+    report = clean(path, out, config=config, progress=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     by_id = {r["id"]: r for r in corpus}
-    rejected = list(read_records(work / f"out-{split}" / "rejected.jsonl"))
-    kept = list(read_records(work / f"out-{split}" / "kept.jsonl"))
+    rejected = list(read_records(out / "rejected.jsonl"))
+    kept = list(read_records(out / "kept.jsonl"))
     n_valid = sum(r["valid"] for r in corpus)
     lost = [r for r in rejected if by_id[r["id"]]["valid"]]
     lost_lang = Counter(by_id[r["id"]].get("lang", "en") for r in lost)
@@ -86,8 +87,10 @@ def eval_quality(tune: list[dict], heldout: list[dict]) -> dict:
     rows, oof = out_of_fold_scores(tune)
     out = {"tune_out_of_fold_auc": round(auc(oof, training_set(rows)[1]), 4)}
     model = load_model()
-    for name, keep in (("all", lambda r: True), ("en", lambda r: r.get("lang", "en") == "en"),
-                       ("zh", lambda r: r.get("lang") == "zh" or r["kind"].startswith("zh_"))):
+    def chinese(r: dict) -> bool:
+        return r.get("lang") == "zh" or r["kind"].startswith("zh_")
+
+    for name, keep in (("all", lambda r: True), ("en", lambda r: not chinese(r)), ("zh", chinese)):
         texts, y = training_set([r for r in heldout if keep(r)])
         out[f"heldout_auc_{name}"] = round(auc(model.score(texts), y), 4)
         out[f"heldout_records_{name}"] = len(y)
@@ -130,6 +133,13 @@ def main() -> None:
             results[split] = eval_clean(corpora[split], split, seed, Path(tmp))
             print(json.dumps({k: v for k, v in results[split].items() if k != "report_steps"}, indent=1),
                   file=sys.stderr)
+        # ablation: the rules alone, without the quality model's second opinion
+        no_quality = Path(tmp) / "no_quality.json"
+        no_quality.write_text(json.dumps({"quality": False}))
+        for split, seed in (("tune", 0), ("heldout", 1)):
+            full = eval_clean(corpora[split], split, seed, Path(tmp), config=no_quality)
+            results[f"{split}_without_quality"] = {k: full[k] for k in (
+                "valid_share_after", "valid_lost", "valid_lost_by_language", "valid_lost_by_step", "docs_per_cpu_s")}
     results["quality_model"] = eval_quality(corpora["tune"], corpora["heldout"])
     print(json.dumps(results["quality_model"]), file=sys.stderr)
     results["pii"] = eval_pii(args.pii_per_type)

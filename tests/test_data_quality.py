@@ -51,6 +51,7 @@ def test_shipped_model_is_small_and_tells_prose_from_noise(tmp_path: Path):
     assert np.allclose(again.score(VALID[:2]), scores[:2], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_train_quality_cli_on_labeled_files(tmp_path: Path, capsys):
     def labeled(texts, valid, tag):
         return [{"id": f"{tag}{i}", "text": t, "valid": valid, "source": f"{tag}{i}"} for i, t in enumerate(texts)]
