@@ -65,10 +65,17 @@ def test_train_quality_cli_on_labeled_files(tmp_path: Path, capsys):
     assert QualityModel.load(tmp_path / "q.npz").weights.shape == (514,)
 
 
-def test_a_bad_model_file_is_a_clear_error(tmp_path: Path):
-    (tmp_path / "bad.npz").write_bytes(b"not a model")
-    with pytest.raises(Exception, match="cannot read the quality model"):
-        QualityModel.load(tmp_path / "bad.npz")
+@pytest.mark.parametrize("quality,message", [
+    ({"model": "missing.npz"}, "cannot read the quality model missing.npz"),
+    ({"rescue": 0.5}, "config step 'quality': unknown keys ['rescue']"),
+])
+def test_bad_quality_settings_are_clear_errors(tmp_path: Path, capsys, quality: dict, message: str):
+    write_records(tmp_path / "in.jsonl", [{"id": "a", "text": VALID[0]}])
+    (tmp_path / "cfg.json").write_text(json.dumps({"quality": quality}))
+    with pytest.raises(SystemExit):
+        main(["data", "clean", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out"), "--config",
+              str(tmp_path / "cfg.json")])
+    assert message in capsys.readouterr().err
 
 
 def test_clean_rescues_a_rule_rejection_only_with_the_quality_step_on(tmp_path: Path):

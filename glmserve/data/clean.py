@@ -79,9 +79,15 @@ def _datatrove_filter(step: str, settings: dict[str, Any]):
 
 def _filter_steps(cfg: dict[str, Any], rejected: Path) -> list:
     from glmserve.data.filters import LanguageIdFilter, LengthFilter, MojibakeFilter, PerLanguageFilter
-    from glmserve.data.quality import quality_filter
+    from glmserve.data.quality import QUALITY_KEYS, load_model, quality_filter
 
     quality = cfg["quality"] or {}
+    unknown = set(quality) - set(QUALITY_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"config step 'quality': unknown keys {sorted(unknown)} "
+                                  f"(known: {list(QUALITY_KEYS)})")
+    if quality:
+        load_model(quality.get("model"))  # a bad model path fails here, before any document is read
     steps = []
     for step in STEPS[:-1]:
         settings = cfg[step]

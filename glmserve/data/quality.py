@@ -21,6 +21,7 @@ from glmserve.errors import InvalidRequestError
 SHIPPED_MODEL = Path(__file__).with_name("quality_model.npz")
 # duplicates are valid-looking text whose fault is being a copy: MinHash's job, not the model's
 NOT_FOR_TRAINING = ("exact_dup", "near_dup")
+QUALITY_KEYS = ("model", "rescue_score", "min_score")  # the `quality` step's settings (glmserve/data/config.py)
 L2 = 0.01  # chosen by 5-fold cross-validation by source on the tune split (flat from 0.003 to 0.03)
 
 
