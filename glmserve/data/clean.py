@@ -148,10 +148,15 @@ def _minhash(cfg: dict[str, Any], work: Path, rejected: Path, progress: bool, wo
 
 
 def _fresh_work_dir(out: Path, input_path: Path, cfg: dict[str, Any]) -> Path:
-    """work/ holds the stages' state; it is reused (resume) only for the same input file and settings."""
+    """work/ holds the stages' state; it is reused (resume) only for the same input file, settings and quality
+    model file."""
+    from glmserve.data.quality import SHIPPED_MODEL
+
     work = out / "work"
     stat = input_path.stat()
-    key = hashlib.sha256(json.dumps([str(input_path.resolve()), stat.st_size, stat.st_mtime_ns, cfg],
+    model = Path((cfg["quality"] or {}).get("model") or SHIPPED_MODEL)
+    model_stamp = [model.stat().st_size, model.stat().st_mtime_ns] if cfg["quality"] and model.is_file() else None
+    key = hashlib.sha256(json.dumps([str(input_path.resolve()), stat.st_size, stat.st_mtime_ns, cfg, model_stamp],
                                     sort_keys=True, default=str).encode()).hexdigest()
     stamp = work / "run_key"
     if work.exists() and (not stamp.exists() or stamp.read_text() != key):
