@@ -386,10 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--json", action="store_true", help="the text, token counts and trace map as JSON")
     comp.set_defaults(handler=cmd_compress)
     from glmserve.compress.drafting.cli import add_draft_parser
+    from glmserve.compress.rag.cli import add_rag_parser
     from glmserve.data.cli import add_data_parser
 
     add_data_parser(sub)
     add_draft_parser(sub)
+    add_rag_parser(sub)
     return parser
 
 
