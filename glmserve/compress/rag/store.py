@@ -20,6 +20,10 @@ from glmserve.errors import GlmServeError, InvalidRequestError
 
 TEXT_BYTES = 65_535  # Milvus VARCHAR limit
 INSERT_BATCH = 256
+# Milvus Lite's in-process gRPC server keeps grpc's default ping policy (at most one ping per 5 minutes without
+# data, GOAWAY "too_many_pings" after that, and the channel never recovers); pymilvus pings every 10 s even when
+# idle, so a client that waits minutes between calls (building an index) is cut off. Local stores ping rarely.
+LITE_GRPC_OPTIONS = {"grpc.keepalive_time_ms": 600_000, "grpc.keepalive_permit_without_calls": 0}
 
 
 class VectorStoreError(GlmServeError):
@@ -35,7 +39,8 @@ def _client(uri: str, token: str | None) -> Any:
     except ImportError as exc:
         raise InvalidRequestError("RAG on Milvus needs pymilvus and milvus-lite: pip install 'glmserve[rag]'") from exc
     try:
-        return MilvusClient(uri=uri, token=token or "", timeout=30)
+        extra = {"grpc_options": LITE_GRPC_OPTIONS} if uri.endswith(".db") else {}
+        return MilvusClient(uri=uri, token=token or "", timeout=30, **extra)
     except Exception as exc:  # pymilvus raises MilvusException and grpc errors
         raise VectorStoreError(f"cannot open Milvus at {uri}: {exc}") from exc
 
