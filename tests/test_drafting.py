@@ -59,6 +59,9 @@ def test_time_order_against_a_defined_event() -> None:
     found = check_draft(text)
     assert [f.check for f in found] == ["time_order"]
     assert "Closing Date (2025-06-30)" in found[0].message and found[0].at.paragraph == 2
+    unquoted = "The Effective Date is 1 March 2025. Payment is due on 2025-02-15, after the Effective Date."
+    assert kinds(unquoted) == ["time_order"]
+    assert kinds(unquoted.replace("2025-02-15", "2025-03-15")) == []
 
 
 @pytest.mark.parametrize(("sentence", "check", "bad"), [

@@ -28,6 +28,7 @@ _RELATION = {"lt": ("before", lambda a, b: a < b), "gt": ("after", lambda a, b: 
 _EVENT_DEF = re.compile(
     r"[\"“]?(?P<name>(?:[A-Z][\w-]*\s+){0,3}(?:Date|Deadline|Day))[\"”]?\s*(?:is|shall be|will be|means|falls on"
     r"|occurs on|:|\()\s*(?:on\s+|the\s+)?")
+_ARTICLE = re.compile(r"^(?:The|A|An|This|Each)\s+")
 _CLAUSE_BREAK = re.compile(r"[;:]|\b(?:and|but|while|whereas|or)\b", re.I)
 _RANGE_START = re.compile(r"\b(?:from|between)\s+(?:the\s+)?$", re.I)
 _RANGE_JOIN = re.compile(r"\s*,?\s*(?:to|until|till|through|and|–|-)\s+(?:the\s+)?", re.I)
@@ -55,9 +56,10 @@ def events(text: str) -> dict[str, tuple[dt.date, int]]:
     out: dict[str, tuple[dt.date, int]] = {}
     for m in _EVENT_DEF.finditer(text):
         d = starts.get(m.end())
-        name = m.group("name").strip()
+        raw = m.group("name")
+        name = _ARTICLE.sub("", raw).strip()  # "The Effective Date is ..." names "Effective Date"
         if d is not None and name not in out:
-            out[name] = (d.date, m.start("name"))
+            out[name] = (d.date, m.start("name") + len(raw) - len(_ARTICLE.sub("", raw)))
     return out
 
 
