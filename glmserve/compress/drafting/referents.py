@@ -3,8 +3,8 @@
 - defined terms: a term the draft defines ('"Supplier" means', '(the "Supplier")', '(hereinafter "Buyer")')
   must not be used (capitalized, outside quotes) before its first definition, and is defined once;
 - abbreviations: an abbreviation introduced as "Service Level Agreement (SLA)" must not be used before that,
-  and one never introduced is reported (headings, all-caps runs, roman numerals and a short list of common
-  ones such as USD or UTC are left alone; `known` adds more).
+  and one never introduced is reported (2-6 characters; headings, all-caps runs, roman numerals and a short
+  list of common ones such as USD or UTC are left alone; `known` adds more).
 The definition forms follow glmserve/compress/anchors.py's "definition" anchor.
 """
 
@@ -20,7 +20,8 @@ _DEFINITION = re.compile(
     r"|is defined as|shall have the meaning)"
     r"|\((?:the |each a |an? |hereinafter(?: referred to as)? (?:the )?|together,? the )?"
     r"[\"“](?P<b>[A-Z][^\"”\n]{0,59})[\"”]\)")
-_ABBREVIATION = re.compile(r"\b[A-Z][A-Z0-9&]*[A-Z0-9](?:s\b|\b)")
+_ABBREVIATION = re.compile(r"\b[A-Z][A-Z0-9&]{0,4}[A-Z0-9](?:s\b|\b)")  # 2-6 characters: a longer all-caps word is
+# emphasis ("MERCHANTABILITY")
 _PAREN_ABBREVIATION = re.compile(r"\((?:the\s+)?[\"“]?(?P<abbr>[A-Z][A-Z0-9&]*[A-Z0-9])s?[\"”]?\)")
 _ROMAN = re.compile(r"[IVXLCDM]+")
 _SMALL_WORDS = frozenset("of and for the to on in at by with de du".split())
@@ -102,6 +103,6 @@ def check_abbreviations(loc: Locator, known: Iterable[str] = ()) -> list[Finding
 
 def _in_caps_run(text: str, a: int, b: int) -> bool:
     """The word is part of an all-caps phrase (a title such as "MASTER SERVICES AGREEMENT")."""
-    before = re.search(r"([A-Z][A-Z0-9&'-]+)[ \t]+$", text[max(0, a - 40):a])
-    after = re.match(r"[ \t]+([A-Z][A-Z0-9&'-]+)\b", text[b:b + 40])
+    before = re.search(r"([A-Z][A-Z0-9&'-]+)[,;]?\s+$", text[max(0, a - 40):a])
+    after = re.match(r"[,;]?\s+([A-Z][A-Z0-9&'-]+)\b", text[b:b + 40])
     return bool(before or after)
