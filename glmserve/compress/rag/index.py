@@ -12,11 +12,11 @@ import numpy as np
 
 from glmserve.compress import Document
 from glmserve.compress.bm25 import bm25_scores
-from glmserve.compress.embed import embed
 from glmserve.compress.rag.records import Record, SpanRef, chunk_records, section_records
 from glmserve.compress.rag.store import MilvusStore
 from glmserve.compress.rag.vectors import passage_vectors
 from glmserve.compress.tokens import TokenCounter, default_counter
+from glmserve.embed import embed
 from glmserve.errors import InvalidRequestError
 
 ANSWER_SPANS = 2  # spans quoted per retrieved record

@@ -1,4 +1,4 @@
-"""One vector per stored record or query, from the compressor's sentence encoder (glmserve/compress/embed.py):
+"""One vector per stored record or query, from the compressor's sentence encoder (glmserve/embed.py):
 the L2-normalized mean of the embeddings of the text's sentences (glmserve/compress/segment.py), so that a
 record longer than the encoder's window is still seen whole. Summaries and chunks go through the same
 function, so the comparison of the two indexes is one of what is stored, not of the embedder."""
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from glmserve.compress.embed import embed
 from glmserve.compress.segment import segment
+from glmserve.embed import embed
 
 DIM = 512
 
