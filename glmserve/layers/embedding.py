@@ -15,6 +15,13 @@ from glmserve.quant.schemes import Scheme
 from glmserve.quant.weight import QuantizedWeight
 
 
+def unset_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """An nn.Embedding whose weight is left unset (torch.empty, on the default device): every model fills it
+    from its checkpoint. nn.Embedding's own init draws normal_ values, which on the meta device goes through
+    torch._refs and imports torch._dynamo: 1.8 s of CPU at each server start (bench/RESULTS.md)."""
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+
+
 class QuantizedEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, scheme: Scheme, device: torch.device,
                  dtype: torch.dtype):

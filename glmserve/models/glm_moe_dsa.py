@@ -41,6 +41,7 @@ from transformers import PretrainedConfig
 from glmserve.errors import UnsupportedKVFormatError
 from glmserve.kv.kv_format import KVFormat, kv_format
 from glmserve.layers.attention import PagedAttention
+from glmserve.layers.embedding import unset_embedding
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.paged_metadata import StepRows, key_slots, padded_queries
@@ -494,7 +495,7 @@ class GlmMoeDsaForCausalLM(LoadsCheckpoint, nn.Module):
         if self.indexer_types[0] != "full":
             raise ValueError("the first layer must run the indexer (indexer_types[0] == 'full')")
         self.rotary = MlaRotary(config, max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = unset_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([
             DsaDecoderLayer(config, i, self.indexer_types[i] == "full", self.indexer_rope)
             for i in range(self.num_layers)

@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 from glmserve.kv.kv_format import KVFormat, kv_format
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
+from glmserve.layers.embedding import unset_embedding
 from glmserve.layers.linear import MergedLinear
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.paged_metadata import StepRows, paged_metadata
@@ -97,7 +98,7 @@ class DecoderOnlyLM(LoadsCheckpoint, nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.rotary = RotaryEmbedding(config, self.head_dim, max_positions, self.interleaved_rope)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = unset_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([self.make_layer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # tied by load_weights

@@ -9,10 +9,11 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from glmserve.errors import UnsupportedModelError
 from glmserve.layers.param_loading import CheckpointTensor
@@ -24,13 +25,16 @@ from glmserve.quant.plan import validate as validate_quantization
 from glmserve.quant.schemes import Scheme
 from glmserve.sparse.learned import FILE_SUFFIX as INDEXER_FILE_SUFFIX
 
+if TYPE_CHECKING:  # types only: transformers' Auto classes are imported where a directory or --tokenizer needs them
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
 
 @dataclass
 class ModelAndTokenizer:
     """What `load_model` returns: the model with its config, tokenizer, stop ids and name."""
 
     model: torch.nn.Module
-    hf_config: PretrainedConfig
+    hf_config: PretrainedConfig | SimpleNamespace  # a GGUF's values as a namespace (gguf_loader.model_config)
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: set[int]
     name: str
@@ -61,12 +65,22 @@ def _as_set(ids: int | list[int] | None) -> set[int]:
     return set(ids) if isinstance(ids, list) else {ids} if ids is not None else set()
 
 
-def _eos_ids(tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig, model_dir: Path | None) -> set[int]:
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig | SimpleNamespace,
+             model_dir: Path | None) -> set[int]:
     """End of generation: the tokenizer's eos, the config's (end-of-turn ids too), generation_config's."""
     ids = _as_set(tokenizer.eos_token_id) | _as_set(getattr(hf_config, "eos_token_id", None))
     if model_dir is not None and (model_dir / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
         ids |= _as_set(GenerationConfig.from_pretrained(str(model_dir)).eos_token_id)
     return ids
+
+
+def _auto_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """transformers' AutoTokenizer of a directory or hub id (imported here: its module tree costs a second)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _return_freed_heap() -> None:
@@ -79,8 +93,8 @@ def _return_freed_heap() -> None:
         trim(0)
 
 
-def _build(hf_config: PretrainedConfig, weights: Iterator[tuple[str, CheckpointTensor]], formats: dict[str, Scheme],
-           device: torch.device, dtype: torch.dtype, quantization: str | None,
+def _build(hf_config: PretrainedConfig | SimpleNamespace, weights: Iterator[tuple[str, CheckpointTensor]],
+           formats: dict[str, Scheme], device: torch.device, dtype: torch.dtype, quantization: str | None,
            quantize_embeddings: bool) -> torch.nn.Module:
     """The model on meta, its planned modules swapped for quantized ones (glmserve/models/quantized.py), then
     materialized on `device` and loaded."""
@@ -116,10 +130,12 @@ def load_model(path: str | None, tokenizer_path: str | None, device: torch.devic
 
         ckpt = load_gguf(location)
         native = quantization is None
-        hf_config, weights, model_dir = ckpt.config, ckpt.tensors(native=native), None
+        hf_config, weights, model_dir = ckpt.model_config(), ckpt.tensors(native=native), None
         formats = ckpt.native_formats() if native else {}
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else ckpt.tokenizer()
+        tokenizer = _auto_tokenizer(tokenizer_path) if tokenizer_path else ckpt.tokenizer()
     elif location.is_dir() and (location / "config.json").exists():
+        from transformers import AutoConfig
+
         hf_config = AutoConfig.from_pretrained(str(location))
         model_class(hf_config)  # fail fast on an unsupported architecture, before reading weights
         qconfig = getattr(hf_config, "quantization_config", None)
@@ -132,7 +148,7 @@ def load_model(path: str | None, tokenizer_path: str | None, device: torch.devic
             weights, formats = compressed_weights(safetensors_files(location), qconfig, native=quantization is None)
         else:
             weights, formats = safetensors_weights(location), {}
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or str(location))
+        tokenizer = _auto_tokenizer(tokenizer_path or str(location))
     else:
         raise UnsupportedModelError(f"{location} is neither a .gguf file nor a model directory with config.json")
     model = _build(hf_config, weights, formats, device, dtype, quantization, quantize_embeddings)
