@@ -23,6 +23,7 @@ from glmserve.errors import IndexerMismatchError, InvalidRequestError
 from glmserve.layers.attention import GroupMetadata
 from glmserve.models.loader import load_model
 from glmserve.sparse.indexer import Indexer
+from glmserve.sparse import learned
 from glmserve.sparse.learned import (
     DISTANCE_BUCKETS,
     INDEX_KEY_DTYPE,
@@ -229,6 +230,20 @@ def test_default_path_is_beside_the_model_and_auto_found(llama, trained, tiny_mo
         assert "learned" in engine.sparse_modes
     finally:
         (model_dir / "glmserve-indexer.safetensors").unlink()
+
+
+def test_fingerprint_only_where_a_default_file_may_exist(llama, trained, tmp_path, monkeypatch):
+    """Server start: the fingerprint (every layer's q/k/v dequantized) is skipped when no default file can match."""
+    weights, _, _ = trained
+    monkeypatch.setenv("GLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    real, calls = learned.weights_fingerprint, []
+    monkeypatch.setattr(learned, "weights_fingerprint", lambda model: calls.append(model) or real(model))
+    assert find_learned_indexer(None, None, llama.model) is None and calls == []  # the embedded model, empty cache
+    cached = default_indexer_path(None, weights.spec.identity.fingerprint)
+    cached.parent.mkdir(parents=True)
+    weights.save(cached)
+    found = find_learned_indexer(None, None, llama.model)
+    assert calls == [llama.model] and found is not None and found.spec == weights.spec
 
 
 class RecordingIndexer:

@@ -214,12 +214,32 @@ def default_indexer_path(model_path: str | Path | None, fingerprint: str) -> Pat
     safetensors` beside a single-file model; `indexers/<fingerprint>.safetensors` in glmserve's cache
     (`glmserve.paths.cache_dir`, by default ~/.cache/glmserve) for the embedded model (None: its GGUF lives in
     site-packages, which pip owns) or when the model's directory is not writable."""
-    cache = cache_dir() / "indexers" / f"{fingerprint}.safetensors"
+    beside = _beside(model_path)
+    return beside if beside is not None else _cached_indexers() / f"{fingerprint}.safetensors"
+
+
+def _beside(model_path: str | Path | None) -> Path | None:
+    """The default file beside the model where it is (or can be written) there; None: the cache holds it."""
     if model_path is None:
-        return cache
+        return None
     location = Path(model_path)
     beside = location / FILE_SUFFIX if location.is_dir() else location.with_name(f"{location.name}.{FILE_SUFFIX}")
-    return beside if beside.exists() or os.access(beside.parent, os.W_OK) else cache
+    return beside if beside.exists() or os.access(beside.parent, os.W_OK) else None
+
+
+def _cached_indexers() -> Path:
+    return cache_dir() / "indexers"
+
+
+def _default_file_may_exist(model_path: str | Path | None) -> bool:
+    """Whether `default_indexer_path` can name an existing file, decided without the fingerprint (which
+    dequantizes every layer's q/k/v: 1-2 s of each server start): the file beside the model, else any file in
+    the cache's indexers/."""
+    beside = _beside(model_path)
+    if beside is not None:
+        return beside.exists()
+    cached = _cached_indexers()
+    return cached.is_dir() and any(cached.glob("*.safetensors"))
 
 
 class LearnedIndexer:
@@ -308,6 +328,8 @@ def find_learned_indexer(option: str | None, model_path: str | None, model: nn.M
         return None
     if not scored:
         raise IndexerMismatchError(f"{type(model).__name__} has no paged attention layers for a learned indexer")
+    if option is None and not _default_file_may_exist(model_path):
+        return None
     identity = ModelIdentity.of(model)
     if option is None:
         path = default_indexer_path(model_path, identity.fingerprint)
