@@ -13,16 +13,17 @@ the same object, less `text`, as `context_compression`. Compression runs in a wo
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from glmserve.compress import CompressionResult, Document, compress
-from glmserve.compress.tokens import HFTokenCounter
 from glmserve.errors import InvalidRequestError
 from glmserve.server.errors import BadRequestError
 from glmserve.server.protocol import ChatMessage, ContextCompressionRequest
+
+if TYPE_CHECKING:  # glmserve.compress is imported on first use: it is not needed to start serving
+    from glmserve.compress import CompressionResult
 
 router = APIRouter()
 
@@ -31,6 +32,9 @@ CONTEXT_HEADER = "Documents (compressed: each passage is quoted verbatim from it
 
 async def run_compression(body: ContextCompressionRequest, tokenizer: Any, query: str | None,
                           param: str | None = None) -> CompressionResult:
+    from glmserve.compress import Document, compress
+    from glmserve.compress.tokens import HFTokenCounter
+
     docs = [Document(d.id, d.text) for d in body.documents]
     try:
         return await asyncio.to_thread(compress, docs, query, body.target_ratio, body.target_tokens, body.preset,

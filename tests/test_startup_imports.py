@@ -1,0 +1,36 @@
+"""Server start imports only what serving needs (bench/RESULTS.md "Startup and memory"): the compression package
+loads on the first /v1/compress, and building the embedded GGUF model never imports torch._dynamo (nn.Embedding's
+normal_ init on meta and transformers' LlamaConfig both did: 2-4 s of CPU per start)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+WATCHED = ("glmserve.compress", "jieba", "torch._dynamo", "transformers.models.llama.configuration_llama")
+
+SERVER_APP = "import glmserve.server.app"
+MODEL_ON_META = """
+import torch
+from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
+from glmserve.models.registry import model_class
+config = load_gguf(embedded_default_gguf()).model_config()
+with torch.device("meta"):
+    model = model_class(config)(config, 64)
+assert model.embed_tokens.weight.is_meta
+"""
+
+
+def _imported_after(code: str) -> list[str]:
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(m for m in {WATCHED!r} if m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_server_app_imports_no_compression_package():
+    assert _imported_after(SERVER_APP) == []
+
+
+def test_embedded_model_builds_without_dynamo_or_transformers_llama_config():
+    assert _imported_after(MODEL_ON_META) == []
