@@ -93,3 +93,25 @@ def test_the_build_compiles_a_copy_of_the_source_inside_its_directory(tmp_path):
     os.utime(staged, ns=(before - 10**9, before - 10**9))  # as if staged by another checkout a second earlier
     assert build._staged_source(directory, "sparse") == staged
     assert staged.stat().st_mtime_ns == before - 10**9  # not rewritten: ninja sees nothing new
+
+
+@pytest.mark.skipif(kernels.torch_only(), reason="GLMSERVE_TORCH_ONLY=1: setup builds no kernels")
+def test_a_built_kernel_imports_without_torch_cpp_extension_or_ninja(tmp_path):
+    """Server start: the library a finished build left in its (source-hashed) directory is imported directly;
+    torch's load() would hash the sources and run ninja again. Only the .so is copied to a fresh root and ninja
+    is off the PATH, so the load succeeds only by importing it."""
+    name = build.extension_name("sparse", "scalar")
+    built = build.build_directory(name) / f"{name}.so"
+    if not built.exists() and not build.in_ci():
+        pytest.skip(f"setup built no {name} here")
+    copy = tmp_path / build.build_directory(name).name
+    copy.mkdir()
+    (copy / built.name).write_bytes(built.read_bytes())
+    probe = ("from glmserve.kernels import build\n"
+             "module = build.load('sparse', 'scalar')\n"
+             "assert module is not None and hasattr(module, 'block_scores')\n"
+             "assert not (build.build_directory(build.extension_name('sparse', 'scalar')) / 'build.ninja').exists()")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "PATH": "/nonexistent", "GLMSERVE_TORCH_ONLY": "0",
+           "CI": "true"}  # CI: a failed build raises instead of falling back to None
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -106,6 +107,24 @@ def _staged_source(directory: Path, source: str) -> Path:
     return staged
 
 
+def _import_built(directory: Path, name: str) -> ModuleType | None:
+    """The extension's library when a build finished in `directory` (named by the sources' hash: a library there
+    was built from these sources and flags), imported directly; torch's load() would hash the sources again and
+    run ninja, 0.1-0.2 s per kernel at every start (bench/RESULTS.md). None where there is none or it does not
+    import (a build killed mid-link): then load() builds it."""
+    library = directory / f"{name}.so"
+    if not library.exists():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as e:
+        log.warning("C++ CPU kernel %s: %s does not import (%s); building it again", name, library, e)
+        return None
+    return module
+
+
 @functools.cache
 def load(source: str, isa: str) -> ModuleType | None:
     """The extension built from csrc/`source`.cpp for variant `isa`, or None when it cannot be built
@@ -116,9 +135,9 @@ def load(source: str, isa: str) -> ModuleType | None:
 
         directory = build_directory(name)
         with _exclusive_build(directory):
-            module = build_extension(name=name, sources=[str(_staged_source(directory, source))],
-                                     extra_cflags=[*BASE_CFLAGS, *BY_NAME[isa].cflags],
-                                     build_directory=str(directory), verbose=False)
+            module = _import_built(directory, name) or build_extension(
+                name=name, sources=[str(_staged_source(directory, source))],
+                extra_cflags=[*BASE_CFLAGS, *BY_NAME[isa].cflags], build_directory=str(directory), verbose=False)
     except Exception as e:
         if in_ci():
             raise KernelBuildError(f"C++ CPU kernel {name} failed to build: {e}") from e
