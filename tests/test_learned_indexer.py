@@ -22,8 +22,8 @@ from glmserve.engine.sampling import SamplingParams
 from glmserve.errors import IndexerMismatchError, InvalidRequestError
 from glmserve.layers.attention import GroupMetadata
 from glmserve.models.loader import load_model
-from glmserve.sparse.indexer import Indexer
 from glmserve.sparse import learned
+from glmserve.sparse.indexer import Indexer
 from glmserve.sparse.learned import (
     DISTANCE_BUCKETS,
     INDEX_KEY_DTYPE,

@@ -3,6 +3,7 @@ quantized (glmserve/quant/plan.py decides which modules run in which format)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -114,11 +115,32 @@ def _build(hf_config: PretrainedConfig | SimpleNamespace, weights: Iterator[tupl
     return model.eval()
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's CPU ops on one thread, then the caller's count again. A load is many small memory-bound ops
+    (unpacking, repacking, concatenating); on two threads each op's OpenMP barrier waits for a thread the OS has
+    not scheduled when other processes share the cores: building the embedded model took 8.1-8.8 s (2.7 s of CPU)
+    on one thread against 18-42 s (7-12 s of CPU) on two, at load average ~12 on 2 cores (bench/RESULTS.md)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def load_model(path: str | None, tokenizer_path: str | None, device: torch.device, dtype: torch.dtype,
                quantization: str | None = None, quantize_embeddings: bool = False) -> ModelAndTokenizer:
     """path None loads the embedded default model (SmolLM2-135M-Instruct GGUF). quantization: None runs the
     checkpoint's own format (GGUF blocks natively), "none" float, a scheme name quantizes on load
-    (glmserve/quant/plan.py); quantize_embeddings quantizes embeddings and lm_head too."""
+    (glmserve/quant/plan.py); quantize_embeddings quantizes embeddings and lm_head too. The load runs on one
+    thread (`_one_thread`)."""
+    with _one_thread():
+        return _load(path, tokenizer_path, device, dtype, quantization, quantize_embeddings)
+
+
+def _load(path: str | None, tokenizer_path: str | None, device: torch.device, dtype: torch.dtype,
+          quantization: str | None, quantize_embeddings: bool) -> ModelAndTokenizer:
     validate_quantization(quantization)
     if path is None:
         from glmserve.models.gguf_loader import embedded_default_gguf
