@@ -34,3 +34,21 @@ def test_server_app_imports_no_compression_package():
 
 def test_embedded_model_builds_without_dynamo_or_transformers_llama_config():
     assert _imported_after(MODEL_ON_META) == []
+
+
+def test_the_load_runs_on_one_thread_and_restores_the_count(tiny_model_dir, monkeypatch):
+    """The load's small ops on one thread (OpenMP barriers stall on a shared machine), the caller's count after."""
+    import torch
+
+    from glmserve.models import loader
+
+    seen: list[int] = []
+    real_build = loader._build
+    monkeypatch.setattr(loader, "_build", lambda *a, **k: seen.append(torch.get_num_threads()) or real_build(*a, **k))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        loader.load_model(str(tiny_model_dir("llama")), None, torch.device("cpu"), torch.float32)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
