@@ -33,6 +33,7 @@ from glmserve.engine.llm_engine import LLMEngine
 from glmserve.engine.outputs import EngineStats, RequestOutput, StorageStats
 from glmserve.engine.sampling import SamplingParams
 from glmserve.errors import EngineOverloadedError, GlmServeError
+from glmserve.gc_heap import freeze_startup_heap
 from glmserve.models.quantized import HoldsWeights
 from glmserve.models.quantized import weight_bytes as model_weight_bytes
 from glmserve.sparse_settings import SparseAttentionParams
@@ -284,6 +285,8 @@ class AsyncEngine:
             logger.info("startup: warm-up generation in %.2f s; ready after %.2f s", time.monotonic() - loaded,
                         time.monotonic() - start)
             self._set_state(EngineState.READY)
+            frozen = freeze_startup_heap()  # the model's objects live as long as the process: no more GC walks
+            logger.debug("startup: %d objects frozen out of the garbage collector", frozen)
             self._loop(engine)
             engine.close()
         except GlmServeError as exc:  # a deliberate, explained error (bad option, unsupported model)

@@ -6,7 +6,6 @@ model-ID table; every other path is forwarded (proxy.py). GatewayMiddleware (adm
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -30,6 +29,7 @@ from glmserve.gateway.proxy_metrics import ProxyMetrics
 from glmserve.gateway.proxy_options import ProxyOptions
 from glmserve.gateway.settings import GatewaySettings
 from glmserve.gateway.workers import run_gateway_workers
+from glmserve.gc_heap import freeze_startup_heap
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 # idle client connections are kept longer than clients keep them (httpx and the openai client: 5 s, aiohttp 15 s,
@@ -104,15 +104,6 @@ def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGI
     middleware = GatewayMiddleware(app, settings, registry=proxy.metrics.registry)
     proxy.metrics.live.extend(middleware.metrics.live)
     return middleware
-
-
-def freeze_startup_heap() -> None:
-    """Moves every object alive after startup (the imported modules, the app) out of the garbage collector's
-    generations: a full collection otherwise walks all ~47K of them, a 5-100 ms pause in the middle of requests
-    (measured here at load 12; what gen-2 collections add to the gateway's p99). The idea of vLLM's
-    `freeze_gc_heap` (vllm/utils/gc_utils.py), which its server calls after init and warm-up."""
-    gc.collect()
-    gc.freeze()
 
 
 def _exit_cleanly(signum: int, _: FrameType | None) -> None:

@@ -1,0 +1,55 @@
+"""The startup heap is frozen out of the cycle collector (glmserve/gc_heap.py): garbage from before is collected,
+not frozen, and the engine freezes its heap once it is ready."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from glmserve.config import EngineConfig
+from glmserve.engine.async_engine import AsyncEngine, EngineState
+from glmserve.gc_heap import freeze_startup_heap
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the cycle collector frees it
+
+
+@pytest.fixture
+def unfrozen() -> Iterator[None]:
+    gc.unfreeze()
+    yield
+    gc.unfreeze()  # the rest of the test session collects as before
+
+
+def test_freezing_collects_cycles_first_and_freezes_what_lives(unfrozen: None) -> None:
+    garbage = _Node()
+    gone = weakref.ref(garbage)
+    del garbage
+    alive = _Node()
+    assert freeze_startup_heap() == gc.get_freeze_count() > 0
+    assert gone() is None  # collected before the freeze, not kept for good
+    assert not any(obj is alive for gen in range(3) for obj in gc.get_objects(gen))  # frozen: no generation
+    assert gc.collect() >= 0 and alive.me is alive
+
+
+def test_the_engine_freezes_its_heap_once_ready(unfrozen: None, tiny_model_dir) -> None:
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=128))
+    assert gc.get_freeze_count() == 0
+    engine.start()
+    try:
+        deadline = time.monotonic() + 120
+        while engine.state is not EngineState.READY and time.monotonic() < deadline:
+            assert engine.state not in (EngineState.FAILED, EngineState.STOPPED), engine.failure
+            time.sleep(0.05)
+        while gc.get_freeze_count() == 0 and time.monotonic() < deadline:  # frozen right after READY
+            time.sleep(0.05)
+        assert gc.get_freeze_count() > 1000
+    finally:
+        asyncio.run(engine.shutdown())
