@@ -712,8 +712,18 @@ def test_chat_context_compression_returns_the_trace_map(server: Server) -> None:
         kept = [text[s["start"]:s["end"]] for s in trace["spans"]]
         assert "The registered office is in Leeds." in kept and "7. Office" in kept
         assert out["choices"][0]["message"]["content"] is not None
-        streamed = http.post("/v1/chat/completions", json={**body, "stream": True})
-        assert streamed.status_code == 400
+    # streamed through the official client: the trace map comes in one extra chunk with no choices, after the
+    # finish chunk and before the usage chunk
+    request = {k: v for k, v in body.items() if k != "context_compression"}
+    chunks = list(server.client().chat.completions.create(
+        **request, stream=True, stream_options={"include_usage": True},
+        extra_body={"context_compression": body["context_compression"]}))
+    [at] = [i for i, c in enumerate(chunks) if getattr(c, "context_compression", None) is not None]
+    assert chunks[at].choices == [] and chunks[at].context_compression == trace
+    assert [c.choices[0].finish_reason for c in chunks[:at] if c.choices][-1] in ("stop", "length")
+    assert at == len(chunks) - 2 and chunks[-1].usage.prompt_tokens == out["usage"]["prompt_tokens"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        out["choices"][0]["message"]["content"]
 
 
 # ---------------------------------------------------------------------- shutdown (keep last)

@@ -7,7 +7,9 @@ POST /v1/compress body: `documents` [{`id`, `text`}], optional `query`, at most 
 `kind`, `anchors`}] and `documents` [{`id`, `mode`, `reason`, `original_tokens`}].
 A chat request's `context_compression` (same fields; `query` defaults to the last user message) puts the
 compressed text in a system message after the leading system messages, before prefill; the answer carries
-the same object, less `text`, as `context_compression`. Compression runs in a worker thread.
+the same object, less `text`, as `context_compression`; a streamed answer sends it in one extra chunk with no
+choices (`{"object": "chat.completion.chunk", "choices": [], "context_compression": {...}}`) after every
+choice's finish chunk and before the usage chunk and [DONE]. Compression runs in a worker thread.
 """
 
 from __future__ import annotations

@@ -463,6 +463,13 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
 
 
+class ChatCompletionChunkWithTrace(ChatCompletionChunk):
+    """The extra chunk of a streamed request with `context_compression` (no choices): the trace map, sent
+    after every choice's finish chunk and before the usage chunk."""
+
+    context_compression: dict[str, Any]
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)

@@ -30,6 +30,7 @@ from glmserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionChunkWithTrace,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionWithTrace,
@@ -70,8 +71,6 @@ async def start_chat(body: ChatCompletionRequest, raw: Request, ctx: ServingCont
         messages = await anchor_messages(messages, session_id, model, ctx)
     trace = None
     if body.context_compression is not None:
-        if body.stream:
-            raise BadRequestError("context_compression is not supported with stream yet", param="stream")
         messages, trace = await compress_context(body.context_compression, messages, model.tokenizer)
     prompt_ids = model.chat_prompt(messages, body.active_tools(), body.chat_template_kwargs)
     check_prompt_tokens(ctx.config.limits, len(prompt_ids), "messages")
@@ -128,7 +127,8 @@ def _finish_reason(engine_reason: str | None, called: bool) -> FinishReason | No
 
 async def _stream(body: ChatCompletionRequest, run: ChatRun, ctx: ServingContext) -> AsyncIterator[str]:
     """Chunks as OpenAI sends them: a role delta, content (and reasoning_content) deltas, a finish delta per
-    choice, then (stream_options.include_usage) a usage chunk with no choices, then [DONE]."""
+    choice, then (context_compression) a chunk with no choices carrying the trace map as
+    `context_compression`, then (stream_options.include_usage) a usage chunk with no choices, then [DONE]."""
     generation, model, model_id = run.generation, run.model, run.model_id
     created = int(time.time())
     want_logprobs = body.num_logprobs() is not None
@@ -169,6 +169,9 @@ async def _stream(body: ChatCompletionRequest, run: ChatRun, ctx: ServingContext
                     finished[i] = True
                     reason = _finish_reason(c.finish_reason, calls is not None and calls[i].called)
                     yield chunk([ChatChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=reason)])
+        if run.trace is not None:
+            yield event(ChatCompletionChunkWithTrace(id=generation.request_id, created=created, model=model_id,
+                                                     choices=[], context_compression=run.trace))
         if body.include_usage():
             assert generation.last is not None
             yield event(
