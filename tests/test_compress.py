@@ -103,6 +103,31 @@ def test_code_is_routed_off_and_prose_on() -> None:
     assert route(CHINESE).mode == "on"
 
 
+def test_commented_code_and_stubs_are_code_and_markdown_prose_with_fences_is_not() -> None:
+    commented = ("/*\n * Copyright (C) 2001 Example Corporation and others.\n * All Rights Reserved.\n"
+                 " * This header declares the cleanup functions of the library.\n */\n\n#ifndef CLEAN_H\n"
+                 "#define CLEAN_H\n/* Frees every resource the library holds. Call it last. */\n"
+                 "void lib_cleanup(void);\n#endif\n")
+    stub = ("import numpy as np\n\nAR_f8: np.ndarray\nAR_U: np.ndarray\nflags: dict[str, int]\n"
+            "np.polymul(AR_f8, AR_U)  # type: ignore\n")
+    shell = "if test -t 1; then\n  echo \"Missing filename\" 1>&2\n  exit\nfi\n"
+    assert route(commented).mode == "off" and route(stub).mode == "off" and route(shell).mode == "off"
+    wrapped = ("Permission is hereby granted, free of charge, to any person obtaining a copy\n"
+               "of this software and associated documentation files (the \"Software\"), to deal\n"
+               "in the Software without restriction, including without limitation the rights\n"
+               "to use, copy, modify, merge, publish, distribute, sublicense, and/or sell\n")
+    assert route(wrapped).mode == "on"
+    fence = "```python\nimport os\n\ndef f(x):\n    return x + 1\n```"
+    markdown = (f"# Usage\n\nThe tool reads a file and prints a summary. It never writes anything.\n\n{fence}\n\n"
+                "## Options\n\nEach option has a default. The defaults suit most inputs.\n")
+    r = route(markdown)
+    assert r.mode == "on" and "fenced" in r.reason
+    assert route(f"Example:\n\n{fence}\n\n{fence}\n").mode == "off"  # mostly fenced code
+    units = segment("readme", markdown)
+    assert [u.text for u in units if u.text.startswith("```")] == [fence]  # one unit: kept or dropped whole
+    assert all(markdown[u.start:u.end] == u.text for u in units)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_trace_map_is_exact_and_keeps_every_anchor(seed: int, counter) -> None:
     rng = random.Random(seed)

@@ -47,6 +47,7 @@ _ABBREVIATION = re.compile(
     r"resp|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec|U\.S|p|pp|para|Vol)\.|\b[A-Z]\.)$"
 )
 _CLAUSE_START = re.compile(rf"[ \t]*(第[{_CN_NUM}]+条|\d+(?:\.\d+)+)\.?(?=[ \t　]|$)")
+_FENCE_LINE = re.compile(r"^[ \t]*(?:```+|~~~(?!~))[ \t]*[\w+#.-]*[ \t]*$", re.M)  # not an RST ~~~~ underline
 MAX_UNIT_CHARS = 1200  # a longer run without sentence punctuation (a table, a literal block) splits at lines
 
 
@@ -125,6 +126,12 @@ def _heading_lines(text: str) -> list[tuple[int, int]]:
     return sorted(set(found))
 
 
+def fenced_blocks(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each closed Markdown code fence, from its opening ``` line to the end of its closing one."""
+    marks = [(m.start(), m.end()) for m in _FENCE_LINE.finditer(text)]
+    return [(marks[i][0], marks[i + 1][1]) for i in range(0, len(marks) - 1, 2)]
+
+
 def section_label(heading: str) -> str:
     """The citable label of a heading: its number ("4.2", "第三条", "Article 5") or its text, shortened."""
     m = _SECTION_LABEL.search(heading.lstrip("# \t"))
@@ -144,8 +151,16 @@ def segment(doc: str, text: str) -> list[Unit]:
     page_starts = np.array([0] + [m.end() for m in _PAGE_MARK.finditer(text)], dtype=np.int64)
     headings = _heading_lines(text)
     heading_starts = {a: b for a, b in headings}
-    gaps = [(m.start(), m.end()) for m in _PARAGRAPH_GAP.finditer(text)]
+    fenced = fenced_blocks(text)
+    inside = np.zeros(len(text) + 1, dtype=np.int64)  # fence nesting depth at each offset (a running sum)
+    for a, b in fenced:
+        inside[a] += 1
+        inside[b] -= 1
+    inside = np.cumsum(inside)
+    gaps = [(m.start(), m.end()) for m in _PARAGRAPH_GAP.finditer(text) if not inside[m.start()]]
+    gaps = sorted(gaps + [(a, a) for a, _ in fenced] + [(b, b) for _, b in fenced])
     para_bounds = list(zip([0, *[g[1] for g in gaps]], [*[g[0] for g in gaps], len(text)]))
+    fence_starts = {a for a, _ in fenced}
     units: list[Unit] = []
     section = ""
     paragraph = 0
@@ -153,6 +168,9 @@ def segment(doc: str, text: str) -> list[Unit]:
         if not text[lo:hi].strip():
             continue
         paragraph += 1
+        if lo in fence_starts:  # a fenced code block is one unit, kept or dropped whole
+            units.append(_unit(doc, text, lo, hi, page_starts, section, paragraph, False))
+            continue
         # heading lines inside the paragraph are units of their own; the rest splits into sentences
         cuts = sorted({p for a, b in headings if lo <= a < hi for p in (a, min(b, hi))} - {lo, hi})
         pieces = _spans(text, cuts, lo, hi)
