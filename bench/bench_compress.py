@@ -1,7 +1,7 @@
 """Semantic context compression (glmserve/compress/) against baselines at the same ratio, with and without the model.
 
     .venv/bin/python bench/bench_compress.py [--ratio 3.4] [--questions 40] [--zh-questions 20]
-        [--multi-questions 12] [--no-model] [--out FILE]
+        [--multi-questions 12] [--parts routing,multi,en,zh] [--no-model] [--out FILE]
 
 Corpora and questions: bench/compress_data.py (Debian Policy, ~120K tokens; the Chinese New Maintainers' Guide;
 five license texts with the gold one first, in the middle or last; a code-routing corpus). Each corpus's
@@ -62,19 +62,23 @@ class Corpus:
     questions: list[Question]
 
 
-def corpora(n_en: int, n_zh: int, n_multi: int) -> list[Corpus]:
-    policy = debian_policy()
-    guide = maint_guide_zh()
-    gpl = license_text(GOLD_LICENSE)
-    out = [Corpus("Debian Policy (en)", [Document("policy", policy)],
-                  make_questions(segment("policy", policy), n_en)),
-           Corpus("New Maintainers' Guide (zh)", [Document("guide", guide)],
-                  make_questions(segment("guide", guide), n_zh, chinese=True))]
-    multi_q = make_questions(segment(GOLD_LICENSE, gpl), n_multi, seed=1)
-    others = [Document(name, license_text(name)) for name in DISTRACTORS]
-    for where, at in (("first", 0), ("middle", len(others) // 2), ("last", len(others))):
-        docs = [*others[:at], Document(GOLD_LICENSE, gpl), *others[at:]]
-        out.append(Corpus(f"5 licenses, gold {where}", docs, multi_q))
+def corpora(parts: set[str], n_en: int, n_zh: int, n_multi: int) -> list[Corpus]:
+    out = []
+    if "multi" in parts:
+        gpl = license_text(GOLD_LICENSE)
+        multi_q = make_questions(segment(GOLD_LICENSE, gpl), n_multi, seed=1)
+        others = [Document(name, license_text(name)) for name in DISTRACTORS]
+        for where, at in (("first", 0), ("middle", len(others) // 2), ("last", len(others))):
+            docs = [*others[:at], Document(GOLD_LICENSE, gpl), *others[at:]]
+            out.append(Corpus(f"5 licenses, gold {where}", docs, multi_q))
+    if "en" in parts:
+        policy = debian_policy()
+        out.append(Corpus("Debian Policy (en)", [Document("policy", policy)],
+                          make_questions(segment("policy", policy), n_en)))
+    if "zh" in parts:
+        guide = maint_guide_zh()
+        out.append(Corpus("New Maintainers' Guide (zh)", [Document("guide", guide)],
+                          make_questions(segment("guide", guide), n_zh, chinese=True)))
     return out
 
 
@@ -226,18 +230,20 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=40)
     ap.add_argument("--zh-questions", type=int, default=20)
     ap.add_argument("--multi-questions", type=int, default=12)
+    ap.add_argument("--parts", default="routing,multi,en,zh", help="comma-separated: routing, multi, en, zh")
     ap.add_argument("--no-model", action="store_true", help="skip the model metric")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     count = default_counter()
     rng = np.random.default_rng(0)
-    cs = corpora(args.questions, args.zh_questions, args.multi_questions)
-    report: dict = {"ratio": args.ratio, "routing": routing(cs[0].documents[0].text, cs[1].documents[0].text),
-                    "corpora": []}
+    parts = set(args.parts.split(","))
+    report: dict = {"ratio": args.ratio, "corpora": []}
+    if "routing" in parts:
+        report["routing"] = routing(debian_policy(), maint_guide_zh())
     scorer = None if args.no_model else AnswerScorer()
     all_rows = []
-    for c in (*cs[2:], *cs[:2]):  # the small multi-document corpora first; the report is rewritten after each
+    for c in corpora(parts, args.questions, args.zh_questions, args.multi_questions):  # report rewritten after each
         res = run_corpus(c, args.ratio, count, rng)
         if scorer is not None:
             add_model_metric(scorer, res)
