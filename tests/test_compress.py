@@ -117,6 +117,9 @@ def test_commented_code_and_stubs_are_code_and_markdown_prose_with_fences_is_not
                "in the Software without restriction, including without limitation the rights\n"
                "to use, copy, modify, merge, publish, distribute, sublicense, and/or sell\n")
     assert route(wrapped).mode == "on"
+    underlined = ("SUPPLY AGREEMENT\n================\n\n1. Payment\n\n1.1 Invoices are paid within 30 days.\n\n"
+                  "Late payment bears interest.\n\nFees are in euros.\n")
+    assert route(underlined).mode == "on"  # a heading's underline is no code (its == once routed it off)
     fence = "```python\nimport os\n\ndef f(x):\n    return x + 1\n```"
     markdown = (f"# Usage\n\nThe tool reads a file and prints a summary. It never writes anything.\n\n{fence}\n\n"
                 "## Options\n\nEach option has a default. The defaults suit most inputs.\n")

@@ -43,6 +43,7 @@ _CODE_LINE = re.compile(
 _COMMENT_LINE = re.compile(r"^\s*(?:#(?!include|define|if|endif|else|pragma|undef|!)|//|/\*|\*(?:\s|/|$)|--\s|;)")
 _FENCE = re.compile(r"^\s*(?:```+|~~~(?!~))\s*[\w+#.-]*\s*$")  # not an RST ~~~~ underline
 _TRAILING_COMMENT = re.compile(r"\s+(?:#|//)\s.*$")
+_RULE_LINE = re.compile(r"^\s*([=\-~^*#+_])\1{2,}\s*$")  # a heading underline or a rule: neither code nor prose
 _DOCSTRING = re.compile(r'"""|\'\'\'')
 CODE_THRESHOLD = 0.2  # fraction of the counted lines (not blank, not comments, not fenced) that look like code
 FENCED_THRESHOLD = 0.8  # a text with fences whose lines are mostly fenced code is code
@@ -74,7 +75,7 @@ def line_counts(text: str) -> LineCounts:
         if i in opens:
             inside = not inside
             continue
-        if not ln.strip():
+        if not ln.strip() or _RULE_LINE.match(ln):
             continue
         quotes = len(_DOCSTRING.findall(ln))
         if inside:
