@@ -43,3 +43,7 @@ class SessionStoreUnavailableError(GlmServeError):
 
 class KernelBuildError(GlmServeError):
     """A C++ kernel failed to build where the kernels are required (CI=true)."""
+
+
+class DataPipelineError(GlmServeError):
+    """A data pipeline stage did not finish (a task failed on a Ray cluster, or the cluster is unreachable)."""

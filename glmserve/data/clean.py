@@ -1,4 +1,4 @@
-"""`glmserve data clean`: the layered cleaning pipeline on datatrove's local executor. Stage 1 reads JSONL or
+"""`glmserve data clean`: the layered cleaning pipeline on datatrove's local or Ray executor. Stage 1 reads JSONL or
 Parquet and runs the rule filters (mojibake, language, length, Gopher repetition and quality, C4, FineWeb; the
 learned quality score may overrule the last four, and drop documents itself when configured); MinHash
 near-duplicate removal follows in datatrove's four stages (signatures, buckets, clusters, filter). Every stage
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from glmserve.data.config import STEPS, load_config
+from glmserve.data.executors import StageRunner, ray_connection
 from glmserve.data.records import count_records, iter_jsonl, write_records
 from glmserve.errors import InvalidRequestError
 
@@ -109,18 +110,7 @@ def _filter_steps(cfg: dict[str, Any], rejected: Path) -> list:
     return steps
 
 
-def _run_stage(work: Path, stage: str, pipeline: list, tasks: int = 1, workers: int = 1) -> None:
-    from datatrove.executor import LocalPipelineExecutor
-
-    # workers=1 runs the tasks in this process one after the other. A pool is started with "fork": under
-    # datatrove's default "forkserver" every worker imports the caller's __main__ again, and a script or
-    # `python -c` without an `if __name__ == "__main__"` guard starts the pipeline anew in each worker,
-    # which fails to bootstrap while the pool waits for it forever (the "MinHash hangs with workers=2").
-    LocalPipelineExecutor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)),
-                          logging_dir=str(work / "logs" / stage), skip_completed=True, start_method="fork").run()
-
-
-def _minhash(cfg: dict[str, Any], work: Path, rejected: Path, progress: bool, workers: int) -> None:
+def _minhash(cfg: dict[str, Any], work: Path, rejected: Path, progress: bool, runner: StageRunner) -> None:
     from datatrove.pipeline.dedup.minhash import (
         MinhashDedupBuckets,
         MinhashDedupCluster,
@@ -133,16 +123,17 @@ def _minhash(cfg: dict[str, Any], work: Path, rejected: Path, progress: bool, wo
 
     mh = minhash_config(cfg["minhash"])
     filtered, mdir = work / "filtered", work / "minhash"
-    _run_stage(work, "minhash_signatures", [_reader(filtered / "00000.jsonl", False),
+    runner.run(work / "logs" / "minhash_signatures", [_reader(filtered / "00000.jsonl", False),
                                             MinhashDedupSignature(str(mdir / "signatures"), config=mh,
                                                                                   language=WORDS)])
     # one task per bucket, as datatrove requires (world_size % num_buckets == 0)
-    _run_stage(work, "minhash_buckets", [MinhashDedupBuckets(str(mdir / "signatures"), str(mdir / "buckets"),
-                                                             config=mh)], tasks=mh.num_buckets, workers=workers)
-    _run_stage(work, "minhash_clusters", [MinhashDedupCluster(str(mdir / "buckets"), str(mdir / "remove_ids"),
-                                                              config=mh)])
+    runner.run(work / "logs" / "minhash_buckets", [MinhashDedupBuckets(str(mdir / "signatures"),
+                                                                       str(mdir / "buckets"), config=mh)],
+               tasks=mh.num_buckets)
+    runner.run(work / "logs" / "minhash_clusters", [MinhashDedupCluster(str(mdir / "buckets"),
+                                                                        str(mdir / "remove_ids"), config=mh)])
     writer = _writer(rejected / "minhash", "${rank}.jsonl", partial(_rejected_adapter, "minhash"))
-    _run_stage(work, "minhash_filter", [_reader(filtered / "00000.jsonl", progress),
+    runner.run(work / "logs" / "minhash_filter", [_reader(filtered / "00000.jsonl", progress),
                                         MinhashDedupFilter(str(mdir / "remove_ids"), exclusion_writer=writer),
                                         _writer(work / "kept", "${rank}.jsonl", _kept_adapter)])
 
@@ -177,13 +168,15 @@ def _valid_share(records: list[dict]) -> float | None:
 
 
 def clean(input_path: str | Path, out_dir: str | Path, config: str | Path | None = None,
-          output_format: str = "jsonl", progress: bool | None = None, workers: int = 1) -> dict[str, Any]:
+          output_format: str = "jsonl", progress: bool | None = None, workers: int = 1, executor: str = "local",
+          ray_address: str | None = None) -> dict[str, Any]:
     """Runs the pipeline on one JSONL or Parquet file of records with `text` (and `id`); returns the report.
-    `workers` > 1 runs MinHash's 14 bucket tasks in a pool of that many processes."""
+    `workers` > 1 runs MinHash's 14 bucket tasks in a pool of that many processes (local executor); the "ray"
+    executor runs every task as a Ray actor, on the cluster at `ray_address` (or a local Ray instance without
+    one), and then every machine must see the input and DIR at the same paths (a shared filesystem)."""
     t0 = time.perf_counter()
     input_path, out = Path(input_path), Path(out_dir)
-    if workers < 1:
-        raise InvalidRequestError(f"workers must be at least 1, not {workers}")
+    runner = StageRunner(executor, workers)
     if output_format not in ("jsonl", "parquet"):
         raise InvalidRequestError(f"output format must be jsonl or parquet, not {output_format!r}")
     cfg = load_config(config)
@@ -192,11 +185,14 @@ def clean(input_path: str | Path, out_dir: str | Path, config: str | Path | None
     out.mkdir(parents=True, exist_ok=True)
     work = _fresh_work_dir(out, input_path, cfg)
     rejected_dir = work / "rejected"
-    _run_stage(work, "filters", [_reader(input_path, progress), *_filter_steps(cfg, rejected_dir),
-                                 _writer(work / "filtered", "${rank}.jsonl", _kept_adapter)])
+    with ray_connection(executor, ray_address):
+        runner.run(work / "logs" / "filters", [_reader(input_path, progress), *_filter_steps(cfg, rejected_dir),
+                                               _writer(work / "filtered", "${rank}.jsonl", _kept_adapter)])
+        dedup = cfg["minhash"] is not False and any(True for _ in _parts(work / "filtered"))
+        if dedup:
+            _minhash(cfg, work, rejected_dir, progress, runner)
     skipped = [{"step": "c4_badwords", "why": BADWORDS_SKIPPED}]
-    if cfg["minhash"] is not False and any(True for _ in _parts(work / "filtered")):
-        _minhash(cfg, work, rejected_dir, progress, workers)
+    if dedup:
         kept = list(_parts(work / "kept"))
     else:
         kept = list(_parts(work / "filtered"))

@@ -10,7 +10,8 @@ import sys
 def _cmd_clean(args: argparse.Namespace) -> None:
     from glmserve.data.clean import clean
 
-    report = clean(args.input, args.out, config=args.config, output_format=args.format, workers=args.workers)
+    report = clean(args.input, args.out, config=args.config, output_format=args.format, workers=args.workers,
+                   executor=args.executor, ray_address=args.ray_address)
     summary = {k: report[k] for k in ("records_in", "records_out", "estimated_valid_share")}
     summary["removed"] = {s["step"]: s["removed"] for s in report["steps"]}
     print(json.dumps(summary, ensure_ascii=False))
@@ -83,6 +84,11 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
                        help="parquet: kept.parquet and rejected.parquet as well")
     clean.add_argument("--workers", type=int, default=1,
                        help="processes for MinHash's bucket tasks (default 1: all in this process)")
+    clean.add_argument("--executor", default="local", choices=["local", "ray"],
+                       help="ray: every task runs on a Ray cluster (pip install 'glmserve[ray]'; IN and DIR on a "
+                       "filesystem all its machines share)")
+    clean.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="the cluster `ray start --head` started (host:6379); unset: a local Ray instance")
     clean.set_defaults(handler=_cmd_clean)
     tq = data_sub.add_parser("train-quality", help="fit the quality model (logistic regression over sentence "
                              "embeddings) on records labeled `valid`; prints its AUC on held-out sources")
