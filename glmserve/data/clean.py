@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from glmserve.data.config import STEPS, load_config
-from glmserve.data.executors import StageRunner, ray_connection
+from glmserve.data.executors import StageRunner
 from glmserve.data.records import count_records, iter_jsonl, write_records
 from glmserve.errors import InvalidRequestError
 
@@ -176,7 +176,7 @@ def clean(input_path: str | Path, out_dir: str | Path, config: str | Path | None
     one), and then every machine must see the input and DIR at the same paths (a shared filesystem)."""
     t0 = time.perf_counter()
     input_path, out = Path(input_path), Path(out_dir)
-    runner = StageRunner(executor, workers)
+    runner = StageRunner(executor, workers, ray_address)
     if output_format not in ("jsonl", "parquet"):
         raise InvalidRequestError(f"output format must be jsonl or parquet, not {output_format!r}")
     cfg = load_config(config)
@@ -185,7 +185,7 @@ def clean(input_path: str | Path, out_dir: str | Path, config: str | Path | None
     out.mkdir(parents=True, exist_ok=True)
     work = _fresh_work_dir(out, input_path, cfg)
     rejected_dir = work / "rejected"
-    with ray_connection(executor, ray_address):
+    with runner.connect():
         runner.run(work / "logs" / "filters", [_reader(input_path, progress), *_filter_steps(cfg, rejected_dir),
                                                _writer(work / "filtered", "${rank}.jsonl", _kept_adapter)])
         dedup = cfg["minhash"] is not False and any(True for _ in _parts(work / "filtered"))

@@ -5,7 +5,7 @@ stage's logging folder, so a rerun skips them whichever executor wrote them."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +20,19 @@ class StageRunner:
 
     executor: str = "local"
     workers: int = 1
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
             raise InvalidRequestError(f"executor must be one of {list(EXECUTORS)}, not {self.executor!r}")
         if self.workers < 1:
             raise InvalidRequestError(f"workers must be at least 1, not {self.workers}")
+        if self.ray_address is not None and self.executor != "ray":
+            raise InvalidRequestError("--ray-address needs --executor ray")
+
+    def connect(self):
+        """The context the stages run in: a Ray connection for the executor "ray", nothing for "local"."""
+        return ray_connection(self.ray_address) if self.executor == "ray" else nullcontext()
 
     def run(self, logging_dir: Path, pipeline: list, tasks: int = 1) -> None:
         if self.executor == "ray":
@@ -62,15 +69,10 @@ def _run_ray(logging_dir: Path, pipeline: list, tasks: int) -> None:
 
 
 @contextmanager
-def ray_connection(executor: str, address: str | None) -> Iterator[None]:
-    """Connects to the Ray cluster at `address` for the executor "ray" (`ray start --head` prints it), or starts
-    a local Ray instance without one; a Ray session this process already holds (ray.init called by the caller)
-    is used as it is. Only what was started here is shut down."""
-    if executor != "ray":
-        if address is not None:
-            raise InvalidRequestError("--ray-address needs --executor ray")
-        yield
-        return
+def ray_connection(address: str | None) -> Iterator[None]:
+    """Connects to the Ray cluster at `address` (`ray start --head` prints it), or starts a local Ray instance
+    without one; a Ray session this process already holds (ray.init called by the caller) is used as it is.
+    Only what was started here is shut down."""
     try:
         import ray
     except ImportError as e:
