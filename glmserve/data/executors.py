@@ -84,7 +84,10 @@ def ray_connection(address: str | None) -> Iterator[None]:
         # a cluster's own settings (its dashboard, say) cannot be given when connecting to it
         ray.init(address=address, log_to_driver=False, **({} if address else {"include_dashboard": False}))
     except ConnectionError as e:
-        raise DataPipelineError(f"no Ray cluster at {address!r}: {e}") from e
+        # Ray turns token authentication on for `ray start --head`, but a driver given an explicit address only
+        # sends the token (~/.ray/auth_token) with RAY_AUTH_MODE=token (ray/_private/worker.py, init)
+        raise DataPipelineError(f"no Ray cluster at {address!r} ({e}); a cluster with token authentication "
+                                "needs RAY_AUTH_MODE=token and its ~/.ray/auth_token on this machine") from e
     try:
         yield
     finally:
