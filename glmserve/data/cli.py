@@ -83,7 +83,8 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     clean.add_argument("--format", default="jsonl", choices=["jsonl", "parquet"],
                        help="parquet: kept.parquet and rejected.parquet as well")
     clean.add_argument("--workers", type=int, default=1,
-                       help="processes for MinHash's bucket tasks (default 1: all in this process)")
+                       help="processes for MinHash's bucket tasks (default 1: all in this process; with "
+                       "--executor ray the cluster's CPUs decide)")
     clean.add_argument("--executor", default="local", choices=["local", "ray"],
                        help="ray: every task runs on a Ray cluster (pip install 'glmserve[ray]'; IN and DIR on a "
                        "filesystem all its machines share)")

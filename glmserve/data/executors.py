@@ -5,7 +5,7 @@ stage's logging folder, so a rerun skips them whichever executor wrote them."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,7 @@ class StageRunner:
         if self.ray_address is not None and self.executor != "ray":
             raise InvalidRequestError("--ray-address needs --executor ray")
 
-    def connect(self):
+    def connect(self) -> AbstractContextManager[None]:
         """The context the stages run in: a Ray connection for the executor "ray", nothing for "local"."""
         return ray_connection(self.ray_address) if self.executor == "ray" else nullcontext()
 
