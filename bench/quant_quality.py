@@ -54,7 +54,10 @@ CONFIGS = {
     "fp8-sq": dict(scheme="fp8", smooth=0.5),
     "gptq-fp8": dict(scheme="fp8", method="gptq"),
     "gptq-fp8-sq": dict(scheme="fp8", smooth=0.5, method="gptq"),
+    "fp8-a16": dict(scheme="fp8-a16"),  # FP8 weights only
     "fp8-block": dict(scheme="fp8-block"),
+    # DeepSeek-V3's fine-grained FP8: 128x128 weight blocks, activations per 1x128 tile
+    "fp8-block-g128": dict(scheme="fp8-block-g128"),
     "nvfp4": dict(scheme="nvfp4"),
     "rtn-w4a16": dict(scheme="w4a16"),
     "rtn-w4a16-asym": dict(scheme="w4a16-asym"),
@@ -64,12 +67,14 @@ CONFIGS = {
     "gptq-w4a16-asym": dict(scheme="w4a16-asym", method="gptq"),
     "awq-w4a16": dict(scheme="w4a16", method="awq"),
     "awq-w4a16-asym": dict(scheme="w4a16-asym", method="awq"),
+    "awq-gptq-w4a16-asym": dict(scheme="w4a16-asym", method="awq-gptq"),
     # the budget of uniform w4a16 (sym g32, 4.5 bits): compare with the rtn-w4a16 row and the best uniform row
     # at or below it (rtn-w4a16-asym-g64, 4.31 bits)
     "mixed-sensitivity": dict(bits_budget="w4a16", candidates="w4a16-asym-g64,w4a16-asym,int8",
                               sensitivity="fisher"),
     "seeds-recipe": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml")),
     "gptq-seeds-recipe": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml"), method="gptq"),
+    "seeds-recipe-sq": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml"), smooth=0.5),
 }
 
 

@@ -2,9 +2,10 @@
 dequantized inside the kernel, priority 10 (above `reference`, which dequantizes the whole weight per call).
 
 Formats: FP8 E4M3 weights by tensor, channel, group or block (compressed-tensors `float-quantized`; the `fp8`
-and `fp8-block` 128x128 schemes), with float activations or the fp8 schemes' dynamic per-token E4M3
-activations; NVFP4 (E2M1 codes, an E4M3 scale per 16 inputs, an fp32 global scale). Groups and block columns
-must be multiples of 16 inputs; block rows are any.
+and `fp8-block` 128x128 schemes), with float activations or the fp8 schemes' dynamic E4M3 activations (per
+token inside the kernel; per 1x128 tile, `fp8-block-g128`, by the kernel's row rounding run on the tiles
+first); NVFP4 (E2M1 codes, an E4M3 scale per 16 inputs, an fp32 global scale). Groups and block columns must
+be multiples of 16 inputs; block rows are any.
 
 At `prepare` the weight is repacked once (the canonical tensors are not kept): rows interleaved in tiles of
 16 (as the int kernels do), in_features padded to a multiple of 16 and out_features to 16 with zero codes.
@@ -58,6 +59,8 @@ class PackedFloatWeight:
     out_features: int
     fp8_tokens: bool
     linear: Callable
+    fp8_group: int | None = None  # activations rounded per 1 x fp8_group tile (before the kernel), else None
+    round_rows: Callable | None = None
 
     @property
     def nbytes(self) -> int:
@@ -79,10 +82,20 @@ def _weight_format_supported(spec: QuantSpec) -> bool:
 
 
 def _activations_supported(activations: QuantSpec | None) -> bool:
-    """Float activations, or dynamic E4M3 per token (what the reference emulates for the fp8 schemes)."""
+    """Float activations, or dynamic E4M3 per token or per group of inputs (what the reference emulates for the
+    fp8 schemes)."""
     return activations is None or (activations.type == "float" and activations.num_bits == 8
-                                   and activations.strategy == "token" and activations.dynamic
-                                   and activations.symmetric)
+                                   and activations.dynamic and activations.symmetric
+                                   and (activations.strategy == "token"
+                                        or (activations.strategy == "group" and bool(activations.group_size))))
+
+
+def _fp8_tiles(x: torch.Tensor, group: int, rows_op: Callable) -> torch.Tensor:
+    """x [n, in] rounded to E4M3 per 1 x `group` tile by the kernel's per-row rounding (fp8_fake_quantize_rows)
+    on the tiles as rows; the zero padding of a last, shorter tile leaves its absmax unchanged."""
+    n, inp = x.shape
+    tiles = F.pad(x, (0, -inp % group)).reshape(-1, group).contiguous()
+    return rows_op(tiles).reshape(n, -1)[:, :inp]
 
 
 def _group(spec: QuantSpec, kp: int) -> int:
@@ -159,15 +172,21 @@ class CpuFloatBlockBackend:
             post = _post(float(row_scales.abs().max()) * DECODE)
             scales = _tiled((row_scales * (DECODE / post)).to(torch.float32), tiles)
             factor, global_scale = 1.0, None
+        tiles = activations is not None and activations.strategy == "group"
         return PackedFloatWeight(codes, scales, fp4, group, factor, post, global_scale, inp, out,
-                                 fp8_tokens=activations is not None,
-                                 linear=kernels.op("float_quant_linear", device, torch.float32))
+                                 fp8_tokens=activations is not None and not tiles,
+                                 linear=kernels.op("float_quant_linear", device, torch.float32),
+                                 fp8_group=activations.group_size if tiles else None,
+                                 round_rows=kernels.op("fp8_fake_quantize_rows", device, torch.float32)
+                                 if tiles else None)
 
     def apply(self, prepared: PackedFloatWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         p = prepared
         if x.shape[-1] != p.in_features:
             raise InvalidRequestError(f"input has {x.shape[-1]} features, the weight takes {p.in_features}")
         rows = x.reshape(-1, p.in_features).to(torch.float32)
+        if p.fp8_group is not None:
+            rows = _fp8_tiles(rows, p.fp8_group, p.round_rows)
         out = p.linear(rows, p.fp8_tokens, p.codes, p.scales, p.fp4, p.group, p.factor, p.post, p.out_features)
         if bias is not None:
             out += bias.to(torch.float32)

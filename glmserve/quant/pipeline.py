@@ -23,7 +23,11 @@ from glmserve.quant.sensitivity import allocate, bits_per_weight, fisher_deltas,
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
-METHODS = ("rtn", "gptq", "awq")
+# awq-gptq: AWQ's input-channel scales folded first (no clipping search), then GPTQ on the rescaled weights
+# with the rescaled inputs' Hessian (llm-compressor's AWQModifier followed by its GPTQModifier)
+METHODS = ("rtn", "gptq", "awq", "awq-gptq")
+AWQ_METHODS = ("awq", "awq-gptq")
+GPTQ_METHODS = ("gptq", "awq-gptq")
 # the schemes this command can write: every named scheme compressed-tensors holds (not GGUF blocks, not none)
 WRITABLE_SCHEMES = tuple(n for n, sch in SCHEMES.items() if sch.weight is not None and sch.weight.gguf_type is None)
 DEFAULT_CANDIDATES = ("int8", "w4a16", "w4a16-g64")
@@ -66,7 +70,7 @@ class Result:
 
 
 def needs_calibration(plan: Plan) -> bool:
-    return plan.method in ("gptq", "awq") or plan.bits_budget is not None or plan.smooth is not None or (
+    return plan.method != "rtn" or plan.bits_budget is not None or plan.smooth is not None or (
         plan.recipe is not None and plan.recipe.activation_threshold is not None)
 
 
@@ -115,7 +119,7 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     schemes, deltas = choose_schemes(model, plan, calib)
     layers = linear_layers(model, schemes)
     threshold = plan.recipe.activation_threshold if plan.recipe else None
-    if plan.method == "awq" and (threshold is not None or plan.smooth is not None):
+    if plan.method in AWQ_METHODS and (threshold is not None or plan.smooth is not None):
         raise InvalidRequestError("AWQ rescales input channels; it does not combine with activation_threshold "
                                   "or SmoothQuant")
     if plan.smooth is not None:
@@ -127,7 +131,7 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     stats = dict(stats or {})
     weights = {n: m.weight for n, m in layers.items()}
     rescaled: dict[str, torch.Tensor] = {}
-    if plan.method == "awq":
+    if plan.method in AWQ_METHODS:
         weights, rescaled, _ = _fold_scales(model, schemes, stats, _awq_search)
     elif plan.smooth is not None:
         alpha = plan.smooth
@@ -154,9 +158,9 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
             modules[name] = QuantizedModule(q, scheme_specs(schemes[name])[1], outliers)
         progress.update(len(unit))
     progress.close()
-    supported = gptq_supports if plan.method == "gptq" else awq.supports
+    supported = gptq_supports if plan.method in GPTQ_METHODS else awq.supports
     if plan.method != "rtn" and any(not supported(m.weight.spec) for m in modules.values()):
-        notes.append(f"{plan.method.upper()} applies to integer{' and fp8' if plan.method == 'gptq' else ''} "
+        notes.append(f"{plan.method.upper()} applies to integer{' and fp8' if supported is gptq_supports else ''} "
                      "group/channel weights; the other layers are rounded to nearest")
     if threshold is not None:
         kept = sum(len(m.outliers.columns) for m in modules.values() if m.outliers is not None)
@@ -167,7 +171,7 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
 
 def _quantize_layer(name: str, w: torch.Tensor, hessian: torch.Tensor | None, spec: QuantSpec,
                     plan: Plan) -> QuantizedWeight:
-    if plan.method == "gptq" and gptq_supports(spec):
+    if plan.method in GPTQ_METHODS and gptq_supports(spec):
         return gptq(w, hessian, spec, damp=plan.gptq_damp)
     if plan.method != "awq" or not awq.supports(spec):
         return quantize(w, spec)

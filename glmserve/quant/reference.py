@@ -88,11 +88,14 @@ class ReferenceBackend:
 
 
 def fake_quantize_activations(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Dynamic symmetric activation quantization, quantized and dequantized again: int8 per token (or per
-    group of `group_size` inputs of each token), or float8 E4M3 per token."""
+    """Dynamic symmetric activation quantization, quantized and dequantized again: int8 or float8 E4M3 per token,
+    or per group of `group_size` inputs of each token (DeepSeek-V3's 1x128 activation tiles, arXiv 2412.19437
+    section 3.3.2). Inputs that are not a multiple of the group size end in one shorter group (SmolLM2's 576 =
+    4 x 128 + 64): zero padding, which leaves each group's absmax unchanged, and cut again after."""
     rows = x.float()
     if spec.strategy == "group":
-        rows = rows.unflatten(-1, (-1, spec.group_size))
+        inp = x.shape[-1]
+        rows = F.pad(rows, (0, -inp % spec.group_size)).unflatten(-1, (-1, spec.group_size))
     amax = rows.abs().amax(dim=-1, keepdim=True)
     if spec.type == "float":
         fmax = torch.finfo(torch.float8_e4m3fn).max
@@ -102,7 +105,10 @@ def fake_quantize_activations(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
         qmax = 2 ** (spec.num_bits - 1) - 1
         scale = (amax / qmax).clamp_min(1e-12)
         q = torch.round(rows / scale).clamp(-qmax - 1, qmax)
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    q = q * scale
+    if spec.strategy == "group":
+        q = q.flatten(-2)[..., :x.shape[-1]]
+    return q.reshape(x.shape).to(x.dtype)
 
 
 register(ReferenceBackend(), priority=0)

@@ -43,6 +43,11 @@ def gguf_spec(gguf_type: str) -> QuantSpec:
 INT8_TOKENS = QuantSpec(num_bits=8, strategy="token", dynamic=True)
 FP8_TOKENS = QuantSpec(num_bits=8, type="float", strategy="token", dynamic=True)
 FP8_CHANNEL = QuantSpec(num_bits=8, type="float", strategy="channel")
+# DeepSeek-V3's fine-grained FP8 (arXiv 2412.19437, section 3.3.2; llm-compressor's FP8_BLOCK preset): weights
+# per 128x128 block, activations per token per 128 inputs (1x128 tiles, the last one shorter where 128 does not
+# divide the inputs: reference.fake_quantize_activations)
+FP8_BLOCK = QuantSpec(num_bits=8, type="float", strategy="block", block_structure=(128, 128))
+FP8_GROUP128 = QuantSpec(num_bits=8, type="float", strategy="group", group_size=128, dynamic=True)
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("none", None),
@@ -57,10 +62,10 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("w4a16-g64", _int(4, 64)),
     Scheme("w4a16-asym-g64", _int(4, 64, symmetric=False)),
     Scheme("fp8", FP8_CHANNEL, FP8_TOKENS),
-    # DeepSeek-V3-style 128x128 weight blocks; activations per token (a 128-group would not divide
-    # SmolLM2's 576 inputs)
-    Scheme("fp8-block", QuantSpec(num_bits=8, type="float", strategy="block", block_structure=(128, 128)),
-           FP8_TOKENS),
+    Scheme("fp8-a16", FP8_CHANNEL),  # FP8 weights only (W8A16-FP8), activations in the model dtype
+    # 128x128 weight blocks with activations per token, and with DeepSeek-V3's 1x128 activation tiles
+    Scheme("fp8-block", FP8_BLOCK, FP8_TOKENS),
+    Scheme("fp8-block-g128", FP8_BLOCK, FP8_GROUP128),
     # NVFP4 weights (E2M1 values, E4M3 scale per 16, fp32 global scale), activations in the model dtype
     Scheme("nvfp4", QuantSpec(num_bits=4, type="float", strategy="tensor_group", group_size=16)),
     Scheme("q8_0", gguf_spec("Q8_0")),
