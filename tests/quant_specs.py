@@ -19,5 +19,7 @@ SCHEMES: dict[str, tuple[QuantSpec, QuantSpec | None]] = {
     "fp8": (QuantSpec(8, "float", True, "channel"), FP8_TOKEN),
     "fp8-weight-only": (QuantSpec(8, "float", True, "channel"), None),
     "fp8-block": (QuantSpec(8, "float", True, "block", block_structure=(128, 128)), None),
+    "fp8-block-g128": (QuantSpec(8, "float", True, "block", block_structure=(128, 128)),
+                       QuantSpec(8, "float", True, "group", group_size=128, dynamic=True)),
     "nvfp4": (QuantSpec(4, "float", True, "tensor_group", group_size=16), None),
 }

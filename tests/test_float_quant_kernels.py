@@ -29,7 +29,7 @@ from glmserve.quant import backend as registry
 from glmserve.quant.cpu_float_backend import CpuFloatBlockBackend
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
-from glmserve.quant.schemes import FP8_TOKENS, SCHEMES
+from glmserve.quant.schemes import FP8_GROUP128, FP8_TOKENS, SCHEMES
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight, concat_rows
 
@@ -43,6 +43,7 @@ FORMATS = {  # name -> (weight spec, activation spec)
     "fp8_tensor": (QuantSpec(8, type="float", strategy="tensor"), None),
     "fp8_block_tokens": (FP8_BLOCK, FP8_TOKENS),
     "fp8_block": (FP8_BLOCK, None),
+    "fp8_block_g128": (FP8_BLOCK, FP8_GROUP128),  # activations per 1x128 tile (576: a last tile of 64)
     "nvfp4": (NVFP4, None),
 }
 SHAPES = [(1536, 576), (576, 1536)]  # (out, in)
@@ -94,6 +95,7 @@ def test_formats_against_reference(cpu_isa, fmt, out, inp, batch):
 @pytest.mark.parametrize("fmt, out, inp", [
     ("fp8_channel", 21, 100),  # inputs padded to 16, rows to a tile
     ("fp8_block_tokens", 200, 300),  # a partial block of rows and of inputs
+    ("fp8_block_g128", 200, 300),  # and a last activation tile of 44 inputs
     ("nvfp4", 37, 176),
 ])
 @pytest.mark.parametrize("batch", [2, 9])
@@ -200,7 +202,7 @@ def test_unsupported_formats_are_left_to_other_backends(cpu_isa, spec, act):
 
 def test_registry_picks_the_kernel_on_cpu_and_reference_without_it(cpu_isa, monkeypatch):
     monkeypatch.delenv(registry.BACKEND_ENV, raising=False)
-    for name in ("fp8", "fp8-block", "nvfp4"):
+    for name in ("fp8", "fp8-a16", "fp8-block", "fp8-block-g128", "nvfp4"):
         s = SCHEMES[name]
         assert registry.select(s.weight, s.activations, CPU).name == "cpu_float_block"
     monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")

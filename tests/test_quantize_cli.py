@@ -133,11 +133,14 @@ def test_cli_errors(tiny, tmp_path, capsys, argv, message):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_awq_folds_its_scales_into_the_norms_and_stays_close(tiny, tmp_path):
+# awq-gptq's bound is looser: GPTQ on these 8 windows of 32 tokens (fewer tokens than some layers' inputs) fits
+# them rather than the test ids
+@pytest.mark.parametrize("method, bound", [("awq", 0.35), ("awq-gptq", 0.4)])
+def test_awq_folds_its_scales_into_the_norms_and_stays_close(tiny, tmp_path, method, bound):
     calib = tmp_path / "calib.txt"
     calib.write_text(CALIB)
     out = tmp_path / "q"
-    _, result = run_quantize(str(tiny), str(out), scheme="w4a16", method="awq", calib=[str(calib)], seq_len=32)
+    _, result = run_quantize(str(tiny), str(out), scheme="w4a16", method=method, calib=[str(calib)], seq_len=32)
     assert any(k.endswith("input_layernorm.weight") for k in result.float_tensors)
     _, _, rest = load_checkpoint(out)
     base = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).state_dict()
@@ -146,7 +149,7 @@ def test_awq_folds_its_scales_into_the_norms_and_stays_close(tiny, tmp_path):
         assert not torch.allclose(rest[name].float(), base[name])
     ids = torch.tensor([[0, 5, 17, 42, 99, 7, 3, 250]])
     ref, got = _float_logits(tiny, ids), _quantized_logits(tiny, out, ids)
-    assert ((got - ref).norm() / ref.norm()).item() < 0.35
+    assert ((got - ref).norm() / ref.norm()).item() < bound
 
 
 def test_smoothquant_folds_into_norms_and_up_proj_and_round_trips(tiny, tmp_path):

@@ -1,0 +1,76 @@
+"""Hand-computed cases for the 4-bit findings of bench/RESULTS.md (quantization quality): round to nearest W4 asym
+group 32 on a weight that already is one Q4_1 block (per 32 inputs a float minimum m and step d, values m + k d),
+and the fine-grained FP8 activation tiles with a shorter last tile."""
+
+from __future__ import annotations
+
+import torch
+
+from glmserve.quant.compressed_tensors import QuantizedModule, decode, dense_weight, encode
+from glmserve.quant.quantize import quantize
+from glmserve.quant.reference import dequantize, fake_quantize_activations
+from glmserve.quant.schemes import FP8_GROUP128, FP8_TOKENS, scheme
+
+D = 0.0625  # a power of two: the block's step, exact in fp16
+CODES = torch.tensor([k % 16 for k in range(32)])  # every code 0..15 (twice): the block spans m .. m + 15 d
+
+
+def _q4_1_block(m_steps: float) -> torch.Tensor:
+    """One row of 32 inputs: Q4_1 values m + k d with m = -m_steps * d."""
+    return ((CODES - m_steps) * D).reshape(1, 32)
+
+
+def test_rtn_asym_reproduces_a_q4_1_block_whose_minimum_is_on_the_grid():
+    w = _q4_1_block(7.0)  # m = -7 d: an integer zero point holds it
+    q = quantize(w, scheme("w4a16-asym").weight)
+    assert q.scales.item() == D and q.zeros.item() == 7
+    assert torch.equal(q.codes.long().reshape(-1), CODES)
+    assert torch.equal(dequantize(q), w)
+
+
+def test_rtn_asym_shifts_an_off_grid_q4_1_block_by_the_zero_points_rounding():
+    """m = -7.3 d: step (max - min) / 15 = d exactly, zero point round(7.3) = 7, codes round(k - 0.3) = k, so every
+    value comes back as (k - 7) d = w + 0.3 d: one constant offset per block (the cause of RTN W4's loss on the
+    Q4_1-derived SmolLM2), while the file's own Q4_1 format (a float minimum) holds the block exactly."""
+    w = _q4_1_block(7.3)
+    q = quantize(w, scheme("w4a16-asym").weight)
+    assert q.scales.item() == D and q.zeros.item() == 7
+    assert torch.equal(q.codes.long().reshape(-1), CODES)
+    assert torch.allclose(dequantize(q) - w, torch.full_like(w, 0.3 * D), atol=1e-7)
+    q41 = quantize(w, scheme("q4_1").weight)
+    assert torch.allclose(dequantize(q41), w, atol=1e-4)  # fp16 minimum: -0.45625 is within fp16's 2^-11 step
+
+
+def test_compressed_tensors_round_trip_keeps_the_block_codes_and_zero_point():
+    """Export / import of that block: signed codes k - 8 and zero point 7 - 8 = -1 in the file, back to k and 7."""
+    w = torch.cat([_q4_1_block(7.3), _q4_1_block(3.0)])
+    q = quantize(w, scheme("w4a16-asym").weight)
+    tensors = encode(QuantizedModule(q))
+    back = decode(tensors, q.spec, None)
+    assert torch.equal(back.weight.codes, q.codes) and torch.equal(back.weight.zeros, q.zeros)
+    assert back.weight.zeros.reshape(-1).tolist() == [7, 3]
+    assert torch.equal(dense_weight(back), dequantize(q))
+
+
+def test_fp8_tiles_scale_each_128_inputs_and_the_shorter_last_tile_alone():
+    """192 inputs = one tile of 128 and one of 64. Tile 1's absmax is 448 * 1024 (scale 1024); tile 2 holds E4M3
+    values times 2^-10 (scale 2^-10): each comes back exactly under its own scale, while one scale per token
+    (1024) flushes tile 2 to zero."""
+    x = torch.zeros(1, 192)
+    x[0, 0], x[0, 1] = 448.0 * 1024, 3.0 * 1024
+    tail = torch.tensor([448.0, 1.125, -0.5, 0.015625]) * 2.0 ** -10
+    x[0, 130:134] = tail
+    got = fake_quantize_activations(x, FP8_GROUP128)
+    assert torch.equal(got, x)
+    per_token = fake_quantize_activations(x, FP8_TOKENS)
+    assert torch.equal(per_token[0, :128], x[0, :128]) and not per_token[0, 128:].any()
+
+
+def test_fp8_tiles_equal_tile_by_tile_rounding_on_576_inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 576, generator=g)
+    x[:, 7] *= 300
+    got = fake_quantize_activations(x, FP8_GROUP128)
+    for t0 in range(0, 576, 128):  # 4 tiles of 128, then 64
+        part = x[:, t0:t0 + 128]
+        assert torch.equal(got[:, t0:t0 + 128], fake_quantize_activations(part, FP8_TOKENS))
