@@ -23,8 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto")
     g.add_argument("--quantization", default=None, metavar="SCHEME",
                    help="weights: unset = the checkpoint's own format (GGUF blocks run natively), 'none' = float, "
-                   "or quantize on load: int8[-g64|-g32], w8a8, w4a16[-asym][-g64], fp8[-a16], fp8-block[-g128], nvfp4, "
-                   "q8_0, q4_0, q4_1")
+                   "or quantize on load: int8[-g64|-g32], w8a8, w4a16[-asym][-g64], fp8[-a16], fp8-block[-g128], "
+                   "nvfp4, q8_0, q4_0, q4_1")
     g.add_argument("--quantize-embeddings", action="store_true",
                    help="with --quantization SCHEME: quantize embeddings and lm_head too")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -184,7 +184,8 @@ QUANTIZE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "
 def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="'default' (the embedded SmolLM2 GGUF), a .gguf file or an HF model folder")
     parser.add_argument("--scheme", default=None, help="one scheme for every linear layer but lm_head "
-                        "(int8, int8-g64, int8-g32, w8a8, w4a16, w4a16-asym, w4a16-g64, fp8, fp8-a16, fp8-block, fp8-block-g128, nvfp4)")
+                        "(int8, int8-g64, int8-g32, w8a8, w4a16, w4a16-asym, w4a16-g64, fp8, fp8-a16, fp8-block, "
+                        "fp8-block-g128, nvfp4)")
     parser.add_argument("--recipe", default=None, metavar="FILE", help="YAML/JSON recipe: module patterns -> "
                         "schemes, or the seeds' form (examples/quant/seeds_mixed.yaml)")
     parser.add_argument("--bits-budget", type=float, default=None, metavar="B",
