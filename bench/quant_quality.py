@@ -62,6 +62,7 @@ CONFIGS = {
     "fp8-block": dict(scheme="fp8-block"),
     # DeepSeek-V3's fine-grained FP8: 128x128 weight blocks, activations per 1x128 tile
     "fp8-block-g128": dict(scheme="fp8-block-g128"),
+    "gptq-fp8-block-g128": dict(scheme="fp8-block-g128", method="gptq"),
     "nvfp4": dict(scheme="nvfp4"),
     "rtn-w4a16": dict(scheme="w4a16"),
     "rtn-w4a16-asym": dict(scheme="w4a16-asym"),

@@ -29,7 +29,9 @@ def _correlated_inputs(tokens: int, dim: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("spec", [W4G32, W4G32_ASYM, QuantSpec(4, "int", True, "channel"),
-                                  QuantSpec(8, "float", True, "channel")])
+                                  QuantSpec(8, "float", True, "channel"),
+                                  # 64x48 blocks: 96 rows in 2 row blocks, 128 inputs in 48 + 48 + a last 32
+                                  QuantSpec(8, "float", True, "block", block_structure=(64, 48))])
 def test_gptq_reduces_layer_output_error_vs_rtn(spec):
     torch.manual_seed(0)
     w = torch.randn(96, 128) * 0.05

@@ -13,8 +13,9 @@ act order with static groups (the reference's --act-order with static_groups=Tru
 channels whose activations are 100x the rest, and quantizing those columns last leaves no columns to absorb their
 error. Without act order, group scales (and zero points) are set from the error-updated weights when a group's
 first column is reached. Either way the result is an ordinary group-wise QuantizedWeight that every backend runs.
-FP8 E4M3 weights (per channel or group) go through the same loop, each column rounded onto the E4M3 grid under
-the fixed scales.
+FP8 E4M3 weights (per channel, group or 128x128 block) go through the same loop, each column rounded onto the E4M3
+grid under fixed scales; a block's scale (set from the weights before any update) serves each of its rows, and the
+block columns are the groups (the last one shorter where 128 does not divide the inputs).
 """
 
 from __future__ import annotations
@@ -124,10 +125,11 @@ def _value(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) 
 
 
 def gptq_supports(spec: QuantSpec) -> bool:
-    """Integer group/channel weights, and FP8 E4M3 per channel or group (its codes rounded onto the E4M3 grid
-    under fixed scales, as llm-compressor's GPTQ runs any quantization args through one fake-quantize)."""
+    """Integer group/channel weights, and FP8 E4M3 per channel, group or block (its codes rounded onto the E4M3
+    grid under fixed scales, as llm-compressor's GPTQ runs any quantization args through one fake-quantize)."""
     fp8 = spec.type == "float" and spec.num_bits == 8 and spec.symmetric
-    return (spec.type == "int" or fp8) and spec.strategy in ("group", "channel") and spec.gguf_type is None
+    strategies = ("group", "channel", "block") if fp8 else ("group", "channel")
+    return (spec.type == "int" or fp8) and spec.strategy in strategies and spec.gguf_type is None
 
 
 @torch.no_grad()
@@ -142,8 +144,10 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
     if not gptq_supports(spec):
         raise ValueError(f"GPTQ quantizes integer or FP8 group/channel weights, not {spec}")
     out_f, in_f = w.shape
-    group = spec.group_size if spec.strategy == "group" else in_f
-    if in_f % group:
+    block_scales = quantize(w, spec).scales if spec.strategy == "block" else None  # fixed before any update
+    group = {"group": spec.group_size, "block": spec.block_structure[1] if spec.block_structure else None}.get(
+        spec.strategy, in_f)
+    if in_f % group and block_scales is None:
         raise ValueError(f"in_features {in_f} is not a multiple of the group size {group}")
     W = w.detach().to(torch.float64).clone()
     H = hessian.to(torch.float64).clone()
@@ -151,9 +155,8 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     group_spec = QuantSpec(spec.num_bits, spec.type, spec.symmetric, "channel")
-    static = None
+    fixed = act_order or block_scales is not None  # scales set before any update (else per group as reached)
     if act_order:
-        static = [quantize(W[:, g0:g0 + group].float(), group_spec) for g0 in range(0, in_f, group)]
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
     else:
         perm = torch.arange(in_f)
@@ -162,9 +165,12 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
     codes = torch.empty(out_f, in_f)
-    scales = torch.empty(out_f, in_f // group)
+    scales = torch.empty(out_f, -(-in_f // group))
     zeros = None if spec.symmetric else torch.empty(out_f, in_f // group)
-    if static is not None:
+    if block_scales is not None:
+        scales[:] = block_scales.float().repeat_interleave(spec.block_structure[0], dim=0)[:out_f]
+    elif act_order:
+        static = [quantize(W[:, g0:g0 + group].float(), group_spec) for g0 in range(0, in_f, group)]
         scales[:] = torch.cat([q.scales.float() for q in static], dim=1)
         if zeros is not None:
             zeros[:] = torch.stack([q.zeros.float().reshape(-1) for q in static], dim=1)
@@ -175,7 +181,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
         err1 = torch.zeros_like(W1)
         for i in range(b1 - b0):
             col = b0 + i
-            if static is not None:
+            if fixed:
                 g = int(perm[col]) // group
                 scale = scales[:, g:g + 1].double()
                 zero = None if zeros is None else zeros[:, g:g + 1].double()
@@ -194,5 +200,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
             err1[:, i:i + 1] = err
         W[:, b1:] -= err1 @ Hinv[b0:b1, b1:]
     rtn = quantize(w, spec)  # the canonical dtypes for this spec
+    if block_scales is not None:
+        scales = block_scales
     return QuantizedWeight(spec, codes.to(rtn.codes.dtype), scales.to(rtn.scales.dtype),
                            zeros=None if zeros is None else zeros.to(rtn.zeros.dtype))
