@@ -48,6 +48,7 @@ CONFIGS = {
     "int8-g64": dict(scheme="int8-g64"),
     "int8-g32": dict(scheme="int8-g32"),
     "gptq-int8": dict(scheme="int8", method="gptq"),
+    "awq-int8": dict(scheme="int8", method="awq"),  # AWQ's scales and clipping on per-channel int8
     "q8_0": dict(gguf="q8_0"),  # llama.cpp's rounding, not a compressed-tensors format: applied in memory
     "w8a8": dict(scheme="w8a8"),
     # SmoothQuant (Xiao et al. 2022) at the paper's alpha 0.5 and at 0.8 (its choice for some models)
