@@ -71,6 +71,7 @@ CONFIGS = {
     "rtn-w4a16-asym-g64": dict(scheme="w4a16-asym-g64"),
     "gptq-w4a16": dict(scheme="w4a16", method="gptq"),
     "gptq-w4a16-asym": dict(scheme="w4a16-asym", method="gptq"),
+    "gptq-w4a16-asym-d0.1": dict(scheme="w4a16-asym", method="gptq", gptq_damp=0.1),
     "awq-w4a16": dict(scheme="w4a16", method="awq"),
     "awq-w4a16-asym": dict(scheme="w4a16-asym", method="awq"),
     "awq-gptq-w4a16-asym": dict(scheme="w4a16-asym", method="awq-gptq"),

@@ -198,6 +198,8 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
     parser.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq", "awq-gptq"],
                         help="round to nearest, GPTQ, AWQ, or AWQ's scales then GPTQ (needs --calib)")
+    parser.add_argument("--gptq-damp", type=float, default=0.01, metavar="F", help="GPTQ's damping: F times the "
+                        "mean Hessian diagonal added to it (default 0.01)")
     parser.add_argument("--smooth", type=float, default=None, metavar="ALPHA", help="SmoothQuant: migrate "
                         "activation outliers into the weights with strength ALPHA in [0, 1] (0.5 typical; for "
                         "w8a8 / fp8; needs --calib)")
@@ -213,7 +215,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
 def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | None = None,
                  bits_budget: float | None = None, candidates: str | None = None, calib: list[str] | None = None,
                  calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto",
-                 sensitivity: str = "measured", smooth: float | None = None, stats=None):
+                 sensitivity: str = "measured", smooth: float | None = None, stats=None, gptq_damp: float = 0.01):
     """Quantize `model` (a path, 'default', or a loaded models.hf_float.FloatCheckpoint, left unchanged) into a
     compressed-tensors folder `out`; returns (float model, pipeline Result). `stats`: calibration statistics
     already collected on these windows (calibrate.collect_stats), reused instead of collected again."""
@@ -231,8 +233,11 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
         raise InvalidRequestError("give exactly one of --scheme, --recipe, --bits-budget")
     if scheme is not None:
         pipeline.scheme_specs(scheme)
+    if not 0 < gptq_damp <= 1:
+        raise InvalidRequestError(f"--gptq-damp must be in (0, 1], not {gptq_damp}")
     plan = pipeline.Plan(recipe=load_recipe(recipe) if recipe else uniform(scheme) if scheme else None,
-                         bits_budget=bits_budget, method=method, sensitivity=sensitivity, smooth=smooth)
+                         bits_budget=bits_budget, method=method, sensitivity=sensitivity, smooth=smooth,
+                         gptq_damp=gptq_damp)
     if candidates:
         plan.candidates = tuple(c.strip() for c in candidates.split(","))
     if pipeline.needs_calibration(plan) and not calib:
@@ -260,7 +265,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     model, result = run_quantize(args.model, args.out, scheme=args.scheme, recipe=args.recipe,
                                  bits_budget=args.bits_budget, candidates=args.candidates, calib=args.calib,
                                  calib_tokens=args.calib_tokens, seq_len=args.seq_len, method=args.method,
-                                 dtype=args.dtype, sensitivity=args.sensitivity, smooth=args.smooth)
+                                 dtype=args.dtype, sensitivity=args.sensitivity, smooth=args.smooth,
+                                 gptq_damp=args.gptq_damp)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     counts: dict[str, int] = {}

@@ -177,6 +177,7 @@ def test_smoothquant_folds_into_norms_and_up_proj_and_round_trips(tiny, tmp_path
     (dict(scheme="w8a8", smooth=1.5), "alpha must be in [0, 1]"),
     (dict(scheme="w4a16", smooth=0.5, method="awq"), "does not combine"),
     (dict(scheme="w8a8", smooth=0.5, calib=None), "needs calibration text"),
+    (dict(scheme="w4a16", method="gptq", gptq_damp=0.0), "--gptq-damp must be in (0, 1]"),
 ])
 def test_smoothquant_errors(tiny, tmp_path, kwargs, message):
     calib = tmp_path / "calib.txt"
