@@ -232,6 +232,8 @@ def test_gptq_act_order_keeps_contiguous_groups_and_beats_natural_order_on_salie
 
     ordered, natural = gptq(w, h, W4G32_ASYM), gptq(w, h, W4G32_ASYM, act_order=False)
     assert ordered.scales.shape == (96, 4) and ordered.zeros.shape == (96, 4)
+    rtn = quantize(w, W4G32_ASYM)  # static groups: each group's scale and zero point from its own columns of w
+    assert torch.equal(ordered.scales, rtn.scales) and torch.equal(ordered.zeros, rtn.zeros)
     assert err(ordered) < err(natural) < err(quantize(w, W4G32_ASYM))
 
 

@@ -156,6 +156,9 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
     W[:, dead] = 0.0
     group_spec = QuantSpec(spec.num_bits, spec.type, spec.symmetric, "channel")
     fixed = act_order or block_scales is not None  # scales set before any update (else per group as reached)
+    static = None  # act order: each group's channel scales from the weights in their own column order
+    if act_order and block_scales is None:
+        static = [quantize(W[:, g0:g0 + group].float(), group_spec) for g0 in range(0, in_f, group)]
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
     else:
@@ -169,8 +172,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
     zeros = None if spec.symmetric else torch.empty(out_f, in_f // group)
     if block_scales is not None:
         scales[:] = block_scales.float().repeat_interleave(spec.block_structure[0], dim=0)[:out_f]
-    elif act_order:
-        static = [quantize(W[:, g0:g0 + group].float(), group_spec) for g0 in range(0, in_f, group)]
+    elif static is not None:
         scales[:] = torch.cat([q.scales.float() for q in static], dim=1)
         if zeros is not None:
             zeros[:] = torch.stack([q.zeros.float().reshape(-1) for q in static], dim=1)
