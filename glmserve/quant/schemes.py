@@ -43,7 +43,7 @@ def gguf_spec(gguf_type: str) -> QuantSpec:
 INT8_TOKENS = QuantSpec(num_bits=8, strategy="token", dynamic=True)
 FP8_TOKENS = QuantSpec(num_bits=8, type="float", strategy="token", dynamic=True)
 FP8_CHANNEL = QuantSpec(num_bits=8, type="float", strategy="channel")
-# DeepSeek-V3's fine-grained FP8 (arXiv 2412.19437, section 3.3.2; llm-compressor's FP8_BLOCK preset): weights
+# DeepSeek-V3's fine-grained FP8 (arXiv 2412.19437, section 3.3.2; compressed-tensors' FP8_BLOCK preset): weights
 # per 128x128 block, activations per token per 128 inputs (1x128 tiles, the last one shorter where 128 does not
 # divide the inputs: reference.fake_quantize_activations)
 FP8_BLOCK = QuantSpec(num_bits=8, type="float", strategy="block", block_structure=(128, 128))
