@@ -33,23 +33,36 @@ def test_freezing_collects_cycles_first_and_freezes_what_lives(unfrozen: None) -
     gone = weakref.ref(garbage)
     del garbage
     alive = _Node()
-    assert freeze_startup_heap() == gc.get_freeze_count() > 0
+    assert freeze_startup_heap() > 0
     assert gone() is None  # collected before the freeze, not kept for good
     assert not any(obj is alive for gen in range(3) for obj in gc.get_objects(gen))  # frozen: no generation
     assert gc.collect() >= 0 and alive.me is alive
 
 
-def test_the_engine_freezes_its_heap_once_ready(unfrozen: None, tiny_model_dir) -> None:
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=128))
-    assert gc.get_freeze_count() == 0
+def _ready(engine: AsyncEngine, deadline: float) -> None:
     engine.start()
+    while engine.state is not EngineState.READY and time.monotonic() < deadline:
+        assert engine.state not in (EngineState.FAILED, EngineState.STOPPED), engine.failure
+        time.sleep(0.05)
+    assert engine.state is EngineState.READY
+
+
+def test_a_serving_engine_freezes_its_heap_once_ready_and_an_embedded_one_does_not(unfrozen: None,
+                                                                                    tiny_model_dir) -> None:
+    config = EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=128)
+    deadline = time.monotonic() + 120
+    embedded = AsyncEngine(config)  # inside another program (or this test process): its heap is not ours
     try:
-        deadline = time.monotonic() + 120
-        while engine.state is not EngineState.READY and time.monotonic() < deadline:
-            assert engine.state not in (EngineState.FAILED, EngineState.STOPPED), engine.failure
-            time.sleep(0.05)
+        _ready(embedded, deadline)
+        time.sleep(0.2)
+        assert gc.get_freeze_count() == 0
+    finally:
+        asyncio.run(embedded.shutdown())
+    serving = AsyncEngine(config, freeze_heap_when_ready=True)  # as `glmserve serve` builds it
+    try:
+        _ready(serving, deadline)
         while gc.get_freeze_count() == 0 and time.monotonic() < deadline:  # frozen right after READY
             time.sleep(0.05)
         assert gc.get_freeze_count() > 1000
     finally:
-        asyncio.run(engine.shutdown())
+        asyncio.run(serving.shutdown())

@@ -108,13 +108,17 @@ class AsyncEngine:
         config: EngineConfig,
         on_loaded: Callable[[LLMEngine], None] | None = None,
         on_failure: Callable[[str], None] | None = None,
+        freeze_heap_when_ready: bool = False,
     ) -> None:
         """Hooks run in the engine thread: `on_loaded(engine)` after the model is loaded and
         before warm-up (an exception there fails the engine), `on_failure(message)` if loading,
-        `on_loaded` or a step fails."""
+        `on_loaded` or a step fails. `freeze_heap_when_ready`: the process is a server that owns its heap
+        (`glmserve serve`), so everything alive once the engine is ready is frozen out of the garbage collector
+        (glmserve/gc_heap.py); off for engines inside other programs and tests."""
         self.config = config
         self._on_loaded = on_loaded
         self._on_failure = on_failure
+        self._freeze_heap_when_ready = freeze_heap_when_ready
         self.capacity = config.max_num_seqs + config.max_waiting_requests
         self._cond = threading.Condition()
         self._state = EngineState.LOADING
@@ -285,8 +289,9 @@ class AsyncEngine:
             logger.info("startup: warm-up generation in %.2f s; ready after %.2f s", time.monotonic() - loaded,
                         time.monotonic() - start)
             self._set_state(EngineState.READY)
-            frozen = freeze_startup_heap()  # the model's objects live as long as the process: no more GC walks
-            logger.debug("startup: %d objects frozen out of the garbage collector", frozen)
+            if self._freeze_heap_when_ready:  # the model's objects live as long as the process: no more GC walks
+                logger.debug("heap: %d objects alive after startup frozen out of the garbage collector",
+                             freeze_startup_heap())
             self._loop(engine)
             engine.close()
         except GlmServeError as exc:  # a deliberate, explained error (bad option, unsupported model)

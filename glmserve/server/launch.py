@@ -43,7 +43,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(engine_config, server_config, on_engine_failure=on_engine_failure)
+    app = create_app(engine_config, server_config, on_engine_failure=on_engine_failure, freeze_heap_when_ready=True)
     config = uvicorn.Config(
         app,
         host=server_config.host,
