@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 
 import pytest
+from example_modules import load_example
 
 from glmserve.cli import main
 from glmserve.compress import Document, compress
@@ -191,17 +191,7 @@ def test_cli_json(tmp_path, capsys, counter) -> None:
 
 
 def test_contract_review_example_cites_findings(tmp_path, capsys) -> None:
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "contract_review", Path(__file__).parents[1] / "examples" / "contract_review.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
+    module = load_example("contract_review")
     rng = random.Random(11)
     contract = random_contract(rng, 6) + (
         "\n\n7. Payment\n\nLate payments bear interest at 3% per month."

@@ -5,30 +5,17 @@ Slow (a server process: 35 s at load 16 on the 2 shared cores), so outside the d
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from example_modules import load_example
 from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
 from tiny_models import make_tiny_chat_model
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "drafting_assistant.py"
 START = ("1. Definitions\n\nThe Supplier delivers the goods.\n\n\"Supplier\" means Acme Ltd.\n\n"
          "2. Dates\n\nDelivery is on 2025-04-10, before the inspection on 2025-04-01.")
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("drafting_assistant", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
 
 
 @pytest.mark.slow
@@ -45,7 +32,7 @@ def test_drafting_assistant_reuses_session_kv(tmp_path: Path, capsys) -> None:
     with glmserve_process(args, tmp_path / "server.log") as server:
         wait_for(lambda: httpx.get(f"{server.base_url}/v1/health", timeout=30).status_code == 200,
                  STARTUP_TIMEOUT_S, "readiness", server.log)
-        turns = _load_example().main([
+        turns = load_example("drafting_assistant").main([
             "--base-url", f"{server.base_url}/v1", "--brief", str(tmp_path / "brief.txt"), "--draft",
             str(tmp_path / "start.txt"), "--glossary", str(tmp_path / "glossary.txt"), "--session-id", "doc-1",
             "--max-tokens", "8", "--out", str(tmp_path / "draft.txt"), "--json"])
