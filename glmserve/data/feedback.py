@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glmserve.data.records import write_records
+from glmserve.data.records import jsonl_lines, write_records
 from glmserve.errors import InvalidRequestError
 
 TIERS = (("high", 0.8), ("medium", 0.6), ("low", -math.inf))
@@ -67,22 +67,17 @@ def read_logs(directory: str | Path) -> Logs:
     for path in sorted(root.rglob("*.jsonl")):
         name = str(path.relative_to(root))
         logs.files.append(name)
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    logs.malformed.append({"file": name, "line": n, "error": f"not JSON ({e.msg})"})
-                    continue
-                kind = rec.get("type") if isinstance(rec, dict) else None
-                if kind == "interaction" and _valid_interaction(rec):
-                    logs.interactions.append((rec, name, n))
-                elif kind == "feedback" and isinstance(rec.get("id"), str) and rec.get("rating") in (-1, 0, 1):
-                    logs.ratings[rec["id"]].append((rec["rating"], name, n))
-                else:
-                    logs.malformed.append({"file": name, "line": n, "error": "not an interaction or feedback line"})
+        for n, rec in jsonl_lines(path, errors="replace"):
+            if isinstance(rec, json.JSONDecodeError):
+                logs.malformed.append({"file": name, "line": n, "error": f"not JSON ({rec.msg})"})
+                continue
+            kind = rec.get("type") if isinstance(rec, dict) else None
+            if kind == "interaction" and _valid_interaction(rec):
+                logs.interactions.append((rec, name, n))
+            elif kind == "feedback" and isinstance(rec.get("id"), str) and rec.get("rating") in (-1, 0, 1):
+                logs.ratings[rec["id"]].append((rec["rating"], name, n))
+            else:
+                logs.malformed.append({"file": name, "line": n, "error": "not an interaction or feedback line"})
     return logs
 
 

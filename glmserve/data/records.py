@@ -14,19 +14,27 @@ from typing import Any
 from glmserve.errors import InvalidRequestError
 
 
-def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Records of a JSONL file; a line that is not a JSON object with a string `text` is an error."""
-    with open(path, encoding="utf-8") as f:
+def jsonl_lines(path: Path, errors: str = "strict") -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of each non-blank line of a JSONL file; a line that is not JSON gives its
+    `json.JSONDecodeError` as the value. `errors`: how undecodable UTF-8 is read (`open`'s argument)."""
+    with open(path, encoding="utf-8", errors=errors) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                yield n, json.loads(line)
             except json.JSONDecodeError as e:
-                raise InvalidRequestError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise InvalidRequestError(f"{path}:{n}: a record must be a JSON object with a string 'text'")
-            yield rec
+                yield n, e
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of a JSONL file; a line that is not a JSON object with a string `text` is an error."""
+    for n, rec in jsonl_lines(path):
+        if isinstance(rec, json.JSONDecodeError):
+            raise InvalidRequestError(f"{path}:{n}: not valid JSON ({rec.msg})") from rec
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            raise InvalidRequestError(f"{path}:{n}: a record must be a JSON object with a string 'text'")
+        yield rec
 
 
 def iter_csv(path: Path) -> Iterator[dict[str, Any]]:
