@@ -32,6 +32,21 @@ class SpanRef:
     at: int  # where the span's text begins in the record's text
 
 
+@dataclass(frozen=True)
+class Quote:
+    """A span handed to the reader, traced to its source: `text == source[start:end]` of document `doc`."""
+
+    doc: str
+    start: int
+    end: int
+    section: str
+    paragraph: int
+    page: int
+    kind: str
+    text: str
+    score: float
+
+
 @dataclass
 class Record:
     doc: str
@@ -88,25 +103,61 @@ def section_ranges(loc: Locator) -> list[tuple[str, int, int]]:
     return out
 
 
+def _summary(doc: str, text: str, a: int, b: int, ratio: float,
+             count: TokenCounter) -> tuple[list[tuple[int, int]], list[str]]:
+    """The source ranges and kinds a section's summary at `ratio` keeps (query-agnostic compression)."""
+    result = compress([Document(doc, text[a:b])], ratio=ratio, count_tokens=count)
+    return [(a + s.start, a + s.end) for s in result.spans], [s.kind for s in result.spans]
+
+
+def _spans(loc: Locator, pieces: list[tuple[int, int]], kinds: list[str], at: list[int]) -> list[SpanRef]:
+    out = []
+    for (s, e), kind, pos in zip(pieces, kinds, at):
+        c = loc.cite(s, e)
+        out.append(SpanRef(s, e, c.section, c.paragraph, c.page, kind, pos))
+    return out
+
+
 def section_records(doc: str, text: str, ratio: float, count: TokenCounter) -> list[Record]:
-    """One record per section: its summary at `ratio` (1 keeps the section whole), with the trace map."""
+    """One record per section: its summary at `ratio` (1 keeps the section whole: then the record's text is the
+    exact source range, one span per sentence), with the trace map."""
     loc = Locator(doc, text)
     records = []
     for label, a, b in section_ranges(loc):
         if ratio <= 1.0:
-            pieces = [(u.start, u.end) for u in loc.units if a <= u.start < b]
-            kinds = ["narrative"] * len(pieces)
-        else:
-            result = compress([Document(doc, text[a:b])], ratio=ratio, count_tokens=count)
-            pieces = [(a + s.start, a + s.end) for s in result.spans]
-            kinds = [s.kind for s in result.spans]
+            records.append(_whole(loc, label, a, b))
+            continue
+        pieces, kinds = _summary(doc, text, a, b, ratio, count)
         body, at = _join(text, pieces)
-        spans = []
-        for (s, e), kind, pos in zip(pieces, kinds, at):
-            c = loc.cite(s, e)
-            spans.append(SpanRef(s, e, c.section, c.paragraph, c.page, kind, pos))
-        records.append(Record(doc, label, a, b, body, spans))
+        records.append(Record(doc, label, a, b, body, _spans(loc, pieces, kinds, at)))
     return records
+
+
+def _whole(loc: Locator, label: str, a: int, b: int) -> Record:
+    units = [u for u in loc.units if a <= u.start < b]
+    pieces = [(u.start, u.end) for u in units]
+    kinds = ["anchor" if u.heading else "narrative" for u in units]
+    return Record(loc.doc, label, a, b, loc.text[a:b], _spans(loc, pieces, kinds, [s - a for s, _ in pieces]))
+
+
+def parent_records(doc: str, text: str, key_ratio: float,
+                   count: TokenCounter) -> tuple[list[Record], list[tuple[int, SpanRef]]]:
+    """Whole sections as parent records (text = the exact source range, one span per sentence) and their keys:
+    the spans of each section's summary at `key_ratio` (1: every sentence), as (record index, span) pairs; each
+    key is stored as a vector of its own that points to its section (glmserve/compress/rag/store.py)."""
+    loc = Locator(doc, text)
+    records: list[Record] = []
+    keys: list[tuple[int, SpanRef]] = []
+    for label, a, b in section_ranges(loc):
+        record = _whole(loc, label, a, b)
+        if key_ratio <= 1.0:
+            kept = record.spans
+        else:
+            pieces, kinds = _summary(doc, text, a, b, key_ratio, count)
+            kept = _spans(loc, pieces, kinds, [s - a for s, _ in pieces])
+        keys += [(len(records), s) for s in kept]
+        records.append(record)
+    return records, keys
 
 
 def chunk_records(doc: str, text: str, words: int, overlap: int = 0) -> list[Record]:
