@@ -13,7 +13,8 @@ that span), "which section says" (the sentence with a third of its words dropped
 keywords (four of the sentence's content words, shuffled; the answer is the sentence). Shuffled, then the first
 half is "tune" (every choice below is made on it) and the second "held-out".
 
-Indexes: plain chunks of N words (top 5 handed over whole: the baseline), and parent indexes: whole sections as
+Indexes: plain chunks of N words (top 5 handed over whole: the baseline; found by their vectors as before, by
+BM25, or by both fused: the strong baseline, chosen on tune), and parent indexes: whole sections as
 records, their summary's sentences and anchors at key ratio R (R = 1: every sentence) as keys with vectors of
 their own (glmserve rag index --mode sections). Retrieval methods on a parent index (retrieve.py): mean (one
 vector per section), maxsim (best key), bm25 (best key by BM25), anchors (exact-match keys) and their fusions
@@ -54,6 +55,7 @@ _CONTENT = re.compile(r"[A-Za-z][A-Za-z-]{4,}")
 _STOP = frozenset("which where there these those their about would should could shall other under being".split())
 LICENSES = Path("/usr/share/common-licenses")
 METHODS = ("mean", "maxsim", "bm25", "anchors", "maxsim+bm25", "maxsim+bm25+anchors", "mean+maxsim+bm25")
+CHUNK_METHODS = ("mean", "bm25", "mean+bm25")
 RANKED = 10  # sections ranked per question (recall@1..10)
 
 
@@ -102,17 +104,14 @@ def make_questions(docs: list[Document], n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def chunk_eval(store: MilvusStore, records, questions: list[dict], q_vecs: np.ndarray, k: int, count) -> list[dict]:
-    """Top-k records of an index handed over whole (chunks, or the earlier summaries)."""
-    results = store.search(q_vecs, k)
-    tokens = {(r.doc, r.start, r.end): int(n) for r, n in zip(records, count([r.text for r in records]))}
+def whole_eval(records, ranked: list[list[tuple[int, float]]], questions: list[dict], record_tokens) -> list[dict]:
+    """The retrieved records handed over whole (chunks, or the earlier summaries)."""
     rows = []
-    for q, hits in zip(questions, results):
+    for q, r in zip(questions, ranked):
         a, b = q["answer"]
-        mine = [r for _, r in hits if r.doc == q["doc"]]
-        rows.append({"kind": q["kind"],
-                     "answer": any(s.start <= a and b <= s.end for r in mine for s in r.spans),
-                     "tokens": sum(tokens[(r.doc, r.start, r.end)] for _, r in hits)})
+        mine = [records[i] for i, _ in r if records[i].doc == q["doc"]]
+        rows.append({"kind": q["kind"], "answer": any(s.start <= a and b <= s.end for x in mine for s in x.spans),
+                     "tokens": int(sum(record_tokens[i] for i, _ in r))})
     return rows
 
 
@@ -166,27 +165,35 @@ def main() -> None:
     q_vecs = passage_vectors(texts)
     report["question_embed_seconds"] = time.perf_counter() - t
 
-    # the baseline: plain chunks of N words, top k handed over; its per-question tokens are the readers' budgets
+    # the baseline: plain chunks of N words, top k handed over whole, found by their vectors (mean: the earlier
+    # baseline, whose per-question tokens are the readers' budgets), by BM25, or by both fused (each chunk is its
+    # own single key)
     budgets: dict[int, list[int]] = {}
     for words in [int(w) for w in args.chunk_words.split(",")]:
         t = time.perf_counter()
         records = make_records(docs, "chunks", chunk_words=words)
         store = MilvusStore(store_uri, f"chunks_{words}")
-        build_index(store, records)
+        build_index(store, records, [(i, r.spans[0]) for i, r in enumerate(records)])
         build_s = time.perf_counter() - t
-        rows = chunk_eval(store, records, questions, q_vecs, args.k, count)
+        record_tokens = count([r.text for r in records])
+        entry = {"records": len(records), "build_seconds": build_s, "methods": {}}
+        for method in CHUNK_METHODS:
+            rows = whole_eval(records, rank(store, texts, q_vecs, args.k, method), questions, record_tokens)
+            if method == "mean":
+                budgets[words] = [r["tokens"] for r in rows]
+            entry["methods"][method] = per_split(rows, splits)
         store.close()
-        budgets[words] = [r["tokens"] for r in rows]
-        report["chunks"][words] = {"records": len(records), "build_seconds": build_s,
-                                   "splits": per_split(rows, splits)}
-        print(f"chunks {words}", json.dumps(report["chunks"][words]["splits"]), f"build {build_s:.1f} s", flush=True)
+        entry["chosen_method"] = max(CHUNK_METHODS, key=lambda m: entry["methods"][m]["tune"]["answer"])
+        report["chunks"][words] = entry
+        print(f"chunks {words}", json.dumps(entry["methods"]), f"build {build_s:.1f} s", flush=True)
 
     # the earlier design, for the record: one mean vector per query-agnostic summary, top k summaries handed over
     for ratio in [float(r) for r in args.ratios.split(",") if r]:
         records = make_records(docs, "summary", ratio=ratio, count=count)
         store = MilvusStore(store_uri, f"summary_{ratio:g}".replace(".", "_"))
         build_index(store, records)
-        rows = chunk_eval(store, records, questions, q_vecs, args.k, count)
+        rows = whole_eval(records, rank(store, texts, q_vecs, args.k, "mean"), questions,
+                          count([r.text for r in records]))
         store.close()
         report["summaries"][f"{ratio:g}"] = {"records": len(records), "splits": per_split(rows, splits)}
         print(f"summary {ratio:g}", json.dumps(report["summaries"][f"{ratio:g}"]["splits"]), flush=True)
