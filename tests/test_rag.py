@@ -19,7 +19,7 @@ from glmserve.compress import Document
 from glmserve.compress.locate import Locator
 from glmserve.compress.rag import MilvusStore, ask, build_index, make_parents, make_records, query, rank, read
 from glmserve.compress.rag.records import chunk_records
-from glmserve.compress.rag.retrieve import anchor_terms, parse_method, rrf
+from glmserve.compress.rag.retrieve import DEFAULT_METHOD, anchor_terms, parse_method, rrf
 from glmserve.compress.rag.vectors import passage_vectors
 from glmserve.errors import InvalidRequestError
 
@@ -119,7 +119,7 @@ def test_cli_index_and_query(tmp_path, capsys) -> None:
     main(["rag", "query", "Which country's law governs the agreement?", "--db", db, "--target-tokens", "80",
           "--json"])
     answer = json.loads(capsys.readouterr().out)
-    assert answer["retrieval"] == "maxsim+bm25" and 0 < answer["tokens"] <= 80
+    assert answer["retrieval"] == DEFAULT_METHOD and 0 < answer["tokens"] <= 80
     assert any("Sweden" in q["text"] for q in answer["quotes"])
     assert all(contract()[q["start"]:q["end"]] == q["text"] and q["text"] in answer["text"] for q in answer["quotes"])
 

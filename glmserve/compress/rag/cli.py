@@ -1,6 +1,6 @@
 """`glmserve rag index FILE... [--mode sections|summary|chunks] [--db PATH | --milvus-uri URI]` and `glmserve rag
 query QUESTION`: RAG on compressed section summaries in Milvus (glmserve/cli.py delegates here). By default a
-query retrieves sections by their keys (dense max-sim + BM25, fused by reciprocal rank) and hands over the top
+query retrieves sections by their keys (glmserve/compress/rag/retrieve.py's DEFAULT_METHOD) and hands over the top
 sections compressed for the question to a token budget, each kept span cited at its source offsets."""
 
 from __future__ import annotations
