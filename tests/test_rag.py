@@ -89,7 +89,7 @@ def test_chunk_baseline_and_errors(lite) -> None:
     with pytest.raises(InvalidRequestError, match="ending in .db"):
         MilvusStore("/tmp/not-a-db-path", "x")
     with pytest.raises(InvalidRequestError, match="no index"):
-        MilvusStore(store.uri, "missing").search(make_vec(), 5)
+        MilvusStore(store.uri, "missing").search_ids(make_vec(), 5)
     with pytest.raises(InvalidRequestError, match="empty"):
         query(store, "  ")
 

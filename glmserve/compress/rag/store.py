@@ -170,12 +170,6 @@ class MilvusStore:
                          "spans": [asdict(s) for s in r.spans]})
         self._insert(self.collection, rows)
 
-    def search(self, vectors: np.ndarray, k: int) -> list[list[tuple[float, Record]]]:
-        """The k best records of each query vector, best first, with their scores."""
-        hits = self._search(self.collection, _vector_data(vectors), k, "vector",
-                            ["doc", "section", "start", "end", "text", "spans"])
-        return [[(float(h["distance"]), _record(h["entity"])) for h in per_query] for per_query in hits]
-
     def search_ids(self, vectors: np.ndarray, k: int) -> list[list[int]]:
         """The ids of the k records nearest each query vector, best first."""
         return [[int(h["id"]) for h in per_query] for per_query in self._search(self.collection,
