@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from glmserve.errors import InvalidRequestError
+from glmserve.models.byte_level_tokenizer import ByteLevelTokenizer
 
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 GUIDED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -106,7 +107,10 @@ class GrammarCompiler:
             import llguidance
             import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+            hf_tokenizer = self._hf_tokenizer
+            if isinstance(hf_tokenizer, ByteLevelTokenizer):  # llguidance takes transformers' class
+                hf_tokenizer = hf_tokenizer.transformers
+            self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size,
                                                            eos_token=self._eos or None)
         return self._tokenizer
 

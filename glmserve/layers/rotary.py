@@ -7,9 +7,12 @@ variants (llama3, yarn, linear), so rope scaling matches the reference exactly.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
+    from transformers import PretrainedConfig
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -33,6 +36,8 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.
     rope_type = params["rope_type"]
     if rope_type == "default":
         return default_inverse_frequencies(params["rope_theta"], rotary_dim), 1.0, rotary_dim
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # scaled ropes only: not at every start
+
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")

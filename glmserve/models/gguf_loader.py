@@ -43,8 +43,8 @@ from gguf.quants import dequantize
 
 from glmserve.errors import UnsupportedModelError
 from glmserve.layers.rotary import default_inverse_frequencies
+from glmserve.models.byte_level_tokenizer import ByteLevelTokenizer, handles
 from glmserve.models.gguf_reader import GGUFHeader, GGUFTensor, read_header
-from glmserve.models.gguf_tokenizer import tokenizer_from_metadata
 from glmserve.quant.gguf_blocks import NATIVE, dequantize_other, from_blocks
 from glmserve.quant.schemes import Scheme, gguf_spec
 from glmserve.quant.weight import QuantizedWeight
@@ -148,7 +148,16 @@ class GGUFCheckpoint:
     def tokenizer(self) -> transformers.PreTrainedTokenizerBase:
         """A fast tokenizer converted by transformers from the file's metadata (vocabulary, merges,
         special tokens, `add_bos_token`, chat template), as read once by `load_gguf`."""
+        from glmserve.models.gguf_tokenizer import tokenizer_from_metadata  # imports transformers (~2.5 s)
+
         return tokenizer_from_metadata(self.architecture, self.reader.metadata)
+
+    def serving_tokenizer(self) -> ByteLevelTokenizer | transformers.PreTrainedTokenizerBase:
+        """The tokenizer the engine serves with: built on `tokenizers` alone where the file is byte-level BPE
+        (glmserve/models/byte_level_tokenizer.py: the same token ids, no transformers import), else `tokenizer()`."""
+        if handles(self.reader.metadata):
+            return ByteLevelTokenizer.from_metadata(self.reader.metadata)
+        return self.tokenizer()
 
     def tensors(self, native: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Yields `(hf_name, float32 tensor)` in file order, one tensor in memory at a time; with `native`,

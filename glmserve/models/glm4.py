@@ -4,9 +4,13 @@ and rotary on half of each head in interleaved pairs (reference: transformers' m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+
+if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
+    from transformers import PretrainedConfig
 
 from glmserve.layers.attention import AttentionMetadata
 from glmserve.layers.norm import RMSNorm

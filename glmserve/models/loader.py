@@ -109,10 +109,17 @@ def _build(hf_config: PretrainedConfig | SimpleNamespace, weights: Iterator[tupl
             quantize_modules(model, quantization, formats, device, quantize_embeddings)
     finally:
         torch.set_default_dtype(previous)
-    model.to_empty(device=device)
+    _materialize(model, device)
     model.rotary.to(device, dtype)
     model.load_weights(checkpoint_tensors(weights, quantization))
     return model.eval()
+
+
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """`Module.to_empty` without its `torch.empty_like` of meta tensors: the first such call imports
+    torch.fx.experimental.symbolic_shapes and sympy (1.0-1.7 s wall at load ~2, measured; 2.5 s of a launch's
+    py-spy samples). `torch.empty` of the same shape and dtype is what `to_empty` gives (no values)."""
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 @contextlib.contextmanager
@@ -154,7 +161,7 @@ def _load(path: str | None, tokenizer_path: str | None, device: torch.device, dt
         native = quantization is None
         hf_config, weights, model_dir = ckpt.model_config(), ckpt.tensors(native=native), None
         formats = ckpt.native_formats() if native else {}
-        tokenizer = _auto_tokenizer(tokenizer_path) if tokenizer_path else ckpt.tokenizer()
+        tokenizer = _auto_tokenizer(tokenizer_path) if tokenizer_path else ckpt.serving_tokenizer()
     elif location.is_dir() and (location / "config.json").exists():
         from transformers import AutoConfig
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
+if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
+    from transformers import PretrainedConfig
 
 from glmserve.errors import UnsupportedModelError
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenizers import decoders
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from glmserve.byte_level import bytes_to_unicode
 from glmserve.engine.outputs import CompletionOutput
 from glmserve.engine.outputs import TokenLogprob as EngineTokenLogprob
 from glmserve.server.protocol import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
