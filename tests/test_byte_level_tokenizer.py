@@ -1,12 +1,10 @@
 """The serving tokenizer of byte-level GGUFs (glmserve/models/byte_level_tokenizer.py) against transformers'
-conversion of the same file: the serialized backend, token ids, decoded text, token pieces, the chat template;
-and the serve path's imports without transformers (a subprocess)."""
+conversion of the same file: the serialized backend, token ids, decoded text, token pieces, the chat template
+(tests/test_startup_imports.py checks that serving imports no transformers)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import jinja2
 import pytest
@@ -127,24 +125,3 @@ def test_transformers_view_for_llguidance(ours):
     assert hf.backend_tokenizer.to_str() == ours.backend_tokenizer.to_str()
     assert hf.encode(TEXTS[2]) == ours.encode(TEXTS[2]) and hf.eos_token_id == ours.eos_token_id
 
-
-def test_serve_path_does_not_import_transformers():
-    """The server's modules, the embedded GGUF's tokenizer and a model's materialization off the meta device, in a
-    fresh interpreter: no transformers, no sympy."""
-    code = (
-        "import sys\n"
-        "import glmserve.server.launch, glmserve.models.loader\n"
-        "from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf\n"
-        "tok = load_gguf(embedded_default_gguf()).serving_tokenizer()\n"
-        "assert type(tok).__name__ == 'ByteLevelTokenizer', type(tok)\n"
-        "assert tok.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
-        "import torch\n"
-        "from glmserve.models.loader import _materialize\n"
-        "layer = torch.nn.Linear(4, 3, device='meta', dtype=torch.float16)\n"
-        "_materialize(layer, torch.device('cpu'))\n"
-        "assert (layer.weight.device.type, layer.weight.dtype, layer.bias.shape) == ('cpu', torch.float16, (3,))\n"
-        "print(sorted(m for m in ('transformers', 'sympy') if m in sys.modules))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"

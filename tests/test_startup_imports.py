@@ -1,6 +1,7 @@
 """Server start imports only what serving needs (bench/RESULTS.md "Startup and memory"): the compression package
 loads on the first /v1/compress, and building the embedded GGUF model never imports torch._dynamo (nn.Embedding's
-normal_ init on meta and transformers' LlamaConfig both did: 2-4 s of CPU per start)."""
+normal_ init on meta and transformers' LlamaConfig both did: 2-4 s of CPU per start), sympy (`empty_like` of meta
+tensors in `to_empty`) or transformers (~2.5 s: the GGUF's tokenizer is built on `tokenizers`)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,24 @@ import json
 import subprocess
 import sys
 
-WATCHED = ("glmserve.compress", "jieba", "torch._dynamo", "transformers.models.llama.configuration_llama")
+WATCHED = ("glmserve.compress", "jieba", "torch._dynamo", "sympy", "transformers")
 
 SERVER_APP = "import glmserve.server.app"
 MODEL_ON_META = """
 import torch
 from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
+from glmserve.models.loader import _materialize
 from glmserve.models.registry import model_class
-config = load_gguf(embedded_default_gguf()).model_config()
+checkpoint = load_gguf(embedded_default_gguf())
+config = checkpoint.model_config()
 with torch.device("meta"):
     model = model_class(config)(config, 64)
 assert model.embed_tokens.weight.is_meta
+_materialize(model, torch.device("cpu"))
+assert model.embed_tokens.weight.device.type == "cpu" and model.embed_tokens.weight.dtype == torch.float32
+tokenizer = checkpoint.serving_tokenizer()
+assert type(tokenizer).__name__ == "ByteLevelTokenizer"
+assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 """
 
 
@@ -32,7 +40,7 @@ def test_server_app_imports_no_compression_package():
     assert _imported_after(SERVER_APP) == []
 
 
-def test_embedded_model_builds_without_dynamo_or_transformers_llama_config():
+def test_embedded_model_and_tokenizer_build_without_dynamo_sympy_or_transformers():
     assert _imported_after(MODEL_ON_META) == []
 
 
