@@ -129,15 +129,30 @@ class AsyncEngine:
         self._stats: EngineStats | None = None
         self._llm: LLMEngine | None = None
         self._thread: threading.Thread | None = None
+        self._hook_attached = threading.Event()  # `start(on_loaded_later=True)`: set by `attach_on_loaded`
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        """Load the model, warm it up and run the engine loop, all in a background thread."""
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self, on_loaded_later: bool = False) -> None:
+        """Load the model, warm it up and run the engine loop, all in a background thread. `on_loaded_later`: the
+        loaded model waits (before its warm-up) for `attach_on_loaded`, so that loading can begin before the caller
+        has built what its hook needs (`glmserve serve` loads while the server's modules are imported)."""
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() was already called")
+        if not on_loaded_later:
+            self._hook_attached.set()
         self._thread = threading.Thread(target=self._run, name="glmserve-engine", daemon=True)
         self._thread.start()
+
+    def attach_on_loaded(self, on_loaded: Callable[[LLMEngine], None]) -> None:
+        """The `on_loaded` hook of an engine started with `on_loaded_later` (the one given to the constructor
+        is replaced); the engine thread runs it once the model is loaded, then warms up."""
+        self._on_loaded = on_loaded
+        self._hook_attached.set()
 
     async def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Stop the loop; requests still in flight end with `EngineStoppedError`. Waits up to `timeout_s` for
@@ -147,6 +162,7 @@ class AsyncEngine:
                 self._state = EngineState.STOPPED
             channels = list(self._channels.values())
             self._cond.notify_all()
+        self._hook_attached.set()  # a thread still waiting for its hook stops instead
         for channel in channels:
             channel.send(EngineStoppedError("The server is shutting down."))
         if self._thread is not None:
@@ -278,8 +294,9 @@ class AsyncEngine:
             logger.info("startup: loading %s", self.config.model or "the embedded default model")
             engine = LLMEngine(self.config)
             self._llm = engine
+            _log_loaded(engine, time.monotonic() - start)
+            self._hook_attached.wait()
             loaded = time.monotonic()
-            _log_loaded(engine, loaded - start)
             if self._on_loaded is not None:
                 self._on_loaded(engine)
             self._stats = engine.stats()

@@ -114,30 +114,33 @@ def create_app(
     server_config: ServerConfig | None = None,
     on_engine_failure: Callable[[str], None] | None = None,
     freeze_heap_when_ready: bool = False,
+    engine: AsyncEngine | None = None,
 ) -> FastAPI:
     """A FastAPI app whose lifespan starts the engine (load + warm-up) and shuts it down.
 
     `on_engine_failure(message)` runs (in the engine thread) if the model fails to load or a
     step fails; the launcher uses it to stop the process instead of serving 503s forever.
     `freeze_heap_when_ready`: the launcher's process owns its heap (AsyncEngine says what that does).
+    `engine`: one the launcher made (with its own failure hook and heap setting: the two arguments above are not
+    used) and started with `on_loaded_later`, so that the model loads while this app is imported and built.
     """
     server_config = server_config or ServerConfig()
     if engine_config.served_model_name is not None:  # otherwise checked once the model is loaded
         check_aliases(engine_config.served_model_name, server_config.aliases)
-    # the hook runs in the engine thread, long after `serving` below exists
-    engine = AsyncEngine(
-        engine_config, on_loaded=lambda llm: serving.on_engine_loaded(llm), on_failure=on_engine_failure,
-        freeze_heap_when_ready=freeze_heap_when_ready,
-    )
+    if engine is None:
+        engine = AsyncEngine(engine_config, on_failure=on_engine_failure, freeze_heap_when_ready=freeze_heap_when_ready)
     metrics_ = ServerMetrics(engine)
     serving = ServingContext(engine, metrics_, server_config)
     if server_config.log_interactions is not None:
         serving.interactions = Interactions(InteractionLog(server_config.log_interactions, metrics_.registry,
                                                            server_config.log_interactions_max_bytes))
 
+    engine.attach_on_loaded(serving.on_engine_loaded)  # runs in the engine thread once the model is loaded
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        if not engine.started:
+            engine.start()
         yield
         await engine.shutdown()
         if serving.interactions is not None:

@@ -4,6 +4,10 @@ On SIGTERM uvicorn stops accepting connections, lets in-flight requests finish f
 `shutdown_timeout_s` (then cancels them, which aborts their engine requests), runs the app's
 lifespan shutdown (engine thread stopped) and returns. uvicorn then re-raises the signal it
 caught; the handler installed here turns that into a clean exit with status 0.
+
+The engine starts loading the model before the server's modules (FastAPI, uvicorn, the routes) are imported and
+the app is built: the two overlap (the load's tensor ops release the GIL), and the loaded model waits for the
+app's hook before its warm-up (`AsyncEngine.start(on_loaded_later=True)`).
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ import logging
 import logging.config
 import signal
 from types import FrameType
-
-import uvicorn
+from typing import TYPE_CHECKING
 
 from glmserve.config import EngineConfig
-from glmserve.server.app import create_app
+from glmserve.engine.async_engine import AsyncEngine
 from glmserve.server.config import ServerConfig
 from glmserve.server.logs import logging_config
+
+if TYPE_CHECKING:
+    import uvicorn
 
 logger = logging.getLogger(__name__)
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -43,7 +49,13 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(engine_config, server_config, on_engine_failure=on_engine_failure, freeze_heap_when_ready=True)
+    engine = AsyncEngine(engine_config, on_failure=on_engine_failure, freeze_heap_when_ready=True)
+    engine.start(on_loaded_later=True)
+    import uvicorn  # imported here, while the model loads
+
+    from glmserve.server.app import create_app
+
+    app = create_app(engine_config, server_config, engine=engine)
     config = uvicorn.Config(
         app,
         host=server_config.host,
@@ -53,6 +65,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         timeout_graceful_shutdown=server_config.shutdown_timeout_s,
     )
     server = uvicorn.Server(config)
+    if engine.failure is not None:  # it failed before `server` existed: stop at once instead of serving 503s
+        server.should_exit = True
     server.run()
-    engine = app.state.serving.engine
     return 1 if engine.failure is not None or not server.started else 0
