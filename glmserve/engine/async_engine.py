@@ -297,7 +297,7 @@ class AsyncEngine:
             _log_loaded(engine, time.monotonic() - start)
             self._hook_attached.wait()
             loaded = time.monotonic()
-            if self._on_loaded is not None:
+            if self._on_loaded is not None and self._state is not EngineState.STOPPED:
                 self._on_loaded(engine)
             self._stats = engine.stats()
             self._set_state(EngineState.WARMING_UP)

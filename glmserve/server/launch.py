@@ -12,6 +12,7 @@ app's hook before its warm-up (`AsyncEngine.start(on_loaded_later=True)`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import logging.config
 import signal
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+STOP_LOADING_TIMEOUT_S = 600.0
 
 
 def _exit_cleanly(signum: int, _: FrameType | None) -> None:
@@ -51,11 +53,15 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     engine = AsyncEngine(engine_config, on_failure=on_engine_failure, freeze_heap_when_ready=True)
     engine.start(on_loaded_later=True)
-    import uvicorn  # imported here, while the model loads
+    try:
+        import uvicorn  # imported here, while the model loads
 
-    from glmserve.server.app import create_app
+        from glmserve.server.app import create_app
 
-    app = create_app(engine_config, server_config, engine=engine)
+        app = create_app(engine_config, server_config, engine=engine)
+    except BaseException:  # a bad option (alias, keys file): the load in its thread must end before the process
+        asyncio.run(engine.shutdown(timeout_s=STOP_LOADING_TIMEOUT_S))  # exits (torch aborts it otherwise)
+        raise
     config = uvicorn.Config(
         app,
         host=server_config.host,
