@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
-    from transformers import PretrainedConfig
-
 from glmserve.layers.attention import AttentionMetadata
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.rotary import RotaryEmbedding
 from glmserve.models.llama import DecoderOnlyLM, GatedMLP, LlamaAttention
+
+if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
+    from transformers import PretrainedConfig
 
 
 class Glm4DecoderLayer(nn.Module):

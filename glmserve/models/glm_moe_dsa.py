@@ -38,9 +38,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
-    from transformers import PretrainedConfig
-
 from glmserve.errors import UnsupportedKVFormatError
 from glmserve.kv.kv_format import KVFormat, kv_format
 from glmserve.layers.attention import PagedAttention
@@ -53,6 +50,9 @@ from glmserve.layers.rotary import RopeTables, inverse_frequencies, rope_paramet
 from glmserve.models.llama import GatedMLP
 from glmserve.models.weights import CheckpointLayout, LoadsCheckpoint
 from glmserve.sparse.selection import SparseRows, compact, keep_mask
+
+if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
+    from transformers import PretrainedConfig
 
 TILE_ELEMENTS = 1 << 24  # bound on the elements of one score/gather tile (queries are processed in tiles)
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps, not config.rms_norm_eps

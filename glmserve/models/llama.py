@@ -13,9 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
-    from transformers import PretrainedConfig
-
 from glmserve.kv.kv_format import KVFormat, kv_format
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.embedding import unset_embedding
@@ -25,6 +22,9 @@ from glmserve.layers.paged_metadata import StepRows, paged_metadata
 from glmserve.layers.rotary import RotaryEmbedding
 from glmserve.models.weights import CheckpointLayout, LoadsCheckpoint
 from glmserve.sparse.indexer import attached_modes
+
+if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
+    from transformers import PretrainedConfig
 
 
 def head_dim_of(config: PretrainedConfig) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from glmserve.errors import UnsupportedModelError
+
 if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
     from transformers import PretrainedConfig
-
-from glmserve.errors import UnsupportedModelError
 
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "glmserve.models.llama:LlamaForCausalLM",
