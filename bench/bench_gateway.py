@@ -4,6 +4,8 @@ overhead: the latency the gateway adds in front of a fast fake backend (tests/fa
     request rates. An open-loop generator sends non-streamed chat requests on a fixed schedule, alternately
     straight to the backend and through the gateway (the same backend, the same run); latency runs from the
     scheduled send time (no coordinated omission). Added latency = through-gateway minus direct, per percentile.
+    `--floor fixed,aiohttp,own` adds the floors of bench/gateway_floor.py (uvicorn + a pure ASGI app answering a
+    fixed body; a bare ASGI proxy on aiohttp or on the gateway's own upstream client) to the same interleaved run.
 
 fault: 32 clients through two gateways with admission on (keys, Redis limits, a SQLite ledger) in front of two
     real `glmserve serve` replicas (session store on Redis) on a tiny random-weight model; a replica and a
@@ -228,13 +230,21 @@ def run_overhead(args: argparse.Namespace) -> dict:
         gws[name].log = logdir / f"{name}.log"
         gws[name].env, gws[name].cwd = {"PYTHONPATH": str(root)}, root
     procs += gws.values()
+    floors: dict[str, Proc] = {}  # the floors under the gateway's CPU (bench/gateway_floor.py)
+    for mode in args.floor:
+        floors[f"floor_{mode}"] = p = Proc([sys.executable, str(BENCH / "gateway_floor.py"), mode, "--port",
+                                            str(port := free_port()), "--backend", backend.url],
+                                           logdir / f"floor-{mode}.log", port)
+        p.env = {"PYTHONPATH": str(REPO)}
+    procs += floors.values()
     body = json.dumps(CHAT).encode()
     auth = "" if args.bare else f"Authorization: Bearer {BENCH_KEY}\r\n"
     rows = []
 
     async def measure() -> None:
         targets = {"direct": Connections(backend.port, "/v1/chat/completions", body),
-                   **{name: Connections(gw.port, "/v1/chat/completions", body, auth) for name, gw in gws.items()}}
+                   **{name: Connections(gw.port, "/v1/chat/completions", body, auth) for name, gw in gws.items()},
+                   **{name: Connections(p.port, "/v1/chat/completions", body) for name, p in floors.items()}}
         await open_loop(targets, 20, 2)  # warm-up: connections, code paths
         spy = None
         if args.py_spy:  # samples the gateway while the rates run (collapsed stacks, for flamegraph.pl or grep)
@@ -243,25 +253,27 @@ def run_overhead(args: argparse.Namespace) -> dict:
                                     "--rate", "200", "--output", args.py_spy], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
         for rate in args.rates:
-            measured = [backend, *gws.values()]
+            servers = {**gws, **floors}
+            measured = [backend, *servers.values()]
             cpu_before = {p: cpu_seconds(p.proc.pid) for p in measured}
             load_before = os.getloadavg()[0]
             lat, errors = await open_loop(targets, rate, args.seconds)
             n = {k: len(v) for k, v in lat.items()}
             cpu = {p: cpu_seconds(p.proc.pid) - cpu_before[p] for p in measured}
+            via_backend = sum(v for k, v in n.items() if k != "floor_fixed")  # the fixed floor never calls it
             row = {"rate_rps": rate, "seconds": args.seconds, "config": config, "ok": n, "errors": errors,
                    "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                    # CPU per request: each gateway's own, and the backend's (which serves every path)
-                   "backend_cpu_ms_per_request": round(cpu[backend] * 1e3 / max(1, sum(n.values())), 3)}
-            for name, gw in gws.items():
+                   "backend_cpu_ms_per_request": round(cpu[backend] * 1e3 / max(1, via_backend), 3)}
+            for name, gw in servers.items():
                 row[f"{name}_cpu_ms_per_request"] = round(cpu[gw] * 1e3 / max(1, n[name]), 3)
             for q, label in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
                 d = pct(lat["direct"], q) * 1e3
                 row[label] = {"direct_ms": round(d, 3)}
-                for name in gws:
+                for name in servers:
                     g = pct(lat[name], q) * 1e3
                     row[label] |= {f"{name}_ms": round(g, 3), f"{name}_added_ms": round(g - d, 3)}
-            for name in gws:
+            for name in servers:
                 row[f"{name}_mean_added_ms"] = round((statistics.mean(lat[name]) - statistics.mean(lat["direct"]))
                                                      * 1e3, 3)
             rows.append(row)
@@ -299,6 +311,8 @@ def main() -> None:
                    help="also measure the gateway of this checkout (e.g. `git archive main | tar -x -C DIR`)")
     o.add_argument("--py-spy", default=None, metavar="FILE", help="py-spy record the gateway into FILE")
     o.add_argument("--bare", action="store_true", help="the proxy without keys (no ledger rows, no limits)")
+    o.add_argument("--floor", type=lambda s: [m for m in s.split(",") if m], default=[],
+                   help="also measure these floors (bench/gateway_floor.py modes): fixed,aiohttp,own")
     o.add_argument("--limits", choices=("memory", "redis"), default="memory")
     o.add_argument("--gateway-args", default="", help="more `glmserve gateway` options, e.g. '--max-retries 0'")
     f = sub.add_parser("fault", parents=[common])

@@ -1,7 +1,7 @@
 """`glmserve gateway`: the ASGI app in front of the backends. `/health` is liveness, `/v1/health` readiness (at
 least one backend healthy), `/metrics` the `glmserve_gateway_*` metrics, `/v1/models` the external ids of the
-model-ID table; every other path is forwarded (proxy.py). GatewayMiddleware (admission.py: keys, limits, billing,
-/v1/usage) wraps it all."""
+model-ID table (these through Starlette); every other path goes straight to the proxy (proxy.py, pure ASGI).
+GatewayMiddleware (admission.py: keys, limits, billing, /v1/usage) wraps it all."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from glmserve.errors import InvalidRequestError
 from glmserve.gateway.admission import GatewayMiddleware
@@ -31,7 +31,6 @@ from glmserve.gateway.settings import GatewaySettings
 from glmserve.gateway.workers import run_gateway_workers
 from glmserve.gc_heap import freeze_startup_heap
 
-ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 # idle client connections are kept longer than clients keep them (httpx and the openai client: 5 s, aiohttp 15 s,
 # nginx upstreams 60 s): at uvicorn's 5 s default a client can reuse a connection as the gateway closes it and get a
 # ReadError (uvicorn's and httpx's equal 5 s defaults race, see agentscope-runtime PR 468; most likely the one
@@ -80,10 +79,8 @@ def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGI
         content, media_type = proxy.metrics.render()
         return Response(content, media_type=media_type)
 
-    async def models(request: Request) -> Response:
-        if proxy.models.routes:
-            return JSONResponse(proxy.models.model_list())
-        return await proxy.handle(request)
+    async def models(_: Request) -> Response:
+        return JSONResponse(proxy.models.model_list())
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -97,9 +94,17 @@ def create_gateway_app(settings: GatewaySettings, options: ProxyOptions) -> ASGI
             await asyncio.shield(pool.client.aclose())
             await asyncio.shield(proxy.close())
 
-    routes = [Route("/health", liveness), Route("/v1/health", readiness), Route("/metrics", metrics),
-              Route("/v1/models", models), Route("/{path:path}", proxy.handle, methods=ALL_METHODS)]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    local = Starlette(routes=[Route("/health", liveness), Route("/v1/health", readiness), Route("/metrics", metrics),
+                              Route("/v1/models", models)], lifespan=lifespan)
+    local_paths = {"/health", "/v1/health", "/metrics"} | ({"/v1/models"} if proxy.models.routes else set())
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        """Every other path goes straight to the proxy (pure ASGI); these few and the lifespan through Starlette."""
+        if scope["type"] == "http" and scope["path"] not in local_paths:
+            await proxy(scope, receive, send)
+        else:
+            await local(scope, receive, send)
+
     # keys, limits, billing and /v1/usage around the proxy; its metrics join the proxy's on /metrics
     middleware = GatewayMiddleware(app, settings, registry=proxy.metrics.registry)
     proxy.metrics.live.extend(middleware.metrics.live)

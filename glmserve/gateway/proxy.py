@@ -6,8 +6,10 @@ disconnect). Connect errors, 5xx and connections lost before the first byte reac
 another backend (at most --max-retries, within the retry budget); a stream cut after that ends with an SSE error
 event, never with `[DONE]`.
 
-Upstream requests go through one pooled aiohttp session (keep-alive, C HTTP parser): its cost per request is a
-fraction of httpx's (bench/RESULTS.md "Gateway"); the backend probes keep their httpx client (backends.py)."""
+A pure ASGI app (no Starlette Request/Response per request); upstream requests go through the gateway's own
+keep-alive HTTP/1.1 client (upstream.py), whose cost per request is a fraction of aiohttp's and httpx's
+(bench/RESULTS.md "Gateway"); the backend probes keep their httpx client (backends.py). One task per request
+watches for the client leaving and aborts the upstream exchange in progress."""
 
 from __future__ import annotations
 
@@ -15,14 +17,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import aiohttp
-import anyio
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from glmserve.gateway.admission import PARSED_BODY
@@ -33,33 +30,68 @@ from glmserve.gateway.proxy_options import ProxyOptions
 from glmserve.gateway.retry_budget import RetryBudget
 from glmserve.gateway.router import Router, prompt_text
 from glmserve.gateway.sse import EventRelay, error_body, error_event, rewrite_model
+from glmserve.gateway.upstream import Exchange, UpstreamConnectError, UpstreamError, UpstreamPool
 
-T = TypeVar("T")
 # not forwarded either way (RFC 9110 section 7.6.1 hop-by-hop fields, plus what the gateway sets itself)
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                        "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
-                        "content-encoding",
-                        "authorization", "api-key", "x-api-key"})  # the client's credentials never go upstream
-RESPONSE_SKIP = HOP_BY_HOP | {"date", "server"}  # the gateway's server sets its own
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"accept-encoding",
+                        b"content-encoding", b"x-request-id",  # set by the gateway (the client's, or a new one)
+                        b"authorization", b"api-key", b"x-api-key"})  # the client's credentials never go upstream
+RESPONSE_SKIP = HOP_BY_HOP | {b"date", b"server"}  # the gateway's server sets its own
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 CHARS_PER_TOKEN = 4  # prompt tokens are estimated from characters (the gateway has no tokenizer)
+JSON_TYPE = b"application/json"
+
+
+@dataclass
+class _Answer:
+    """A whole response, sent at once."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+
+    async def send(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status,
+                    "headers": [*self.headers, (b"content-length", str(len(self.body)).encode())]})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
 
 
 class _Retryable(Exception):
     """An attempt failed before anything reached the client: another backend may take the request."""
 
-    def __init__(self, reason: str, response: Response) -> None:
+    def __init__(self, reason: str, answer: _Answer) -> None:
         self.reason = reason
-        self.response = response
+        self.answer = answer
 
 
 class _ClientGone(Exception):
     pass
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+class _Watch:
+    """The request's disconnect watcher: once the client leaves, the exchange in progress (and any later) is
+    aborted with _ClientGone."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self.exchange: Exchange | None = None
+        self._task = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self.exchange is not None:
+            self.exchange.abort(_ClientGone())
+
+    def follow(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        if self.gone:
+            exchange.abort(_ClientGone())
+
+    def stop(self) -> None:
+        self._task.cancel()
 
 
 @dataclass
@@ -67,18 +99,30 @@ class _Request:
     method: str
     path: str  # with the query string
     body: bytes
-    headers: dict[str, str]
+    headers: list[tuple[bytes, bytes]]  # to forward (hop-by-hop and credentials removed, x-request-id set)
+    request_id: str
     stream: bool
     echo_model: str | None  # the id to echo when it differs from the canonical one sent upstream
     timeout_s: float  # first byte (streams) or the whole answer
 
 
 def _error(status: int, message: str, code: str, request_id: str, error_type: str = "server_error",
-           retry_after: int | None = None) -> JSONResponse:
-    headers = {"x-request-id": request_id}
+           retry_after: int | None = None) -> _Answer:
+    headers = [(b"content-type", JSON_TYPE), (b"x-request-id", request_id.encode("latin-1"))]
     if retry_after is not None:
-        headers["retry-after"] = str(retry_after)
-    return JSONResponse(error_body(message, code, error_type), status_code=status, headers=headers)
+        headers.append((b"retry-after", str(retry_after).encode()))
+    return _Answer(status, headers, json.dumps(error_body(message, code, error_type)).encode())
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks) if len(chunks) != 1 else chunks[0]
 
 
 class Proxy:
@@ -92,31 +136,29 @@ class Proxy:
         self.options = options
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
-        self.keep_alive_s = keep_alive_s  # idle upstream connections are closed after this (app.py says why)
-        self.session: aiohttp.ClientSession | None = None  # opened by start(), in the server's event loop
+        # idle upstream connections are closed after keep_alive_s (app.py says why)
+        self.upstream = UpstreamPool(options.connect_timeout_s, keep_alive_s)
         self.router = Router(options.load_factor, options.prefix_chars)
         self.budget = RetryBudget(options.retry_budget, floor=10)
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=self.keep_alive_s)
-        self.session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout_s),
-            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
+        pass  # connections are opened on demand, in the server's event loop
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        self.upstream.close()
 
     def first_byte_timeout(self, prompt_chars: int) -> float:
         tokens = prompt_chars / CHARS_PER_TOKEN
         return min(self.request_timeout_s,
                    self.options.first_token_timeout_s + self.options.first_token_s_per_1k * tokens / 1000)
 
-    async def handle(self, request: Request) -> Response:
-        raw = await request.body()
-        payload: Any = request.scope.get(PARSED_BODY)  # GatewayMiddleware parsed it already
-        if payload is None and raw and request.method == "POST":
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            raw = await _read_body(receive)
+        except _ClientGone:
+            return
+        payload: Any = scope.get(PARSED_BODY)  # GatewayMiddleware parsed it already
+        if payload is None and raw and scope["method"] == "POST":
             try:
                 payload = json.loads(raw)
             except ValueError:
@@ -129,25 +171,36 @@ class Proxy:
         if route is not None and route.canonical != client_model:
             payload["model"], echo = route.canonical, client_model
             raw = json.dumps(payload).encode()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        headers = {k: v for k, v in request.headers.items() if k not in HOP_BY_HOP}
-        headers["x-request-id"] = request_id
-        headers["accept-encoding"] = "identity"  # bodies are rewritten (model echo): none compressed
+        request_id = session = None
+        headers = []
+        for name, value in scope["headers"]:
+            if name not in HOP_BY_HOP:
+                headers.append((name, value))
+                if name == b"x-session-id":
+                    session = value.decode("latin-1")
+            elif name == b"x-request-id":
+                request_id = value.decode("latin-1")
+        request_id = request_id or uuid.uuid4().hex
+        headers += ((b"x-request-id", request_id.encode("latin-1")), (b"accept-encoding", b"identity"))
         stream = payload.get("stream") is True
-        session = request.headers.get("x-session-id") or payload.get("session_id")
+        session = session or payload.get("session_id")
         prompt = prompt_text(payload) if payload else ""
         rule, key = self.router.affinity_key(session if isinstance(session, str) else None, prompt)
-        scope = request.scope  # the path as the client sent it (percent-escapes kept; no URL object per request)
+        # the path as the client sent it (percent-escapes kept)
         raw_path, query = scope.get("raw_path"), scope.get("query_string", b"").decode("latin-1")
         path = (raw_path.decode("latin-1") if raw_path else scope["path"]) + (f"?{query}" if query else "")
         timeout_s = self.first_byte_timeout(len(prompt)) if stream else self.request_timeout_s
-        call = _Request(request.method, path, raw, headers, stream, echo, timeout_s)
-        response = await self._dispatch(request, call, group, rule, key, request_id)
-        self.metrics.responses.labels(str(response.status_code)).inc()
-        return response
+        call = _Request(scope["method"], path, raw, headers, request_id, stream, echo, timeout_s)
+        watch = _Watch(receive)
+        try:
+            status = await self._dispatch(watch, send, call, group, rule, key)
+        finally:
+            watch.stop()
+        self.metrics.responses.labels(str(status)).inc()
 
-    async def _dispatch(self, request: Request, call: _Request, group: tuple[Backend, ...], rule: str,
-                        key: int | None, request_id: str) -> Response:
+    async def _dispatch(self, watch: _Watch, send: Send, call: _Request, group: tuple[Backend, ...], rule: str,
+                        key: int | None) -> int:
+        """Sends the answer; returns its status."""
         self.budget.on_request()
         tried: list[Backend] = []
         failure: _Retryable | None = None
@@ -164,242 +217,184 @@ class Proxy:
             tried.append(backend)
             self.metrics.routed.labels(rule, "standby" if backend.standby else "active").inc()
             try:
-                return await (self._stream if call.stream else self._unary)(request, backend, call)
+                return await (self._stream if call.stream else self._unary)(watch, send, backend, call)
             except _Retryable as exc:
                 failure = exc
-            except _ClientGone:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if failure is not None:
-            return failure.response
-        return _error(503, "No backend is available for this model right now.", "no_backend_available",
-                      request_id, retry_after=1)
-
-    async def _guarded(self, request: Request, timeout_s: float, work: Callable[[], Awaitable[T]]) -> T:
-        """`work()` under a deadline (TimeoutError), cancelled also when the client disconnects (_ClientGone);
-        cancelling an aiohttp request closes its connection."""
-        task = asyncio.ensure_future(work())
-        watcher = asyncio.ensure_future(_disconnected(request))
-        try:
-            done, _ = await asyncio.wait((task, watcher), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.wait((task,))  # the connection is closed before the caller goes on
-                if not task.cancelled():
-                    task.exception()  # retrieved: an error after the deadline does not matter any more
-        if task in done:
-            return task.result()
-        if watcher in done:
-            raise _ClientGone()
-        raise TimeoutError()
+            except _ClientGone:  # sent to nobody, but admission sees the request answered (its tokens refunded)
+                failure = _Retryable("client_gone", _Answer(CLIENT_CLOSED_REQUEST, []))
+                break
+        answer = failure.answer if failure is not None else _error(
+            503, "No backend is available for this model right now.", "no_backend_available", call.request_id,
+            retry_after=1)
+        await answer.send(send)
+        return answer.status
 
     def _failed(self, backend: Backend, outcome: str, reason: str, request_id: str) -> _Retryable:
         self.metrics.upstream.labels(backend.url, outcome).inc()
         backend.breaker.on_failure()
         return _Retryable(reason, _error(502, f"The backend failed ({reason}).", "upstream_error", request_id))
 
-    async def _send(self, request: Request, backend: Backend, call: _Request,
-                    started: float) -> tuple[aiohttp.ClientResponse, bytes]:
+    async def _send(self, watch: _Watch, backend: Backend, call: _Request, started: float) -> tuple[Exchange, bytes]:
         """Sends the request and waits for the response head and, not streamed, the whole body (else b"")."""
-        rid = call.headers["x-request-id"]
-        assert self.session is not None, "Proxy.start() was not awaited"
-        session = self.session
-
-        async def exchange() -> tuple[aiohttp.ClientResponse, bytes]:
-            response = await session.request(call.method, backend.url + call.path, data=call.body,
-                                             headers=backend.upstream_headers(call.headers), allow_redirects=False)
-            return response, b"" if call.stream else await response.read()
-
+        exchange = self.upstream.exchange(backend.url)
+        watch.follow(exchange)
+        headers = call.headers
+        if backend.api_key is not None:
+            headers = [*headers, (b"authorization", f"Bearer {backend.api_key}".encode("latin-1"))]
         try:
-            response, body = await self._guarded(request, call.timeout_s, exchange)
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:  # before the deadline's
-            raise self._failed(backend, "connect_error", "connect_error", rid) from exc  # TimeoutError: a subclass
+            await exchange.send(call.method, call.path, headers, call.body, call.timeout_s)
+            body = b"" if call.stream else await exchange.read(call.timeout_s - (time.perf_counter() - started))
+        except UpstreamConnectError as exc:
+            raise self._failed(backend, "connect_error", "connect_error", call.request_id) from exc
         except TimeoutError:
+            exchange.close()
             self.metrics.timeouts.labels("first_byte" if call.stream else "request").inc()
             self.metrics.upstream.labels(backend.url, "timeout").inc()
             backend.breaker.on_failure()
             raise
-        except aiohttp.ClientError as exc:
-            raise self._failed(backend, "transport_error", "transport_error", rid) from exc
-        self.metrics.upstream.labels(backend.url, str(response.status)).inc()
-        if response.status >= 500:
+        except UpstreamError as exc:
+            exchange.close()
+            raise self._failed(backend, "transport_error", "transport_error", call.request_id) from exc
+        except BaseException:  # the client left (_ClientGone), or the request was cancelled
+            exchange.close()
+            raise
+        self.metrics.upstream.labels(backend.url, str(exchange.status)).inc()
+        if exchange.status >= 500:
             try:
-                body = await response.read() if call.stream else body
-            except aiohttp.ClientError:
+                body = await exchange.read(call.timeout_s) if call.stream else body
+            except (UpstreamError, TimeoutError):
                 body = b""
             finally:
-                response.close()
+                exchange.close()
             backend.breaker.on_failure()
-            raise _Retryable(f"status_{response.status}", self._relay_whole(response, body, call, started, backend))
-        return response, body
+            raise _Retryable(f"status_{exchange.status}", self._whole(exchange, body, call, started, backend))
+        return exchange, body
 
-    def _relay_whole(self, response: aiohttp.ClientResponse, body: bytes, call: _Request, started: float,
-                     backend: Backend) -> Response:
+    def _whole(self, exchange: Exchange, body: bytes, call: _Request, started: float, backend: Backend) -> _Answer:
         self.metrics.duration.labels(backend.url).observe(time.perf_counter() - started)
-        if call.echo_model is not None and response.headers.get("content-type", "").startswith("application/json"):
+        if call.echo_model is not None and (exchange.header(b"content-type") or b"").startswith(JSON_TYPE):
             body = rewrite_model(body, call.echo_model)
-        return Response(body, status_code=response.status, headers=_relayed_headers(response, call))
+        return _Answer(exchange.status, _relayed_headers(exchange, call), body)
 
-    async def _unary(self, request: Request, backend: Backend, call: _Request) -> Response:
+    async def _unary(self, watch: _Watch, send: Send, backend: Backend, call: _Request) -> int:
         started = time.perf_counter()
         backend.in_flight += 1
         backend.breaker.acquire()
         try:
             try:
-                response, body = await self._send(request, backend, call, started)
+                exchange, body = await self._send(watch, backend, call, started)
             except TimeoutError:
-                return _error(504, f"The backend did not answer within {call.timeout_s:g} s.", "upstream_timeout",
-                              call.headers["x-request-id"])
+                answer = _error(504, f"The backend did not answer within {call.timeout_s:g} s.", "upstream_timeout",
+                                call.request_id)
             except _ClientGone:
                 backend.breaker.on_release()
                 raise
+            else:
+                exchange.release()
+                self.metrics.first_byte.labels(backend.url).observe(time.perf_counter() - started)
+                backend.breaker.on_success()
+                answer = self._whole(exchange, body, call, started, backend)
+        finally:
+            backend.in_flight -= 1
+        await answer.send(send)
+        return answer.status
+
+    async def _stream(self, watch: _Watch, send: Send, backend: Backend, call: _Request) -> int:
+        started = time.perf_counter()
+        backend.in_flight += 1
+        backend.breaker.acquire()
+        exchange: Exchange | None = None
+        try:
+            try:
+                exchange, _ = await self._send(watch, backend, call, started)
+                if exchange.status != 200:  # a 4xx: no stream to relay (but the backend answered)
+                    body = await exchange.read(call.timeout_s)
+                    exchange.release()
+                    backend.breaker.on_success()
+                    answer = self._whole(exchange, body, call, started, backend)
+                    await answer.send(send)
+                    return answer.status
+                first = await exchange.next_chunk(max(0.0, call.timeout_s - (time.perf_counter() - started)))
+                if not first:
+                    raise UpstreamError("the stream ended before its first byte")
+            except TimeoutError:
+                if exchange is not None:
+                    exchange.close()
+                    self.metrics.timeouts.labels("first_byte").inc()
+                    backend.breaker.on_failure()
+                answer = _error(504, f"The backend sent no token within {call.timeout_s:g} s.", "upstream_timeout",
+                                call.request_id)
+                await answer.send(send)
+                return answer.status
+            except _ClientGone:
+                if exchange is not None:
+                    exchange.close()
+                backend.breaker.on_release()
+                raise
+            except UpstreamError as exc:
+                assert exchange is not None  # _send turned its own into _Retryable
+                exchange.close()
+                raise self._failed(backend, "transport_error", "stream_lost_before_first_byte",
+                                   call.request_id) from exc
             self.metrics.first_byte.labels(backend.url).observe(time.perf_counter() - started)
-            backend.breaker.on_success()
-            return self._relay_whole(response, body, call, started, backend)
+            await send({"type": "http.response.start", "status": 200, "headers": _relayed_headers(exchange, call)})
+            verdict = await self._relay(watch, send, exchange, first, call)
+            if verdict is True:
+                exchange.release()  # read to its end: the connection goes back to the pool
+            else:
+                exchange.close()  # unfinished: the connection is closed, so the backend aborts the request
+            breaker = backend.breaker
+            if verdict is True:
+                breaker.on_success()
+            elif verdict is False:
+                breaker.on_failure()
+            else:
+                breaker.on_release()
+            self.metrics.duration.labels(backend.url).observe(time.perf_counter() - started)
+            return 200
         finally:
             backend.in_flight -= 1
 
-    async def _stream(self, request: Request, backend: Backend, call: _Request) -> Response:
-        started = time.perf_counter()
-        rid = call.headers["x-request-id"]
-        backend.in_flight += 1
-        backend.breaker.acquire()
-        handed_over = False
-        response: aiohttp.ClientResponse | None = None
-        try:
-            try:
-                response, _ = await self._send(request, backend, call, started)
-                if response.status != 200:  # a 4xx: no stream to relay (but the backend answered)
-                    body = await response.read()
-                    response.release()
-                    backend.breaker.on_success()
-                    return self._relay_whole(response, body, call, started, backend)
-                chunks = _body_chunks(response.content)
-                first = await self._guarded(request, max(0.0, call.timeout_s - (time.perf_counter() - started)),
-                                            lambda: anext(chunks))
-            except TimeoutError:
-                if response is not None:
-                    self.metrics.timeouts.labels("first_byte").inc()
-                    backend.breaker.on_failure()
-                return _error(504, f"The backend sent no token within {call.timeout_s:g} s.", "upstream_timeout",
-                              rid)
-            except _ClientGone:
-                backend.breaker.on_release()
-                raise
-            except (StopAsyncIteration, aiohttp.ClientError) as exc:
-                raise self._failed(backend, "transport_error", "stream_lost_before_first_byte", rid) from exc
-            self.metrics.first_byte.labels(backend.url).observe(time.perf_counter() - started)
-            lease = _StreamLease(backend, response, started, self.metrics)
-            handed_over = True
-            return _RelayedStream(self._relay_stream(lease, chunks, first, call), lease,
-                                  headers=_relayed_headers(response, call))
-        except aiohttp.ClientError as exc:  # reading the 4xx body
-            raise self._failed(backend, "transport_error", "transport_error", rid) from exc
-        finally:
-            if not handed_over:
-                if response is not None:
-                    response.close()
-                backend.in_flight -= 1
-
-    async def _relay_stream(self, lease: _StreamLease, chunks: AsyncIterator[bytes], first: bytes,
-                            call: _Request) -> AsyncIterator[bytes]:
+    async def _relay(self, watch: _Watch, send: Send, exchange: Exchange, first: bytes,
+                     call: _Request) -> bool | None:
+        """Relays the stream; True: it ended with [DONE], False: it ended with an error event, None: the client
+        left."""
         relay = EventRelay(call.echo_model)
-        verdict: bool | None = None  # None: the client left
+        idle_s = self.options.idle_timeout_s
+        chunk = first
         try:
-            out = relay.feed(first)
-            if out:
-                yield out
-            while True:
-                with anyio.move_on_after(self.options.idle_timeout_s) as idle:
-                    try:
-                        chunk = await anext(chunks)
-                    except StopAsyncIteration:
-                        break
-                if idle.cancelled_caught:
-                    self.metrics.timeouts.labels("idle").inc()
-                    self.metrics.stream_errors.labels("idle_timeout").inc()
-                    verdict = False
-                    yield error_event(f"The backend sent nothing for {self.options.idle_timeout_s:g} s; the "
-                                      "stream was closed.", "upstream_idle_timeout")
-                    return
+            while chunk:
                 out = relay.feed(chunk)
                 if out:
-                    yield out
-            if relay.saw_done:
-                verdict = True
-            else:
-                self.metrics.stream_errors.labels("ended_without_done").inc()
-                verdict = False
-                yield error_event("The backend ended the stream before it was complete.", "upstream_stream_cut")
-        except aiohttp.ClientError:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                if watch.gone:
+                    return None
+                chunk = await exchange.next_chunk(idle_s)
+        except _ClientGone:
+            return None
+        except TimeoutError:
+            self.metrics.timeouts.labels("idle").inc()
+            self.metrics.stream_errors.labels("idle_timeout").inc()
+            await _end(send, error_event(f"The backend sent nothing for {idle_s:g} s; the stream was closed.",
+                                         "upstream_idle_timeout"))
+            return False
+        except UpstreamError:
             self.metrics.stream_errors.labels("cut").inc()
-            verdict = False
-            yield error_event("The connection to the backend was lost mid-stream.", "upstream_stream_cut")
-        finally:
-            await lease.close(verdict)
+            await _end(send, error_event("The connection to the backend was lost mid-stream.", "upstream_stream_cut"))
+            return False
+        if relay.saw_done:
+            await _end(send, b"")
+            return True
+        self.metrics.stream_errors.labels("ended_without_done").inc()
+        await _end(send, error_event("The backend ended the stream before it was complete.", "upstream_stream_cut"))
+        return False
 
 
-class _StreamLease:
-    """A relayed stream's hold on its backend: released once, by the relay's end or by the response's own end
-    (a client gone before the relay started never runs the relay's `finally`)."""
-
-    def __init__(self, backend: Backend, response: aiohttp.ClientResponse, started: float,
-                 metrics: ProxyMetrics) -> None:
-        self.backend = backend
-        self.response = response
-        self.started = started
-        self.metrics = metrics
-        self.closed = False
-
-    async def close(self, verdict: bool | None) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if verdict is True:
-            self.response.release()  # read to its end: the connection goes back to the pool
-        else:
-            self.response.close()  # unfinished: the connection is closed, so the backend aborts the request
-        self.backend.in_flight -= 1
-        breaker = self.backend.breaker
-        if verdict is True:
-            breaker.on_success()
-        elif verdict is False:
-            breaker.on_failure()
-        else:
-            breaker.on_release()
-        self.metrics.duration.labels(self.backend.url).observe(time.perf_counter() - self.started)
+async def _end(send: Send, body: bytes) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _body_chunks(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The body as it arrives. When the connection is lost, what had arrived before is given out ahead of the
-    error: aiohttp's `readany()` raises at once and would drop it (aiohttp/streams.py, StreamReader.readany)."""
-    while True:
-        try:
-            chunk = await content.readany()
-        except aiohttp.ClientPayloadError:
-            left = content._read_nowait(-1)  # the buffer, without readany's exception check
-            if left:
-                yield left
-            raise
-        if not chunk:
-            return
-        yield chunk
-
-
-def _relayed_headers(response: aiohttp.ClientResponse, call: _Request) -> dict[str, str]:
-    headers = {k.lower(): v for k, v in response.headers.items() if k.lower() not in RESPONSE_SKIP}
-    headers["x-request-id"] = call.headers["x-request-id"]
+def _relayed_headers(exchange: Exchange, call: _Request) -> list[tuple[bytes, bytes]]:
+    headers = [(k, v) for k, v in exchange.headers if k not in RESPONSE_SKIP]
+    headers.append((b"x-request-id", call.request_id.encode("latin-1")))
     return headers
-
-
-class _RelayedStream(StreamingResponse):
-    def __init__(self, content: AsyncIterator[bytes], lease: _StreamLease, headers: dict[str, str]) -> None:
-        super().__init__(content, headers=headers)
-        self.lease = lease
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.lease.close(None)
