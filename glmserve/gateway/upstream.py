@@ -63,6 +63,7 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.head_only = False  # HEAD: a body is announced but never sent
         self.delimited = False  # the body's end is known (content-length, chunked, or none): else it ends at close
+        self.keep_alive = False  # both sides keep the connection (HTTP/1.1 without `connection: close`)
 
     # -- asyncio.Protocol ------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -85,12 +86,6 @@ class _Connection(asyncio.Protocol):
             self.error = UpstreamError("the backend closed the connection before the answer ended"
                                        + (f" ({exc})" if exc else ""))
             self._wake()
-
-    def pause_writing(self) -> None:  # requests are small; the write buffer drains on its own
-        pass
-
-    def resume_writing(self) -> None:
-        pass
 
     # -- httptools callbacks ---------------------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -121,6 +116,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if self.head_done:
+            self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the next message may begin
             self.delimited = True
             self.complete = True
             self._wake()
@@ -160,8 +156,7 @@ class _Connection(asyncio.Protocol):
         return data
 
     def reusable(self) -> bool:
-        return (self.complete and not self.lost and self.error is None and self.delimited and not self.head_only
-                and self.parser.should_keep_alive())
+        return (self.complete and self.keep_alive and not self.lost and self.error is None and not self.head_only)
 
     def close(self) -> None:
         self.lost = True
