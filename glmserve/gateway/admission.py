@@ -40,7 +40,7 @@ import asyncio
 import json
 import logging
 import math
-import uuid
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -253,7 +253,7 @@ class GatewayMiddleware:
             await self._too_large(send, key, tokens)
             return
         cost = self.prices.cost(model, prompt_tokens, 0, per_choice * n * prompts).cost_micro
-        ticket = await self.limiter.admit(key, Ask(f"gw-{uuid.uuid4().hex}", tokens, cost, LEASE_S))
+        ticket = await self.limiter.admit(key, Ask(f"gw-{os.urandom(16).hex()}", tokens, cost, LEASE_S))
         if not ticket.decision.admitted:
             await self._refuse(send, ticket)
             return

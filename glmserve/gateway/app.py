@@ -28,7 +28,7 @@ from glmserve.gateway.proxy import Proxy
 from glmserve.gateway.proxy_metrics import ProxyMetrics
 from glmserve.gateway.proxy_options import ProxyOptions
 from glmserve.gateway.settings import GatewaySettings
-from glmserve.gateway.workers import run_gateway_workers
+from glmserve.gateway.workers import LEAN_SERVER, run_gateway_workers
 from glmserve.gc_heap import freeze_startup_heap
 
 # idle client connections are kept longer than clients keep them (httpx and the openai client: 5 s, aiohttp 15 s,
@@ -129,5 +129,5 @@ def run_gateway(settings: GatewaySettings, options: ProxyOptions, host: str, por
     configure_logging()
     app = create_gateway_app(settings, options)
     uvicorn.run(app, host=host, port=port, access_log=False, log_level="info", timeout_graceful_shutdown=30,
-                timeout_keep_alive=CLIENT_KEEP_ALIVE_S)
+                timeout_keep_alive=CLIENT_KEEP_ALIVE_S, **LEAN_SERVER)
     return 0

@@ -15,6 +15,7 @@ Names (the proxy's metrics share the `glmserve_gateway_` prefix; docs/grafana/gl
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
@@ -23,19 +24,37 @@ from prometheus_client.registry import Collector
 PREFIX = "glmserve_gateway"
 
 
+class Children:
+    """A labelled metric whose `labels(...)` children are looked up once per label values and kept (prometheus_client
+    validates the values and takes a lock on every `labels()` call; on the request path that adds up). For
+    label values from a bounded set only: backends, statuses, key names, reasons."""
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry, backend_state: Callable[[], dict[str, object]]) -> None:
         self.auth_failures = Counter(f"{PREFIX}_auth_failures", "Requests refused with 401, by reason", ["reason"],
                                      registry=registry)
         self.rejections = Counter(f"{PREFIX}_rejections", "Requests refused by a key's limits, budget or model "
                                   "list, by reason", ["reason"], registry=registry)
-        self.admitted = Counter(f"{PREFIX}_admitted", "Requests admitted, by key", ["key"], registry=registry)
-        self.tokens = Counter(f"{PREFIX}_key_tokens", "Tokens billed, by key and kind (prompt, cached, completion)",
-                              ["key", "kind"], registry=registry)
-        self.cost = Counter(f"{PREFIX}_key_cost_micro_usd", "Cost billed in micro-USD, by key", ["key"],
-                            registry=registry)
-        self.list_cost = Counter(f"{PREFIX}_key_list_cost_micro_usd", "Cost of the same tokens with cached input "
-                                 "priced as plain input, in micro-USD, by key", ["key"], registry=registry)
+        self.admitted = Children(Counter(f"{PREFIX}_admitted", "Requests admitted, by key", ["key"],
+                                         registry=registry))
+        self.tokens = Children(Counter(f"{PREFIX}_key_tokens", "Tokens billed, by key and kind (prompt, cached, "
+                                       "completion)", ["key", "kind"], registry=registry))
+        self.cost = Children(Counter(f"{PREFIX}_key_cost_micro_usd", "Cost billed in micro-USD, by key", ["key"],
+                                     registry=registry))
+        self.list_cost = Children(Counter(f"{PREFIX}_key_list_cost_micro_usd", "Cost of the same tokens with cached "
+                                          "input priced as plain input, in micro-USD, by key", ["key"],
+                                          registry=registry))
         self.ledger_rows = Counter(f"{PREFIX}_ledger_rows", "Ledger rows written", registry=registry)
         self.ledger_errors = Counter(f"{PREFIX}_ledger_errors", "Ledger writes that failed", registry=registry)
         self.unbilled = Counter(f"{PREFIX}_unbilled_requests", "Admitted requests that ended without usage "

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,7 +180,7 @@ class Proxy:
                     session = value.decode("latin-1")
             elif name == b"x-request-id":
                 request_id = value.decode("latin-1")
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or os.urandom(16).hex()
         headers += ((b"x-request-id", request_id.encode("latin-1")), (b"accept-encoding", b"identity"))
         stream = payload.get("stream") is True
         session = session or payload.get("session_id")

@@ -12,6 +12,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from glmserve.gateway.backends import BackendPool
+from glmserve.gateway.metrics import Children
 from glmserve.gateway.workers import multiprocess_metrics
 
 PREFIX = "glmserve_gateway"
@@ -21,10 +22,11 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 class ProxyMetrics:
     def __init__(self, pool: BackendPool) -> None:
         self.registry = reg = CollectorRegistry()
-        self.upstream = Counter(f"{PREFIX}_upstream_requests", "Requests sent to a backend, by backend and outcome "
-                                "(HTTP status, connect_error, transport_error, timeout)", ["backend", "status"],
-                                registry=reg)
-        self.responses = Counter(f"{PREFIX}_responses", "Answers to clients by HTTP status", ["status"], registry=reg)
+        self.upstream = Children(Counter(f"{PREFIX}_upstream_requests", "Requests sent to a backend, by backend and "
+                                         "outcome (HTTP status, connect_error, transport_error, timeout)",
+                                         ["backend", "status"], registry=reg))
+        self.responses = Children(Counter(f"{PREFIX}_responses", "Answers to clients by HTTP status", ["status"],
+                                          registry=reg))
         self.retries = Counter(f"{PREFIX}_retries", "Requests sent again to another backend, by reason", ["reason"],
                                registry=reg)
         self.retries_refused = Counter(f"{PREFIX}_retries_refused", "Retries not made (retry budget or limit spent)",
@@ -32,13 +34,13 @@ class ProxyMetrics:
         self.timeouts = Counter(f"{PREFIX}_timeouts", "Upstream timeouts by kind", ["kind"], registry=reg)
         self.stream_errors = Counter(f"{PREFIX}_stream_errors", "Streams ended with an error event, by reason",
                                      ["reason"], registry=reg)
-        self.routed = Counter(f"{PREFIX}_routed", "Routing decisions by rule (session, prefix, least_loaded) and "
-                              "whether a standby took the request", ["rule", "role"], registry=reg)
-        self.first_byte = Histogram(f"{PREFIX}_upstream_first_byte_seconds", "Time to a backend's first byte (the "
-                                    "whole answer when not streamed)", ["backend"], buckets=LATENCY_BUCKETS,
-                                    registry=reg)
-        self.duration = Histogram(f"{PREFIX}_upstream_duration_seconds", "Time to a backend's last byte",
-                                  ["backend"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.routed = Children(Counter(f"{PREFIX}_routed", "Routing decisions by rule (session, prefix, least_loaded) "
+                                       "and whether a standby took the request", ["rule", "role"], registry=reg))
+        self.first_byte = Children(Histogram(f"{PREFIX}_upstream_first_byte_seconds", "Time to a backend's first byte "
+                                             "(the whole answer when not streamed)", ["backend"],
+                                             buckets=LATENCY_BUCKETS, registry=reg))
+        self.duration = Children(Histogram(f"{PREFIX}_upstream_duration_seconds", "Time to a backend's last byte",
+                                           ["backend"], buckets=LATENCY_BUCKETS, registry=reg))
         # collectors that read live state at scrape time (the pool's; the admission middleware adds its own)
         self.live: list[Collector] = [_PoolCollector(pool)]
         reg.register(self.live[0])

@@ -30,6 +30,9 @@ CONFIG_ENV = "GLMSERVE_GATEWAY_WORKER_CONFIG"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # the supervisor replaces a worker that does not answer its ping within this; uvicorn's 5 s default also kills a
 # worker still importing on a loaded machine, again and again
+# uvicorn options of both launch paths: no X-Forwarded-* rewriting of each request's scope (uvicorn's
+# ProxyHeadersMiddleware, on by default): the gateway reads no client address
+LEAN_SERVER = {"proxy_headers": False}
 WORKER_HEALTHCHECK_S = 30
 
 
@@ -52,7 +55,7 @@ def run_gateway_workers(settings: GatewaySettings, options: ProxyOptions, host: 
     try:
         uvicorn.run(f"{__name__}:worker_app", factory=True, workers=workers, host=host, port=port,
                     access_log=False, log_level="info", timeout_graceful_shutdown=30, timeout_keep_alive=keep_alive_s,
-                    timeout_worker_healthcheck=WORKER_HEALTHCHECK_S)
+                    timeout_worker_healthcheck=WORKER_HEALTHCHECK_S, **LEAN_SERVER)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
