@@ -19,6 +19,7 @@ to no limit; it tries Redis again after `RETRY_S`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -118,7 +119,12 @@ class Limiter(Protocol):
 
 def budget_period(period: str, now: float | None = None) -> tuple[str, int]:
     """The UTC period id a budget is counted in ("2026-12-01" or "2026-12") and how long to keep its counter."""
-    t = time.gmtime(now)
+    return _period_at(period, int(time.time() if now is None else now))
+
+
+@functools.lru_cache(maxsize=8)
+def _period_at(period: str, second: int) -> tuple[str, int]:  # once per second, not per request
+    t = time.gmtime(second)
     return (time.strftime("%Y-%m-%d", t), 2 * 86400) if period == "day" else (time.strftime("%Y-%m", t), 32 * 86400)
 
 
@@ -154,8 +160,10 @@ class MemoryLimiter:
         r2 = _level(b.get((name, "rpm")), now, lim.rpm / 60, lim.rpm) if lim.rpm != NO_LIMIT else None
         tk = _level(b.get((name, "tpm")), now, lim.tpm / 60, lim.tpm) if lim.tpm != NO_LIMIT else None
         inflight = self._inflight.setdefault(name, {})
-        for rid in [rid for rid, end in inflight.items() if end <= now]:
-            del inflight[rid]
+        # expired leases matter only at the limit: no scan of every lease per request
+        if lim.max_concurrency != NO_LIMIT and len(inflight) >= lim.max_concurrency:
+            for rid in [rid for rid, end in inflight.items() if end <= now]:
+                del inflight[rid]
         spent = self._spent.get((name, period), 0)
         levels = {"requests_left": r1, "rpm_left": r2, "tokens_left": tk}
         refusal = _refusal(lim, ask, r1, r2, tk, len(inflight), spent)
