@@ -49,6 +49,7 @@ from urllib.parse import parse_qs
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from glmserve.gateway import fastjson
 from glmserve.gateway.keys import ANONYMOUS_KEY, ApiKey, KeyStore
 from glmserve.gateway.ledger import Ledger, LedgerRow, now_ms
 from glmserve.gateway.limits import (
@@ -229,7 +230,7 @@ class GatewayMiddleware:
     async def _billed(self, scope: Scope, receive: Receive, send: Send, key: ApiKey) -> None:
         raw = await _read_body(receive)
         try:
-            body = json.loads(raw) if raw else {}
+            body = fastjson.loads(raw) if raw else {}
         except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deeply: the app refuses it too
             body = None
         if not isinstance(body, dict):  # not JSON: the app answers 400; counted as a request of the raw size

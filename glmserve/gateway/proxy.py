@@ -22,6 +22,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+from glmserve.gateway import fastjson
 from glmserve.gateway.admission import PARSED_BODY
 from glmserve.gateway.backends import Backend, BackendPool
 from glmserve.gateway.models_map import ModelMap
@@ -160,7 +161,7 @@ class Proxy:
         payload: Any = scope.get(PARSED_BODY)  # GatewayMiddleware parsed it already
         if payload is None and raw and scope["method"] == "POST":
             try:
-                payload = json.loads(raw)
+                payload = fastjson.loads(raw)
             except ValueError:
                 payload = None  # forwarded as it is: the backend answers it with its own 400
         payload = payload if isinstance(payload, dict) else {}

@@ -8,6 +8,8 @@ import json
 import re
 from typing import Any
 
+from glmserve.gateway import fastjson
+
 _SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _DONE = b"data: [DONE]"
@@ -24,7 +26,7 @@ def error_event(message: str, code: str) -> bytes:
 def rewrite_model(payload: bytes, model: str) -> bytes:
     """A JSON object with its `model` field set to `model` (other JSON, or none, unchanged)."""
     try:
-        data = json.loads(payload)
+        data = fastjson.loads(payload)
     except ValueError:
         return payload
     if not isinstance(data, dict) or "model" not in data:

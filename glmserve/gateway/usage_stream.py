@@ -5,8 +5,9 @@ streamed inside the `response` object of its `response.completed` (or `.incomple
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from glmserve.gateway import fastjson
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ def parse_usage(usage: object) -> Usage | None:
 def usage_of(body: bytes) -> tuple[Usage | None, str | None]:
     """Usage and id of a non-streamed JSON response."""
     try:
-        doc = json.loads(body)
+        doc = fastjson.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None, None
     if not isinstance(doc, dict):
@@ -92,6 +93,6 @@ def _data_json(event: bytes) -> object:
     if not lines or lines == [b"[DONE]"]:
         return None
     try:
-        return json.loads(b"\n".join(lines))
+        return fastjson.loads(b"\n".join(lines))
     except (ValueError, UnicodeDecodeError):
         return None
