@@ -229,6 +229,18 @@ def test_client_disconnect_closes_the_upstream(fake, tmp_path: Path) -> None:
                  "the gateway to release the request", gw.process.log)
 
 
+def test_client_disconnect_before_a_non_streamed_answer_closes_the_upstream(fake, tmp_path: Path) -> None:
+    fake["a"].control(delay_s=30)
+    with gateway(tmp_path, [fake["a"]]) as gw:
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=gw.url, timeout=0.5) as http:
+            http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO})
+        wait_for(lambda: fake["a"].state()["disconnects"] == 1, 10, "the backend to see the disconnect",
+                 gw.process.log)
+        wait_for(lambda: gw.metric("glmserve_gateway_responses_total", status="499") == 1, 10,
+                 "the gateway to count the request as abandoned", gw.process.log)
+        assert gw.metric("glmserve_gateway_backend_in_flight", backend=fake["a"].url) == 0
+
+
 # ---------------------------------------------------------------------- failover: retries, breaker, standby
 
 
