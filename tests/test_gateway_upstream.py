@@ -116,6 +116,24 @@ def test_a_connection_the_backend_closed_while_idle_is_not_reused() -> None:
     run(main())
 
 
+def test_an_answer_nobody_asked_for_is_never_read_as_the_next_one() -> None:
+    async def twice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(ok(b"asked") + ok(b"extra"))  # one request, two answers in one write
+            await writer.drain()
+
+    async def main() -> None:
+        async with Server(twice) as s:
+            pool = UpstreamPool(5, 4)
+            assert await get(pool, s.url) == (200, b"asked")
+            await asyncio.sleep(0.05)
+            assert await get(pool, s.url) == (200, b"asked")  # on a new connection: the spoiled one was closed
+            assert s.connections == 2
+
+    run(main())
+
+
 def test_connections_idle_longer_than_keep_alive_are_dropped() -> None:
     async def main() -> None:
         async with Server(keep_alive(lambda _: ok(b"x"))) as s:

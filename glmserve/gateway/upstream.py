@@ -48,6 +48,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
+        self.busy = False  # a request is out on it (else bytes that arrive are a protocol error)
         self.idle_since = 0.0
         self._waiter: asyncio.Future | None = None
         self._paused = False
@@ -70,8 +71,9 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.complete or self.error is not None:
-            return  # nothing is asked of this connection: it is closed when it is taken or released
+        if not self.busy or self.complete or self.error is not None:
+            self.close()  # bytes nobody asked for: the connection cannot be trusted with the next request
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -88,13 +90,21 @@ class _Connection(asyncio.Protocol):
             self._wake()
 
     # -- httptools callbacks ---------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer in the same read: not this request's, and the connection is spoiled
+            self.close()
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.complete:
+            return
         name = name.lower()
         if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower()):
             self.delimited = True
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.complete:
+            return
         self.status = self.parser.get_status_code()
         self.head_done = True
         if self.status < 200 and self.status != 101:  # 1xx: an interim answer, the real one follows
@@ -107,6 +117,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.complete:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > CHUNK_HIGH_WATER and not self._paused and self.transport is not None:
@@ -115,7 +127,7 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        if self.head_done:
+        if self.head_done and not self.complete:
             self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the next message may begin
             self.delimited = True
             self.complete = True
@@ -194,6 +206,7 @@ class Exchange:
             self.close()
             raise self._aborted
         conn.head_only = method == "HEAD"
+        conn.busy = True
         lines = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), b"host: ", host,
                  b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers:
@@ -284,6 +297,7 @@ class UpstreamPool:
 
     def _put(self, key: str, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
+        conn.busy = False
         conn._reset()
         self._idle.setdefault(key, []).append(conn)
 
