@@ -10,6 +10,6 @@ time (setup).
 """
 
 from glmserve.kernels.dispatch import OPS, op, torch_only
-from glmserve.kernels.isa import active_isa, available_isas
+from glmserve.kernels.isa import active_isa, amx_bf16, available_isas
 
-__all__ = ["OPS", "active_isa", "available_isas", "op", "torch_only"]
+__all__ = ["OPS", "active_isa", "amx_bf16", "available_isas", "op", "torch_only"]

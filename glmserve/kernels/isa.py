@@ -58,6 +58,13 @@ def active_isa() -> str:
     return _checked(os.environ.get(ISA_ENV) or available_isas()[0])
 
 
+def amx_bf16() -> bool:
+    """True on a CPU with AMX bf16 tiles while the avx512 variant is active: there oneDNN's bf16 matmuls (and
+    so bf16 SDPA) run 2.5-5x faster than float32 from ~128 rows (bench/RESULTS.md, "Engine speed"), and the
+    prefill-sized paths take bf16. GLMSERVE_CPU_ISA=avx2 or scalar stands for a CPU without AMX."""
+    return "amx_bf16" in cpu_flags() and active_isa() == "avx512"
+
+
 @functools.cache
 def _checked(name: str) -> str:
     if name not in BY_NAME:

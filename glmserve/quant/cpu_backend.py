@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from glmserve import kernels
 from glmserve.errors import InvalidRequestError
-from glmserve.kernels.isa import cpu_flags
 from glmserve.quant.backend import register
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
@@ -39,7 +38,6 @@ QK = 32  # inputs per block (the kernel's)
 ROWS = 16  # output rows per tile (the kernel's)
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # bits of each GGUF block format this backend runs
 DENSE_MIN_ROWS = 128  # rows from which the bf16 GEMM path wins (bench/gemm_micro.py --quant)
-DENSE_FLAG = "amx_bf16"  # /proc/cpuinfo flag of CPUs where the dense path was measured to win (AMX)
 
 
 @dataclass
@@ -142,7 +140,7 @@ class CpuBlockBackend:
 def dense_path_for(device: torch.device) -> Callable | None:
     """The kernel's `dequantize_packed` where large batches take the bf16 GEMM path: a CPU with AMX and the
     avx512 build active (GLMSERVE_CPU_ISA=avx2 or scalar stands for a CPU without AMX)."""
-    if DENSE_FLAG not in cpu_flags() or kernels.active_isa() != "avx512":
+    if not kernels.amx_bf16():
         return None
     return kernels.op("dequantize_packed", device, torch.float32)
 
