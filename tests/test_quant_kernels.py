@@ -284,7 +284,10 @@ def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt):
         pytest.skip(f"no bf16 GEMM path on {cpu_isa} here (needs AMX and the avx512 build)")
     x = activations(DENSE_MIN_ROWS + 3, 576)
     y = backend.apply(p, x, None)
-    assert torch.equal(y, dense_apply(p, x))
+    assert y.dtype == torch.float32 and torch.equal(y, dense_apply(p, x).float())
+    assert backend.bf16_rows(p, DENSE_MIN_ROWS) and not backend.bf16_rows(p, DENSE_MIN_ROWS - 1)
+    y16 = backend.apply(p, x.bfloat16(), None)  # bf16 activations stay bf16 (layers/linear.py bf16_between)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, y.bfloat16())
     w_ref, w_ref_abs, _ = reference_weight(fmt, 192, 576)
     ref = F.linear(x, w_ref).double()
     bound = 2 ** -8 * (x.abs() @ w_ref_abs.T).double() + 2 ** -8 * ref.abs() + 1e-6

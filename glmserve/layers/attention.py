@@ -11,7 +11,8 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    sequence and attend to their gathered context under a mask. On AMX CPUs a float32 prefill group of
    `BF16_MIN_TOKENS` tokens or more runs its SDPA on bf16 q/k/v with float32 accumulation inside the
    kernel (as vLLM-CPU's bf16 attention does), 2.6-3.8x faster; the stored K/V stay in the pool's format
-   and the output returns in float32 (`prefill_compute_dtype`; GLMSERVE_BF16_ATTENTION=0 turns it off).
+   and the output returns in float32, or bf16 where the caller asks (`prefill_compute_dtype`;
+   GLMSERVE_BF16_ATTENTION=0 turns it off).
 
 Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
@@ -96,8 +97,10 @@ class PagedAttention:
         self.indexers: dict[str, Indexer] = {}  # sparse mode -> this layer's scorer
         self.layer_index = 0  # position among the model's layers (set by its bind_kv_cache)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H*D]."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H*D] in `out_dtype` (None: q's; bf16 for an output projection
+        that takes bf16, so that a bf16 prefill's output is not widened and narrowed again)."""
         cache = self.kv_cache
         assert cache is not None, "KV cache not allocated"
         store(cache[0], meta.slot_mapping, k)
@@ -116,7 +119,8 @@ class PagedAttention:
             outs.append(self._prefill(q[offset:], k[offset:], v[offset:], meta.prefill))
             if meta.prefill.observe is not None:
                 meta.prefill.observe.record(q, self)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        dtype = out_dtype or q.dtype
+        out = outs[0].to(dtype) if len(outs) == 1 else torch.cat([o.to(dtype) for o in outs], dim=0)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def select(self, q: torch.Tensor, g: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +156,7 @@ class PagedAttention:
                 *(t.transpose(0, 1).unsqueeze(0).to(dtype) for t in (q, k, v)),
                 is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
             )
-            return out[0].transpose(0, 1).to(q.dtype)
+            return out[0].transpose(0, 1)
         keys, values = gather_kv(self.kv_cache, g.kv_slots, dtype)
         b, qlen = g.query_index.shape
         qp = q[g.query_index.reshape(-1)].to(dtype).view(b, qlen, self.num_heads, self.head_dim).transpose(1, 2)
@@ -165,5 +169,5 @@ class PagedAttention:
             out, lse = attention_with_lse(qp, keys.transpose(0, 1), values.transpose(0, 1), self.scale, g.key_mask)
             prefill_offloaded(self, qp, out, lse, g.offloaded)
         out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)
-        return out[g.valid_index].to(q.dtype)
+        return out[g.valid_index]
 

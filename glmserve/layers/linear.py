@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize_rows
 from glmserve.quant.schemes import Scheme
 from glmserve.quant.weight import QuantizedWeight, concat_rows, stackable
+
+BF16_ACTIVATIONS_ENV = "GLMSERVE_BF16_ACTIVATIONS"  # "0": activations between linears stay float32
 
 
 def copy_part(param: nn.Parameter, tensor: torch.Tensor, shard: Shard, output_sizes: list[int]) -> None:
@@ -171,6 +174,13 @@ class QuantizedLinear(nn.Module):
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
 
+    def takes_bf16(self, rows: int) -> bool:
+        """True where every segment runs `rows` rows as a bf16 GEMM (its backend's `bf16_rows`, without bias):
+        bf16 inputs then come back in bf16 with no float32 round trip."""
+        return self.bias is None and all(
+            s.backend is not None and hasattr(s.backend, "bf16_rows") and s.backend.bf16_rows(s.prepared, rows)
+            for s in self._segments)
+
     @property
     def weight(self) -> torch.Tensor:
         """W [out, in] in float, dequantized on demand (inspection: weight fingerprints, tests; not kept)."""
@@ -195,6 +205,16 @@ class QuantizedLinear(nn.Module):
         formats = [type(s.backend).__name__ if s.backend else "float" for s in self._segments]
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, scheme={self.scheme.name}, "
                 f"bias={self.bias is not None}, backends={formats or 'not loaded'}")
+
+
+def bf16_between(x: torch.Tensor, *linears: nn.Module) -> bool:
+    """True where float32 activations `x` may enter `linears` in bf16 and stay bf16 between them (an MLP's
+    gate-up and down on AMX prefill: two casts of the wide intermediate and the float32 SiLU saved): each is
+    a QuantizedLinear that `takes_bf16` x's rows, and GLMSERVE_BF16_ACTIVATIONS is not "0"."""
+    if x.dtype != torch.float32 or os.environ.get(BF16_ACTIVATIONS_ENV) == "0":
+        return False
+    rows = x.numel() // x.shape[-1]
+    return all(isinstance(linear, QuantizedLinear) and linear.takes_bf16(rows) for linear in linears)
 
 
 def _same_run(prev: CheckpointTensor, part: CheckpointTensor, scheme: Scheme) -> bool:

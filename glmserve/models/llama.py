@@ -16,7 +16,7 @@ from torch import nn
 from glmserve.kv.kv_format import KVFormat, kv_format
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.embedding import unset_embedding
-from glmserve.layers.linear import MergedLinear
+from glmserve.layers.linear import MergedLinear, bf16_between
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.paged_metadata import StepRows, paged_metadata
 from glmserve.layers.rotary import RotaryEmbedding
@@ -54,7 +54,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         q, k = self.rotary.apply(qk, *cos_sin).split([heads, kv_heads], dim=1)  # one rotation for q and k heads
-        return self.o_proj(self.attn(q, k, v, meta))
+        o_dtype = torch.bfloat16 if bf16_between(x, self.o_proj) else x.dtype  # AMX prefill: o_proj's GEMM is bf16
+        return self.o_proj(self.attn(q, k, v, meta, o_dtype)).to(x.dtype)
 
 
 class GatedMLP(nn.Module):
@@ -64,8 +65,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        """[T, hidden] -> [T, hidden] in x's dtype; computed in bf16 when both projections run a bf16 GEMM
+        (AMX prefill: the wide gate-up output is then never widened to float32)."""
+        h = x.to(torch.bfloat16) if bf16_between(x, self.gate_up_proj, self.down_proj) else x
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(h))
+        return self.down_proj(F.silu(gate) * up).to(x.dtype)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -111,14 +111,21 @@ class CpuBlockBackend:
         p = prepared
         if x.shape[-1] != p.in_features:
             raise InvalidRequestError(f"input has {x.shape[-1]} features, the weight takes {p.in_features}")
-        rows = x.reshape(-1, p.in_features).to(torch.float32).contiguous()
-        if p.dequantize is not None and rows.shape[0] >= DENSE_MIN_ROWS:
+        rows = x.reshape(-1, p.in_features)
+        if self.bf16_rows(p, rows.shape[0]):  # bf16 in and out: no float32 round trip for bf16 activations
             out = dense_apply(p, rows)
         else:
-            out = p.linear(rows, p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
+            out = p.linear(rows.to(torch.float32).contiguous(), p.per_token, p.codes, p.scales, p.mins, p.u4,
+                           p.out_features)
         if bias is not None:
-            out += bias.to(torch.float32)
+            out = out.to(torch.float32) + bias.to(torch.float32)
         return out.reshape(*x.shape[:-1], p.out_features).to(x.dtype)
+
+    def bf16_rows(self, prepared: PackedWeight, rows: int) -> bool:
+        """True where `apply` runs `rows` rows as the bf16 GEMM (`dense_apply`): AMX CPUs from DENSE_MIN_ROWS
+        rows. There bf16 activations go in and come back in bf16 with no float32 round trip (layers/linear.py
+        `bf16_between` keeps the MLP's activations in bf16)."""
+        return prepared.dequantize is not None and rows >= DENSE_MIN_ROWS
 
     def dequantize_rows(self, prepared: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of w = d * c + m read back from the tile layout (`pack`'s inverse for those rows), so that
@@ -149,14 +156,15 @@ _scratch: dict[str, torch.Tensor] = {}  # one bf16 buffer for every layer's dequ
 
 
 def dense_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
-    """rows [T, in] float32 x the weight dequantized into the shared bf16 scratch -> [T, out] float32."""
+    """rows [T, in] (float32 or bf16) x the weight dequantized into the shared bf16 scratch -> [T, out] bf16
+    (oneDNN sums in float32, then rounds once)."""
     kp = p.codes.shape[1] * QK
     need = p.out_features * kp
     buf = _scratch.get("bf16")
     if buf is None or buf.numel() < need:
         buf = _scratch["bf16"] = torch.empty(need, dtype=torch.bfloat16)
     w = p.dequantize(p.codes, p.scales, p.mins, p.u4, p.out_features, True, buf)
-    return F.linear(rows.to(torch.bfloat16), w[:, :p.in_features]).to(torch.float32)
+    return F.linear(rows.to(torch.bfloat16), w[:, :p.in_features])
 
 
 def _per_block(t: torch.Tensor, spec: QuantSpec, out: int, blocks: int) -> torch.Tensor:

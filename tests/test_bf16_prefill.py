@@ -1,11 +1,15 @@
-"""Prefill attention in bf16 on AMX CPUs (layers/attention.py `prefill_compute_dtype`): which groups take it,
-and its error against the float32 SDPA on the fresh causal and the gathered-context paths. The AMX check is
-monkeypatched, so these run on any CPU (bf16 SDPA runs everywhere, only slower without AMX)."""
+"""Prefill in bf16 on AMX CPUs: attention (layers/attention.py `prefill_compute_dtype`: which groups take it,
+its error against the float32 SDPA on the fresh causal and the gathered-context paths) and the MLP's
+activations between two bf16 GEMMs (layers/linear.py `bf16_between`, models/llama.py GatedMLP). The AMX
+check is monkeypatched, so these run on any CPU (bf16 SDPA and GEMMs run everywhere, only slower without
+AMX; the kernels' `dequantize_packed` is in every build)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+import torch.nn.functional as F
 
 from glmserve import kernels
 from glmserve.layers.attention import (
@@ -16,6 +20,11 @@ from glmserve.layers.attention import (
     PagedAttention,
     prefill_compute_dtype,
 )
+from glmserve.layers.linear import BF16_ACTIVATIONS_ENV, QuantizedLinear, bf16_between
+from glmserve.layers.param_loading import Shard
+from glmserve.models.llama import GatedMLP
+from glmserve.quant.cpu_backend import DENSE_MIN_ROWS
+from glmserve.quant.schemes import scheme
 
 HEADS, KV_HEADS, DIM, NULL = 9, 3, 64, 16  # SmolLM2-135M's attention; slots below NULL are never written
 
@@ -91,3 +100,40 @@ def test_flag_off_is_the_float32_path_exactly(amx, monkeypatch):
     ref = run(amx, False, 0, t)
     monkeypatch.setenv(BF16_ATTENTION_ENV, "0")
     assert torch.equal(run(amx, True, 0, t), ref)
+
+
+def quantized_mlp(hidden: int, inter: int, gen: torch.Generator) -> GatedMLP:
+    """A GatedMLP whose gate-up and down are int4 (group 32) QuantizedLinears on our CPU kernels."""
+    mlp = GatedMLP(hidden, inter)
+    weights = [torch.randn(n, k, generator=gen) * k**-0.5 for n, k in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    gate_up = QuantizedLinear(hidden, [inter, inter], scheme("w4a16"), False, torch.device("cpu"), torch.float32)
+    down = QuantizedLinear(inter, [hidden], scheme("w4a16"), False, torch.device("cpu"), torch.float32)
+    for i, w in enumerate(weights[:2]):
+        gate_up.load_weight("weight", w, Shard(part=i))
+    down.load_weight("weight", weights[2], Shard(part=None))
+    gate_up.finalize()
+    down.finalize()
+    mlp.gate_up_proj, mlp.down_proj = gate_up, down
+    return mlp
+
+
+def test_mlp_keeps_bf16_between_its_gemms_only_where_both_run_bf16(amx, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    amx(True)  # read when the weights are prepared (quant/cpu_backend.py dense_path_for)
+    mlp = quantized_mlp(128, 320, gen)
+    x = torch.randn(DENSE_MIN_ROWS + 5, 128, generator=gen)
+    assert bf16_between(x, mlp.gate_up_proj, mlp.down_proj)
+    assert not bf16_between(x[:DENSE_MIN_ROWS - 1], mlp.gate_up_proj, mlp.down_proj)  # decode-sized: int8 tiles
+    assert not bf16_between(x, mlp.gate_up_proj, torch.nn.Linear(320, 128))  # a float layer: no bf16 input
+    out = mlp(x)
+    assert out.dtype == torch.float32
+    gate, up = F.linear(x, mlp.gate_up_proj.weight).split(320, dim=-1)  # the dequantized weights, in float32
+    ref = F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+    monkeypatch.setenv(BF16_ACTIVATIONS_ENV, "0")
+    assert not bf16_between(x, mlp.gate_up_proj, mlp.down_proj)
+    widened = mlp(x)  # the same bf16 GEMMs, float32 between them
+    # bf16 roundings of activations, weights and outputs (2^-9 relative each) against float32 on the same
+    # int4 weights: measured ~4e-3 either way; kept bf16 in between adds the SiLU's and the product's roundings
+    for y in (out, widened):
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-2
+    assert not torch.equal(out, widened)
