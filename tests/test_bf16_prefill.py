@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 from glmserve import kernels
@@ -105,7 +104,8 @@ def test_flag_off_is_the_float32_path_exactly(amx, monkeypatch):
 def quantized_mlp(hidden: int, inter: int, gen: torch.Generator) -> GatedMLP:
     """A GatedMLP whose gate-up and down are int4 (group 32) QuantizedLinears on our CPU kernels."""
     mlp = GatedMLP(hidden, inter)
-    weights = [torch.randn(n, k, generator=gen) * k**-0.5 for n, k in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    weights = [torch.randn(n, k, generator=gen) * k**-0.5 for n, k in shapes]
     gate_up = QuantizedLinear(hidden, [inter, inter], scheme("w4a16"), False, torch.device("cpu"), torch.float32)
     down = QuantizedLinear(inter, [hidden], scheme("w4a16"), False, torch.device("cpu"), torch.float32)
     for i, w in enumerate(weights[:2]):
