@@ -1,14 +1,15 @@
 """A/B of an environment switch on our engine's prefill and decode, interleaved in one process.
 
-    GLMSERVE_BENCH_THREADS=1 .venv/bin/python bench/bench_prefill_ab.py --env GLMSERVE_BF16_ATTENTION=0 \
-        [--prefill 512,2048,8192] [--repeats 3] [--decode-steps 16]
+    GLMSERVE_BENCH_THREADS=1 .venv/bin/python bench/bench_prefill_ab.py \
+        --env GLMSERVE_BF16_ATTENTION=0,GLMSERVE_BF16_ACTIVATIONS=0 [--prefill 512,2048,8192] [--repeats 3] \
+        [--decode-steps 16] [--no-decode]
 
 Loads the embedded default model once (engine defaults), then per round and per setting (A: the
-environment variable set as given, B: unset; the order alternates by round) runs one fresh prompt of
+environment variables set as given, B: unset; the order alternates by round) runs one fresh prompt of
 each `--prefill` length with 1 new token (tok/s = prompt tokens / latency), decode batch 1 (one 512-token
 request) and decode batch 32 (32 requests of 128 tokens), each timed over `--decode-steps` steps after
-every request has its first token. Prints the medians, B / A ratios, the load average before and after,
-and the process's peak RSS. Only switches read at call time (as GLMSERVE_BF16_ATTENTION) can be compared
+every request has its first token (left out with `--no-decode`). Prints the medians, B / A ratios, the
+load average before and after, and the process's peak RSS. Only switches read at call time (as GLMSERVE_BF16_ATTENTION) can be compared
 this way.
 """
 
@@ -27,12 +28,13 @@ os.environ.setdefault("OMP_NUM_THREADS", str(wl.THREADS))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--env", required=True, help="NAME=VALUE: setting A (B: NAME unset)")
+    parser.add_argument("--env", required=True, help="NAME=VALUE[,NAME=VALUE...]: setting A (B: all unset)")
     parser.add_argument("--prefill", default="512,2048,8192")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--no-decode", action="store_true")
     args = parser.parse_args()
-    name, _, value = args.env.partition("=")
+    setting_a = dict(item.split("=", 1) for item in args.env.split(","))
     lengths = [int(n) for n in args.prefill.split(",") if n]
 
     import torch
@@ -67,22 +69,25 @@ def main() -> None:
         return rate
 
     metrics = {f"prefill_{n}_tok_s": (lambda n=n: prefill(n)) for n in lengths}
-    metrics["decode_b1_tok_s"] = lambda: decode(1, wl.DECODE_PROMPT_LEN)
-    metrics["decode_b32_tok_s"] = lambda: decode(wl.DECODE_BATCH, wl.DECODE_BATCH_PROMPT_LEN)
+    if not args.no_decode:
+        metrics["decode_b1_tok_s"] = lambda: decode(1, wl.DECODE_PROMPT_LEN)
+        metrics["decode_b32_tok_s"] = lambda: decode(wl.DECODE_BATCH, wl.DECODE_BATCH_PROMPT_LEN)
     results: dict[tuple[str, str], list[float]] = {}
     print(f"load average before: {os.getloadavg()}")
     for r in range(args.repeats):
         for setting in (("A", "B") if r % 2 == 0 else ("B", "A")):
-            if setting == "A":
-                os.environ[name] = value
-            else:
-                os.environ.pop(name, None)
+            for name, value in setting_a.items():
+                if setting == "A":
+                    os.environ[name] = value
+                else:
+                    os.environ.pop(name, None)
             for metric, fn in metrics.items():
                 results.setdefault((metric, setting), []).append(fn())
                 print(f"round {r} {setting} {metric} {results[metric, setting][-1]:.1f}", flush=True)
-    os.environ.pop(name, None)
+    for name in setting_a:
+        os.environ.pop(name, None)
     print(f"load average after: {os.getloadavg()}")
-    print(f"\n| metric | A: {args.env} | B: {name} unset | B / A |\n|---|---|---|---|")
+    print(f"\n| metric | A: {args.env} | B: unset | B / A |\n|---|---|---|---|")
     for metric in metrics:
         a, b = (statistics.median(results[metric, s]) for s in ("A", "B"))
         print(f"| {metric} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
