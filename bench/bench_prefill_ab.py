@@ -9,8 +9,8 @@ environment variables set as given, B: unset; the order alternates by round) run
 each `--prefill` length with 1 new token (tok/s = prompt tokens / latency), decode batch 1 (one 512-token
 request) and decode batch 32 (32 requests of 128 tokens), each timed over `--decode-steps` steps after
 every request has its first token (left out with `--no-decode`). Prints the medians, B / A ratios, the
-load average before and after, and the process's peak RSS. Only switches read at call time (as GLMSERVE_BF16_ATTENTION) can be compared
-this way.
+load average before and after, and the process's peak RSS. Only switches read at call time (as
+GLMSERVE_BF16_ATTENTION) can be compared this way.
 """
 
 from __future__ import annotations
