@@ -1,20 +1,30 @@
 """Semantic context compression (glmserve/compress/) against baselines at the same ratio, with and without the model.
 
     .venv/bin/python bench/bench_compress.py [--ratio 3.4] [--questions 40] [--zh-questions 20]
-        [--multi-questions 12] [--parts routing,multi,en,zh] [--no-model] [--out FILE]
+        [--multi-questions 12] [--parts routing,multi,en,zh] [--qset paraphrased|template] [--split tune|held-out|both]
+        [--no-model] [--model-questions N] [--llmlingua N] [--out FILE]
 
 Corpora and questions: bench/compress_data.py (Debian Policy, ~120K tokens; the Chinese New Maintainers' Guide;
-five license texts with the gold one first, in the middle or last; a code-routing corpus). Each corpus's
-questions are split in two halves, "tune" and "held-out" (no parameter was tuned on either; both are reported).
+five license texts with the gold one first, in the middle or last; a code-routing corpus). Question sets:
+"paraphrased" (bench/compress_questions.py: questions worded with the heading and neighbour sentences, or through a
+synonym table, never quoting their answer sentence; the default) or "template" (compress_data.make_questions: cloze
+and "which section", which quote it). Each set has a "tune" and a "held-out" split, reported apart; `--split` runs
+one of them. Per question the bench reports how paraphrased it is: the share of its content words found in the
+gold sentence, and the BM25 rank of the gold sentence among all units for the question.
 
 Every method keeps whole sentences of the same units to the same token budget (original / ratio, SmolLM2
 tokens), per question, in one run: ours (glmserve.compress, query-aware), random sentence drop, head
-truncation, BM25 top-k, embedding top-k (the same encoder as ours, cosine to the query). Model-free metrics:
+truncation, BM25 top-k, embedding top-k (the same encoder as ours, cosine to the query), and with `--llmlingua N`
+LongLLMLingua's document ranking (bench/peer_llmlingua.py in its own venv: chunks of consecutive units of at most
+CHUNK_TOKENS, ranked by llmlingua with the exported SmolLM2 as its scorer, kept best first to the budget) on the
+first N questions of each split (it reads the whole document once per question). Model-free metrics:
 answer-span retention (cloze: the answer's source characters lie inside a kept span; "which section": the gold
 sentence is kept), gold-sentence recall, structural-anchor preservation, trace exactness (each cited span is
 `source[start:end]` and appears in the output), achieved ratio, wall time (ours: the first, cold call on the
 document, then the mean per question with its embeddings cached). With the model (bench/compress_logprob.py):
-the gold answer's log-probability lost per answer token, compressed window vs gold section. Code routing: the
+the gold answer's log-probability lost per answer token, compressed window vs gold section (on the first
+`--model-questions` of each split). Answer retention comes with a 95% bootstrap interval and, per baseline, the
+paired difference ours - baseline with its interval ("clearly above": the interval's low end > 0). Code routing: the
 share of code files routed "off", and of prose, licenses, policy text and Markdown with code blocks routed "on".
 """
 
@@ -22,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -33,7 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compress_data import (  # noqa: E402
-    Question,
     debian_policy,
     license_text,
     maint_guide_zh,
@@ -41,16 +52,21 @@ from compress_data import (  # noqa: E402
     routing_corpus,
 )
 from compress_logprob import AnswerScorer, join_units, section_window  # noqa: E402
+from compress_questions import make_paraphrased  # noqa: E402
 
 from glmserve.compress import Document, compress  # noqa: E402
 from glmserve.compress.anchors import detect, is_structural  # noqa: E402
-from glmserve.compress.bm25 import bm25_scores  # noqa: E402
+from glmserve.compress.bm25 import bm25_scores, words  # noqa: E402
 from glmserve.compress.policy import route  # noqa: E402
 from glmserve.compress.segment import segment  # noqa: E402
 from glmserve.compress.tokens import default_counter  # noqa: E402
 from glmserve.embed import embed  # noqa: E402
 
-METHODS = ("ours", "random", "head", "bm25", "embedding")
+METHODS = ("ours", "random", "head", "bm25", "embedding", "llmlingua")
+BASELINES = METHODS[1:]
+CHUNK_TOKENS = 256  # LongLLMLingua's "documents": runs of consecutive units of one document up to this many tokens
+BENCH_DIR = Path(os.environ.get("GLMSERVE_BENCH_DIR", Path.home() / ".cache" / "glmserve-bench"))
+TEMPLATE_SHELL = set(words("Fill in the blank: Which section says 填空：哪一节说"))
 GOLD_LICENSE = "GPL-3"
 DISTRACTORS = ("Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")
 
@@ -59,14 +75,25 @@ DISTRACTORS = ("Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")
 class Corpus:
     name: str
     documents: list[Document]
-    questions: list[Question]
+    questions: list[dict]  # Question / ParaQuestion fields, with split and cue_words
 
 
-def corpora(parts: set[str], n_en: int, n_zh: int, n_multi: int) -> list[Corpus]:
+def question_set(qset: str, units: list, n: int, chinese: bool = False, seed: int = 0) -> list[dict]:
+    """The questions as dicts with `split` and `cue_words` (template questions: halves, the query's words)."""
+    if qset == "paraphrased":
+        return [q.__dict__ for q in make_paraphrased(units, n, chinese=chinese, seed=seed)]
+    qs = make_questions(units, n, chinese=chinese, seed=seed)
+    return [q.__dict__ | {"split": "tune" if i < len(qs) // 2 else "held-out",
+                          "cue_words": tuple(w for w in words(q.query) if w not in TEMPLATE_SHELL)}
+            for i, q in enumerate(qs)]
+
+
+def corpora(parts: set[str], n_en: int, n_zh: int, n_multi: int, qset: str = "paraphrased",
+            split: str = "both") -> list[Corpus]:
     out = []
     if "multi" in parts:
         gpl = license_text(GOLD_LICENSE)
-        multi_q = make_questions(segment(GOLD_LICENSE, gpl), n_multi, seed=1)
+        multi_q = question_set(qset, segment(GOLD_LICENSE, gpl), n_multi, seed=1)
         others = [Document(name, license_text(name)) for name in DISTRACTORS]
         for where, at in (("first", 0), ("middle", len(others) // 2), ("last", len(others))):
             docs = [*others[:at], Document(GOLD_LICENSE, gpl), *others[at:]]
@@ -74,11 +101,13 @@ def corpora(parts: set[str], n_en: int, n_zh: int, n_multi: int) -> list[Corpus]
     if "en" in parts:
         policy = debian_policy()
         out.append(Corpus("Debian Policy (en)", [Document("policy", policy)],
-                          make_questions(segment("policy", policy), n_en)))
+                          question_set(qset, segment("policy", policy), n_en)))
     if "zh" in parts:
         guide = maint_guide_zh()
         out.append(Corpus("New Maintainers' Guide (zh)", [Document("guide", guide)],
-                          make_questions(segment("guide", guide), n_zh, chinese=True)))
+                          question_set(qset, segment("guide", guide), n_zh, chinese=True)))
+    for c in out:
+        c.questions = [q for q in c.questions if split in ("both", q["split"])]
     return out
 
 
@@ -99,7 +128,63 @@ def baseline_order(method: str, query: str, unit_texts: list[str], unit_emb: np.
     return np.argsort(-(unit_emb @ embed([query])[0]), kind="stable")
 
 
-def run_corpus(corpus: Corpus, ratio: float, count, rng: np.random.Generator) -> dict:
+def chunks_of(units: list, costs: np.ndarray, limit: int = CHUNK_TOKENS) -> list[list[int]]:
+    """Runs of consecutive units of one document, each at most `limit` tokens (a longer unit alone)."""
+    out: list[list[int]] = []
+    used = 0
+    for i, u in enumerate(units):
+        if out and units[out[-1][-1]].doc == u.doc and used + int(costs[i]) <= limit:
+            out[-1].append(i)
+            used += int(costs[i])
+        else:
+            out.append([i])
+            used = int(costs[i])
+    return out
+
+
+class LongLLMLingua:
+    """bench/peer_llmlingua.py in its venv; a chunk's rank for a question is cached by the chunk's text, so the
+    same chunks in another document order (the license variants) are not scored again."""
+
+    def __init__(self) -> None:
+        self.python = BENCH_DIR / "llmlingua" / "bin" / "python"
+        self.model = BENCH_DIR / "smollm2-bf16"
+        if not self.python.exists() or not (self.model / "config.json").exists():
+            raise SystemExit(f"--llmlingua needs {self.python} and {self.model}: run bench/setup_peers.sh llmlingua")
+        self.cache: dict[str, dict[str, int]] = {}  # question -> chunk text -> rank (0 = best)
+
+    def orders(self, chunk_texts: list[str], questions: list[str]) -> tuple[list[np.ndarray], list[float]]:
+        todo = [q for q in questions if q not in self.cache or any(c not in self.cache[q] for c in chunk_texts)]
+        seconds = {q: 0.0 for q in questions}
+        if todo:
+            env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            proc = subprocess.run(
+                [str(self.python), str(Path(__file__).with_name("peer_llmlingua.py")), "--model", str(self.model)],
+                input=json.dumps({"chunks": chunk_texts, "questions": todo}), capture_output=True, text=True,
+                env=env, timeout=600 + 400 * len(todo), check=False)
+            if proc.returncode != 0:
+                raise SystemExit(f"peer_llmlingua.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            for q, line in zip(todo, proc.stdout.splitlines()):
+                got = json.loads(line)
+                self.cache[q] = {chunk_texts[c]: r for r, c in enumerate(got["order"])}
+                seconds[q] = got["seconds"]
+        return ([np.argsort([self.cache[q][c] for c in chunk_texts], kind="stable") for q in questions],
+                [seconds[q] for q in questions])
+
+
+def llmlingua_subset(questions: list[dict], n: int) -> list[int]:
+    """Indices of the first `n` questions of each split."""
+    seen: dict[str, int] = {}
+    out = []
+    for i, q in enumerate(questions):
+        seen[q["split"]] = seen.get(q["split"], 0) + 1
+        if seen[q["split"]] <= n:
+            out.append(i)
+    return out
+
+
+def run_corpus(corpus: Corpus, ratio: float, count, rng: np.random.Generator,
+               lingua: LongLLMLingua | None = None, n_lingua: int = 0) -> dict:
     docs = corpus.documents
     units = [u for d in docs for u in segment(d.id, d.text)]
     texts = {d.id: d.text for d in docs}
@@ -111,36 +196,56 @@ def run_corpus(corpus: Corpus, ratio: float, count, rng: np.random.Generator) ->
     budget = int(np.ceil(original / ratio))
 
     t0 = time.perf_counter()
-    compress(docs, query=corpus.questions[0].query, ratio=ratio, count_tokens=count)
+    compress(docs, query=corpus.questions[0]["query"], ratio=ratio, count_tokens=count)
     cold_s = time.perf_counter() - t0
     print(f"{corpus.name}: {original} tokens, {len(units)} units, cold call {cold_s:.1f} s", file=sys.stderr,
           flush=True)
     unit_emb = embed([u.text for u in units])
     unit_texts = [u.text for u in units]
 
+    lingua_kept: dict[int, tuple[set[int], float]] = {}
+    if lingua is not None and n_lingua > 0:
+        chunks = chunks_of(units, costs)
+        chunk_costs = np.array([int(costs[c].sum()) for c in chunks])
+        subset = llmlingua_subset(corpus.questions, n_lingua)
+        t = time.perf_counter()
+        orders, secs = lingua.orders([join_units(units, c) for c in chunks],
+                                     [corpus.questions[i]["query"] for i in subset])
+        for i, order, sec in zip(subset, orders, secs):
+            lingua_kept[i] = ({u for c in top_k(chunk_costs, order, budget) for u in chunks[c]}, sec)
+        print(f"  LongLLMLingua: {len(subset)} questions, {len(chunks)} chunks, {time.perf_counter() - t:.0f} s",
+              file=sys.stderr, flush=True)
+
     rows = []
-    for q in corpus.questions:
+    for qi, q in enumerate(corpus.questions):
         kept: dict[str, set[int]] = {}
         seconds: dict[str, float] = {}
         t = time.perf_counter()
-        result = compress(docs, query=q.query, ratio=ratio, count_tokens=count)
+        result = compress(docs, query=q["query"], ratio=ratio, count_tokens=count)
         seconds["ours"] = time.perf_counter() - t
         kept["ours"] = {index[(s.doc, s.start, s.end)] for s in result.spans}
         trace_ok = all(texts[s.doc][s.start:s.end] in result.text for s in result.spans)
         for m in ("random", "head", "bm25", "embedding"):
             t = time.perf_counter()
-            kept[m] = top_k(costs, baseline_order(m, q.query, unit_texts, unit_emb, rng), budget)
+            kept[m] = top_k(costs, baseline_order(m, q["query"], unit_texts, unit_emb, rng), budget)
             seconds[m] = time.perf_counter() - t
-        gold = index[(q.doc, *q.gold)]
+        if qi in lingua_kept:
+            kept["llmlingua"], seconds["llmlingua"] = lingua_kept[qi]
+        gold = index[(q["doc"], *q["gold"])]
+        gold_words = set(words(units[gold].text))
+        cues = q["cue_words"]
+        bm25 = bm25_scores(unit_texts, q["query"])
         window = section_window(units, costs, gold)
-        row = {"type": q.type, "window": join_units(units, window), "prompt": q.prompt, "answer": q.answer_text,
-               "methods": {}}
-        for m in METHODS:
+        row = {"type": q["type"], "split": q["split"], "query": q["query"], "window": join_units(units, window),
+               "prompt": q["prompt"], "answer": q["answer_text"],
+               "cue_overlap": float(np.mean([w in gold_words for w in cues])) if cues else 0.0,
+               "bm25_rank": int((bm25 > bm25[gold]).sum()) + 1, "methods": {}}
+        for m in kept:
             k = kept[m]
-            a, b = q.answer
+            a, b = q["answer"]
             out_tokens = result.compressed_tokens if m == "ours" else int(costs[sorted(k)].sum())
             row["methods"][m] = {
-                "answer": any(units[i].doc == q.doc and units[i].start <= a and b <= units[i].end for i in k),
+                "answer": any(units[i].doc == q["doc"] and units[i].start <= a and b <= units[i].end for i in k),
                 "gold": gold in k,
                 "anchors": len(structural & k) / max(len(structural), 1),
                 "trace": trace_ok if m == "ours" else True,
@@ -156,11 +261,15 @@ def run_corpus(corpus: Corpus, ratio: float, count, rng: np.random.Generator) ->
             "cold_seconds_ours": cold_s, "rows": rows}
 
 
-def add_model_metric(scorer: AnswerScorer, res: dict) -> None:
-    """Fills each method's `logprob_loss` (nats per answer token) and each row's `gold_logprob`."""
+def add_model_metric(scorer: AnswerScorer, res: dict, per_split: int | None = None) -> None:
+    """Fills each method's `logprob_loss` (nats per answer token) and each row's `gold_logprob`, on the first
+    `per_split` questions of each split (all when None)."""
     items, where = [], []
-    for q, row in enumerate(res["rows"]):
-        for m in (None, *METHODS):
+    chosen = [i for i in (llmlingua_subset(res["rows"], per_split) if per_split is not None
+                          else range(len(res["rows"])))]
+    for q in chosen:
+        row = res["rows"][q]
+        for m in (None, *row["methods"]):
             context = row["window"] if m is None else row["methods"][m]["context"]
             items.append((f"{context}\n\n{row['prompt']}\nAnswer:", row["answer"]))
             where.append((q, m))
@@ -171,31 +280,72 @@ def add_model_metric(scorer: AnswerScorer, res: dict) -> None:
             row["gold_logprob"] = lp / n
         else:
             row["methods"][m]["logprob"] = lp / n
-    for row in res["rows"]:
-        for m in METHODS:
-            row["methods"][m]["logprob_loss"] = row["gold_logprob"] - row["methods"][m]["logprob"]
+    for q in chosen:
+        row = res["rows"][q]
+        for x in row["methods"].values():
+            x["logprob_loss"] = row["gold_logprob"] - x["logprob"]
     print(f"  model metric: {len(items)} prompts in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
 
 
+def bootstrap(values: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean (over questions)."""
+    if values.size == 0:
+        return (float("nan"), float("nan"))
+    idx = np.random.default_rng(seed).integers(0, values.size, size=(reps, values.size))
+    means = values[idx].mean(axis=1)
+    return (float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5)))
+
+
+def method_table(rows: list[dict], m: str) -> dict | None:
+    rs = [row for row in rows if m in row["methods"]]
+    if not rs:
+        return None
+    ms = [row["methods"][m] for row in rs]
+    answer = np.array([x["answer"] for x in ms], dtype=float)
+    table = {"questions": len(rs),
+             "answer_span_retention": float(answer.mean()), "answer_span_retention_ci95": bootstrap(answer),
+             "by_type": {t: float(np.mean([row["methods"][m]["answer"] for row in rs if row["type"] == t]))
+                         for t in sorted({row["type"] for row in rs})},
+             "gold_sentence_recall": float(np.mean([x["gold"] for x in ms])),
+             "anchor_preservation": float(np.mean([x["anchors"] for x in ms])),
+             "trace_exact": float(np.mean([x["trace"] for x in ms])),
+             "ratio": float(np.mean([x["ratio"] for x in ms])),
+             "seconds_per_question": float(np.mean([x["seconds"] for x in ms]))}
+    if m != "ours":  # paired over the questions both ran on
+        diff = np.array([row["methods"]["ours"]["answer"] - row["methods"][m]["answer"] for row in rs], dtype=float)
+        table["ours_minus_this"] = float(diff.mean())
+        table["ours_minus_this_ci95"] = bootstrap(diff)
+    scored = [x["logprob_loss"] for x in ms if "logprob_loss" in x]
+    if scored:
+        table["logprob_loss_nats_per_token"] = float(np.mean(scored))
+        table["logprob_questions"] = len(scored)
+        if m != "ours":
+            paired = [row for row in rs if "logprob_loss" in row["methods"][m]]
+            table["ours_logprob_loss_same_questions"] = float(np.mean(
+                [row["methods"]["ours"]["logprob_loss"] for row in paired]))
+    return table
+
+
 def summary(res: dict) -> dict:
-    half = len(res["rows"]) // 2
     out = {}
-    for split, rows in (("tune", res["rows"][:half]), ("held-out", res["rows"][half:])):
-        table = {}
+    for split in ("tune", "held-out"):
+        rows = [row for row in res["rows"] if row["split"] == split]
+        if not rows:
+            continue
+        ranks = np.array([row["bm25_rank"] for row in rows])
+        table: dict = {"overlap": {
+            "cue_words_in_gold_sentence": float(np.mean([row["cue_overlap"] for row in rows])),
+            "gold_bm25_rank_median": float(np.median(ranks)),
+            "gold_bm25_rank1_share": float(np.mean(ranks == 1)),
+            "gold_bm25_top10_share": float(np.mean(ranks <= 10)),
+            "types": {t: sum(row["type"] == t for row in rows) for t in sorted({row["type"] for row in rows})}}}
         for m in METHODS:
-            ms = [row["methods"][m] for row in rows]
-            cloze = [row["methods"][m] for row in rows if row["type"] == "cloze"]
-            table[m] = {"answer_span_retention": float(np.mean([x["answer"] for x in ms])),
-                        "cloze_answer_retention": float(np.mean([x["answer"] for x in cloze])) if cloze else None,
-                        "gold_sentence_recall": float(np.mean([x["gold"] for x in ms])),
-                        "anchor_preservation": float(np.mean([x["anchors"] for x in ms])),
-                        "trace_exact": float(np.mean([x["trace"] for x in ms])),
-                        "ratio": float(np.mean([x["ratio"] for x in ms])),
-                        "seconds_per_question": float(np.mean([x["seconds"] for x in ms]))}
-            if "logprob_loss" in ms[0]:
-                table[m]["logprob_loss_nats_per_token"] = float(np.mean([x["logprob_loss"] for x in ms]))
-        if rows and "gold_logprob" in rows[0]:
-            table["gold_logprob_nats_per_token"] = float(np.mean([row["gold_logprob"] for row in rows]))
+            t = method_table(rows, m)
+            if t is not None:
+                table[m] = t
+        gold = [row["gold_logprob"] for row in rows if "gold_logprob" in row]
+        if gold:
+            table["gold_logprob_nats_per_token"] = float(np.mean(gold))
         out[split] = table
     return out
 
@@ -234,14 +384,20 @@ def main() -> None:
     ap.add_argument("--zh-questions", type=int, default=20)
     ap.add_argument("--multi-questions", type=int, default=12)
     ap.add_argument("--parts", default="routing,multi,en,zh", help="comma-separated: routing, multi, en, zh")
+    ap.add_argument("--qset", choices=("paraphrased", "template"), default="paraphrased")
+    ap.add_argument("--split", choices=("tune", "held-out", "both"), default="both")
     ap.add_argument("--no-model", action="store_true", help="skip the model metric")
+    ap.add_argument("--model-questions", type=int, default=None,
+                    help="the model metric on the first N questions of each split only")
+    ap.add_argument("--llmlingua", type=int, default=0, metavar="N",
+                    help="LongLLMLingua's ranking on the first N questions of each split (0: off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     count = default_counter()
     rng = np.random.default_rng(0)
     parts = set(args.parts.split(","))
-    report: dict = {"ratio": args.ratio, "corpora": []}
+    report: dict = {"ratio": args.ratio, "qset": args.qset, "split": args.split, "corpora": []}
     if "routing" in parts:
         report["routing"] = {split: routing(debian_policy(), maint_guide_zh(), seed)
                              for split, seed in ROUTING_SEEDS.items()}
@@ -254,10 +410,11 @@ def main() -> None:
 
     save()
     scorer = None if args.no_model else AnswerScorer()
-    for c in corpora(parts, args.questions, args.zh_questions, args.multi_questions):  # report rewritten after each
-        res = run_corpus(c, args.ratio, count, rng)
+    lingua = LongLLMLingua() if args.llmlingua > 0 else None
+    for c in corpora(parts, args.questions, args.zh_questions, args.multi_questions, args.qset, args.split):
+        res = run_corpus(c, args.ratio, count, rng, lingua, args.llmlingua)  # the report is rewritten after each
         if scorer is not None:
-            add_model_metric(scorer, res)
+            add_model_metric(scorer, res, args.model_questions)
         report["corpora"].append({k: v for k, v in res.items() if k != "rows"}
                                  | {"questions": len(res["rows"]), "splits": summary(res)})
         all_rows.append(res["rows"])

