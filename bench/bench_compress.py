@@ -54,7 +54,7 @@ from compress_data import (  # noqa: E402
 from compress_logprob import AnswerScorer, join_units, section_window  # noqa: E402
 from compress_questions import make_paraphrased  # noqa: E402
 
-from glmserve.compress import Document, compress  # noqa: E402
+from glmserve.compress import Document, compress, select  # noqa: E402
 from glmserve.compress.anchors import detect, is_structural  # noqa: E402
 from glmserve.compress.bm25 import bm25_scores, words  # noqa: E402
 from glmserve.compress.policy import route  # noqa: E402
@@ -62,7 +62,7 @@ from glmserve.compress.segment import segment  # noqa: E402
 from glmserve.compress.tokens import default_counter  # noqa: E402
 from glmserve.embed import embed  # noqa: E402
 
-METHODS = ("ours", "random", "head", "bm25", "embedding", "llmlingua")
+METHODS = ("ours", "ours_no_context", "random", "head", "bm25", "embedding", "llmlingua")
 BASELINES = METHODS[1:]
 CHUNK_TOKENS = 256  # LongLLMLingua's "documents": runs of consecutive units of one document up to this many tokens
 BENCH_DIR = Path(os.environ.get("GLMSERVE_BENCH_DIR", Path.home() / ".cache" / "glmserve-bench"))
@@ -183,8 +183,19 @@ def llmlingua_subset(questions: list[dict], n: int) -> list[int]:
     return out
 
 
+def without_context(docs: list[Document], query: str, ratio: float, count) -> set[tuple[str, int, int]]:
+    """Ours with the section-context weights at 0 (the selection before select.with_context): the ablation."""
+    saved = select.NEIGHBOUR_WEIGHT, select.SECTION_WEIGHT
+    select.NEIGHBOUR_WEIGHT = select.SECTION_WEIGHT = 0.0
+    try:
+        result = compress(docs, query=query, ratio=ratio, count_tokens=count)
+    finally:
+        select.NEIGHBOUR_WEIGHT, select.SECTION_WEIGHT = saved
+    return {(s.doc, s.start, s.end) for s in result.spans}
+
+
 def run_corpus(corpus: Corpus, ratio: float, count, rng: np.random.Generator,
-               lingua: LongLLMLingua | None = None, n_lingua: int = 0) -> dict:
+               lingua: LongLLMLingua | None = None, n_lingua: int = 0, ablate: bool = False) -> dict:
     docs = corpus.documents
     units = [u for d in docs for u in segment(d.id, d.text)]
     texts = {d.id: d.text for d in docs}
@@ -229,6 +240,10 @@ def run_corpus(corpus: Corpus, ratio: float, count, rng: np.random.Generator,
             t = time.perf_counter()
             kept[m] = top_k(costs, baseline_order(m, q["query"], unit_texts, unit_emb, rng), budget)
             seconds[m] = time.perf_counter() - t
+        if ablate:
+            t = time.perf_counter()
+            kept["ours_no_context"] = {index[k] for k in without_context(docs, q["query"], ratio, count)}
+            seconds["ours_no_context"] = time.perf_counter() - t
         if qi in lingua_kept:
             kept["llmlingua"], seconds["llmlingua"] = lingua_kept[qi]
         gold = index[(q["doc"], *q["gold"])]
@@ -243,7 +258,7 @@ def run_corpus(corpus: Corpus, ratio: float, count, rng: np.random.Generator,
         for m in kept:
             k = kept[m]
             a, b = q["answer"]
-            out_tokens = result.compressed_tokens if m == "ours" else int(costs[sorted(k)].sum())
+            out_tokens = result.compressed_tokens if m == "ours" else int(costs[sorted(k)].sum())  # (no separators)
             row["methods"][m] = {
                 "answer": any(units[i].doc == q["doc"] and units[i].start <= a and b <= units[i].end for i in k),
                 "gold": gold in k,
@@ -391,6 +406,8 @@ def main() -> None:
                     help="the model metric on the first N questions of each split only")
     ap.add_argument("--llmlingua", type=int, default=0, metavar="N",
                     help="LongLLMLingua's ranking on the first N questions of each split (0: off)")
+    ap.add_argument("--ablate-context", action="store_true",
+                    help="also run ours without the section-context weights (method ours_no_context)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -412,7 +429,8 @@ def main() -> None:
     scorer = None if args.no_model else AnswerScorer()
     lingua = LongLLMLingua() if args.llmlingua > 0 else None
     for c in corpora(parts, args.questions, args.zh_questions, args.multi_questions, args.qset, args.split):
-        res = run_corpus(c, args.ratio, count, rng, lingua, args.llmlingua)  # the report is rewritten after each
+        # the report is rewritten after each corpus
+        res = run_corpus(c, args.ratio, count, rng, lingua, args.llmlingua, args.ablate_context)
         if scorer is not None:
             add_model_metric(scorer, res, args.model_questions)
         report["corpora"].append({k: v for k, v in res.items() if k != "rows"}

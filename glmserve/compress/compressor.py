@@ -195,6 +195,7 @@ def _choose(units: list[Unit], kinds: list[frozenset[str]], structural: np.ndarr
     if query and query.strip():
         q_emb = embed([query])[0]
         rel = select.relevance(emb, bm25_scores(texts, query), q_emb, facts)
+        rel = select.with_context(rel, *_section_context(units, cand, structural, query, q_emb))
         chosen = np.zeros(0, dtype=np.int64)
     else:
         rel = select.relevance(emb, None, None, facts)
@@ -203,3 +204,19 @@ def _choose(units: list[Unit], kinds: list[frozenset[str]], structural: np.ndarr
         chosen = select.fit_representatives(reps, cost[cand], budget)
     picked = select.mmr_fill(emb, rel, cost[cand], budget, chosen)
     return cand[picked], rel[picked]
+
+
+def _section_context(units: list[Unit], cand: np.ndarray, structural: np.ndarray, query: str,
+                     q_emb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate: its (document, section) group id, and the query relevance of that section's heading."""
+    keys = [(u.doc, u.section) for u in units]
+    ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    group = np.fromiter((ids[keys[i]] for i in cand), dtype=np.int64, count=cand.size)
+    heads = [i for i in np.flatnonzero(structural) if units[i].heading]
+    head_rel = np.zeros(len(ids))
+    if heads:
+        texts = [units[i].text for i in heads]
+        rel = select.relevance(embed(texts), bm25_scores(texts, query), q_emb, np.zeros(len(heads)))
+        groups, first = np.unique([ids[keys[i]] for i in heads], return_index=True)  # its first heading names it
+        head_rel[groups] = rel[first]
+    return group, head_rel[group]
