@@ -89,13 +89,15 @@ def question_set(qset: str, units: list, n: int, chinese: bool = False, seed: in
 
 
 def corpora(parts: set[str], n_en: int, n_zh: int, n_multi: int, qset: str = "paraphrased",
-            split: str = "both") -> list[Corpus]:
+            split: str = "both", positions: tuple[str, ...] = ("first", "middle", "last")) -> list[Corpus]:
     out = []
     if "multi" in parts:
         gpl = license_text(GOLD_LICENSE)
         multi_q = question_set(qset, segment(GOLD_LICENSE, gpl), n_multi, seed=1)
         others = [Document(name, license_text(name)) for name in DISTRACTORS]
         for where, at in (("first", 0), ("middle", len(others) // 2), ("last", len(others))):
+            if where not in positions:
+                continue
             docs = [*others[:at], Document(GOLD_LICENSE, gpl), *others[at:]]
             out.append(Corpus(f"5 licenses, gold {where}", docs, multi_q))
     if "en" in parts:
@@ -399,6 +401,7 @@ def main() -> None:
     ap.add_argument("--zh-questions", type=int, default=20)
     ap.add_argument("--multi-questions", type=int, default=12)
     ap.add_argument("--parts", default="routing,multi,en,zh", help="comma-separated: routing, multi, en, zh")
+    ap.add_argument("--positions", default="first,middle,last", help="where the gold license goes (multi)")
     ap.add_argument("--qset", choices=("paraphrased", "template"), default="paraphrased")
     ap.add_argument("--split", choices=("tune", "held-out", "both"), default="both")
     ap.add_argument("--no-model", action="store_true", help="skip the model metric")
@@ -428,7 +431,8 @@ def main() -> None:
     save()
     scorer = None if args.no_model else AnswerScorer()
     lingua = LongLLMLingua() if args.llmlingua > 0 else None
-    for c in corpora(parts, args.questions, args.zh_questions, args.multi_questions, args.qset, args.split):
+    for c in corpora(parts, args.questions, args.zh_questions, args.multi_questions, args.qset, args.split,
+                     tuple(args.positions.split(","))):
         # the report is rewritten after each corpus
         res = run_corpus(c, args.ratio, count, rng, lingua, args.llmlingua, args.ablate_context)
         if scorer is not None:
