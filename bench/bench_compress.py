@@ -186,13 +186,13 @@ def llmlingua_subset(questions: list[dict], n: int) -> list[int]:
 
 
 def without_context(docs: list[Document], query: str, ratio: float, count) -> set[tuple[str, int, int]]:
-    """Ours with the section-context weights at 0 (the selection before select.with_context): the ablation."""
-    saved = select.NEIGHBOUR_WEIGHT, select.SECTION_WEIGHT
-    select.NEIGHBOUR_WEIGHT = select.SECTION_WEIGHT = 0.0
+    """Ours with the neighbour weight at 0 (the selection before select.with_neighbours): the ablation."""
+    saved = select.NEIGHBOUR_WEIGHT
+    select.NEIGHBOUR_WEIGHT = 0.0
     try:
         result = compress(docs, query=query, ratio=ratio, count_tokens=count)
     finally:
-        select.NEIGHBOUR_WEIGHT, select.SECTION_WEIGHT = saved
+        select.NEIGHBOUR_WEIGHT = saved
     return {(s.doc, s.start, s.end) for s in result.spans}
 
 
@@ -410,7 +410,7 @@ def main() -> None:
     ap.add_argument("--llmlingua", type=int, default=0, metavar="N",
                     help="LongLLMLingua's ranking on the first N questions of each split (0: off)")
     ap.add_argument("--ablate-context", action="store_true",
-                    help="also run ours without the section-context weights (method ours_no_context)")
+                    help="also run ours without the neighbour weight (method ours_no_context)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 

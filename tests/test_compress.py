@@ -210,14 +210,13 @@ def test_contract_review_example_cites_findings(tmp_path, capsys) -> None:
     assert findings["guarantee"]["status"] == "missing"
 
 
-def test_context_relevance_adds_neighbours_and_heading_within_a_section() -> None:
+def test_neighbour_relevance_stays_within_a_section() -> None:
     import numpy as np
 
-    from glmserve.compress.select import with_context
+    from glmserve.compress.select import with_neighbours
 
     rel = np.array([0.0, 1.0, 0.0, 0.0, 0.5])
     group = np.array([0, 0, 0, 1, 1])  # two sections: the neighbour across the boundary does not count
-    heading = np.array([0.2, 0.2, 0.2, 0.0, 0.0])
-    out = with_context(rel, group, heading, neighbour=0.5, section=1.0)
-    np.testing.assert_allclose(out, [0.7, 1.2, 0.7, 0.25, 0.5])
-    np.testing.assert_allclose(with_context(rel, group, heading, neighbour=0.0, section=0.0), rel)
+    np.testing.assert_allclose(with_neighbours(rel, group, weight=0.5), [0.5, 1.0, 0.5, 0.25, 0.5])
+    np.testing.assert_allclose(with_neighbours(rel, group, weight=0.0), rel)
+

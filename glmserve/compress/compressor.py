@@ -195,7 +195,7 @@ def _choose(units: list[Unit], kinds: list[frozenset[str]], structural: np.ndarr
     if query and query.strip():
         q_emb = embed([query])[0]
         rel = select.relevance(emb, bm25_scores(texts, query), q_emb, facts)
-        rel = select.with_context(rel, *_section_context(units, cand, structural, query, q_emb))
+        rel = select.with_neighbours(rel, _sections(units, cand))
         chosen = np.zeros(0, dtype=np.int64)
     else:
         rel = select.relevance(emb, None, None, facts)
@@ -206,17 +206,9 @@ def _choose(units: list[Unit], kinds: list[frozenset[str]], structural: np.ndarr
     return cand[picked], rel[picked]
 
 
-def _section_context(units: list[Unit], cand: np.ndarray, structural: np.ndarray, query: str,
-                     q_emb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per candidate: its (document, section) group id, and the query relevance of that section's heading."""
-    keys = [(u.doc, u.section) for u in units]
-    ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-    group = np.fromiter((ids[keys[i]] for i in cand), dtype=np.int64, count=cand.size)
-    heads = [i for i in np.flatnonzero(structural) if units[i].heading]
-    head_rel = np.zeros(len(ids))
-    if heads:
-        texts = [units[i].text for i in heads]
-        rel = select.relevance(embed(texts), bm25_scores(texts, query), q_emb, np.zeros(len(heads)))
-        groups, first = np.unique([ids[keys[i]] for i in heads], return_index=True)  # its first heading names it
-        head_rel[groups] = rel[first]
-    return group, head_rel[group]
+
+def _sections(units: list[Unit], cand: np.ndarray) -> np.ndarray:
+    """A group id per candidate: one per (document, section)."""
+    ids: dict[tuple[str, str], int] = {}
+    return np.fromiter((ids.setdefault((units[i].doc, units[i].section), len(ids)) for i in cand), dtype=np.int64,
+                       count=cand.size)
