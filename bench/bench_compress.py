@@ -175,7 +175,7 @@ class LongLLMLingua:
 
 
 def llmlingua_subset(questions: list[dict], n: int) -> list[int]:
-    """Indices of the first `n` questions of each split."""
+    """Indices of the first `n` questions (or rows) of each split."""
     seen: dict[str, int] = {}
     out = []
     for i, q in enumerate(questions):
@@ -282,8 +282,7 @@ def add_model_metric(scorer: AnswerScorer, res: dict, per_split: int | None = No
     """Fills each method's `logprob_loss` (nats per answer token) and each row's `gold_logprob`, on the first
     `per_split` questions of each split (all when None)."""
     items, where = [], []
-    chosen = [i for i in (llmlingua_subset(res["rows"], per_split) if per_split is not None
-                          else range(len(res["rows"])))]
+    chosen = llmlingua_subset(res["rows"], per_split) if per_split is not None else range(len(res["rows"]))
     for q in chosen:
         row = res["rows"][q]
         for m in (None, *row["methods"]):
