@@ -15,6 +15,11 @@ distributions. Weight memory: quantized layers at their bits per weight with 16-
   PYTHONPATH=. python bench/quant_quality.py --calib bench/data/calib_en.txt bench/data/calib_zh.txt \\
       --heldout bench/data/heldout_en.txt bench/data/heldout_zh.txt
 
+`--rotate KIND` first rotates the float model's residual stream (glmserve/quant/rotate.py: norms folded, lm_head
+untied, QuaRot's R1): the rotated float model is then the reference of every row (its own row reports its
+perplexity and KL against the unrotated float, equal to float rounding), and the rows quantize the rotated weights,
+which no longer lie on the GGUF's Q4_1 grid. "below bf16" stays against the shipped (tied) model in bf16.
+
 On a shared, loaded machine keep `--threads 1`: GPTQ's column loop is thousands of small ops, and with 2 threads
 on oversubscribed cores (load average 13 on 2 cores) one 576x576 GPTQ layer took 55 s, against 3.3 s on one
 thread run right before it.
@@ -40,6 +45,7 @@ from glmserve.quant.perplexity import token_windows
 from glmserve.quant.pipeline import bits_per_weight, scheme_specs, weight_bytes
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
+from glmserve.quant.rotate import KINDS, rotate_model
 from glmserve.quant.schemes import scheme
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,19 +98,20 @@ def _windows(tokenizer, files: list[str], seq_len: int, tokens: int):
 
 
 @torch.no_grad()
-def _evaluate(model: torch.nn.Module, windows, reference: list[torch.Tensor] | None):
-    """(perplexity, mean KL(reference || model) per predicted token or None, the log-probs in float16)."""
+def _evaluate(model: torch.nn.Module, windows, reference: list[torch.Tensor] | None, keep: bool = False):
+    """(perplexity, mean KL(reference || model) per predicted token or None, the log-probs in float16 (with a
+    reference, only if `keep`; else None))."""
     nll, kl, count, logprobs = 0.0, 0.0, 0, []
     for i, ids in enumerate(windows):
         lp = F.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
         nll -= lp.gather(1, ids[0, 1:, None]).sum().item()
         count += ids.shape[1] - 1
-        if reference is None:
+        if reference is None or keep:
             logprobs.append(lp.half())
-        else:
+        if reference is not None:
             ref = reference[i].float()
             kl += (ref.exp() * (ref - lp)).sum().item()
-    return math.exp(nll / count), None if reference is None else kl / count, logprobs
+    return math.exp(nll / count), None if reference is None else kl / count, logprobs or None
 
 
 class _Applied:
@@ -186,6 +193,8 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--rotate", default=None, choices=KINDS, help="rotate the residual stream first; the rotated "
+                   "float model is the reference")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ckpt = load_float(args.model)
@@ -199,6 +208,19 @@ def main() -> None:
     rows = [{"config": "float32", "ppl": base, "increase": {k: 0.0 for k in base}, "kl": {k: 0.0 for k in base},
              "weights_mib": bf16 / 2**20, "vs_bf16": 0.0, "seconds": time.time() - t0}]
     print(f"float32: ppl {base} ({ {k: sum(w.shape[1] for w in ws) for k, ws in evals.items()} } tokens)", flush=True)
+    if args.rotate:
+        t0 = time.time()
+        rotate_model(ckpt.model, args.rotate)
+        rotated, kl, logprobs = {}, {}, {}
+        for k, ws in evals.items():
+            rotated[k], kl[k], logprobs[k] = _evaluate(ckpt.model, ws, reference[k], keep=True)
+        served, _ = weight_bytes(ckpt.model, None)
+        rows.append({"config": f"float32-rotated-{args.rotate}", "ppl": rotated,
+                     "increase": {k: rotated[k] / base[k] - 1 for k in base}, "kl": kl, "weights_mib": served / 2**20,
+                     "vs_bf16": 1 - served / bf16, "seconds": time.time() - t0})
+        print(f"float32 rotated ({args.rotate}): ppl {rotated}, vs unrotated "
+              f"{ {k: f'{rotated[k] / base[k] - 1:+.2e}' for k in base} }, KL {kl}", flush=True)
+        base, reference = rotated, logprobs  # every row below is measured against the rotated float model
     hidden = ckpt.model.config.hidden_size
     stats: dict = {}
     for name in args.configs.split(","):
@@ -223,16 +245,18 @@ def main() -> None:
                "seconds": time.time() - t0, "notes": notes}
         rows.append(row)
         print(f"{name}: calib ppl {ppl['calib']:.3f} ({row['increase']['calib']:+.2%}), held-out ppl "
-              f"{ppl['heldout']:.3f} ({row['increase']['heldout']:+.2%}, KL {kl['heldout']:.4f}), weights "
+              f"{ppl['heldout']:.3f} ({row['increase']['heldout']:+.2%}, KL {kl['heldout']:.4f}, calib KL "
+              f"{kl['calib']:.4f}), weights "
               f"{row['weights_mib']:.1f} MiB ({row['vs_bf16']:.1%} below bf16), layers {counts}, "
               f"{row['seconds']:.0f} s", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
-    print("\n| config | calib ppl | vs float32 | held-out ppl | vs float32 | KL held-out | weight MiB | below bf16 |"
-          "\n|---|---|---|---|---|---|---|---|")
+    print("\n| config | calib ppl | vs float32 | held-out ppl | vs float32 | KL held-out | KL calib | weight MiB | "
+          "below bf16 |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['ppl']['calib']:.3f} | {r['increase']['calib']:+.2%} | "
               f"{r['ppl']['heldout']:.3f} | {r['increase']['heldout']:+.2%} | {r['kl']['heldout']:.4f} | "
+              f"{r['kl']['calib']:.4f} | "
               f"{r['weights_mib']:.1f} | {r['vs_bf16']:.1%} |")
 
 

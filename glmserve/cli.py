@@ -206,6 +206,10 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sensitivity", default="measured", choices=["measured", "fisher"],
                         help="--bits-budget: measure each layer unit's loss increase, or estimate it from the "
                         "Fisher diagonal (one gradient pass over the calibration text)")
+    parser.add_argument("--rotate", nargs="?", const="auto", default=None, choices=["auto", "hadamard", "random"],
+                        help="first rotate the residual stream (QuaRot's R1: norms folded, lm_head untied; the "
+                        "float model's function is unchanged, its outlier channels spread): a randomized Hadamard "
+                        "where the size allows (auto, the default kind), or a random orthogonal matrix")
     parser.add_argument("--dtype", default="auto", choices=list(QUANTIZE_DTYPES),
                         help="dtype of the tensors kept in float (auto: the source's)")
     parser.add_argument("--out", required=True, help="output folder")
@@ -215,10 +219,14 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
 def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | None = None,
                  bits_budget: float | None = None, candidates: str | None = None, calib: list[str] | None = None,
                  calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto",
-                 sensitivity: str = "measured", smooth: float | None = None, stats=None, gptq_damp: float = 0.01):
+                 sensitivity: str = "measured", smooth: float | None = None, stats=None, gptq_damp: float = 0.01,
+                 rotate: str | None = None):
     """Quantize `model` (a path, 'default', or a loaded models.hf_float.FloatCheckpoint, left unchanged) into a
     compressed-tensors folder `out`; returns (float model, pipeline Result). `stats`: calibration statistics
-    already collected on these windows (calibrate.collect_stats), reused instead of collected again."""
+    already collected on these windows (calibrate.collect_stats), reused instead of collected again. `rotate`
+    (or the recipe's `rotate`): rotate the residual stream first (quant/rotate.py); the returned float model is
+    the rotated one."""
+    import copy
     from pathlib import Path
 
     import torch
@@ -228,6 +236,7 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
     from glmserve.quant import pipeline
     from glmserve.quant.perplexity import token_windows
     from glmserve.quant.recipe import load_recipe, uniform
+    from glmserve.quant.rotate import rotate_model
 
     if sum(x is not None for x in (scheme, recipe, bits_budget)) != 1:
         raise InvalidRequestError("give exactly one of --scheme, --recipe, --bits-budget")
@@ -243,7 +252,14 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
     if pipeline.needs_calibration(plan) and not calib:
         raise InvalidRequestError("this needs calibration text: give --calib FILE (GPTQ, AWQ, --smooth, "
                                   "--bits-budget and a recipe's activation_threshold measure activations)")
+    rotate = rotate or (plan.recipe.rotate if plan.recipe else None)
+    if rotate and stats is not None:
+        raise InvalidRequestError("calibration statistics of the unrotated model do not describe the rotated one")
     ckpt = model if isinstance(model, FloatCheckpoint) else load_float(model)
+    if rotate:
+        if ckpt is model:  # the caller's model stays as it was
+            ckpt = FloatCheckpoint(copy.deepcopy(ckpt.model), ckpt.tokenizer, ckpt.source)
+        rotate_model(ckpt.model, rotate)
     windows = None
     if calib:
         windows = [w for f in calib  # each file gets an equal share of the tokens (e.g. English and Chinese)
@@ -266,7 +282,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
                                  bits_budget=args.bits_budget, candidates=args.candidates, calib=args.calib,
                                  calib_tokens=args.calib_tokens, seq_len=args.seq_len, method=args.method,
                                  dtype=args.dtype, sensitivity=args.sensitivity, smooth=args.smooth,
-                                 gptq_damp=args.gptq_damp)
+                                 gptq_damp=args.gptq_damp, rotate=args.rotate)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     counts: dict[str, int] = {}

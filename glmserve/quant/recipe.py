@@ -12,6 +12,9 @@ Two spellings are accepted.
 NVFP4 is defined by its E4M3 scale per 16 values (compressed-tensors and vLLM accept no other group), so a seeds'
 `group_size` other than 16 under `nvfp4` is noted and the format's 16 is used.
 
+`rotate`: true (or a kind: auto, hadamard, random) rotates the residual stream before quantizing (rotate.py), as
+`glmserve quantize --rotate` does.
+
 `activation_threshold`: input channels whose activation absmax on the calibration text exceeds it (LLM.int8()'s
 outlier features, Dettmers et al. 2022, arXiv 2208.07339, use 6.0) keep their weight columns in float; the rest of
 the weight is quantized with those columns zeroed (compressed_tensors.OutlierColumns).
@@ -32,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from glmserve.errors import InvalidRequestError
+from glmserve.quant.rotate import KINDS
 
 NONE = "none"
 LM_HEAD = "lm_head"
@@ -60,6 +64,7 @@ class Recipe:
     rules: tuple[Rule, ...]
     default: str = NONE
     activation_threshold: float | None = None
+    rotate: str | None = None  # a rotate.KINDS kind: rotate the residual stream first; None: no rotation
     notes: tuple[str, ...] = field(default=())  # what was read differently from the file's letter, for the user
 
     def scheme_for(self, name: str) -> str:
@@ -106,7 +111,12 @@ def parse_recipe(data: object, where: str = "recipe") -> Recipe:
     if threshold is not None and (not isinstance(threshold, (int, float)) or threshold <= 0):
         raise InvalidRequestError(f"{where}: activation_threshold must be a positive number, got {threshold!r}")
     threshold = None if threshold is None else float(threshold)
-    unknown = set(data) - {"rules", "default", "activation_threshold", "attention_layers", "ffn_layers"}
+    rotate = data.get("rotate")
+    if rotate is True:
+        rotate = "auto"
+    if rotate not in (None, False) and rotate not in KINDS:
+        raise InvalidRequestError(f"{where}: rotate must be true, false or one of {', '.join(KINDS)}, got {rotate!r}")
+    unknown = set(data) - {"rules", "default", "activation_threshold", "attention_layers", "ffn_layers", "rotate"}
     if unknown:
         raise InvalidRequestError(f"{where}: unknown keys {sorted(unknown)}")
     rules, notes = [], []
@@ -119,7 +129,7 @@ def parse_recipe(data: object, where: str = "recipe") -> Recipe:
             scheme, note = _seeds_scheme(data[key], f"{where}: {key}")
             rules.extend(Rule(p, scheme) for p in patterns)
             notes.extend([note] if note else [])
-    return Recipe(tuple(rules), str(data.get("default", NONE)), threshold, tuple(notes))
+    return Recipe(tuple(rules), str(data.get("default", NONE)), threshold, rotate or None, tuple(notes))
 
 
 def _seeds_scheme(entry: object, where: str) -> tuple[str, str | None]:
