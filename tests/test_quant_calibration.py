@@ -31,7 +31,9 @@ def _correlated_inputs(tokens: int, dim: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("spec", [W4G32, W4G32_ASYM, QuantSpec(4, "int", True, "channel"),
                                   QuantSpec(8, "float", True, "channel"),
                                   # 64x48 blocks: 96 rows in 2 row blocks, 128 inputs in 48 + 48 + a last 32
-                                  QuantSpec(8, "float", True, "block", block_structure=(64, 48))])
+                                  QuantSpec(8, "float", True, "block", block_structure=(64, 48)),
+                                  # NVFP4: E2M1 codes under its round-to-nearest scales (E4M3 per 16, fp32 global)
+                                  QuantSpec(4, "float", True, "tensor_group", group_size=16)])
 def test_gptq_reduces_layer_output_error_vs_rtn(spec):
     torch.manual_seed(0)
     w = torch.randn(96, 128) * 0.05
@@ -42,7 +44,11 @@ def test_gptq_reduces_layer_output_error_vs_rtn(spec):
     assert stats.tokens == 2048
     torch.testing.assert_close(stats.hessian, (x_calib.double().T @ x_calib.double()) / 2048)
     q = gptq(w, stats.hessian, spec)
-    assert q.codes.dtype == quantize(w, spec).codes.dtype and q.scales.shape == quantize(w, spec).scales.shape
+    rtn = quantize(w, spec)
+    assert q.codes.dtype == rtn.codes.dtype and q.scales.shape == rtn.scales.shape
+    if spec.strategy == "tensor_group":
+        assert torch.equal(q.scales.view(torch.uint8), rtn.scales.view(torch.uint8))
+        assert torch.equal(q.global_scale, rtn.global_scale)
 
     def err(qw):
         return ((x_test @ dequantize(qw).T - x_test @ w.T) ** 2).mean().item()

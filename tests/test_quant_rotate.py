@@ -164,3 +164,22 @@ def test_rotation_preserves_the_embedded_models_first_layers():
         rotate_model(model)
         got = model(ids).logits
     assert (got - want).abs().max() < 2e-5 * want.abs().max()
+
+
+@pytest.mark.slow  # quantizes the embedded model and runs it twice in the engine (minutes on a loaded machine)
+def test_engine_runs_the_rotated_embedded_model_as_the_reference_backend_does(tmp_path, monkeypatch):
+    out = tmp_path / "smollm2-rot-int8"
+    main(["quantize", "default", "--scheme", "int8", "--rotate", "--out", str(out)])
+    prompts = ["The capital of France is", "长上下文推理需要"]
+    options = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=256, max_model_len=256,
+                   kv_cache_memory_bytes=16 << 20)
+    native = LLM(model=str(out), **options)
+    assert native.engine.runner.model.lm_head.weight.data_ptr() != \
+        native.engine.runner.model.embed_tokens.weight.data_ptr()
+    got = native.generate(prompts, GREEDY)
+    monkeypatch.setenv("GLMSERVE_QUANT_BACKEND", "reference")
+    want = LLM(model=str(out), **options).generate(prompts, GREEDY)
+    floats = LLM(model=None, quantization="none", **options).generate(prompts, GREEDY)
+    for g, w, f in zip(got, want, floats, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert w.outputs[0].token_ids[:4] == f.outputs[0].token_ids[:4]  # int8 of the rotated model: the float's start

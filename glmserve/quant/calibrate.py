@@ -15,7 +15,10 @@ error. Without act order, group scales (and zero points) are set from the error-
 first column is reached. Either way the result is an ordinary group-wise QuantizedWeight that every backend runs.
 FP8 E4M3 weights (per channel, group or 128x128 block) go through the same loop, each column rounded onto the E4M3
 grid under fixed scales; a block's scale (set from the weights before any update) serves each of its rows, and the
-block columns are the groups (the last one shorter where 128 does not divide the inputs).
+block columns are the groups (the last one shorter where 128 does not divide the inputs). NVFP4 likewise: its fp32
+global scale and E4M3 scales per 16 inputs are set by round to nearest first, then each column is rounded onto the
+E2M1 grid under them (llm-compressor's GPTQModifier runs NVFP4 the same way: scales from the observer, GPTQ's
+column loop on the fixed grid).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from glmserve.quant.quantize import FP8_MAX, quantize
+from glmserve.quant.reference import E2M1_VALUES
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
@@ -112,6 +116,10 @@ def collect_stats(model: torch.nn.Module, batches: Iterable[torch.Tensor], names
 def _codes_for(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
     """Codes (integers, or E4M3 values) of the columns `w` [out, k] under one scale (and zero point) per row, as
     quantize() rounds."""
+    if spec.type == "float" and spec.num_bits == 4:  # the nearest E2M1 value, signed
+        scaled = w / scale
+        grid = torch.tensor(E2M1_VALUES[:8], dtype=w.dtype)
+        return grid[(scaled.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1)] * torch.where(scaled < 0, -1.0, 1.0)
     if spec.type == "float":
         return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(w.dtype)
     if zero is None:
@@ -124,9 +132,16 @@ def _value(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) 
     return (codes if zero is None else codes - zero) * scale
 
 
+def _is_nvfp4(spec: QuantSpec) -> bool:
+    return spec.type == "float" and spec.num_bits == 4 and spec.strategy == "tensor_group"
+
+
 def gptq_supports(spec: QuantSpec) -> bool:
-    """Integer group/channel weights, and FP8 E4M3 per channel, group or block (its codes rounded onto the E4M3
-    grid under fixed scales, as llm-compressor's GPTQ runs any quantization args through one fake-quantize)."""
+    """Integer group/channel weights, FP8 E4M3 per channel, group or block and NVFP4 (their codes rounded onto the
+    E4M3 / E2M1 grid under fixed scales, as llm-compressor's GPTQ runs any quantization args through one
+    fake-quantize)."""
+    if _is_nvfp4(spec):
+        return True
     fp8 = spec.type == "float" and spec.num_bits == 8 and spec.symmetric
     strategies = ("group", "channel", "block") if fp8 else ("group", "channel")
     return (spec.type == "int" or fp8) and spec.strategy in strategies and spec.gguf_type is None
@@ -144,9 +159,11 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
     if not gptq_supports(spec):
         raise ValueError(f"GPTQ quantizes integer or FP8 group/channel weights, not {spec}")
     out_f, in_f = w.shape
-    block_scales = quantize(w, spec).scales if spec.strategy == "block" else None  # fixed before any update
-    group = {"group": spec.group_size, "block": spec.block_structure[1] if spec.block_structure else None}.get(
-        spec.strategy, in_f)
+    nvfp4 = _is_nvfp4(spec)
+    rtn = quantize(w, spec)  # the canonical dtypes for this spec; block and NVFP4 scales, fixed before any update
+    block_scales = rtn.scales if spec.strategy == "block" or nvfp4 else None
+    group = {"group": spec.group_size, "tensor_group": spec.group_size,
+             "block": spec.block_structure[1] if spec.block_structure else None}.get(spec.strategy, in_f)
     if in_f % group and block_scales is None:
         raise ValueError(f"in_features {in_f} is not a multiple of the group size {group}")
     W = w.detach().to(torch.float64).clone()
@@ -170,7 +187,9 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
     codes = torch.empty(out_f, in_f)
     scales = torch.empty(out_f, -(-in_f // group))
     zeros = None if spec.symmetric else torch.empty(out_f, in_f // group)
-    if block_scales is not None:
+    if nvfp4:
+        scales[:] = block_scales.float() / rtn.global_scale
+    elif block_scales is not None:
         scales[:] = block_scales.float().repeat_interleave(spec.block_structure[0], dim=0)[:out_f]
     elif static is not None:
         scales[:] = torch.cat([q.scales.float() for q in static], dim=1)
@@ -201,7 +220,11 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
             W1[:, i:] -= err @ Hinv1[i:i + 1, i:]
             err1[:, i:i + 1] = err
         W[:, b1:] -= err1 @ Hinv[b0:b1, b1:]
-    rtn = quantize(w, spec)  # the canonical dtypes for this spec
+    if nvfp4:  # signed E2M1 values -> codes (magnitude index, + 8 for a negative)
+        grid = torch.tensor(E2M1_VALUES[:8])
+        magnitude = (codes.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1)
+        return QuantizedWeight(spec, (magnitude + 8 * (codes < 0)).to(rtn.codes.dtype), block_scales,
+                               global_scale=rtn.global_scale)
     if block_scales is not None:
         scales = block_scales
     return QuantizedWeight(spec, codes.to(rtn.codes.dtype), scales.to(rtn.scales.dtype),

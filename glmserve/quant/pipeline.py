@@ -146,8 +146,11 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
         spec, act = scheme_specs(schemes[unit[0]])
         if spec.strategy == "tensor_group" and len({schemes[n] for n in unit}) == 1:
             # NVFP4's fp32 global scale is one per fused layer (q|k|v, gate|up), as vLLM runs them and as
-            # llm-compressor writes them: quantize the stacked rows, then split
-            joint = quantize(torch.cat([w for w, _, _ in parts]), spec)
+            # llm-compressor writes them: quantize the stacked rows (GPTQ: with their one shared input's Hessian),
+            # then split
+            stacked = torch.cat([w for w, _, _ in parts])
+            joint = (gptq(stacked, parts[0][1], spec, damp=plan.gptq_damp) if plan.method in GPTQ_METHODS
+                     else quantize(stacked, spec))
             quantized = _split_rows(joint, [w.shape[0] for w, _, _ in parts])
         else:
             quantized = []
@@ -160,8 +163,9 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     progress.close()
     supported = gptq_supports if plan.method in GPTQ_METHODS else awq.supports
     if plan.method != "rtn" and any(not supported(m.weight.spec) for m in modules.values()):
-        notes.append(f"{plan.method.upper()} applies to integer{' and fp8' if supported is gptq_supports else ''} "
-                     "group/channel weights; the other layers are rounded to nearest")
+        also = ", fp8 and nvfp4" if supported is gptq_supports else ""
+        notes.append(f"{plan.method.upper()} applies to integer{also} group/channel weights; the other layers are "
+                     "rounded to nearest")
     if threshold is not None:
         kept = sum(len(m.outliers.columns) for m in modules.values() if m.outliers is not None)
         notes.append(f"activation_threshold {threshold}: {kept} input columns kept in float across "
