@@ -50,6 +50,7 @@ from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmserve.gateway import fastjson
+from glmserve.gateway.asgi_body import read_body
 from glmserve.gateway.keys import ANONYMOUS_KEY, ApiKey, KeyStore
 from glmserve.gateway.ledger import Ledger, LedgerRow, now_ms
 from glmserve.gateway.limits import (
@@ -228,7 +229,7 @@ class GatewayMiddleware:
         return default, False
 
     async def _billed(self, scope: Scope, receive: Receive, send: Send, key: ApiKey) -> None:
-        raw = await _read_body(receive)
+        raw, _ = await read_body(receive)
         try:
             body = fastjson.loads(raw) if raw else {}
         except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deeply: the app refuses it too
@@ -488,18 +489,6 @@ def _secret(scope: Scope) -> str | None:
         if lname in (b"api-key", b"x-api-key"):
             return value.decode("latin-1").strip()
     return None
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from glmserve.gateway import fastjson
 from glmserve.gateway.admission import PARSED_BODY
+from glmserve.gateway.asgi_body import read_body
 from glmserve.gateway.backends import Backend, BackendPool
 from glmserve.gateway.models_map import ModelMap
 from glmserve.gateway.proxy_metrics import ProxyMetrics
@@ -115,17 +116,6 @@ def _error(status: int, message: str, code: str, request_id: str, error_type: st
     return _Answer(status, headers, json.dumps(error_body(message, code, error_type)).encode())
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks) if len(chunks) != 1 else chunks[0]
-
-
 class Proxy:
     def __init__(self, pool: BackendPool, default_group: tuple[Backend, ...], models: ModelMap,
                  options: ProxyOptions, request_timeout_s: float, metrics: ProxyMetrics,
@@ -154,9 +144,8 @@ class Proxy:
                    self.options.first_token_timeout_s + self.options.first_token_s_per_1k * tokens / 1000)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            raw = await _read_body(receive)
-        except _ClientGone:
+        raw, client_gone = await read_body(receive)
+        if client_gone:
             return
         payload: Any = scope.get(PARSED_BODY)  # GatewayMiddleware parsed it already
         if payload is None and raw and scope["method"] == "POST":
