@@ -15,9 +15,9 @@ pattern. Model path (`--server`): per rule, one chat request through the officia
 before prefill to `--target-tokens`) and `sparse_attention` (block-sparse decode, top-k `--sparse-top-k`;
 `--sparse server` sends none and leaves the server's default). The model is asked, with a one-shot example,
 to copy the sentence that answers the rule, or NONE; its answer is located in the trace map's kept spans
-(glmserve/compress/locate.py `locate_quote`: exact substring, else the kept span that shares
-most of its characters), and the verdict applies the rule's pattern to the cited source text (a rate is compared with the cap): a
-quote that is not in a kept span, or that does not state what the rule asks, gives "missing".
+(glmserve/compress/locate.py `locate_quote`: the exact substring, else the kept span that shares most of its
+characters), and the verdict applies the rule's pattern to the cited source text (a rate is compared with the
+cap): a quote that is not in a kept span, or that does not state what the rule asks, gives "missing".
 
 A server for long contracts, with sparse decode and a KV pool (2,048 tokens of SmolLM2's 46,080 bytes each)
 smaller than the compressed prompt, so that chunked prefill offloads old KV chunks to disk and decode reads back
