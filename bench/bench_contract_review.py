@@ -131,10 +131,6 @@ def main() -> None:
                                **summary(rows), "per_rule": rows})
         print(json.dumps(result["rows"][-1]), flush=True)
 
-    for c in contracts:
-        run_path("rules@ratio", c, lambda docs, cap: review.review(docs, cap, args.ratio))
-        run_path("rules@budget", c, lambda docs, cap: review.review(docs, cap, None, args.target_tokens))
-
     with tempfile.TemporaryDirectory() as kv_dir:
         flags = ["--sparse-attention", "block", "--sparse-top-k", str(args.sparse_top_k), "--sparse-local-tokens",
                  "128", "--kv-cache-memory-bytes", str(args.pool_tokens * KV_BYTES_PER_TOKEN), "--kv-chunk-tokens",
@@ -158,6 +154,9 @@ def main() -> None:
                 **{k: metrics.last.get(k, 0.0) for k in (
                     "prompt_tokens_total", "generation_tokens_total", "kv_stream_offloaded_chunks_total",
                     "kv_stream_read_slices_total", "kv_stream_skipped_slices_total")}}
+    for c in contracts:
+        run_path("rules@ratio", c, lambda docs, cap: review.review(docs, cap, args.ratio))
+        run_path("rules@budget", c, lambda docs, cap: review.review(docs, cap, None, args.target_tokens))
     print(json.dumps(result["server"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,7 @@ RULES = [
          re.compile(r"\bgoverned by\b|\bgoverning law\b|适用法律", re.I), "the law that governs this Agreement"),
 ]
 
+COMPRESS_TIMEOUT_S = 600  # POST /v1/compress of a 120K-token contract on a loaded 2-core machine
 MODEL_TARGET_TOKENS = 1500  # what a 135M model with an 8K context reads in reasonable time on a CPU
 SYSTEM = ("You check contracts. Answer with one sentence copied word for word from the documents, or NONE if "
           "no sentence says it.\n\nExample.\nDocuments:\n4.2 Payment\nInvoices are sent monthly. The Customer "
@@ -159,7 +160,7 @@ def kept_sentences(client: Any, documents: list[Document], rule: Rule, target_to
     chat request's context_compression runs), less headings: the choices of a constrained answer."""
     body = {"documents": [{"id": d.id, "text": d.text} for d in documents], "query": rule.query,
             "target_tokens": target_tokens}
-    reply = httpx.post(f"{str(client.base_url).rstrip('/')}/compress", json=body, timeout=client.timeout)
+    reply = httpx.post(f"{str(client.base_url).rstrip('/')}/compress", json=body, timeout=COMPRESS_TIMEOUT_S)
     reply.raise_for_status()
     texts = {d.id: d.text for d in documents}
     kept = [texts[s["doc"]][s["start"]:s["end"]] for s in reply.json()["spans"] if "heading" not in s["anchors"]]
@@ -191,6 +192,9 @@ def review_with_model(client: Any, model: str, documents: list[Document], rate_c
     findings = []
     for rule in RULES:
         choices = kept_sentences(client, documents, rule, target_tokens) if constrained else None
+        if choices == []:  # the budget went to headings (never dropped): no sentence to choose from
+            findings.append(Finding(rule.name, "missing", note="no sentence kept within the budget"))
+            continue
         # a constrained answer must be able to finish its longest choice (a token holds >= 2 characters)
         limit = max(max_tokens, 8 + max(map(len, choices)) // 2) if choices else max_tokens
         reply = ask_model(client, model, documents, rule, target_tokens, sparse, limit, choices)
