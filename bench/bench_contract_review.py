@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=1024)
     ap.add_argument("--sparse-top-k", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--paths", default="model,rules", help="model and/or rules (rules@ratio and rules@budget)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     counter = default_counter()
@@ -131,6 +132,20 @@ def main() -> None:
                                **summary(rows), "per_rule": rows})
         print(json.dumps(result["rows"][-1]), flush=True)
 
+    if "model" in args.paths.split(","):
+        result["server"] = run_model(args, contracts, run_path)
+        print(json.dumps(result["server"]), flush=True)
+    if "rules" in args.paths.split(","):
+        for c in contracts:
+            run_path("rules@ratio", c, lambda docs, cap: review.review(docs, cap, args.ratio))
+            run_path("rules@budget", c, lambda docs, cap: review.review(docs, cap, None, args.target_tokens))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+def run_model(args: argparse.Namespace, contracts: list[SyntheticContract], run_path) -> dict:
+    """The model path on every contract against one server; the server's KV pool, peaks and counters."""
     with tempfile.TemporaryDirectory() as kv_dir:
         flags = ["--sparse-attention", "block", "--sparse-top-k", str(args.sparse_top_k), "--sparse-local-tokens",
                  "128", "--kv-cache-memory-bytes", str(args.pool_tokens * KV_BYTES_PER_TOKEN), "--kv-chunk-tokens",
@@ -146,7 +161,7 @@ def main() -> None:
                     run_path("model", c, lambda docs, cap: review.review_with_model(
                         client, model, docs, cap, args.target_tokens, sparse, args.max_tokens))
             pool = re.search(r"KV pool (\d+) blocks x (\d+) tokens \(\w+\), ([0-9.]+) MB", log.read_text())
-            result["server"] = {
+            return {
                 "flags": flags[:-1] + ["<tmp>"], "pool_tokens": int(pool.group(1)) * int(pool.group(2)),
                 "pool_mb": float(pool.group(3)), "peak_kv_cache_usage": round(metrics.peak["kv_cache_usage"], 3),
                 "peak_offloaded_kv_mb": round(metrics.peak["kv_stream_bytes"] / 2**20, 1),
@@ -154,13 +169,6 @@ def main() -> None:
                 **{k: metrics.last.get(k, 0.0) for k in (
                     "prompt_tokens_total", "generation_tokens_total", "kv_stream_offloaded_chunks_total",
                     "kv_stream_read_slices_total", "kv_stream_skipped_slices_total")}}
-    for c in contracts:
-        run_path("rules@ratio", c, lambda docs, cap: review.review(docs, cap, args.ratio))
-        run_path("rules@budget", c, lambda docs, cap: review.review(docs, cap, None, args.target_tokens))
-    print(json.dumps(result["server"]))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
