@@ -113,3 +113,13 @@ def kernel_backend(request, monkeypatch) -> str:
         monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")
         return request.param
     return _use_kernels(request.param, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def float32_prefill():
+    """Prefill attention and MLP activations in float32 on every CPU (on AMX CPUs they default to bf16), for the
+    modules whose tests compare paths for exact equality: the result then does not depend on the CPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GLMSERVE_BF16_ATTENTION", "0")
+        patch.setenv("GLMSERVE_BF16_ACTIVATIONS", "0")
+        yield

@@ -37,6 +37,8 @@ from glmserve.sparse.learned import (
 )
 from glmserve.training.indexer_distill import DistillConfig, distill, kl_per_layer, teacher_window
 
+pytestmark = pytest.mark.usefixtures("float32_prefill")  # exact comparisons: float32 prefill on every CPU
+
 CPU = torch.device("cpu")
 SMALL = DistillConfig(window=96, steps=40, dim=8, heads=2, lr=1e-2, queries_per_window=32, queries_per_step=32,
                       max_windows=5, heldout_windows=1, budget=16)

@@ -32,6 +32,8 @@ from glmserve.sparse.block import BlockIndexer
 from glmserve.sparse.selection import SparseRows, compact, decode_keep_mask, keep_mask, select_slots
 from glmserve.sparse_settings import SparseAttentionParams, resolve_sparse_params
 
+pytestmark = pytest.mark.usefixtures("float32_prefill")  # exact comparisons: float32 prefill on every CPU
+
 BLOCK = 16
 
 

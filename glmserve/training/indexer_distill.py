@@ -81,7 +81,8 @@ class _DenseRecorder:
         self.query_pos = query_pos
         self.q = self.k = self.target = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         a = self.attn
         gqa = a.num_heads != a.num_kv_heads
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
@@ -92,7 +93,7 @@ class _DenseRecorder:
         future = torch.arange(k.shape[0], device=k.device)[None, :] > self.query_pos[:, None]
         self.target = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1).mean(0)
         self.q, self.k = qs, k.float()
-        return out[0].transpose(0, 1).reshape(q.shape[0], a.num_heads * a.head_dim)
+        return out[0].transpose(0, 1).reshape(q.shape[0], a.num_heads * a.head_dim).to(out_dtype or q.dtype)
 
 
 @contextmanager
