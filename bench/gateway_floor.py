@@ -15,9 +15,10 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Callable
 
 import uvicorn
+
+from glmserve.gateway.asgi_body import read_body
 
 FIXED = json.dumps({"id": "chatcmpl-fixed", "object": "chat.completion", "created": 0, "model": "m",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello from fixed"},
@@ -27,20 +28,11 @@ FIXED = json.dumps({"id": "chatcmpl-fixed", "object": "chat.completion", "create
 JSON_HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(FIXED)).encode())]
 
 
-async def _body(receive: Callable) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 def fixed_app():
     async def app(scope, receive, send) -> None:
         if scope["type"] != "http":
             return
-        await _body(receive)
+        (await read_body(receive))[0]
         await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": FIXED})
 
@@ -57,7 +49,7 @@ def aiohttp_app(backend: str):
             return
         if not session:
             session.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False))
-        body = await _body(receive)
+        body = (await read_body(receive))[0]
         async with session[0].request(scope["method"], backend + scope["path"], data=body,
                                       headers={"content-type": "application/json"}) as response:
             data = await response.read()
@@ -76,7 +68,7 @@ def own_app(backend: str):
     async def app(scope, receive, send) -> None:
         if scope["type"] != "http":
             return
-        body = await _body(receive)
+        body = (await read_body(receive))[0]
         response = pool.exchange(backend)
         await response.send(scope["method"], scope["path"], [(b"content-type", b"application/json")], body, 30.0)
         data = await response.read(30.0)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from glmserve.gateway.asgi_body import read_body  # noqa: E402
 from glmserve.gateway.usage_stream import Usage  # noqa: E402
 
 
@@ -35,15 +36,6 @@ def _usage_json(u: Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-async def _read(receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 async def fake_backend(scope, receive, send) -> None:
     if scope["type"] == "lifespan":
         while True:
@@ -54,7 +46,7 @@ async def fake_backend(scope, receive, send) -> None:
     if scope["path"] in ("/health", "/v1/health"):
         await _send_json(send, 200, {"status": "ready"})
         return
-    body = json.loads(await _read(receive))
+    body = json.loads((await read_body(receive))[0])
     usage = expected_usage(body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     model = body.get("model", "fake")
