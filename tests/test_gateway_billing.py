@@ -199,6 +199,27 @@ def test_keys_models_and_limits_answer_as_openai_does(gw: Gateway) -> None:
     assert gw.metric("glmserve_gateway_auth_failures_total", reason="unknown") == 1
 
 
+def test_every_path_needs_a_key_and_odd_spellings_of_a_billed_path_are_billed(gw: Gateway) -> None:
+    """The fake backend generates on any path, as llama-server does on /chat/completions and vLLM on /invocations:
+    no path but the open ones reaches it without a key, and a billed path spelled otherwise is billed and limited."""
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+    for path in ("/chat/completions", "/completion", "/invocations", "//v1/chat/completions", "/V1/chat/completions"):
+        refused = httpx.post(f"{gw.base_url}{path}", json=body)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", path
+    assert httpx.get(f"{gw.base_url}/v1/health").status_code == 200  # the open paths stay open
+    assert httpx.get(f"{gw.base_url}/metrics").status_code == 200
+    before = gw.rows()
+    key = {"Authorization": "Bearer sk-open-0123456789"}
+    answered = {}
+    for path in ("/v1//chat/completions", "/v1/chat/completions/", "/v1/./chat/completions", "/V1/Chat/Completions"):
+        response = httpx.post(f"{gw.base_url}{path}", json=body, headers=key)
+        assert response.status_code == 200 and "x-ratelimit-limit-requests" in response.headers, path
+        answered[response.json()["id"]] = response.json()["usage"]
+    rows = gw.rows()
+    assert set(rows) - set(before) == set(answered)
+    assert all(rows[rid][6] == usage["completion_tokens"] == 2 for rid, usage in answered.items())
+
+
 def test_stream_and_non_stream_cost_the_same_and_the_ledger_matches_what_clients_saw(gw: Gateway) -> None:
     client = gw.client("sk-open-0123456789")
     whole = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=7)

@@ -19,7 +19,8 @@ Constructor:
 What it does per HTTP request:
   /health, /v1/health, /metrics: no key needed; the JSON of /v1/health gets a "gateway" object
   (limit backend, Redis up/down, keys loaded, last keys-file error).
-  Any other /v1/... path needs a key (`Authorization: Bearer KEY`, or `api-key` / `x-api-key`): 401 otherwise.
+  Any other path needs a key (`Authorization: Bearer KEY`, or `api-key` / `x-api-key`): 401 otherwise. Paths are
+  matched as canonical_path() writes them (`/v1//chat/completions/` is billed as `/v1/chat/completions`).
   GET /v1/usage is answered here (the caller's key; an admin key may pass ?key=NAME or ?key=*; ?since=YYYY-MM-DD).
   POST /v1/chat/completions and /v1/completions are admitted against the key's model list (404) and limits (429),
   the wrapped app's response gets x-ratelimit-* headers, and its usage is billed: one ledger row per answered
@@ -41,6 +42,7 @@ import json
 import logging
 import math
 import os
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -161,16 +163,19 @@ class GatewayMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        if path in OPEN_PATHS or not path.startswith("/v1/"):
+        if path in OPEN_PATHS:
             if path == HEALTH_PATH:
                 await self.app(scope, receive, self._health_send(send))
             else:
                 await self.app(scope, receive, send)
             return
+        # every other path needs a key, /v1/ or not: a backend may generate on others too (llama-server's
+        # /completion and /chat/completions, vLLM's /invocations), which would be free and unlimited otherwise
         key = self._authenticate(scope)
         if key is None:
             await self._unauthorized(scope, send)
             return
+        path = canonical_path(path)
         if path == USAGE_PATH and scope["method"] == "GET":
             await self._usage(scope, key, send)
         elif path in BILLED_PATHS and scope["method"] == "POST":
@@ -461,6 +466,13 @@ class GatewayMiddleware:
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
         return on_send
+
+
+def canonical_path(path: str) -> str:
+    """The path as a lenient backend may route it (slashes merged, dot segments resolved, no trailing slash, lower
+    case), so that `/v1//chat/completions/` is billed and limited like `/v1/chat/completions` (the request is
+    forwarded as the client sent it; a backend that does not route it answers an error, which is not billed)."""
+    return posixpath.normpath("/" + path.lstrip("/")).lower()
 
 
 def _fmt(value: float) -> str:
