@@ -177,6 +177,9 @@ def test_keys_models_and_limits_answer_as_openai_does(gw: Gateway) -> None:
     with pytest.raises(openai.RateLimitError, match=r"Request too large .* Limit 200, Requested \d+") as large:
         small.chat.completions.create(model="m", messages=MESSAGES, max_tokens=500)
     assert large.value.response.headers["x-should-retry"] == "false" and large.value.type == "tokens"
+    assert large.value.response.headers["x-ratelimit-limit-tokens"] == "200"  # as on every limited response
+    assert large.value.response.headers["x-ratelimit-remaining-tokens"] == "200"  # it took nothing
+    assert "retry-after" not in large.value.response.headers
     ok = small.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=20)
     assert ok.headers["x-ratelimit-limit-tokens"] == "200"
     assert int(ok.headers["x-ratelimit-remaining-tokens"]) < 200

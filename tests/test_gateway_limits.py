@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -199,6 +200,37 @@ def test_tokens_are_reserved_and_refunded_from_real_usage(limiter, tmp_path: Pat
     assert not refused.decision.admitted and refused.decision.reason == "tokens"
     assert refused.decision.requested == 600 and refused.decision.used == pytest.approx(600, abs=1)
     assert again.decision.admitted and again.decision.tokens_left == pytest.approx(300, abs=1)
+
+
+def test_a_request_larger_than_the_whole_tpm_is_too_large_and_takes_nothing(limiter, tmp_path: Path) -> None:
+    key = _key(tmp_path, rps=0.01, burst=5, tpm=1000)
+
+    async def run():
+        first = await limiter.admit(key, _ask(300))
+        large = await limiter.admit(key, _ask(1001))
+        after = await limiter.admit(key, _ask(300))
+        return first, large, after
+
+    first, large, after = asyncio.run(run())
+    d = large.decision
+    assert not d.admitted and d.reason == "too_large" and d.limit == 1000 and d.requested == 1001
+    assert d.wait_s == math.inf and d.used == pytest.approx(300, abs=1)
+    assert d.tokens_left == pytest.approx(700, abs=1) and d.requests_left == pytest.approx(4, abs=0.01)
+    # the refusal took neither a request nor tokens
+    assert after.decision.admitted and after.decision.tokens_left == pytest.approx(400, abs=1)
+    assert after.decision.requests_left == pytest.approx(3, abs=0.01)
+
+
+def test_the_fallback_refuses_as_too_large_only_what_the_whole_tpm_cannot_take(tmp_path: Path) -> None:
+    key = _key(tmp_path, tpm=900)
+    limiter = RedisLimiter(f"redis://127.0.0.1:{free_port()}/0", replicas=3)  # nobody listens: 300 per process
+
+    async def run():
+        return await limiter.admit(key, _ask(600)), await limiter.admit(key, _ask(901))
+
+    waits, large = asyncio.run(run())
+    assert waits.decision.local and waits.decision.reason == "tokens" and waits.decision.limit == 300
+    assert large.decision.reason == "too_large" and large.decision.limit == 900
 
 
 def test_concurrency_slots_are_freed_at_settle(limiter, tmp_path: Path) -> None:

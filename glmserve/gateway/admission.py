@@ -256,9 +256,6 @@ class GatewayMiddleware:
         n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 1) > 0 else 1
         prompts = _prompt_text(body)[1] if "prompt" in body else 1
         tokens = prompt_tokens + per_choice * n * prompts
-        if key.tpm is not None and tokens > key.tpm:
-            await self._too_large(send, key, tokens)
-            return
         cost = self.prices.cost(model, prompt_tokens, 0, per_choice * n * prompts).cost_micro
         ticket = await self.limiter.admit(key, Ask(f"gw-{os.urandom(16).hex()}", tokens, cost, LEASE_S))
         if not ticket.decision.admitted:
@@ -284,16 +281,17 @@ class GatewayMiddleware:
         finally:
             await self._settle(state)
 
-    async def _too_large(self, send: Send, key: ApiKey, tokens: int) -> None:
-        self.metrics.rejections.labels("too_large").inc()
-        message = (f"Request too large for key {key.name} on tokens per min (TPM): Limit {key.tpm}, Requested "
-                   f"{tokens}. The input or output tokens must be reduced in order to run successfully.")
-        await send_json(send, 429, error_body(message, "tokens", "rate_limit_exceeded"), {"x-should-retry": "false"})
-
     async def _refuse(self, send: Send, ticket: Ticket) -> None:
         d, key = ticket.decision, ticket.key
         self.metrics.rejections.labels(d.reason or "unknown").inc()
         headers = ratelimit_headers(d)
+        if d.reason == "too_large":  # larger than the key's TPM on its own: retrying cannot help
+            message = (f"Request too large for key {key.name} on tokens per min (TPM): Limit {_fmt(d.limit)}, "
+                       f"Requested {_fmt(d.requested)}. The input or output tokens must be reduced in order to run "
+                       "successfully.")
+            await send_json(send, 429, error_body(message, "tokens", "rate_limit_exceeded"),
+                            {**headers, "x-should-retry": "false"})
+            return
         if d.reason == "budget":
             message = (f"You exceeded your current quota: key {key.name} has a budget of "
                        f"${format_usd(int(d.limit))} per {key.budget_period}, ${format_usd(int(d.used))} used, this "

@@ -4,7 +4,8 @@ Each key has up to five limits, all checked and taken together or not at all:
   requests   token bucket: refills `rps` per second up to `burst` (the seeds' nginx `rate=20r/s burst=20`)
   rpm        token bucket: refills rpm/60 per second up to `rpm`
   tokens     token bucket: refills tpm/60 per second up to `tpm`; admission takes prompt tokens + the effective
-             max_tokens, the end gives back what the request did not use (or takes what it used beyond that)
+             max_tokens, the end gives back what the request did not use (or takes what it used beyond that); a
+             request larger than the key's whole tpm is refused as `too_large` (waiting would not help)
   concurrency  requests in flight (each holds a short lease that the gateway renews while the request runs
                (`renew`, every RENEW_EVERY_S), so a killed gateway's slots free within LEASE_S)
   budget     micro-USD per day/month: admission takes the request's highest possible cost, the end settles it to
@@ -82,7 +83,7 @@ class Decision:
 
     admitted: bool
     limits: Limits
-    reason: str | None = None  # concurrency | requests | requests_per_minute | tokens | budget
+    reason: str | None = None  # too_large | concurrency | requests | requests_per_minute | tokens | budget
     limit: float = 0
     used: float = 0
     requested: float = 0
@@ -150,10 +151,10 @@ class MemoryLimiter:
         limits = Limits.of(key, self.divisor)
         period, _ = budget_period(key.budget_period)
         with self._lock:
-            decision = self._admit(key.name, limits, ask, period)
+            decision = self._admit(key.name, limits, ask, period, key.tpm)
         return Ticket(key, ask, decision, period)
 
-    def _admit(self, name: str, lim: Limits, ask: Ask, period: str) -> Decision:
+    def _admit(self, name: str, lim: Limits, ask: Ask, period: str, whole_tpm: int | None) -> Decision:
         now = self._clock()
         b = self._buckets
         r1 = _level(b.get((name, "rps")), now, lim.rps, lim.burst) if lim.rps != NO_LIMIT else None
@@ -166,7 +167,7 @@ class MemoryLimiter:
                 del inflight[rid]
         spent = self._spent.get((name, period), 0)
         levels = {"requests_left": r1, "rpm_left": r2, "tokens_left": tk}
-        refusal = _refusal(lim, ask, r1, r2, tk, len(inflight), spent)
+        refusal = _refusal(lim, ask, r1, r2, tk, len(inflight), spent, whole_tpm)
         if refusal is not None:
             return Decision(False, lim, *refusal, **levels)
         if r1 is not None:
@@ -216,9 +217,12 @@ class MemoryLimiter:
 
 
 def _refusal(lim: Limits, ask: Ask, r1: float | None, r2: float | None, tk: float | None, inflight: int,
-             spent: int) -> tuple[str, float, float, float, float] | None:
+             spent: int, whole_tpm: int | None) -> tuple[str, float, float, float, float] | None:
     """(reason, limit, used, requested, wait) of the first limit the request does not fit, else None; the same
-    order and figures as ADMIT_LUA."""
+    order and figures as ADMIT_LUA. `whole_tpm`: the key's tpm undivided (a request larger than 1/N of it is
+    refused as `tokens`, to wait until Redis is back; only one larger than all of it is `too_large`)."""
+    if tk is not None and whole_tpm is not None and ask.tokens > whole_tpm:
+        return ("too_large", whole_tpm, lim.tpm - tk, ask.tokens, math.inf)
     if lim.max_concurrency != NO_LIMIT and inflight + 1 > lim.max_concurrency:
         return ("concurrency", lim.max_concurrency, inflight, 1, 1.0)
     if r1 is not None and r1 < 1:
@@ -265,6 +269,7 @@ local function s(v) if v == nil then return '' end return tostring(v) end
 local function no(reason, limit, used, requested, wait)
   return {'0', reason, s(limit), s(used), s(requested), s(wait), s(r1), s(r2), s(tk)}
 end
+if tk and tokens > tpm then return no('too_large', tpm, tpm - tk, tokens, 'inf') end
 if conc >= 0 and inflight + 1 > conc then return no('concurrency', conc, inflight, 1, 1.0) end
 if r1 and r1 < 1 then return no('requests', burst, burst - r1, 1, (1 - r1) / rps) end
 if r2 and r2 < 1 then return no('requests_per_minute', rpm, rpm - r2, 1, (1 - r2) / (rpm / 60)) end
