@@ -6,6 +6,7 @@ lands in the ledger under the anonymous key."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -189,3 +190,40 @@ def test_serve_without_keys_bills_the_anonymous_key(tiny_model_dir, tmp_path: Pa
     assert len(mine) == 1 and mine[0].key_name == "anonymous" and mine[0].cost_micro == 0
     assert mine[0].completion_tokens == done.usage.completion_tokens
     assert usage["key"] == "anonymous" and usage["total"]["requests"] >= 1
+
+
+def test_request_timeout_answers_504_aborts_the_engine_request_and_bills_nothing(tiny_model_dir, tmp_path: Path,
+                                                                                 isolated_root: Path) -> None:
+    """`--request-timeout 1` with one sequence at a time: of 16 requests of 500 tokens each (streamed or not) those
+    still queued after 1 s get a 504 `request_timeout`; the engine ends with nothing in flight (the timed-out
+    requests were aborted, not left to run) and the ledger holds a row for each answered request only."""
+    ledger = tmp_path / "ledger.sqlite3"
+    args = ["--model", str(tiny_model_dir("llama")), "--served-model-name", SERVED, "--max-model-len", "512",
+            "--kv-cache-memory-bytes", str(16 << 20), "--num-threads", "1", "--max-num-seqs", "1",
+            "--request-timeout", "1", "--ledger", f"sqlite:///{ledger}"]
+    with glmserve_process(args, tmp_path / "server.log") as process:
+        _ready(process)
+        base = process.base_url
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+                return await asyncio.gather(*(http.post("/v1/completions", json={
+                    "model": SERVED, "prompt": f"hello {i}", "max_tokens": 500, "ignore_eos": True,
+                    "stream": i % 2 == 1}) for i in range(16)))
+
+        responses = asyncio.run(run())
+        timed_out = [r for r in responses if r.status_code == 504]
+        assert timed_out and all(r.json()["error"]["code"] == "request_timeout" for r in timed_out)
+        answered = [r for r in responses if r.status_code == 200]
+        assert len(answered) + len(timed_out) == 16
+        assert all(r.text.endswith("data: [DONE]\n\n") for r in answered if "text/event-stream" in r.headers[
+            "content-type"])
+
+        def idle() -> bool:
+            engine = httpx.get(f"{base}/v1/health").json()["engine"]
+            return engine["requests_in_flight"] == 0 and engine["num_free_blocks"] == engine["num_total_blocks"]
+
+        wait_for(idle, 30, "the engine to drop the timed-out requests", process.log)
+        assert _metric(base, "glmserve_gateway_timeouts_total", kind="request") == len(timed_out)
+        assert _metric(base, "glmserve_generation_tokens_total") < 16 * 500  # the aborted ones did not run
+    assert len(Ledger(f"sqlite:///{ledger}").rows()) == len(answered)
