@@ -7,6 +7,7 @@ lands in the ledger under the anonymous key."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,12 +16,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import STARTUP_TIMEOUT_S, ServerProcess, glmserve_process, wait_for
 from tiny_models import make_tiny_chat_model
 
+from glmserve.gateway.backends import BackendPool
 from glmserve.gateway.ledger import Ledger
+from glmserve.gateway.proxy_metrics import ProxyMetrics
 
+DASHBOARD_DIR = Path(__file__).resolve().parents[1] / "docs" / "grafana"
 SERVED = "tiny"
 CAP = 6
 KEY = "sk-team-a-0123456789"
@@ -55,7 +60,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     (work / "keys.toml").write_text(f'[[key]]\nname = "team-a"\nkey = "{KEY}"\nrpm = 1000\ntpm = 100000\n')
     (work / "prices.toml").write_text(PRICES)
     ledger = work / "ledger.sqlite3"
-    args = ["--model", str(model), "--served-model-name", SERVED, "--max-model-len", "128",
+    args = ["--model", str(model), "--served-model-name", SERVED, "--max-model-len", "128", "--request-timeout", "60",
             "--kv-cache-memory-bytes", str(8 << 20), "--num-threads", "1", "--max-tokens-cap", str(CAP),
             "--keys", str(work / "keys.toml"), "--prices", str(work / "prices.toml"), "--ledger", f"sqlite:///{ledger}"]
     with glmserve_process(args, work / "server.log") as process:
@@ -106,6 +111,24 @@ def test_serve_bills_through_the_gateway_and_reports_the_token_budget(served) ->
     out = subprocess.run([sys.executable, "-m", "glmserve.cli", "billing", "report", "--ledger",
                           f"sqlite:///{ledger_path}"], capture_output=True, text=True, check=True).stdout
     assert "team-a" in out and "without_cache_usd" in out and "TOTAL" in out
+
+
+def test_every_metric_of_the_grafana_dashboard_is_exported_and_its_json_is_current(served) -> None:
+    """The dashboard's panels name metrics that exist (the serving process's /metrics: server, admission and
+    --request-timeout metrics; the gateway's proxy registry), so no panel shows "no data" for a renamed metric, and
+    docs/grafana/glmserve-gateway.json is what docs/grafana/dashboard.py writes."""
+    process, _ = served
+    sys.path.insert(0, str(DASHBOARD_DIR))
+    try:
+        import dashboard
+    finally:
+        sys.path.remove(str(DASHBOARD_DIR))
+    assert json.loads((DASHBOARD_DIR / "glmserve-gateway.json").read_text()) == dashboard.dashboard()
+    texts = [httpx.get(f"{process.base_url}/metrics").text,
+             generate_latest(ProxyMetrics(BackendPool(httpx.AsyncClient(), 30, 3, 3, 5)).registry).decode()]
+    exported = {family.name for text in texts for family in text_string_to_metric_families(text)}
+    named = {metric.removesuffix("_total") for panel in dashboard.PANELS for metric in panel.metrics}
+    assert named <= exported, sorted(named - exported)
 
 
 def test_responses_are_billed_streamed_or_not_as_their_usage_says(served) -> None:
