@@ -10,6 +10,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,35 @@ def test_unreachable_redis_falls_back_to_divided_limits(tmp_path: Path) -> None:
     assert [t.decision.admitted for t in tickets] == [True] * 6 + [False] * 4  # 20 // 3, never unlimited
     assert all(t.decision.local for t in tickets)
     assert limiter.backend_state()["redis"] == "down" and "divided by 3" in limiter.backend_state()["fallback"]
+
+
+@needs_redis
+def test_gateways_count_each_other_in_redis_and_the_fallback_divides_by_that_count(tmp_path: Path) -> None:
+    """Three gateways started without --gateway-replicas: once Redis is gone each holds a third of the burst (the
+    count they saw in Redis), never the whole burst each; a gateway closed cleanly is no longer counted."""
+    key = _key(tmp_path, rps=0.001, burst=30)
+
+    async def run():
+        with ExitStack() as stack:
+            url = stack.enter_context(redis_server(tmp_path))
+            limiters = [RedisLimiter(url, heartbeat_s=0) for _ in range(3)]
+            for limiter in limiters * 2:  # the second round: each has seen the other two
+                assert (await limiter.admit(key, _ask())).decision.admitted
+            seen = [limiter.backend_state()["gateways"] for limiter in limiters]
+            spare = RedisLimiter(url, heartbeat_s=0)
+            await spare.admit(key, _ask())
+            await spare.close()
+            await limiters[0].admit(key, _ask())
+            after_close = limiters[0].backend_state()["gateways"]
+        # Redis is stopped now: each gateway falls back to 1/3 of the burst of 30
+        fallback = [await limiters[0].admit(key, _ask()) for _ in range(12)]
+        return seen, after_close, fallback, limiters[0].backend_state()
+
+    seen, after_close, fallback, state = asyncio.run(run())
+    assert seen == [3, 3, 3] and after_close == 3
+    assert [t.decision.admitted for t in fallback] == [True] * 10 + [False] * 2
+    assert all(t.decision.local for t in fallback)
+    assert state["redis"] == "down" and "divided by 3" in state["fallback"]
 
 
 @needs_redis

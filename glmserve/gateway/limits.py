@@ -15,7 +15,10 @@ Each key has up to five limits, all checked and taken together or not at all:
 clock (`TIME`), so N gateways sharing one Redis enforce exactly the configured limits (no per-replica drift).
 `MemoryLimiter` is the same state machine in one process. When Redis cannot be reached `RedisLimiter` says so
 (`backend_state`) and falls back to a `MemoryLimiter` holding each limit divided by the number of gateways, never
-to no limit; it tries Redis again after `RETRY_S`.
+to no limit; it tries Redis again after `RETRY_S`. The number of gateways is the larger of `--gateway-replicas` and
+the count of gateways seen sharing the Redis: each one marks itself there every HEARTBEAT_S while it admits
+requests (a sorted set of instance ids, entries older than GATEWAY_TTL_S dropped), so an operator who starts more
+gateways than the flag says still gets a fallback that holds the key's limits in all.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -37,6 +43,8 @@ RETRY_S = 1.0
 NO_LIMIT = -1
 LEASE_S = 30.0  # a concurrency slot outlives its gateway by at most this long
 RENEW_EVERY_S = 10.0  # how often a gateway renews the leases of its requests in flight
+HEARTBEAT_S = 5.0  # how often a gateway marks itself in Redis (on admission; so that gateways count each other)
+GATEWAY_TTL_S = 60.0  # a gateway not seen for this long is no longer counted
 
 
 @dataclass(frozen=True)
@@ -324,6 +332,18 @@ return 1
 """
 
 
+# KEYS: 1 the gateways' sorted set. ARGV: 1 this gateway's id, 2 ttl s. Marks this gateway as seen now, drops the
+# ones not seen within ttl, returns how many are left (this one included).
+HEARTBEAT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000))
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
 def _num(text: bytes | str) -> float | None:
     text = text.decode() if isinstance(text, bytes) else text
     return None if text == "" else float(text)
@@ -332,7 +352,8 @@ def _num(text: bytes | str) -> float | None:
 class RedisLimiter:
     """The limits in Redis, shared by every gateway that uses the same Redis and prefix."""
 
-    def __init__(self, url: str, replicas: int = 1, prefix: str = "glmserve:gw:") -> None:
+    def __init__(self, url: str, replicas: int = 1, prefix: str = "glmserve:gw:",
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
         import redis.asyncio as aioredis
 
         self.url = url
@@ -345,7 +366,13 @@ class RedisLimiter:
         self._admit = self._redis.register_script(ADMIT_LUA)
         self._settle = self._redis.register_script(SETTLE_LUA)
         self._renew = self._redis.register_script(RENEW_LUA)
-        self.fallback = MemoryLimiter(divisor=max(1, replicas))
+        self._heartbeat = self._redis.register_script(HEARTBEAT_LUA)
+        self.replicas = max(1, replicas)  # --gateway-replicas
+        self.gateways_seen = 1  # gateways marked in Redis at this one's last heartbeat
+        self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.heartbeat_s = heartbeat_s
+        self._beat_at = -math.inf
+        self.fallback = MemoryLimiter(divisor=self.replicas)
         self.up = True
         self._failed_at = 0.0
 
@@ -373,6 +400,8 @@ class RedisLimiter:
                     ask.tokens, ask.cost_micro, ask.request_id, ask.lease_s,
                     ttl if limits.budget_micro != NO_LIMIT else NO_LIMIT]
             try:
+                if time.monotonic() - self._beat_at >= self.heartbeat_s:
+                    await self._beat()
                 out = await self._admit(keys=self._keys(key, period), args=args)
             except (RedisError, OSError) as exc:
                 self._down(exc)
@@ -389,6 +418,12 @@ class RedisLimiter:
         ticket = await self.fallback.admit(key, ask)
         ticket.decision = _as_local(ticket.decision)
         return ticket
+
+    async def _beat(self) -> None:
+        self._beat_at = time.monotonic()
+        self.gateways_seen = int(await self._heartbeat(keys=[f"{self.prefix}gateways"],
+                                                       args=[self.instance, GATEWAY_TTL_S]))
+        self.fallback.divisor = max(self.replicas, self.gateways_seen)
 
     async def settle(self, ticket: Ticket, tokens_used: int, cost_micro: int) -> None:
         from redis.exceptions import RedisError
@@ -425,10 +460,17 @@ class RedisLimiter:
             self._down(exc)
 
     def backend_state(self) -> dict[str, object]:
-        return {"backend": "redis", "redis": "up" if self.up else "down",
+        return {"backend": "redis", "redis": "up" if self.up else "down", "gateways": self.fallback.divisor,
                 "fallback": None if self.up else f"per-process limits divided by {self.fallback.divisor}"}
 
     async def close(self) -> None:
+        from redis.exceptions import RedisError
+
+        if self.up:  # a gateway that stops cleanly is no longer counted
+            try:
+                await self._redis.zrem(f"{self.prefix}gateways", self.instance)
+            except (RedisError, OSError):
+                pass
         await self._redis.aclose()
 
 

@@ -78,4 +78,5 @@ def add_gateway_options(parser: argparse.ArgumentParser, *, serve: bool = False)
         g.add_argument("--standby", action="append", default=None, metavar="URL",
                        help="warmed standby backend, used once its /v1/health answers and no active one can serve")
     g.add_argument("--gateway-replicas", type=int, default=1, metavar="N",
-                   help="gateways sharing the limits (without Redis each enforces 1/N of them)")
+                   help="gateways sharing the limits: with Redis unreachable each enforces 1/N of them, N the larger "
+                        "of this and the gateways seen in Redis in the last minute")
