@@ -18,6 +18,7 @@ from redis_server import REDIS_BIN, free_port, redis_server
 
 from glmserve.gateway.keys import KeyFileError, KeyStore, load_keys
 from glmserve.gateway.limits import Ask, MemoryLimiter, RedisLimiter
+from glmserve.gateway.models_map import ModelMap
 from glmserve.gateway.prices import PriceFileError, PriceTable, format_usd
 
 needs_redis = pytest.mark.skipif(REDIS_BIN is None, reason="redis-server is not installed (.ci/run installs it)")
@@ -428,3 +429,15 @@ def test_the_middleware_renews_the_lease_of_a_long_request(tmp_path: Path, monke
             return first, during, after
 
     assert asyncio.run(run()) == (200, 429, 200)
+
+
+def test_the_example_files_of_the_readme_load() -> None:
+    examples = Path(__file__).resolve().parents[1] / "examples" / "gateway"
+    keys = {k.name: k for k in load_keys(examples / "keys.toml")}
+    assert keys["team-a"].burst == 20 and keys["batch-jobs"].rps == 0.5 and keys["ops"].admin
+    assert keys["team-a"].budget_micro == 50_000_000 and keys["batch-jobs"].models == frozenset({"glm-4.5-air"})
+    prices = PriceTable.load(examples / "prices.toml")
+    long = prices.cost("glm-4.5", 40_000, 10_000, 1_000)  # the 32K+ tier: 30K * 1.20 + 10K * 0.22 + 1K * 4.40
+    assert (long.cost_micro, long.list_micro) == (42_600, 52_400)
+    models = ModelMap.load(examples / "models.toml")
+    assert models.resolve("glm-4.5-air@zhipu").pool == "air" and models.resolve("openai/glm-4.5").canonical == "glm-4.5"
