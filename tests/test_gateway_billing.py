@@ -69,6 +69,12 @@ name = "shared"
 key = "sk-shared-0123456789"
 rps = 0.001
 burst = 20
+
+[[key]]
+name = "counted"
+key = "sk-counted-0123456789"
+rps = 0.001
+burst = 2
 '''
 PRICES = '''
 version = "test-1"
@@ -221,6 +227,15 @@ def test_every_path_needs_a_key_and_odd_spellings_of_a_billed_path_are_billed(gw
     rows = gw.rows()
     assert set(rows) - set(before) == set(answered)
     assert all(rows[rid][6] == usage["completion_tokens"] == 2 for rid, usage in answered.items())
+    # a path that is not billed still counts against the key's request rate, with the headers
+    counted = {"Authorization": "Bearer sk-counted-0123456789"}
+    first = httpx.post(f"{gw.base_url}/v1/embeddings", json={"model": "m", "input": "x"}, headers=counted)
+    assert first.status_code == 200 and first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert httpx.post(f"{gw.base_url}/v1/moderations", json={"input": "x"}, headers=counted).status_code == 200
+    refused = httpx.post(f"{gw.base_url}/v1/embeddings", json={"model": "m", "input": "x"}, headers=counted)
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "requests"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0" and int(refused.headers["retry-after"]) >= 1
+    assert set(gw.rows()) == set(rows)  # none of them billed
 
 
 def test_stream_and_non_stream_cost_the_same_and_the_ledger_matches_what_clients_saw(gw: Gateway) -> None:

@@ -25,6 +25,8 @@ What it does per HTTP request:
   POST /v1/chat/completions and /v1/completions are admitted against the key's model list (404) and limits (429),
   the wrapped app's response gets x-ratelimit-* headers, and its usage is billed: one ledger row per answered
   request id, written before the usage reaches the client; then the reservation is settled.
+  Any other request of a key with request limits (rps, rpm, max_concurrency) counts against them (no tokens, no
+  cost; 429 when over) and gets the x-ratelimit-* headers.
 
 What it expects from the wrapped app: OpenAI-compatible responses with `usage` (prompt_tokens, completion_tokens,
 `prompt_tokens_details.cached_tokens`) and an `id`. For `"stream": true` the middleware sets
@@ -180,8 +182,10 @@ class GatewayMiddleware:
             await self._usage(scope, key, send)
         elif path in BILLED_PATHS and scope["method"] == "POST":
             await self._billed(scope, receive, send, key)
-        else:
+        elif key.rps is None and key.rpm is None and key.max_concurrency is None:
             await self.app(scope, receive, send)
+        else:
+            await self._counted(scope, receive, send, key)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def on_send(message: Message) -> None:
@@ -280,6 +284,29 @@ class GatewayMiddleware:
                            self._billing_send(send, state, client_wants_usage))
         finally:
             await self._settle(state)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send, key: ApiKey) -> None:
+        """Any other request of a key with request limits (models, sessions, embeddings, a backend's own routes):
+        it counts against the key's requests and concurrency (no tokens, no cost) and gets the x-ratelimit
+        headers, so that no path is a way around a key's request rate."""
+        ticket = await self.limiter.admit(key, Ask(f"gw-{os.urandom(16).hex()}", 0, 0, LEASE_S))
+        if not ticket.decision.admitted:
+            await self._refuse(send, ticket)
+            return
+        if ticket.decision.limits.max_concurrency != NO_LIMIT:
+            self._hold(ticket)
+        extra = [(k.encode(), v.encode()) for k, v in ratelimit_headers(ticket.decision).items()]
+
+        async def on_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, on_send)
+        finally:
+            self._in_flight.pop(ticket.ask.request_id, None)
+            await self.limiter.settle(ticket, 0, 0)
 
     async def _refuse(self, send: Send, ticket: Ticket) -> None:
         d, key = ticket.decision, ticket.key
