@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import STARTUP_TIMEOUT_S, ServerProcess, glmserve_process, wait_for
+from server_process import STARTUP_TIMEOUT_S, ServerProcess, glmserve_process, listening_process, wait_for
 from tiny_models import make_tiny_chat_model
 
 from glmserve.gateway.backends import BackendPool
@@ -26,6 +26,7 @@ from glmserve.gateway.ledger import Ledger
 from glmserve.gateway.proxy_metrics import ProxyMetrics
 
 DASHBOARD_DIR = Path(__file__).resolve().parents[1] / "docs" / "grafana"
+FAKE_BACKEND = Path(__file__).with_name("fake_backend.py")
 SERVED = "tiny"
 CAP = 6
 KEY = "sk-team-a-0123456789"
@@ -247,6 +248,43 @@ def test_request_timeout_answers_504_aborts_the_engine_request_and_bills_nothing
             return engine["requests_in_flight"] == 0 and engine["num_free_blocks"] == engine["num_total_blocks"]
 
         wait_for(idle, 30, "the engine to drop the timed-out requests", process.log)
-        assert _metric(base, "glmserve_gateway_timeouts_total", kind="request") == len(timed_out)
+        assert _metric(base, "glmserve_request_timeouts_total", kind="request") == len(timed_out)
         assert _metric(base, "glmserve_generation_tokens_total") < 16 * 500  # the aborted ones did not run
     assert len(Ledger(f"sqlite:///{ledger}").rows()) == len(answered)
+
+
+def test_a_standby_takes_what_a_full_server_refuses_and_is_billed_alike(tmp_path: Path, isolated_root: Path) -> None:
+    """`serve --standby URL` with one sequence and one waiting slot: of 8 concurrent requests the ones the full
+    queue refuses (a 503 before any byte) are answered by the standby (a fake OpenAI backend, probed on /v1/health)
+    instead, so no client sees a 503; every answer, local or standby, has its ledger row under the caller's key;
+    the standby's health and the routing counters are on the server's /metrics."""
+    ledger = tmp_path / "ledger.sqlite3"
+    (tmp_path / "keys.toml").write_text(f'[[key]]\nname = "team-a"\nkey = "{KEY}"\n')
+    with listening_process([sys.executable, str(FAKE_BACKEND), "--name", "s"], tmp_path / "standby.log") as standby:
+        model = make_tiny_chat_model("llama", tmp_path / "model")
+        args = ["--model", str(model), "--served-model-name", SERVED, "--max-model-len", "512",
+                "--kv-cache-memory-bytes", str(16 << 20), "--num-threads", "1", "--max-num-seqs", "1",
+                "--max-waiting-requests", "1", "--standby", standby.base_url, "--probe-interval", "0.2",
+                "--unhealthy-after", "2", "--keys", str(tmp_path / "keys.toml"), "--ledger", f"sqlite:///{ledger}"]
+        with glmserve_process(args, tmp_path / "server.log") as process:
+            _ready(process)
+            base = process.base_url
+            wait_for(lambda: _metric(base, "glmserve_gateway_backend_healthy", role="standby") == 1, 30,
+                     "the standby's first probe", process.log)
+
+            async def run() -> list[httpx.Response]:
+                async with httpx.AsyncClient(base_url=base, timeout=120,
+                                             headers={"Authorization": f"Bearer {KEY}"}) as http:
+                    return await asyncio.gather(*(http.post("/v1/chat/completions", json={
+                        "model": SERVED, "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 300,
+                        "ignore_eos": True}) for i in range(8)))
+
+            responses = asyncio.run(run())
+            assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses]
+            ids = [r.json()["id"] for r in responses]
+            by_standby = [i for i in ids if i.startswith("chatcmpl-s-")]
+            assert by_standby and len(by_standby) < 8  # the full queue's refusals went to the standby, not all
+            assert _metric(base, "glmserve_gateway_routed_total", role="standby") == len(by_standby)
+        rows = {r.request_id: r for r in Ledger(f"sqlite:///{ledger}").rows()}
+    assert set(rows) == set(ids) and {r.key_name for r in rows.values()} == {"team-a"}
+    assert all(rows[i].completion_tokens == 2 for i in by_standby)  # the fake standby's usage

@@ -54,7 +54,7 @@ from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmserve.gateway import fastjson
-from glmserve.gateway.asgi_body import read_body
+from glmserve.gateway.asgi_body import read_body, replay_body
 from glmserve.gateway.keys import ANONYMOUS_KEY, ApiKey, KeyStore
 from glmserve.gateway.ledger import Ledger, LedgerRow, now_ms
 from glmserve.gateway.limits import (
@@ -280,7 +280,7 @@ class GatewayMiddleware:
         if forward is None:
             inner[PARSED_BODY] = body
         try:
-            await self.app(inner, _replay(payload, receive),
+            await self.app(inner, replay_body(payload, receive),
                            self._billing_send(send, state, client_wants_usage))
         finally:
             await self._settle(state)
@@ -526,20 +526,6 @@ def _secret(scope: Scope) -> str | None:
         if lname in (b"api-key", b"x-api-key"):
             return value.decode("latin-1").strip()
     return None
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A receive that yields `body` once, then passes the client's later messages (disconnect) through."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 def _with_length(scope: Scope, length: int) -> Scope:

@@ -28,8 +28,7 @@ class RequestDeadline:
             raise ValueError(f"--request-timeout must be > 0, got {timeout_s}")
         self.app = app
         self.timeout_s = timeout_s
-        # the name the gateway's proxy uses for its upstream timeouts (one dashboard panel shows both)
-        self.timeouts = Counter("glmserve_gateway_timeouts", "Requests stopped by --request-timeout, by kind "
+        self.timeouts = Counter("glmserve_request_timeouts", "Requests stopped by --request-timeout, by kind "
                                 "(request: no answer yet; idle: a stream that stalled)", ["kind"],
                                 registry=registry if registry is not None else CollectorRegistry())
 

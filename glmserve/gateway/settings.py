@@ -40,20 +40,9 @@ class GatewaySettings:
                    backend_urls=list(getattr(args, "backend", None) or []), replicas=args.gateway_replicas)
 
 
-class _GatewayOnly(argparse.Action):
-    """An option `glmserve serve` shares by name but cannot honour (it names or probes backends): a clear error
-    rather than a flag silently ignored."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
-        parser.error(f"{option_string} is an option of `glmserve gateway` (it names or probes backends, and `glmserve "
-                     f"serve` has none): run `glmserve gateway --backend URL-OF-THIS-SERVER {option_string} ...` in "
-                     "front of this server")
-
-
 def add_gateway_options(parser: argparse.ArgumentParser, *, serve: bool = False) -> None:
-    """The shared options; `serve`: as `glmserve serve` takes them (--request-timeout off unless given, the three
-    options about backends refused with a clear error)."""
+    """The shared options; `serve`: as `glmserve serve` takes them (--request-timeout off unless given; --standby,
+    --probe-interval and --unhealthy-after about standbys behind this one server, glmserve/gateway/standby.py)."""
     g = parser.add_argument_group("gateway (keys, limits, billing, timeouts, failover)")
     g.add_argument("--keys", default=None, metavar="FILE", help="API keys (TOML [[key]] tables); reloaded on change")
     g.add_argument("--redis", default=None, metavar="URL", help="Redis for limits shared by several gateways")
@@ -65,18 +54,16 @@ def add_gateway_options(parser: argparse.ArgumentParser, *, serve: bool = False)
                        help="stop a completion that gets no answer, or whose stream sends nothing, for S seconds: 504 "
                             "or an SSE error event, and the engine request is aborted (default: off, as the prefill "
                             "of a long document on a CPU can take minutes)")
-        for flag, metavar in (("--probe-interval", "S"), ("--unhealthy-after", "N"), ("--standby", "URL")):
-            g.add_argument(flag, action=_GatewayOnly, metavar=metavar, help="`glmserve gateway` only")
-        g.set_defaults(probe_interval=30.0, unhealthy_after=3, standby=None)
     else:
         g.add_argument("--request-timeout", type=float, default=120.0, metavar="S",
                        help="caps the wait for a stream's first byte and bounds a non-streamed answer (504)")
-        g.add_argument("--probe-interval", type=float, default=30.0, metavar="S",
-                       help="seconds between /v1/health probes of each backend")
-        g.add_argument("--unhealthy-after", type=int, default=3, metavar="N",
-                       help="failed probes in a row that mark a backend unhealthy")
-        g.add_argument("--standby", action="append", default=None, metavar="URL",
-                       help="warmed standby backend, used once its /v1/health answers and no active one can serve")
+    g.add_argument("--probe-interval", type=float, default=30.0, metavar="S",
+                   help="seconds between /v1/health probes of each backend (serve: of each --standby)")
+    g.add_argument("--unhealthy-after", type=int, default=3, metavar="N",
+                   help="failed probes in a row that mark a backend unhealthy")
+    g.add_argument("--standby", action="append", default=None, metavar="URL",
+                   help="warmed standby, used once its /v1/health answers 200 and no active backend can serve "
+                        "(serve: while this server's model is not ready or its queue is full)")
     g.add_argument("--gateway-replicas", type=int, default=1, metavar="N",
                    help="gateways sharing the limits: with Redis unreachable each enforces 1/N of them, N the larger "
                         "of this and the gateways seen in Redis in the last minute")
