@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from redis_server import REDIS_BIN, free_port, redis_server
 
+from glmserve.gateway.admission import estimate_tokens
 from glmserve.gateway.keys import KeyFileError, KeyStore, load_keys
 from glmserve.gateway.limits import Ask, MemoryLimiter, RedisLimiter
 from glmserve.gateway.models_map import ModelMap
@@ -441,3 +442,12 @@ def test_the_example_files_of_the_readme_load() -> None:
     assert (long.cost_micro, long.list_micro) == (42_600, 52_400)
     models = ModelMap.load(examples / "models.toml")
     assert models.resolve("glm-4.5-air@zhipu").pool == "air" and models.resolve("openai/glm-4.5").canonical == "glm-4.5"
+
+
+def test_the_prompt_estimate_without_a_tokenizer_counts_chinese_by_character() -> None:
+    english = "Prefix caching reuses blocks that hold the same tokens."
+    chinese = "长上下文推理需要稀疏注意力和分块缓存。"
+    assert estimate_tokens(english) == math.ceil(len(english) / 4)  # unchanged for ASCII
+    assert estimate_tokens(chinese) == len(chinese)  # not len / 4: a quarter of what tokenizers make of it
+    assert estimate_tokens(english + chinese) == math.ceil(len(english) / 4) + len(chinese)
+    assert estimate_tokens("\ud800 lone surrogate") >= 4  # JSON may carry one; no UnicodeEncodeError
