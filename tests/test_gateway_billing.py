@@ -69,6 +69,12 @@ name = "shared"
 key = "sk-shared-0123456789"
 rps = 0.001
 burst = 20
+
+[[key]]
+name = "counted"
+key = "sk-counted-0123456789"
+rps = 0.001
+burst = 2
 '''
 PRICES = '''
 version = "test-1"
@@ -177,6 +183,9 @@ def test_keys_models_and_limits_answer_as_openai_does(gw: Gateway) -> None:
     with pytest.raises(openai.RateLimitError, match=r"Request too large .* Limit 200, Requested \d+") as large:
         small.chat.completions.create(model="m", messages=MESSAGES, max_tokens=500)
     assert large.value.response.headers["x-should-retry"] == "false" and large.value.type == "tokens"
+    assert large.value.response.headers["x-ratelimit-limit-tokens"] == "200"  # as on every limited response
+    assert large.value.response.headers["x-ratelimit-remaining-tokens"] == "200"  # it took nothing
+    assert "retry-after" not in large.value.response.headers
     ok = small.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=20)
     assert ok.headers["x-ratelimit-limit-tokens"] == "200"
     assert int(ok.headers["x-ratelimit-remaining-tokens"]) < 200
@@ -197,6 +206,36 @@ def test_keys_models_and_limits_answer_as_openai_does(gw: Gateway) -> None:
     assert spent <= 30
     assert gw.metric("glmserve_gateway_auth_failures_total", reason="missing") == 1
     assert gw.metric("glmserve_gateway_auth_failures_total", reason="unknown") == 1
+
+
+def test_every_path_needs_a_key_and_odd_spellings_of_a_billed_path_are_billed(gw: Gateway) -> None:
+    """The fake backend generates on any path, as llama-server does on /chat/completions and vLLM on /invocations:
+    no path but the open ones reaches it without a key, and a billed path spelled otherwise is billed and limited."""
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+    for path in ("/chat/completions", "/completion", "/invocations", "//v1/chat/completions", "/V1/chat/completions"):
+        refused = httpx.post(f"{gw.base_url}{path}", json=body)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", path
+    assert httpx.get(f"{gw.base_url}/v1/health").status_code == 200  # the open paths stay open
+    assert httpx.get(f"{gw.base_url}/metrics").status_code == 200
+    before = gw.rows()
+    key = {"Authorization": "Bearer sk-open-0123456789"}
+    answered = {}
+    for path in ("/v1//chat/completions", "/v1/chat/completions/", "/v1/./chat/completions", "/V1/Chat/Completions"):
+        response = httpx.post(f"{gw.base_url}{path}", json=body, headers=key)
+        assert response.status_code == 200 and "x-ratelimit-limit-requests" in response.headers, path
+        answered[response.json()["id"]] = response.json()["usage"]
+    rows = gw.rows()
+    assert set(rows) - set(before) == set(answered)
+    assert all(rows[rid][6] == usage["completion_tokens"] == 2 for rid, usage in answered.items())
+    # a path that is not billed still counts against the key's request rate, with the headers
+    counted = {"Authorization": "Bearer sk-counted-0123456789"}
+    first = httpx.post(f"{gw.base_url}/v1/embeddings", json={"model": "m", "input": "x"}, headers=counted)
+    assert first.status_code == 200 and first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert httpx.post(f"{gw.base_url}/v1/moderations", json={"input": "x"}, headers=counted).status_code == 200
+    refused = httpx.post(f"{gw.base_url}/v1/embeddings", json={"model": "m", "input": "x"}, headers=counted)
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "requests"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0" and int(refused.headers["retry-after"]) >= 1
+    assert set(gw.rows()) == set(rows)  # none of them billed
 
 
 def test_stream_and_non_stream_cost_the_same_and_the_ledger_matches_what_clients_saw(gw: Gateway) -> None:

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import os
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 from redis_server import REDIS_BIN, free_port, redis_server
 
+from glmserve.gateway.admission import estimate_tokens
 from glmserve.gateway.keys import KeyFileError, KeyStore, load_keys
 from glmserve.gateway.limits import Ask, MemoryLimiter, RedisLimiter
+from glmserve.gateway.models_map import ModelMap
 from glmserve.gateway.prices import PriceFileError, PriceTable, format_usd
 
 needs_redis = pytest.mark.skipif(REDIS_BIN is None, reason="redis-server is not installed (.ci/run installs it)")
@@ -201,6 +205,37 @@ def test_tokens_are_reserved_and_refunded_from_real_usage(limiter, tmp_path: Pat
     assert again.decision.admitted and again.decision.tokens_left == pytest.approx(300, abs=1)
 
 
+def test_a_request_larger_than_the_whole_tpm_is_too_large_and_takes_nothing(limiter, tmp_path: Path) -> None:
+    key = _key(tmp_path, rps=0.01, burst=5, tpm=1000)
+
+    async def run():
+        first = await limiter.admit(key, _ask(300))
+        large = await limiter.admit(key, _ask(1001))
+        after = await limiter.admit(key, _ask(300))
+        return first, large, after
+
+    first, large, after = asyncio.run(run())
+    d = large.decision
+    assert not d.admitted and d.reason == "too_large" and d.limit == 1000 and d.requested == 1001
+    assert d.wait_s == math.inf and d.used == pytest.approx(300, abs=1)
+    assert d.tokens_left == pytest.approx(700, abs=1) and d.requests_left == pytest.approx(4, abs=0.01)
+    # the refusal took neither a request nor tokens
+    assert after.decision.admitted and after.decision.tokens_left == pytest.approx(400, abs=1)
+    assert after.decision.requests_left == pytest.approx(3, abs=0.01)
+
+
+def test_the_fallback_refuses_as_too_large_only_what_the_whole_tpm_cannot_take(tmp_path: Path) -> None:
+    key = _key(tmp_path, tpm=900)
+    limiter = RedisLimiter(f"redis://127.0.0.1:{free_port()}/0", replicas=3)  # nobody listens: 300 per process
+
+    async def run():
+        return await limiter.admit(key, _ask(600)), await limiter.admit(key, _ask(901))
+
+    waits, large = asyncio.run(run())
+    assert waits.decision.local and waits.decision.reason == "tokens" and waits.decision.limit == 300
+    assert large.decision.reason == "too_large" and large.decision.limit == 900
+
+
 def test_concurrency_slots_are_freed_at_settle(limiter, tmp_path: Path) -> None:
     key = _key(tmp_path, max_concurrency=2)
 
@@ -246,6 +281,35 @@ def test_unreachable_redis_falls_back_to_divided_limits(tmp_path: Path) -> None:
     assert [t.decision.admitted for t in tickets] == [True] * 6 + [False] * 4  # 20 // 3, never unlimited
     assert all(t.decision.local for t in tickets)
     assert limiter.backend_state()["redis"] == "down" and "divided by 3" in limiter.backend_state()["fallback"]
+
+
+@needs_redis
+def test_gateways_count_each_other_in_redis_and_the_fallback_divides_by_that_count(tmp_path: Path) -> None:
+    """Three gateways started without --gateway-replicas: once Redis is gone each holds a third of the burst (the
+    count they saw in Redis), never the whole burst each; a gateway closed cleanly is no longer counted."""
+    key = _key(tmp_path, rps=0.001, burst=30)
+
+    async def run():
+        with ExitStack() as stack:
+            url = stack.enter_context(redis_server(tmp_path))
+            limiters = [RedisLimiter(url, heartbeat_s=0) for _ in range(3)]
+            for limiter in limiters * 2:  # the second round: each has seen the other two
+                assert (await limiter.admit(key, _ask())).decision.admitted
+            seen = [limiter.backend_state()["gateways"] for limiter in limiters]
+            spare = RedisLimiter(url, heartbeat_s=0)
+            await spare.admit(key, _ask())
+            await spare.close()
+            await limiters[0].admit(key, _ask())
+            after_close = limiters[0].backend_state()["gateways"]
+        # Redis is stopped now: each gateway falls back to 1/3 of the burst of 30
+        fallback = [await limiters[0].admit(key, _ask()) for _ in range(12)]
+        return seen, after_close, fallback, limiters[0].backend_state()
+
+    seen, after_close, fallback, state = asyncio.run(run())
+    assert seen == [3, 3, 3] and after_close == 3
+    assert [t.decision.admitted for t in fallback] == [True] * 10 + [False] * 2
+    assert all(t.decision.local for t in fallback)
+    assert state["redis"] == "down" and "divided by 3" in state["fallback"]
 
 
 @needs_redis
@@ -366,3 +430,24 @@ def test_the_middleware_renews_the_lease_of_a_long_request(tmp_path: Path, monke
             return first, during, after
 
     assert asyncio.run(run()) == (200, 429, 200)
+
+
+def test_the_example_files_of_the_readme_load() -> None:
+    examples = Path(__file__).resolve().parents[1] / "examples" / "gateway"
+    keys = {k.name: k for k in load_keys(examples / "keys.toml")}
+    assert keys["team-a"].burst == 20 and keys["batch-jobs"].rps == 0.5 and keys["ops"].admin
+    assert keys["team-a"].budget_micro == 50_000_000 and keys["batch-jobs"].models == frozenset({"glm-4.5-air"})
+    prices = PriceTable.load(examples / "prices.toml")
+    long = prices.cost("glm-4.5", 40_000, 10_000, 1_000)  # the 32K+ tier: 30K * 1.20 + 10K * 0.22 + 1K * 4.40
+    assert (long.cost_micro, long.list_micro) == (42_600, 52_400)
+    models = ModelMap.load(examples / "models.toml")
+    assert models.resolve("glm-4.5-air@zhipu").pool == "air" and models.resolve("openai/glm-4.5").canonical == "glm-4.5"
+
+
+def test_the_prompt_estimate_without_a_tokenizer_counts_chinese_by_character() -> None:
+    english = "Prefix caching reuses blocks that hold the same tokens."
+    chinese = "长上下文推理需要稀疏注意力和分块缓存。"
+    assert estimate_tokens(english) == math.ceil(len(english) / 4)  # unchanged for ASCII
+    assert estimate_tokens(chinese) == len(chinese)  # not len / 4: a quarter of what tokenizers make of it
+    assert estimate_tokens(english + chinese) == math.ceil(len(english) / 4) + len(chinese)
+    assert estimate_tokens("\ud800 lone surrogate") >= 4  # JSON may carry one; no UnicodeEncodeError

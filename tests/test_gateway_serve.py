@@ -6,6 +6,8 @@ lands in the ledger under the anonymous key."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,12 +16,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import STARTUP_TIMEOUT_S, ServerProcess, glmserve_process, wait_for
+from server_process import STARTUP_TIMEOUT_S, ServerProcess, glmserve_process, listening_process, wait_for
 from tiny_models import make_tiny_chat_model
 
+from glmserve.gateway.backends import BackendPool
 from glmserve.gateway.ledger import Ledger
+from glmserve.gateway.proxy_metrics import ProxyMetrics
 
+DASHBOARD_DIR = Path(__file__).resolve().parents[1] / "docs" / "grafana"
+FAKE_BACKEND = Path(__file__).with_name("fake_backend.py")
 SERVED = "tiny"
 CAP = 6
 KEY = "sk-team-a-0123456789"
@@ -54,7 +61,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     (work / "keys.toml").write_text(f'[[key]]\nname = "team-a"\nkey = "{KEY}"\nrpm = 1000\ntpm = 100000\n')
     (work / "prices.toml").write_text(PRICES)
     ledger = work / "ledger.sqlite3"
-    args = ["--model", str(model), "--served-model-name", SERVED, "--max-model-len", "128",
+    args = ["--model", str(model), "--served-model-name", SERVED, "--max-model-len", "128", "--request-timeout", "60",
             "--kv-cache-memory-bytes", str(8 << 20), "--num-threads", "1", "--max-tokens-cap", str(CAP),
             "--keys", str(work / "keys.toml"), "--prices", str(work / "prices.toml"), "--ledger", f"sqlite:///{ledger}"]
     with glmserve_process(args, work / "server.log") as process:
@@ -105,6 +112,24 @@ def test_serve_bills_through_the_gateway_and_reports_the_token_budget(served) ->
     out = subprocess.run([sys.executable, "-m", "glmserve.cli", "billing", "report", "--ledger",
                           f"sqlite:///{ledger_path}"], capture_output=True, text=True, check=True).stdout
     assert "team-a" in out and "without_cache_usd" in out and "TOTAL" in out
+
+
+def test_every_metric_of_the_grafana_dashboard_is_exported_and_its_json_is_current(served) -> None:
+    """The dashboard's panels name metrics that exist (the serving process's /metrics: server, admission and
+    --request-timeout metrics; the gateway's proxy registry), so no panel shows "no data" for a renamed metric, and
+    docs/grafana/glmserve-gateway.json is what docs/grafana/dashboard.py writes."""
+    process, _ = served
+    sys.path.insert(0, str(DASHBOARD_DIR))
+    try:
+        import dashboard
+    finally:
+        sys.path.remove(str(DASHBOARD_DIR))
+    assert json.loads((DASHBOARD_DIR / "glmserve-gateway.json").read_text()) == dashboard.dashboard()
+    texts = [httpx.get(f"{process.base_url}/metrics").text,
+             generate_latest(ProxyMetrics(BackendPool(httpx.AsyncClient(), 30, 3, 3, 5)).registry).decode()]
+    exported = {family.name for text in texts for family in text_string_to_metric_families(text)}
+    named = {metric.removesuffix("_total") for panel in dashboard.PANELS for metric in panel.metrics}
+    assert named <= exported, sorted(named - exported)
 
 
 def test_responses_are_billed_streamed_or_not_as_their_usage_says(served) -> None:
@@ -189,3 +214,77 @@ def test_serve_without_keys_bills_the_anonymous_key(tiny_model_dir, tmp_path: Pa
     assert len(mine) == 1 and mine[0].key_name == "anonymous" and mine[0].cost_micro == 0
     assert mine[0].completion_tokens == done.usage.completion_tokens
     assert usage["key"] == "anonymous" and usage["total"]["requests"] >= 1
+
+
+def test_request_timeout_answers_504_aborts_the_engine_request_and_bills_nothing(tiny_model_dir, tmp_path: Path,
+                                                                                 isolated_root: Path) -> None:
+    """`--request-timeout 1` with one sequence at a time: of 16 requests of 500 tokens each (streamed or not) those
+    still queued after 1 s get a 504 `request_timeout`; the engine ends with nothing in flight (the timed-out
+    requests were aborted, not left to run) and the ledger holds a row for each answered request only."""
+    ledger = tmp_path / "ledger.sqlite3"
+    args = ["--model", str(tiny_model_dir("llama")), "--served-model-name", SERVED, "--max-model-len", "512",
+            "--kv-cache-memory-bytes", str(16 << 20), "--num-threads", "1", "--max-num-seqs", "1",
+            "--request-timeout", "1", "--ledger", f"sqlite:///{ledger}"]
+    with glmserve_process(args, tmp_path / "server.log") as process:
+        _ready(process)
+        base = process.base_url
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+                return await asyncio.gather(*(http.post("/v1/completions", json={
+                    "model": SERVED, "prompt": f"hello {i}", "max_tokens": 500, "ignore_eos": True,
+                    "stream": i % 2 == 1}) for i in range(16)))
+
+        responses = asyncio.run(run())
+        timed_out = [r for r in responses if r.status_code == 504]
+        assert timed_out and all(r.json()["error"]["code"] == "request_timeout" for r in timed_out)
+        answered = [r for r in responses if r.status_code == 200]
+        assert len(answered) + len(timed_out) == 16
+        assert all(r.text.endswith("data: [DONE]\n\n") for r in answered if "text/event-stream" in r.headers[
+            "content-type"])
+
+        def idle() -> bool:
+            engine = httpx.get(f"{base}/v1/health").json()["engine"]
+            return engine["requests_in_flight"] == 0 and engine["num_free_blocks"] == engine["num_total_blocks"]
+
+        wait_for(idle, 30, "the engine to drop the timed-out requests", process.log)
+        assert _metric(base, "glmserve_request_timeouts_total", kind="request") == len(timed_out)
+        assert _metric(base, "glmserve_generation_tokens_total") < 16 * 500  # the aborted ones did not run
+    assert len(Ledger(f"sqlite:///{ledger}").rows()) == len(answered)
+
+
+def test_a_standby_takes_what_a_full_server_refuses_and_is_billed_alike(tmp_path: Path, isolated_root: Path) -> None:
+    """`serve --standby URL` with one sequence and one waiting slot: of 8 concurrent requests the ones the full
+    queue refuses (a 503 before any byte) are answered by the standby (a fake OpenAI backend, probed on /v1/health)
+    instead, so no client sees a 503; every answer, local or standby, has its ledger row under the caller's key;
+    the standby's health and the routing counters are on the server's /metrics."""
+    ledger = tmp_path / "ledger.sqlite3"
+    (tmp_path / "keys.toml").write_text(f'[[key]]\nname = "team-a"\nkey = "{KEY}"\n')
+    with listening_process([sys.executable, str(FAKE_BACKEND), "--name", "s"], tmp_path / "standby.log") as standby:
+        model = make_tiny_chat_model("llama", tmp_path / "model")
+        args = ["--model", str(model), "--served-model-name", SERVED, "--max-model-len", "512",
+                "--kv-cache-memory-bytes", str(16 << 20), "--num-threads", "1", "--max-num-seqs", "1",
+                "--max-waiting-requests", "1", "--standby", standby.base_url, "--probe-interval", "0.2",
+                "--unhealthy-after", "2", "--keys", str(tmp_path / "keys.toml"), "--ledger", f"sqlite:///{ledger}"]
+        with glmserve_process(args, tmp_path / "server.log") as process:
+            _ready(process)
+            base = process.base_url
+            wait_for(lambda: _metric(base, "glmserve_gateway_backend_healthy", role="standby") == 1, 30,
+                     "the standby's first probe", process.log)
+
+            async def run() -> list[httpx.Response]:
+                async with httpx.AsyncClient(base_url=base, timeout=120,
+                                             headers={"Authorization": f"Bearer {KEY}"}) as http:
+                    return await asyncio.gather(*(http.post("/v1/chat/completions", json={
+                        "model": SERVED, "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 300,
+                        "ignore_eos": True}) for i in range(8)))
+
+            responses = asyncio.run(run())
+            assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses]
+            ids = [r.json()["id"] for r in responses]
+            by_standby = [i for i in ids if i.startswith("chatcmpl-s-")]
+            assert by_standby and len(by_standby) < 8  # the full queue's refusals went to the standby, not all
+            assert _metric(base, "glmserve_gateway_routed_total", role="standby") == len(by_standby)
+        rows = {r.request_id: r for r in Ledger(f"sqlite:///{ledger}").rows()}
+    assert set(rows) == set(ids) and {r.key_name for r in rows.values()} == {"team-a"}
+    assert all(rows[i].completion_tokens == 2 for i in by_standby)  # the fake standby's usage

@@ -12,6 +12,8 @@ SQLite ledger) and in `glmserve gateway --backend URL ...` in front of replicas 
   openai_errors.py OpenAI's error bodies and x-ratelimit headers
   metrics.py    Prometheus counters of admission and billing
   app.py        `glmserve gateway`: the ASGI app in front of the backends (/health, /v1/health, /metrics, /v1/models)
+  deadline.py   --request-timeout inside `glmserve serve`: 504 or an SSE error event, the engine request aborted
+  standby.py    --standby inside `glmserve serve`: what the server cannot take (not ready, queue full) goes there
   proxy.py      forwarding: timeouts (connect, first byte, idle), retries elsewhere, SSE error on a cut stream
   proxy_options.py  the options of `glmserve gateway` alone (--backend, --models, timeouts, ejection, routing)
   backends.py   the pool: /v1/health probes, load from /metrics, in-flight counts, standbys

@@ -19,11 +19,14 @@ Constructor:
 What it does per HTTP request:
   /health, /v1/health, /metrics: no key needed; the JSON of /v1/health gets a "gateway" object
   (limit backend, Redis up/down, keys loaded, last keys-file error).
-  Any other /v1/... path needs a key (`Authorization: Bearer KEY`, or `api-key` / `x-api-key`): 401 otherwise.
+  Any other path needs a key (`Authorization: Bearer KEY`, or `api-key` / `x-api-key`): 401 otherwise. Paths are
+  matched as canonical_path() writes them (`/v1//chat/completions/` is billed as `/v1/chat/completions`).
   GET /v1/usage is answered here (the caller's key; an admin key may pass ?key=NAME or ?key=*; ?since=YYYY-MM-DD).
   POST /v1/chat/completions and /v1/completions are admitted against the key's model list (404) and limits (429),
   the wrapped app's response gets x-ratelimit-* headers, and its usage is billed: one ledger row per answered
   request id, written before the usage reaches the client; then the reservation is settled.
+  Any other request of a key with request limits (rps, rpm, max_concurrency) counts against them (no tokens, no
+  cost; 429 when over) and gets the x-ratelimit-* headers.
 
 What it expects from the wrapped app: OpenAI-compatible responses with `usage` (prompt_tokens, completion_tokens,
 `prompt_tokens_details.cached_tokens`) and an `id`. For `"stream": true` the middleware sets
@@ -41,6 +44,7 @@ import json
 import logging
 import math
 import os
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -50,7 +54,7 @@ from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmserve.gateway import fastjson
-from glmserve.gateway.asgi_body import read_body
+from glmserve.gateway.asgi_body import read_body, replay_body
 from glmserve.gateway.keys import ANONYMOUS_KEY, ApiKey, KeyStore
 from glmserve.gateway.ledger import Ledger, LedgerRow, now_ms
 from glmserve.gateway.limits import (
@@ -161,22 +165,27 @@ class GatewayMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        if path in OPEN_PATHS or not path.startswith("/v1/"):
+        if path in OPEN_PATHS:
             if path == HEALTH_PATH:
                 await self.app(scope, receive, self._health_send(send))
             else:
                 await self.app(scope, receive, send)
             return
+        # every other path needs a key, /v1/ or not: a backend may generate on others too (llama-server's
+        # /completion and /chat/completions, vLLM's /invocations), which would be free and unlimited otherwise
         key = self._authenticate(scope)
         if key is None:
             await self._unauthorized(scope, send)
             return
+        path = canonical_path(path)
         if path == USAGE_PATH and scope["method"] == "GET":
             await self._usage(scope, key, send)
         elif path in BILLED_PATHS and scope["method"] == "POST":
             await self._billed(scope, receive, send, key)
-        else:
+        elif key.rps is None and key.rpm is None and key.max_concurrency is None:
             await self.app(scope, receive, send)
+        else:
+            await self._counted(scope, receive, send, key)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def on_send(message: Message) -> None:
@@ -216,7 +225,7 @@ class GatewayMiddleware:
                        else await asyncio.to_thread(self.tokenizer, text))
             if counted is not None:
                 return counted + MESSAGE_OVERHEAD_TOKENS * parts * ("messages" in body)
-        return math.ceil(len(text) / CHARS_PER_TOKEN) + MESSAGE_OVERHEAD_TOKENS * parts
+        return estimate_tokens(text) + MESSAGE_OVERHEAD_TOKENS * parts
 
     def _max_tokens(self, body: dict, key: ApiKey, prompt_tokens: int) -> tuple[int, bool]:
         """Completion tokens to reserve per choice, and whether the client set them."""
@@ -251,9 +260,6 @@ class GatewayMiddleware:
         n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 1) > 0 else 1
         prompts = _prompt_text(body)[1] if "prompt" in body else 1
         tokens = prompt_tokens + per_choice * n * prompts
-        if key.tpm is not None and tokens > key.tpm:
-            await self._too_large(send, key, tokens)
-            return
         cost = self.prices.cost(model, prompt_tokens, 0, per_choice * n * prompts).cost_micro
         ticket = await self.limiter.admit(key, Ask(f"gw-{os.urandom(16).hex()}", tokens, cost, LEASE_S))
         if not ticket.decision.admitted:
@@ -274,21 +280,45 @@ class GatewayMiddleware:
         if forward is None:
             inner[PARSED_BODY] = body
         try:
-            await self.app(inner, _replay(payload, receive),
+            await self.app(inner, replay_body(payload, receive),
                            self._billing_send(send, state, client_wants_usage))
         finally:
             await self._settle(state)
 
-    async def _too_large(self, send: Send, key: ApiKey, tokens: int) -> None:
-        self.metrics.rejections.labels("too_large").inc()
-        message = (f"Request too large for key {key.name} on tokens per min (TPM): Limit {key.tpm}, Requested "
-                   f"{tokens}. The input or output tokens must be reduced in order to run successfully.")
-        await send_json(send, 429, error_body(message, "tokens", "rate_limit_exceeded"), {"x-should-retry": "false"})
+    async def _counted(self, scope: Scope, receive: Receive, send: Send, key: ApiKey) -> None:
+        """Any other request of a key with request limits (models, sessions, embeddings, a backend's own routes):
+        it counts against the key's requests and concurrency (no tokens, no cost) and gets the x-ratelimit
+        headers, so that no path is a way around a key's request rate."""
+        ticket = await self.limiter.admit(key, Ask(f"gw-{os.urandom(16).hex()}", 0, 0, LEASE_S))
+        if not ticket.decision.admitted:
+            await self._refuse(send, ticket)
+            return
+        if ticket.decision.limits.max_concurrency != NO_LIMIT:
+            self._hold(ticket)
+        extra = [(k.encode(), v.encode()) for k, v in ratelimit_headers(ticket.decision).items()]
+
+        async def on_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, on_send)
+        finally:
+            self._in_flight.pop(ticket.ask.request_id, None)
+            await self.limiter.settle(ticket, 0, 0)
 
     async def _refuse(self, send: Send, ticket: Ticket) -> None:
         d, key = ticket.decision, ticket.key
         self.metrics.rejections.labels(d.reason or "unknown").inc()
         headers = ratelimit_headers(d)
+        if d.reason == "too_large":  # larger than the key's TPM on its own: retrying cannot help
+            message = (f"Request too large for key {key.name} on tokens per min (TPM): Limit {_fmt(d.limit)}, "
+                       f"Requested {_fmt(d.requested)}. The input or output tokens must be reduced in order to run "
+                       "successfully.")
+            await send_json(send, 429, error_body(message, "tokens", "rate_limit_exceeded"),
+                            {**headers, "x-should-retry": "false"})
+            return
         if d.reason == "budget":
             message = (f"You exceeded your current quota: key {key.name} has a budget of "
                        f"${format_usd(int(d.limit))} per {key.budget_period}, ${format_usd(int(d.used))} used, this "
@@ -463,6 +493,22 @@ class GatewayMiddleware:
         return on_send
 
 
+def estimate_tokens(text: str) -> int:
+    """Tokens of `text` without a tokenizer: CHARS_PER_TOKEN characters per token of ASCII (English, code) and one
+    per character beyond it (Chinese is 0.6-1.1 tokens per character in GLM's, Qwen's and Llama 3's tokenizers, so
+    characters / 4 would reserve a quarter of its tokens against TPM and budget). Non-ASCII characters are counted
+    from the UTF-8 length (CJK: 2 bytes more each) rather than by a Python loop over the text."""
+    wide = math.ceil((len(text.encode("utf-8", "surrogatepass")) - len(text)) / 2)
+    return math.ceil((len(text) - wide) / CHARS_PER_TOKEN) + wide
+
+
+def canonical_path(path: str) -> str:
+    """The path as a lenient backend may route it (slashes merged, dot segments resolved, no trailing slash, lower
+    case), so that `/v1//chat/completions/` is billed and limited like `/v1/chat/completions` (the request is
+    forwarded as the client sent it; a backend that does not route it answers an error, which is not billed)."""
+    return posixpath.normpath("/" + path.lstrip("/")).lower()
+
+
 def _fmt(value: float) -> str:
     return str(round(value))  # requests and tokens are whole; a bucket refills by fractions in between
 
@@ -489,20 +535,6 @@ def _secret(scope: Scope) -> str | None:
         if lname in (b"api-key", b"x-api-key"):
             return value.decode("latin-1").strip()
     return None
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A receive that yields `body` once, then passes the client's later messages (disconnect) through."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 def _with_length(scope: Scope, length: int) -> Scope:

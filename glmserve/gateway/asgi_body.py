@@ -1,8 +1,9 @@
-"""Reading a request body from an ASGI `receive`: the one loop the admission middleware and the proxy share."""
+"""Reading a request body from an ASGI `receive` (the one loop the admission middleware and the proxy share), and
+handing it on again."""
 
 from __future__ import annotations
 
-from starlette.types import Receive
+from starlette.types import Message, Receive
 
 
 async def read_body(receive: Receive) -> tuple[bytes, bool]:
@@ -15,3 +16,17 @@ async def read_body(receive: Receive) -> tuple[bytes, bool]:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), False
+
+
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields `body` once, then passes the client's later messages (disconnect) through."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

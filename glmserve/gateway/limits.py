@@ -4,7 +4,8 @@ Each key has up to five limits, all checked and taken together or not at all:
   requests   token bucket: refills `rps` per second up to `burst` (the seeds' nginx `rate=20r/s burst=20`)
   rpm        token bucket: refills rpm/60 per second up to `rpm`
   tokens     token bucket: refills tpm/60 per second up to `tpm`; admission takes prompt tokens + the effective
-             max_tokens, the end gives back what the request did not use (or takes what it used beyond that)
+             max_tokens, the end gives back what the request did not use (or takes what it used beyond that); a
+             request larger than the key's whole tpm is refused as `too_large` (waiting would not help)
   concurrency  requests in flight (each holds a short lease that the gateway renews while the request runs
                (`renew`, every RENEW_EVERY_S), so a killed gateway's slots free within LEASE_S)
   budget     micro-USD per day/month: admission takes the request's highest possible cost, the end settles it to
@@ -14,7 +15,10 @@ Each key has up to five limits, all checked and taken together or not at all:
 clock (`TIME`), so N gateways sharing one Redis enforce exactly the configured limits (no per-replica drift).
 `MemoryLimiter` is the same state machine in one process. When Redis cannot be reached `RedisLimiter` says so
 (`backend_state`) and falls back to a `MemoryLimiter` holding each limit divided by the number of gateways, never
-to no limit; it tries Redis again after `RETRY_S`.
+to no limit; it tries Redis again after `RETRY_S`. The number of gateways is the larger of `--gateway-replicas` and
+the count of gateways seen sharing the Redis: each one marks itself there every HEARTBEAT_S while it admits
+requests (a sorted set of instance ids, entries older than GATEWAY_TTL_S dropped), so an operator who starts more
+gateways than the flag says still gets a fallback that holds the key's limits in all.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -36,6 +43,8 @@ RETRY_S = 1.0
 NO_LIMIT = -1
 LEASE_S = 30.0  # a concurrency slot outlives its gateway by at most this long
 RENEW_EVERY_S = 10.0  # how often a gateway renews the leases of its requests in flight
+HEARTBEAT_S = 5.0  # how often a gateway marks itself in Redis (on admission; so that gateways count each other)
+GATEWAY_TTL_S = 60.0  # a gateway not seen for this long is no longer counted
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,7 @@ class Decision:
 
     admitted: bool
     limits: Limits
-    reason: str | None = None  # concurrency | requests | requests_per_minute | tokens | budget
+    reason: str | None = None  # too_large | concurrency | requests | requests_per_minute | tokens | budget
     limit: float = 0
     used: float = 0
     requested: float = 0
@@ -150,10 +159,10 @@ class MemoryLimiter:
         limits = Limits.of(key, self.divisor)
         period, _ = budget_period(key.budget_period)
         with self._lock:
-            decision = self._admit(key.name, limits, ask, period)
+            decision = self._admit(key.name, limits, ask, period, key.tpm)
         return Ticket(key, ask, decision, period)
 
-    def _admit(self, name: str, lim: Limits, ask: Ask, period: str) -> Decision:
+    def _admit(self, name: str, lim: Limits, ask: Ask, period: str, whole_tpm: int | None) -> Decision:
         now = self._clock()
         b = self._buckets
         r1 = _level(b.get((name, "rps")), now, lim.rps, lim.burst) if lim.rps != NO_LIMIT else None
@@ -166,7 +175,7 @@ class MemoryLimiter:
                 del inflight[rid]
         spent = self._spent.get((name, period), 0)
         levels = {"requests_left": r1, "rpm_left": r2, "tokens_left": tk}
-        refusal = _refusal(lim, ask, r1, r2, tk, len(inflight), spent)
+        refusal = _refusal(lim, ask, r1, r2, tk, len(inflight), spent, whole_tpm)
         if refusal is not None:
             return Decision(False, lim, *refusal, **levels)
         if r1 is not None:
@@ -216,9 +225,12 @@ class MemoryLimiter:
 
 
 def _refusal(lim: Limits, ask: Ask, r1: float | None, r2: float | None, tk: float | None, inflight: int,
-             spent: int) -> tuple[str, float, float, float, float] | None:
+             spent: int, whole_tpm: int | None) -> tuple[str, float, float, float, float] | None:
     """(reason, limit, used, requested, wait) of the first limit the request does not fit, else None; the same
-    order and figures as ADMIT_LUA."""
+    order and figures as ADMIT_LUA. `whole_tpm`: the key's tpm undivided (a request larger than 1/N of it is
+    refused as `tokens`, to wait until Redis is back; only one larger than all of it is `too_large`)."""
+    if tk is not None and whole_tpm is not None and ask.tokens > whole_tpm:
+        return ("too_large", whole_tpm, lim.tpm - tk, ask.tokens, math.inf)
     if lim.max_concurrency != NO_LIMIT and inflight + 1 > lim.max_concurrency:
         return ("concurrency", lim.max_concurrency, inflight, 1, 1.0)
     if r1 is not None and r1 < 1:
@@ -265,6 +277,7 @@ local function s(v) if v == nil then return '' end return tostring(v) end
 local function no(reason, limit, used, requested, wait)
   return {'0', reason, s(limit), s(used), s(requested), s(wait), s(r1), s(r2), s(tk)}
 end
+if tk and tokens > tpm then return no('too_large', tpm, tpm - tk, tokens, 'inf') end
 if conc >= 0 and inflight + 1 > conc then return no('concurrency', conc, inflight, 1, 1.0) end
 if r1 and r1 < 1 then return no('requests', burst, burst - r1, 1, (1 - r1) / rps) end
 if r2 and r2 < 1 then return no('requests_per_minute', rpm, rpm - r2, 1, (1 - r2) / (rpm / 60)) end
@@ -319,6 +332,18 @@ return 1
 """
 
 
+# KEYS: 1 the gateways' sorted set. ARGV: 1 this gateway's id, 2 ttl s. Marks this gateway as seen now, drops the
+# ones not seen within ttl, returns how many are left (this one included).
+HEARTBEAT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) * 1000))
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
 def _num(text: bytes | str) -> float | None:
     text = text.decode() if isinstance(text, bytes) else text
     return None if text == "" else float(text)
@@ -327,7 +352,8 @@ def _num(text: bytes | str) -> float | None:
 class RedisLimiter:
     """The limits in Redis, shared by every gateway that uses the same Redis and prefix."""
 
-    def __init__(self, url: str, replicas: int = 1, prefix: str = "glmserve:gw:") -> None:
+    def __init__(self, url: str, replicas: int = 1, prefix: str = "glmserve:gw:",
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
         import redis.asyncio as aioredis
 
         self.url = url
@@ -340,7 +366,13 @@ class RedisLimiter:
         self._admit = self._redis.register_script(ADMIT_LUA)
         self._settle = self._redis.register_script(SETTLE_LUA)
         self._renew = self._redis.register_script(RENEW_LUA)
-        self.fallback = MemoryLimiter(divisor=max(1, replicas))
+        self._heartbeat = self._redis.register_script(HEARTBEAT_LUA)
+        self.replicas = max(1, replicas)  # --gateway-replicas
+        self.gateways_seen = 1  # gateways marked in Redis at this one's last heartbeat
+        self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.heartbeat_s = heartbeat_s
+        self._beat_at = -math.inf
+        self.fallback = MemoryLimiter(divisor=self.replicas)
         self.up = True
         self._failed_at = 0.0
 
@@ -368,6 +400,8 @@ class RedisLimiter:
                     ask.tokens, ask.cost_micro, ask.request_id, ask.lease_s,
                     ttl if limits.budget_micro != NO_LIMIT else NO_LIMIT]
             try:
+                if time.monotonic() - self._beat_at >= self.heartbeat_s:
+                    await self._beat()
                 out = await self._admit(keys=self._keys(key, period), args=args)
             except (RedisError, OSError) as exc:
                 self._down(exc)
@@ -384,6 +418,12 @@ class RedisLimiter:
         ticket = await self.fallback.admit(key, ask)
         ticket.decision = _as_local(ticket.decision)
         return ticket
+
+    async def _beat(self) -> None:
+        self._beat_at = time.monotonic()
+        self.gateways_seen = int(await self._heartbeat(keys=[f"{self.prefix}gateways"],
+                                                       args=[self.instance, GATEWAY_TTL_S]))
+        self.fallback.divisor = max(self.replicas, self.gateways_seen)
 
     async def settle(self, ticket: Ticket, tokens_used: int, cost_micro: int) -> None:
         from redis.exceptions import RedisError
@@ -420,10 +460,17 @@ class RedisLimiter:
             self._down(exc)
 
     def backend_state(self) -> dict[str, object]:
-        return {"backend": "redis", "redis": "up" if self.up else "down",
+        return {"backend": "redis", "redis": "up" if self.up else "down", "gateways": self.fallback.divisor,
                 "fallback": None if self.up else f"per-process limits divided by {self.fallback.divisor}"}
 
     async def close(self) -> None:
+        from redis.exceptions import RedisError
+
+        if self.up:  # a gateway that stops cleanly is no longer counted
+            try:
+                await self._redis.zrem(f"{self.prefix}gateways", self.instance)
+            except (RedisError, OSError):
+                pass
         await self._redis.aclose()
 
 

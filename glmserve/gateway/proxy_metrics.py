@@ -20,8 +20,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 
 
 class ProxyMetrics:
-    def __init__(self, pool: BackendPool) -> None:
-        self.registry = reg = CollectorRegistry()
+    def __init__(self, pool: BackendPool, registry: CollectorRegistry | None = None) -> None:
+        self.registry = reg = registry if registry is not None else CollectorRegistry()
         self.upstream = Children(Counter(f"{PREFIX}_upstream_requests", "Requests sent to a backend, by backend and "
                                          "outcome (HTTP status, connect_error, transport_error, timeout)",
                                          ["backend", "status"], registry=reg))

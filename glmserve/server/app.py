@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from glmserve.config import EngineConfig
 from glmserve.engine.async_engine import AsyncEngine, EngineState
 from glmserve.gateway.admission import GatewayMiddleware, GatewayParts
+from glmserve.gateway.deadline import RequestDeadline
+from glmserve.gateway.standby import StandbyFallback
 from glmserve.server.aliases import check_aliases
 from glmserve.server.compress_routes import router as compress_router
 from glmserve.server.config import ServerConfig
@@ -157,6 +159,12 @@ def create_app(
     # keys, limits and billing inside the HTTP counters (so that 401s and 429s are counted there too); the parts
     # are built now so that a bad keys or price file fails the start, not the first request
     parts = GatewayParts.build(server_config.gateway)
+    if server_config.gateway.request_timeout_s is not None:  # inside admission: a timed-out request is not billed
+        app.add_middleware(RequestDeadline, timeout_s=server_config.gateway.request_timeout_s,
+                           registry=metrics_.registry)
+    if server_config.gateway.standby_urls:  # inside admission too: a standby's answers are billed
+        app.add_middleware(StandbyFallback, settings=server_config.gateway, registry=metrics_.registry,
+                           local_ready=lambda: engine.state is EngineState.READY)
     app.add_middleware(GatewayMiddleware, settings=server_config.gateway, registry=metrics_.registry,
                        tokenizer=serving.count_tokens, parts=parts)
     app.add_middleware(BodySizeLimit, max_bytes=server_config.limits.max_body_bytes)  # before any body is parsed

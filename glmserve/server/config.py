@@ -128,7 +128,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interactions-max-bytes", type=int, default=64 << 20, metavar="N",
                    help="bytes per interaction log file before it rotates (files rotate each UTC day too)")
     add_limit_args(parser)
-    add_gateway_options(parser)
+    add_gateway_options(parser, serve=True)
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
