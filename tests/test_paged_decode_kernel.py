@@ -8,24 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parity import reference_decode
 
 from glmserve import kernels
 from glmserve.kv.kv_format import dequantize, kv_format, store
 
 FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8"]
-
-
-def _reference(q, k, v, slots, lengths, scale):
-    """Per row, softmax attention in float64 over k/v [Hkv, slots, D] at `slots`; also each head's log-sum-exp."""
-    outs, lses = [], []
-    g = q.shape[1] // k.shape[0]
-    for row in range(q.shape[0]):
-        idx = slots[row, :lengths[row]]
-        kr, vr = k[:, idx].double().repeat_interleave(g, 0), v[:, idx].double().repeat_interleave(g, 0)
-        s = torch.einsum("hd,hld->hl", q[row].double(), kr) * scale
-        outs.append(torch.einsum("hl,hld->hd", torch.softmax(s, -1), vr))
-        lses.append(torch.logsumexp(s, -1))
-    return torch.stack(outs).float(), torch.stack(lses).float()
 
 
 def _case(fmt_name: str, heads: int, kv_heads: int, dim: int, lengths: list[int], seed: int, q_scale: float = 1.0):
@@ -50,7 +38,7 @@ def test_decode_matches_float64_attention(cpu_isa, fmt, heads, kv_heads, dim):
     out, lse = kernels.op("paged_decode_lse", q.device, q.dtype)(q, cache[0], cache[1], slots, lengths, scale)
     plain = kernels.op("paged_decode", q.device, q.dtype)(q, cache[0], cache[1], slots, lengths, scale)
     seen = dequantize(cache, torch.float32)
-    want, want_lse = _reference(q, seen[0], seen[1], slots, lengths, scale)
+    want, want_lse = reference_decode(q, seen[0], seen[1], slots, lengths, scale)
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse, want_lse, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(plain, out, rtol=0, atol=0)
@@ -61,6 +49,6 @@ def test_peaked_scores_underflow_to_zero_weight(cpu_isa):
     reference's."""
     q, cache, slots, lengths = _case("float32", 9, 3, 64, [40, 64, 100], seed=5, q_scale=40.0)
     out, lse = kernels.op("paged_decode_lse", q.device, q.dtype)(q, cache[0], cache[1], slots, lengths, 0.125)
-    want, want_lse = _reference(q, cache[0], cache[1], slots, lengths, 0.125)
+    want, want_lse = reference_decode(q, cache[0], cache[1], slots, lengths, 0.125)
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse, want_lse, rtol=2e-5, atol=1e-4)

@@ -379,3 +379,29 @@ def test_dequantize_rows_drops_the_input_padding(cpu_isa):
     ids = torch.tensor([20, 0, 16])
     rows = backend.dequantize_rows(backend.prepare(w, None, CPU), ids, torch.float32)
     torch.testing.assert_close(rows, dequantize(w)[ids], rtol=1e-3, atol=0)  # d rounded to fp16 by the packing
+
+
+def test_embedded_model_decodes_a_batch_of_32_the_same_on_amx_and_vnni_tiles(cpu_isa):
+    """Greedy decode of 32 prompts at once on the default model (Q4_1 / Q8_0 blocks): the AMX tiles give the
+    VNNI tiles' tokens and logprobs exactly (the batched linears, the Q8_0 lm_head included, at M = 32). No
+    prefix caching: the second run recomputes the same prompts in the same steps."""
+    from glmserve import LLM, SamplingParams
+
+    set_amx = kernels.op("set_amx", CPU, torch.float32)
+    if not set_amx(True):
+        pytest.skip(f"no AMX int8 tiles on {cpu_isa} here")
+    llm = LLM(model=None, dtype="float32", max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=256,
+              kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 20000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 24, (32,), generator=gen)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    try:
+        amx = llm.generate(prompts, params)
+        set_amx(False)
+        vnni = llm.generate(prompts, params)
+    finally:
+        set_amx(True)
+    for a, v in zip(amx, vnni):
+        assert a.outputs[0].token_ids == v.outputs[0].token_ids
+        assert a.outputs[0].logprobs == v.outputs[0].logprobs
