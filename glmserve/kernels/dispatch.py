@@ -20,6 +20,9 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                E4M3 bytes for fp4), fp4, group, factor, post, out_features) -> [T,out]: FP8 / NVFP4 weights packed
                by quant/cpu_float_backend.py, dequantized in the kernel
   fp8_fake_quantize_rows(x [T,in]) -> [T,in]: E4M3 per-token fake quantization (float_quant_linear's fp8_tokens)
+  set_amx(enable) -> bool: whether quant_matmul / quant_linear run batches of 16+ rows on the AMX int8 tiles
+               (default: yes where the CPU and the avx512 build have them, unless GLMSERVE_CPU_AMX=0); returns
+               whether they now do
   dequantize_packed(codes, scales, mins, u4, out_features, bf16, out) -> [out_features, in32] bf16 or f32:
                the packed weight as a dense matrix, written into the flat buffer `out`
 """
@@ -47,6 +50,7 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "float_quant_linear": "float_quant_matmul",
     "fp8_fake_quantize_rows": "float_quant_matmul",
     "dequantize_packed": "quant_matmul",
+    "set_amx": "quant_matmul",
 }
 DTYPES = (torch.float32,)  # every op's query / score dtype
 
