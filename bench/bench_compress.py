@@ -1,11 +1,15 @@
 """Semantic context compression (glmserve/compress/) against baselines at the same ratio, with and without the model.
 
     .venv/bin/python bench/bench_compress.py [--ratio 3.4] [--questions 40] [--zh-questions 20]
-        [--multi-questions 12] [--parts routing,multi,en,zh] [--qset paraphrased|template] [--split tune|held-out|both]
+        [--multi-questions 12] [--parts routing,multi,en,zh,licenses] [--positions first,second,middle,fourth,last]
+        [--license-questions 400] [--qset paraphrased|template] [--split tune|held-out|both]
         [--no-model] [--model-questions N] [--llmlingua N] [--out FILE]
 
 Corpora and questions: bench/compress_data.py (Debian Policy, ~120K tokens; the Chinese New Maintainers' Guide;
-five license texts with the gold one first, in the middle or last; a code-routing corpus). Question sets:
+five license texts with GPL-3 the gold one, first, in the middle or last ("multi"); a code-routing corpus) and the
+larger license set ("licenses"): each of ten other license texts as the gold among four distractors of other
+license families, at each position of `--positions`, its questions from another seed; its corpora are also
+summarized per gold position over all ten golds (`groups` in the report). Question sets:
 "paraphrased" (bench/compress_questions.py: questions worded with the heading and neighbour sentences, or through a
 synonym table, never quoting their answer sentence; the default) or "template" (compress_data.make_questions: cloze
 and "which section", which quote it). Each set has a "tune" and a "held-out" split, reported apart; `--split` runs
@@ -46,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compress_data import (  # noqa: E402
     debian_policy,
+    license_distractors,
     license_text,
     maint_guide_zh,
     make_questions,
@@ -69,6 +74,15 @@ BENCH_DIR = Path(os.environ.get("GLMSERVE_BENCH_DIR", Path.home() / ".cache" / "
 TEMPLATE_SHELL = set(words("Fill in the blank: Which section says 填空：哪一节说"))
 GOLD_LICENSE = "GPL-3"
 DISTRACTORS = ("Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")
+POSITIONS = {"first": 0, "second": 1, "middle": 2, "fourth": 3, "last": 4}  # the gold's index among 5 documents
+# The larger license set (part "licenses"): each distinct license text of base-files in turn as the gold, except
+# GPL-3 (the multi set's gold: the neighbour weight was chosen on its tune split), near-copies of another (GFDL-1.2
+# of GFDL-1.3, LGPL-2 of LGPL-2.1; GPL, LGPL and GFDL are links) and BSD (no sentence to ask about); 4 distractors
+# of other families per gold, drawn with LICENSES_SEED, which also seeds the questions (the multi set used 1).
+LICENSE_GOLDS = ("Apache-2.0", "Artistic", "CC0-1.0", "GFDL-1.3", "GPL-1", "GPL-2", "LGPL-2.1", "LGPL-3", "MPL-1.1",
+                 "MPL-2.0")
+LICENSE_POOL = (*LICENSE_GOLDS, "GPL-3", "BSD")
+LICENSES_SEED = 17
 
 
 @dataclass
@@ -76,6 +90,7 @@ class Corpus:
     name: str
     documents: list[Document]
     questions: list[dict]  # Question / ParaQuestion fields, with split and cue_words
+    group: str = ""  # corpora of one group are also summarized together (the licenses set: one per gold position)
 
 
 def question_set(qset: str, units: list, n: int, chinese: bool = False, seed: int = 0) -> list[dict]:
@@ -88,18 +103,32 @@ def question_set(qset: str, units: list, n: int, chinese: bool = False, seed: in
             for i, q in enumerate(qs)]
 
 
+def with_gold_at(gold: Document, others: list[Document], where: str) -> list[Document]:
+    """The 4 distractors with the gold document inserted at position `where` (a key of POSITIONS)."""
+    if where not in POSITIONS:
+        raise SystemExit(f"unknown gold position {where!r}: one of {', '.join(POSITIONS)}")
+    at = POSITIONS[where]
+    return [*others[:at], gold, *others[at:]]
+
+
 def corpora(parts: set[str], n_en: int, n_zh: int, n_multi: int, qset: str = "paraphrased",
-            split: str = "both", positions: tuple[str, ...] = ("first", "middle", "last")) -> list[Corpus]:
+            split: str = "both", positions: tuple[str, ...] = ("first", "middle", "last"),
+            n_licenses: int = 400) -> list[Corpus]:
     out = []
     if "multi" in parts:
-        gpl = license_text(GOLD_LICENSE)
-        multi_q = question_set(qset, segment(GOLD_LICENSE, gpl), n_multi, seed=1)
+        gpl = Document(GOLD_LICENSE, license_text(GOLD_LICENSE))
+        multi_q = question_set(qset, segment(gpl.id, gpl.text), n_multi, seed=1)
         others = [Document(name, license_text(name)) for name in DISTRACTORS]
-        for where, at in (("first", 0), ("middle", len(others) // 2), ("last", len(others))):
-            if where not in positions:
-                continue
-            docs = [*others[:at], Document(GOLD_LICENSE, gpl), *others[at:]]
-            out.append(Corpus(f"5 licenses, gold {where}", docs, multi_q))
+        for where in positions:
+            out.append(Corpus(f"5 licenses, gold {where}", with_gold_at(gpl, others, where), multi_q))
+    if "licenses" in parts:
+        for name in LICENSE_GOLDS:
+            gold = Document(name, license_text(name))
+            qs = question_set(qset, segment(gold.id, gold.text), n_licenses, seed=LICENSES_SEED)
+            others = [Document(d, license_text(d)) for d in license_distractors(name, LICENSE_POOL, 4, LICENSES_SEED)]
+            for where in positions:
+                out.append(Corpus(f"licenses: {name} {where}", with_gold_at(gold, others, where), qs,
+                                  group=f"licenses, gold {where}"))
     if "en" in parts:
         policy = debian_policy()
         out.append(Corpus("Debian Policy (en)", [Document("policy", policy)],
@@ -159,7 +188,7 @@ class LongLLMLingua:
         todo = [q for q in questions if q not in self.cache or any(c not in self.cache[q] for c in chunk_texts)]
         seconds = {q: 0.0 for q in questions}
         if todo:
-            env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
             proc = subprocess.run(
                 [str(self.python), str(Path(__file__).with_name("peer_llmlingua.py")), "--model", str(self.model)],
                 input=json.dumps({"chunks": chunk_texts, "questions": todo}), capture_output=True, text=True,
@@ -186,13 +215,13 @@ def llmlingua_subset(questions: list[dict], n: int) -> list[int]:
 
 
 def without_context(docs: list[Document], query: str, ratio: float, count) -> set[tuple[str, int, int]]:
-    """Ours with the neighbour weight at 0 (the selection before select.with_neighbours): the ablation."""
-    saved = select.NEIGHBOUR_WEIGHT
-    select.NEIGHBOUR_WEIGHT = 0.0
+    """Ours with both neighbour weights at 0 (the selection before select.with_neighbours): the ablation."""
+    saved = select.NEIGHBOUR_WEIGHT, select.BETWEEN_WEIGHT
+    select.NEIGHBOUR_WEIGHT = select.BETWEEN_WEIGHT = 0.0
     try:
         result = compress(docs, query=query, ratio=ratio, count_tokens=count)
     finally:
-        select.NEIGHBOUR_WEIGHT = saved
+        select.NEIGHBOUR_WEIGHT, select.BETWEEN_WEIGHT = saved
     return {(s.doc, s.start, s.end) for s in result.spans}
 
 
@@ -253,7 +282,8 @@ def run_corpus(corpus: Corpus, ratio: float, count, rng: np.random.Generator,
         cues = q["cue_words"]
         bm25 = bm25_scores(unit_texts, q["query"])
         window = section_window(units, costs, gold)
-        row = {"type": q["type"], "split": q["split"], "query": q["query"], "window": join_units(units, window),
+        row = {"type": q["type"], "split": q["split"], "doc": q["doc"], "gold": q["gold"], "query": q["query"],
+               "window": join_units(units, window),
                "prompt": q["prompt"], "answer": q["answer_text"],
                "cue_overlap": float(np.mean([w in gold_words for w in cues])) if cues else 0.0,
                "bm25_rank": int((bm25 > bm25[gold]).sum()) + 1, "methods": {}}
@@ -399,8 +429,12 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=40)
     ap.add_argument("--zh-questions", type=int, default=20)
     ap.add_argument("--multi-questions", type=int, default=12)
-    ap.add_argument("--parts", default="routing,multi,en,zh", help="comma-separated: routing, multi, en, zh")
-    ap.add_argument("--positions", default="first,middle,last", help="where the gold license goes (multi)")
+    ap.add_argument("--license-questions", type=int, default=400,
+                    help="licenses: at most this many questions per gold license (the generator makes fewer)")
+    ap.add_argument("--parts", default="routing,multi,en,zh",
+                    help="comma-separated: routing, multi, en, zh, licenses (the larger license set)")
+    ap.add_argument("--positions", default="first,middle,last",
+                    help=f"where the gold license goes (multi, licenses): of {','.join(POSITIONS)}")
     ap.add_argument("--qset", choices=("paraphrased", "template"), default="paraphrased")
     ap.add_argument("--split", choices=("tune", "held-out", "both"), default="both")
     ap.add_argument("--no-model", action="store_true", help="skip the model metric")
@@ -421,6 +455,7 @@ def main() -> None:
         report["routing"] = {split: routing(debian_policy(), maint_guide_zh(), seed)
                              for split, seed in ROUTING_SEEDS.items()}
     all_rows: list[list[dict]] = []
+    grouped: dict[str, list[dict]] = {}
 
     def save() -> None:
         if args.out:
@@ -431,14 +466,19 @@ def main() -> None:
     scorer = None if args.no_model else AnswerScorer()
     lingua = LongLLMLingua() if args.llmlingua > 0 else None
     for c in corpora(parts, args.questions, args.zh_questions, args.multi_questions, args.qset, args.split,
-                     tuple(args.positions.split(","))):
+                     tuple(args.positions.split(",")), args.license_questions):
         # the report is rewritten after each corpus
         res = run_corpus(c, args.ratio, count, rng, lingua, args.llmlingua, args.ablate_context)
         if scorer is not None:
             add_model_metric(scorer, res, args.model_questions)
         report["corpora"].append({k: v for k, v in res.items() if k != "rows"}
-                                 | {"questions": len(res["rows"]), "splits": summary(res)})
+                                 | {"group": c.group, "questions": len(res["rows"]), "splits": summary(res)})
         all_rows.append(res["rows"])
+        if c.group:
+            grouped.setdefault(c.group, []).extend(res["rows"])
+            report["groups"] = {g: {"corpora": sum(x["group"] == g for x in report["corpora"]),
+                                    "questions": len(rows), "splits": summary({"rows": rows})}
+                                for g, rows in grouped.items()}
         save()
     print(json.dumps(report, indent=1, ensure_ascii=False))
 

@@ -9,6 +9,11 @@ rank_method="longllmlingua", condition_in_question="after")` (Jiang et al., "Lon
 ranked by the perplexity of the question conditioned on each document), with its scoring causal LM pointed at a
 local transformers folder (the embedded SmolLM2 exported by setup_peers.sh, not its default 7B Llama-2).
 
+One thread by default: the scorer is a 135M float32 model (llmlingua's own dtype on CPU) run once per chunk with
+the question appended (~300 tokens per forward, never the whole context), about 0.6 s per chunk on one core here.
+With 2 threads on a shared 2-core machine each forward waits on the other thread's time slice: 4 s per chunk at
+load 6 (7x slower), the 14 minutes per question first seen at load 17.
+
 `PromptCompressor.__init__` also loads tiktoken's gpt-3.5-turbo encoding, which tiktoken downloads on first use;
 the ranking never uses it, so the runner builds the object with llmlingua's own `load_model` and the attributes
 `__init__` sets, and skips that download.
@@ -40,7 +45,7 @@ def compressor(model: str):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="a transformers causal-LM folder")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     import torch
 
