@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_compress.py [--ratio 3.4] [--questions 40] [--zh-questions 20]
         [--multi-questions 12] [--parts routing,multi,en,zh,licenses] [--positions first,second,middle,fourth,last]
         [--license-questions 400] [--qset paraphrased|template] [--split tune|held-out|both]
-        [--no-model] [--model-questions N] [--llmlingua N] [--out FILE]
+        [--no-model] [--model-questions N] [--llmlingua N] [--llmlingua-dtype float32|bfloat16] [--out FILE]
 
 Corpora and questions: bench/compress_data.py (Debian Policy, ~120K tokens; the Chinese New Maintainers' Guide;
 five license texts with GPL-3 the gold one, first, in the middle or last ("multi"); a code-routing corpus) and the
@@ -35,6 +35,7 @@ share of code files routed "off", and of prose, licenses, policy text and Markdo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -174,33 +175,51 @@ def chunks_of(units: list, costs: np.ndarray, limit: int = CHUNK_TOKENS) -> list
 
 
 class LongLLMLingua:
-    """bench/peer_llmlingua.py in its venv; a chunk's rank for a question is cached by the chunk's text, so the
-    same chunks in another document order (the license variants) are not scored again."""
+    """bench/peer_llmlingua.py in its venv, its scorer in `dtype`. Each question's ranking is appended to a
+    cache file (BENCH_DIR/llmlingua-ranks.jsonl, keyed by a hash of the scorer, its dtype, the question and the
+    chunk texts) as soon as the peer prints it, so a run cut short keeps what it finished and a rerun on the same
+    questions and chunks (the license variants: the same chunks in another document order) scores nothing again."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: str = "float32") -> None:
         self.python = BENCH_DIR / "llmlingua" / "bin" / "python"
         self.model = BENCH_DIR / "smollm2-bf16"
+        self.dtype = dtype
+        self.path = BENCH_DIR / "llmlingua-ranks.jsonl"
         if not self.python.exists() or not (self.model / "config.json").exists():
             raise SystemExit(f"--llmlingua needs {self.python} and {self.model}: run bench/setup_peers.sh llmlingua")
-        self.cache: dict[str, dict[str, int]] = {}  # question -> chunk text -> rank (0 = best)
+        self.cache: dict[str, dict] = {}  # key -> {"order": chunk indices best first, "seconds": wall time}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                got = json.loads(line)
+                self.cache[got["key"]] = got
+
+    def key(self, chunk_texts: list[str], question: str) -> str:
+        h = hashlib.sha256(json.dumps([str(self.model), self.dtype, question, sorted(chunk_texts)]).encode())
+        return h.hexdigest()
 
     def orders(self, chunk_texts: list[str], questions: list[str]) -> tuple[list[np.ndarray], list[float]]:
-        todo = [q for q in questions if q not in self.cache or any(c not in self.cache[q] for c in chunk_texts)]
-        seconds = {q: 0.0 for q in questions}
+        canon = sorted(range(len(chunk_texts)), key=lambda c: chunk_texts[c])  # the order the peer is given
+        todo = [q for q in questions if self.key(chunk_texts, q) not in self.cache]
         if todo:
             env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-            proc = subprocess.run(
-                [str(self.python), str(Path(__file__).with_name("peer_llmlingua.py")), "--model", str(self.model)],
-                input=json.dumps({"chunks": chunk_texts, "questions": todo}), capture_output=True, text=True,
-                env=env, timeout=600 + 400 * len(todo), check=False)
+            cmd = [str(self.python), str(Path(__file__).with_name("peer_llmlingua.py")), "--model", str(self.model),
+                   "--dtype", self.dtype]
+            with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as proc:
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(json.dumps({"chunks": [chunk_texts[c] for c in canon], "questions": todo}))
+                proc.stdin.close()
+                for q, line in zip(todo, proc.stdout):
+                    got = json.loads(line) | {"key": self.key(chunk_texts, q)}
+                    self.cache[got["key"]] = got
+                    with self.path.open("a") as f:
+                        f.write(json.dumps(got) + "\n")
             if proc.returncode != 0:
-                raise SystemExit(f"peer_llmlingua.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
-            for q, line in zip(todo, proc.stdout.splitlines()):
-                got = json.loads(line)
-                self.cache[q] = {chunk_texts[c]: r for r, c in enumerate(got["order"])}
-                seconds[q] = got["seconds"]
-        return ([np.argsort([self.cache[q][c] for c in chunk_texts], kind="stable") for q in questions],
-                [seconds[q] for q in questions])
+                raise SystemExit(f"peer_llmlingua.py failed ({proc.returncode}); its stderr is above")
+        out = []
+        for q in questions:
+            rank = {canon[c]: r for r, c in enumerate(self.cache[self.key(chunk_texts, q)]["order"])}
+            out.append(np.array([rank[c] for c in range(len(chunk_texts))]).argsort(kind="stable"))
+        return out, [self.cache[self.key(chunk_texts, q)]["seconds"] for q in questions]
 
 
 def llmlingua_subset(questions: list[dict], n: int) -> list[int]:
@@ -442,6 +461,8 @@ def main() -> None:
                     help="the model metric on the first N questions of each split only")
     ap.add_argument("--llmlingua", type=int, default=0, metavar="N",
                     help="LongLLMLingua's ranking on the first N questions of each split (0: off)")
+    ap.add_argument("--llmlingua-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="LongLLMLingua's scorer dtype (float32: llmlingua's own on CPU)")
     ap.add_argument("--ablate-context", action="store_true",
                     help="also run ours without the neighbour weight (method ours_no_context)")
     ap.add_argument("--out", default=None)
@@ -464,7 +485,7 @@ def main() -> None:
 
     save()
     scorer = None if args.no_model else AnswerScorer()
-    lingua = LongLLMLingua() if args.llmlingua > 0 else None
+    lingua = LongLLMLingua(args.llmlingua_dtype) if args.llmlingua > 0 else None
     for c in corpora(parts, args.questions, args.zh_questions, args.multi_questions, args.qset, args.split,
                      tuple(args.positions.split(",")), args.license_questions):
         # the report is rewritten after each corpus
