@@ -199,6 +199,8 @@ def main() -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--calib", nargs="+", required=True)
     p.add_argument("--heldout", nargs="+", required=True)
+    p.add_argument("--calib-eval", nargs="+", default=None, help="the text of the \"calib ppl\" column (default: "
+                   "--calib); lets extra calibration files join --calib while that column stays comparable")
     p.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens (GPTQ, AWQ, outlier "
                    "channels, Fisher sensitivity), an equal share from each file")
     p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of each evaluation set")
@@ -211,7 +213,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ckpt = load_float(args.model)
-    evals = {"calib": _windows(ckpt.tokenizer, args.calib, args.seq_len, args.eval_tokens),
+    evals = {"calib": _windows(ckpt.tokenizer, args.calib_eval or args.calib, args.seq_len, args.eval_tokens),
              "heldout": _windows(ckpt.tokenizer, args.heldout, args.seq_len, args.eval_tokens)}
     t0 = time.time()
     base, reference = {}, {}
