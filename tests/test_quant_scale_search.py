@@ -1,16 +1,20 @@
 """The scale search (glmserve/quant/scale_search.py): per (row, group) ranges chosen by weighted squared error, hand
 checked on a group with an outlier, never worse than round to nearest on its objective, GPTQ keeping its scales
 fixed, and `glmserve quantize --scale-search` end to end: folder written, read back equal, and run by the engine on
-the reference backend as the fake-quantized float model computes."""
+the reference backend as the fake-quantized float model computes; and bench/quant_quality.py's QuaRot R4 hook keeps
+the model's function."""
 
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from test_quant_loading import _engine, _worst_error
 from test_quantize_cli import CALIB, _same_module, fake_quantized_model
+from transformers import AutoModelForCausalLM
 
 from glmserve.cli import main, run_quantize
 from glmserve.errors import InvalidRequestError
@@ -168,3 +172,20 @@ def test_cli_flag_and_errors(tiny, tmp_path, calib, capsys):
                      scale_search=True)
     _, result = run_quantize(str(tiny), str(tmp_path / "n"), scheme="nvfp4", scale_search=True)
     assert any("keep round to nearest's scales" in n for n in result.notes)
+
+
+def test_bench_online_down_rotation_keeps_the_function(tiny):
+    """bench/quant_quality.py's QuaRot R4 evaluation: down_proj's weight W Q4 and input x Q4 give the same logits,
+    and down_proj's weight really changed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import quant_quality
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
+    ids = torch.tensor([[0, 5, 17, 42, 99, 7, 3, 250]])
+    down = model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        before, w = model(ids).logits, down.weight.detach().clone()
+        quant_quality._online_down_rotation(model)
+        after = model(ids).logits
+    assert not torch.allclose(down.weight, w, atol=1e-3)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
