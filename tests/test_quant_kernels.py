@@ -32,7 +32,14 @@ from glmserve.layers.embedding import QuantizedEmbedding
 from glmserve.layers.linear import QuantizedLinear
 from glmserve.layers.param_loading import WHOLE
 from glmserve.quant import backend as registry
-from glmserve.quant.cpu_backend import DENSE_MIN_ROWS, CpuBlockBackend, block_form, dense_apply, dense_path_for
+from glmserve.quant.cpu_backend import (
+    DENSE_MIN_ROWS,
+    PREPACK_ENV,
+    CpuBlockBackend,
+    block_form,
+    dense_apply,
+    dense_path_for,
+)
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
 from glmserve.quant.schemes import Scheme
@@ -315,8 +322,13 @@ def test_dequantize_packed_is_the_stored_weight(cpu_isa, fmt):
     assert torch.equal(bf16, f32.bfloat16())
 
 
+def p_weight_abs(p) -> torch.Tensor:
+    """|w| of a prepared cpu_block weight, read back from its packed layout."""
+    return CpuBlockBackend().dequantize_rows(p, torch.arange(p.out_features), torch.float32).abs()
+
+
 @pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group64_asym"])
-def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt):
+def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt, monkeypatch):
     """From DENSE_MIN_ROWS rows (prefill) on AMX: bfloat16 activations, weights and outputs with float32
     sums, so each output is within 2^-8 of sum |x w| (two roundings of 2^-9 per product) plus 2^-8 of itself
     (the output's rounding) of `reference`. Other CPUs and builds keep the int8 path (checked above)."""
@@ -331,6 +343,15 @@ def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt):
     assert backend.bf16_rows(p, DENSE_MIN_ROWS) and not backend.bf16_rows(p, DENSE_MIN_ROWS - 1)
     y16 = backend.apply(p, x.bfloat16(), None)  # bf16 activations stay bf16 (layers/linear.py bf16_between)
     assert y16.dtype == torch.bfloat16 and torch.equal(y16, y.bfloat16())
+    packed = p.dense
+    assert packed is not None and packed.is_mkldnn  # oneDNN's prepacked copy, made by the first dense call
+    dense_apply(p, x)
+    assert p.dense is packed  # and kept
+    monkeypatch.setenv(PREPACK_ENV, "0")
+    per_call = dense_apply(p, x).float()  # the weight dequantized at this call, a plain oneDNN matmul
+    # both sum in float32 (in their own order) and round once to bf16: at most one bf16 step apart
+    sums = (x.abs() @ p_weight_abs(p).T)
+    assert ((y - per_call).abs() <= 2 ** -7 * per_call.abs() + 1e-5 * sums).all()
     w_ref, w_ref_abs, _ = reference_weight(fmt, 192, 576)
     ref = F.linear(x, w_ref).double()
     bound = 2 ** -8 * (x.abs() @ w_ref_abs.T).double() + 2 ** -8 * ref.abs() + 1e-6

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # csrc/<name>.cpp, one extension each per variant
-SOURCES = ("paged_decode", "sparse", "quant_matmul", "float_quant_matmul")
+SOURCES = ("paged_decode", "sparse", "quant_matmul", "float_quant_matmul", "prefill_ops")
 BASE_CFLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only")
 
 
