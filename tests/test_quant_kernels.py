@@ -337,6 +337,7 @@ def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt, monkeypatch):
     if dense_path_for(CPU) is None:
         assert p.dequantize is None
         pytest.skip(f"no bf16 GEMM path on {cpu_isa} here (needs AMX and the avx512 build)")
+    monkeypatch.setenv(PREPACK_ENV, "1")  # opt-in: oneDNN-prepacked bf16 copies of the weights
     x = activations(DENSE_MIN_ROWS + 3, 576)
     y = backend.apply(p, x, None)
     assert y.dtype == torch.float32 and torch.equal(y, dense_apply(p, x).float())
@@ -347,8 +348,8 @@ def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt, monkeypatch):
     assert packed is not None and packed.is_mkldnn  # oneDNN's prepacked copy, made by the first dense call
     dense_apply(p, x)
     assert p.dense is packed  # and kept
-    monkeypatch.setenv(PREPACK_ENV, "0")
-    per_call = dense_apply(p, x).float()  # the weight dequantized at this call, a plain oneDNN matmul
+    monkeypatch.delenv(PREPACK_ENV)
+    per_call = dense_apply(p, x).float()  # the default: the weight dequantized at this call, a plain oneDNN matmul
     # both sum in float32 (in their own order) and round once to bf16: at most one bf16 step apart
     sums = (x.abs() @ p_weight_abs(p).T)
     assert ((y - per_call).abs() <= 2 ** -7 * per_call.abs() + 1e-5 * sums).all()

@@ -39,7 +39,9 @@ QK = 32  # inputs per block (the kernel's)
 ROWS = 16  # output rows per tile (the kernel's)
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # bits of each GGUF block format this backend runs
 DENSE_MIN_ROWS = 128  # rows from which the bf16 GEMM path wins (bench/gemm_micro.py --quant)
-PREPACK_ENV = "GLMSERVE_BF16_PREPACK"  # "0": the dense path dequantizes into a scratch buffer at every call
+# "1": the dense path keeps oneDNN-prepacked bf16 copies of the weights (faster prefill, +2 bytes per weight);
+# otherwise (the default, for the memory of quantized serving) it dequantizes into a scratch buffer at every call
+PREPACK_ENV = "GLMSERVE_BF16_PREPACK"
 
 
 @dataclass
@@ -180,9 +182,9 @@ def prepacked(p: PackedWeight) -> torch.Tensor:
 
 def dense_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """rows [T, in] (float32 or bf16) x the bf16 weight -> [T, out] bf16 (oneDNN sums in float32, then rounds
-    once): the prepacked weight, or with GLMSERVE_BF16_PREPACK=0 the weight dequantized at this call."""
+    once): the weight dequantized at this call, or with GLMSERVE_BF16_PREPACK=1 the prepacked weight."""
     x = rows.to(torch.bfloat16).contiguous()
-    if os.environ.get(PREPACK_ENV) == "0":
+    if os.environ.get(PREPACK_ENV) != "1":
         return F.linear(x, _dequantized(p))
     return torch.ops.mkldnn._linear_pointwise(x, prepacked(p), None, "none", [], "")
 
