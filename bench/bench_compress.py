@@ -1,11 +1,15 @@
 """Semantic context compression (glmserve/compress/) against baselines at the same ratio, with and without the model.
 
     .venv/bin/python bench/bench_compress.py [--ratio 3.4] [--questions 40] [--zh-questions 20]
-        [--multi-questions 12] [--parts routing,multi,en,zh] [--qset paraphrased|template] [--split tune|held-out|both]
-        [--no-model] [--model-questions N] [--llmlingua N] [--out FILE]
+        [--multi-questions 12] [--parts routing,multi,en,zh,licenses] [--positions first,second,middle,fourth,last]
+        [--license-questions 400] [--qset paraphrased|template] [--split tune|held-out|both]
+        [--no-model] [--model-questions N] [--llmlingua N] [--llmlingua-dtype float32|bfloat16] [--out FILE]
 
 Corpora and questions: bench/compress_data.py (Debian Policy, ~120K tokens; the Chinese New Maintainers' Guide;
-five license texts with the gold one first, in the middle or last; a code-routing corpus). Question sets:
+five license texts with GPL-3 the gold one, first, in the middle or last ("multi"); a code-routing corpus) and the
+larger license set ("licenses"): each of ten other license texts as the gold among four distractors of other
+license families, at each position of `--positions`, its questions from another seed; its corpora are also
+summarized per gold position over all ten golds (`groups` in the report). Question sets:
 "paraphrased" (bench/compress_questions.py: questions worded with the heading and neighbour sentences, or through a
 synonym table, never quoting their answer sentence; the default) or "template" (compress_data.make_questions: cloze
 and "which section", which quote it). Each set has a "tune" and a "held-out" split, reported apart; `--split` runs
@@ -31,6 +35,7 @@ share of code files routed "off", and of prose, licenses, policy text and Markdo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -46,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compress_data import (  # noqa: E402
     debian_policy,
+    license_distractors,
     license_text,
     maint_guide_zh,
     make_questions,
@@ -69,6 +75,15 @@ BENCH_DIR = Path(os.environ.get("GLMSERVE_BENCH_DIR", Path.home() / ".cache" / "
 TEMPLATE_SHELL = set(words("Fill in the blank: Which section says 填空：哪一节说"))
 GOLD_LICENSE = "GPL-3"
 DISTRACTORS = ("Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")
+POSITIONS = {"first": 0, "second": 1, "middle": 2, "fourth": 3, "last": 4}  # the gold's index among 5 documents
+# The larger license set (part "licenses"): each distinct license text of base-files in turn as the gold, except
+# GPL-3 (the multi set's gold: the neighbour weight was chosen on its tune split), near-copies of another (GFDL-1.2
+# of GFDL-1.3, LGPL-2 of LGPL-2.1; GPL, LGPL and GFDL are links) and BSD (no sentence to ask about); 4 distractors
+# of other families per gold, drawn with LICENSES_SEED, which also seeds the questions (the multi set used 1).
+LICENSE_GOLDS = ("Apache-2.0", "Artistic", "CC0-1.0", "GFDL-1.3", "GPL-1", "GPL-2", "LGPL-2.1", "LGPL-3", "MPL-1.1",
+                 "MPL-2.0")
+LICENSE_POOL = (*LICENSE_GOLDS, "GPL-3", "BSD")
+LICENSES_SEED = 17
 
 
 @dataclass
@@ -76,6 +91,7 @@ class Corpus:
     name: str
     documents: list[Document]
     questions: list[dict]  # Question / ParaQuestion fields, with split and cue_words
+    group: str = ""  # corpora of one group are also summarized together (the licenses set: one per gold position)
 
 
 def question_set(qset: str, units: list, n: int, chinese: bool = False, seed: int = 0) -> list[dict]:
@@ -88,18 +104,32 @@ def question_set(qset: str, units: list, n: int, chinese: bool = False, seed: in
             for i, q in enumerate(qs)]
 
 
+def with_gold_at(gold: Document, others: list[Document], where: str) -> list[Document]:
+    """The 4 distractors with the gold document inserted at position `where` (a key of POSITIONS)."""
+    if where not in POSITIONS:
+        raise SystemExit(f"unknown gold position {where!r}: one of {', '.join(POSITIONS)}")
+    at = POSITIONS[where]
+    return [*others[:at], gold, *others[at:]]
+
+
 def corpora(parts: set[str], n_en: int, n_zh: int, n_multi: int, qset: str = "paraphrased",
-            split: str = "both", positions: tuple[str, ...] = ("first", "middle", "last")) -> list[Corpus]:
+            split: str = "both", positions: tuple[str, ...] = ("first", "middle", "last"),
+            n_licenses: int = 400) -> list[Corpus]:
     out = []
     if "multi" in parts:
-        gpl = license_text(GOLD_LICENSE)
-        multi_q = question_set(qset, segment(GOLD_LICENSE, gpl), n_multi, seed=1)
+        gpl = Document(GOLD_LICENSE, license_text(GOLD_LICENSE))
+        multi_q = question_set(qset, segment(gpl.id, gpl.text), n_multi, seed=1)
         others = [Document(name, license_text(name)) for name in DISTRACTORS]
-        for where, at in (("first", 0), ("middle", len(others) // 2), ("last", len(others))):
-            if where not in positions:
-                continue
-            docs = [*others[:at], Document(GOLD_LICENSE, gpl), *others[at:]]
-            out.append(Corpus(f"5 licenses, gold {where}", docs, multi_q))
+        for where in positions:
+            out.append(Corpus(f"5 licenses, gold {where}", with_gold_at(gpl, others, where), multi_q))
+    if "licenses" in parts:
+        for name in LICENSE_GOLDS:
+            gold = Document(name, license_text(name))
+            qs = question_set(qset, segment(gold.id, gold.text), n_licenses, seed=LICENSES_SEED)
+            others = [Document(d, license_text(d)) for d in license_distractors(name, LICENSE_POOL, 4, LICENSES_SEED)]
+            for where in positions:
+                out.append(Corpus(f"licenses: {name} {where}", with_gold_at(gold, others, where), qs,
+                                  group=f"licenses, gold {where}"))
     if "en" in parts:
         policy = debian_policy()
         out.append(Corpus("Debian Policy (en)", [Document("policy", policy)],
@@ -145,33 +175,51 @@ def chunks_of(units: list, costs: np.ndarray, limit: int = CHUNK_TOKENS) -> list
 
 
 class LongLLMLingua:
-    """bench/peer_llmlingua.py in its venv; a chunk's rank for a question is cached by the chunk's text, so the
-    same chunks in another document order (the license variants) are not scored again."""
+    """bench/peer_llmlingua.py in its venv, its scorer in `dtype`. Each question's ranking is appended to a
+    cache file (BENCH_DIR/llmlingua-ranks.jsonl, keyed by a hash of the scorer, its dtype, the question and the
+    chunk texts) as soon as the peer prints it, so a run cut short keeps what it finished and a rerun on the same
+    questions and chunks (the license variants: the same chunks in another document order) scores nothing again."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: str = "float32") -> None:
         self.python = BENCH_DIR / "llmlingua" / "bin" / "python"
         self.model = BENCH_DIR / "smollm2-bf16"
+        self.dtype = dtype
+        self.path = BENCH_DIR / "llmlingua-ranks.jsonl"
         if not self.python.exists() or not (self.model / "config.json").exists():
             raise SystemExit(f"--llmlingua needs {self.python} and {self.model}: run bench/setup_peers.sh llmlingua")
-        self.cache: dict[str, dict[str, int]] = {}  # question -> chunk text -> rank (0 = best)
+        self.cache: dict[str, dict] = {}  # key -> {"order": chunk indices best first, "seconds": wall time}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                got = json.loads(line)
+                self.cache[got["key"]] = got
+
+    def key(self, chunk_texts: list[str], question: str) -> str:
+        h = hashlib.sha256(json.dumps([str(self.model), self.dtype, question, sorted(chunk_texts)]).encode())
+        return h.hexdigest()
 
     def orders(self, chunk_texts: list[str], questions: list[str]) -> tuple[list[np.ndarray], list[float]]:
-        todo = [q for q in questions if q not in self.cache or any(c not in self.cache[q] for c in chunk_texts)]
-        seconds = {q: 0.0 for q in questions}
+        canon = sorted(range(len(chunk_texts)), key=lambda c: chunk_texts[c])  # the order the peer is given
+        todo = [q for q in questions if self.key(chunk_texts, q) not in self.cache]
         if todo:
-            env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-            proc = subprocess.run(
-                [str(self.python), str(Path(__file__).with_name("peer_llmlingua.py")), "--model", str(self.model)],
-                input=json.dumps({"chunks": chunk_texts, "questions": todo}), capture_output=True, text=True,
-                env=env, timeout=600 + 400 * len(todo), check=False)
+            env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+            cmd = [str(self.python), str(Path(__file__).with_name("peer_llmlingua.py")), "--model", str(self.model),
+                   "--dtype", self.dtype]
+            with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as proc:
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(json.dumps({"chunks": [chunk_texts[c] for c in canon], "questions": todo}))
+                proc.stdin.close()
+                for q, line in zip(todo, proc.stdout):
+                    got = json.loads(line) | {"key": self.key(chunk_texts, q)}
+                    self.cache[got["key"]] = got
+                    with self.path.open("a") as f:
+                        f.write(json.dumps(got) + "\n")
             if proc.returncode != 0:
-                raise SystemExit(f"peer_llmlingua.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
-            for q, line in zip(todo, proc.stdout.splitlines()):
-                got = json.loads(line)
-                self.cache[q] = {chunk_texts[c]: r for r, c in enumerate(got["order"])}
-                seconds[q] = got["seconds"]
-        return ([np.argsort([self.cache[q][c] for c in chunk_texts], kind="stable") for q in questions],
-                [seconds[q] for q in questions])
+                raise SystemExit(f"peer_llmlingua.py failed ({proc.returncode}); its stderr is above")
+        out = []
+        for q in questions:
+            rank = {canon[c]: r for r, c in enumerate(self.cache[self.key(chunk_texts, q)]["order"])}
+            out.append(np.array([rank[c] for c in range(len(chunk_texts))]).argsort(kind="stable"))
+        return out, [self.cache[self.key(chunk_texts, q)]["seconds"] for q in questions]
 
 
 def llmlingua_subset(questions: list[dict], n: int) -> list[int]:
@@ -186,13 +234,13 @@ def llmlingua_subset(questions: list[dict], n: int) -> list[int]:
 
 
 def without_context(docs: list[Document], query: str, ratio: float, count) -> set[tuple[str, int, int]]:
-    """Ours with the neighbour weight at 0 (the selection before select.with_neighbours): the ablation."""
-    saved = select.NEIGHBOUR_WEIGHT
-    select.NEIGHBOUR_WEIGHT = 0.0
+    """Ours with both neighbour weights at 0 (the selection before select.with_neighbours): the ablation."""
+    saved = select.NEIGHBOUR_WEIGHT, select.BETWEEN_WEIGHT
+    select.NEIGHBOUR_WEIGHT = select.BETWEEN_WEIGHT = 0.0
     try:
         result = compress(docs, query=query, ratio=ratio, count_tokens=count)
     finally:
-        select.NEIGHBOUR_WEIGHT = saved
+        select.NEIGHBOUR_WEIGHT, select.BETWEEN_WEIGHT = saved
     return {(s.doc, s.start, s.end) for s in result.spans}
 
 
@@ -253,7 +301,8 @@ def run_corpus(corpus: Corpus, ratio: float, count, rng: np.random.Generator,
         cues = q["cue_words"]
         bm25 = bm25_scores(unit_texts, q["query"])
         window = section_window(units, costs, gold)
-        row = {"type": q["type"], "split": q["split"], "query": q["query"], "window": join_units(units, window),
+        row = {"type": q["type"], "split": q["split"], "doc": q["doc"], "gold": q["gold"], "query": q["query"],
+               "window": join_units(units, window),
                "prompt": q["prompt"], "answer": q["answer_text"],
                "cue_overlap": float(np.mean([w in gold_words for w in cues])) if cues else 0.0,
                "bm25_rank": int((bm25 > bm25[gold]).sum()) + 1, "methods": {}}
@@ -399,8 +448,12 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=40)
     ap.add_argument("--zh-questions", type=int, default=20)
     ap.add_argument("--multi-questions", type=int, default=12)
-    ap.add_argument("--parts", default="routing,multi,en,zh", help="comma-separated: routing, multi, en, zh")
-    ap.add_argument("--positions", default="first,middle,last", help="where the gold license goes (multi)")
+    ap.add_argument("--license-questions", type=int, default=400,
+                    help="licenses: at most this many questions per gold license (the generator makes fewer)")
+    ap.add_argument("--parts", default="routing,multi,en,zh",
+                    help="comma-separated: routing, multi, en, zh, licenses (the larger license set)")
+    ap.add_argument("--positions", default="first,middle,last",
+                    help=f"where the gold license goes (multi, licenses): of {','.join(POSITIONS)}")
     ap.add_argument("--qset", choices=("paraphrased", "template"), default="paraphrased")
     ap.add_argument("--split", choices=("tune", "held-out", "both"), default="both")
     ap.add_argument("--no-model", action="store_true", help="skip the model metric")
@@ -408,6 +461,8 @@ def main() -> None:
                     help="the model metric on the first N questions of each split only")
     ap.add_argument("--llmlingua", type=int, default=0, metavar="N",
                     help="LongLLMLingua's ranking on the first N questions of each split (0: off)")
+    ap.add_argument("--llmlingua-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="LongLLMLingua's scorer dtype (float32: llmlingua's own on CPU)")
     ap.add_argument("--ablate-context", action="store_true",
                     help="also run ours without the neighbour weight (method ours_no_context)")
     ap.add_argument("--out", default=None)
@@ -421,6 +476,7 @@ def main() -> None:
         report["routing"] = {split: routing(debian_policy(), maint_guide_zh(), seed)
                              for split, seed in ROUTING_SEEDS.items()}
     all_rows: list[list[dict]] = []
+    grouped: dict[str, list[dict]] = {}
 
     def save() -> None:
         if args.out:
@@ -429,16 +485,21 @@ def main() -> None:
 
     save()
     scorer = None if args.no_model else AnswerScorer()
-    lingua = LongLLMLingua() if args.llmlingua > 0 else None
+    lingua = LongLLMLingua(args.llmlingua_dtype) if args.llmlingua > 0 else None
     for c in corpora(parts, args.questions, args.zh_questions, args.multi_questions, args.qset, args.split,
-                     tuple(args.positions.split(","))):
+                     tuple(args.positions.split(",")), args.license_questions):
         # the report is rewritten after each corpus
         res = run_corpus(c, args.ratio, count, rng, lingua, args.llmlingua, args.ablate_context)
         if scorer is not None:
             add_model_metric(scorer, res, args.model_questions)
         report["corpora"].append({k: v for k, v in res.items() if k != "rows"}
-                                 | {"questions": len(res["rows"]), "splits": summary(res)})
+                                 | {"group": c.group, "questions": len(res["rows"]), "splits": summary(res)})
         all_rows.append(res["rows"])
+        if c.group:
+            grouped.setdefault(c.group, []).extend(res["rows"])
+            report["groups"] = {g: {"corpora": sum(x["group"] == g for x in report["corpora"]),
+                                    "questions": len(rows), "splits": summary({"rows": rows})}
+                                for g, rows in grouped.items()}
         save()
     print(json.dumps(report, indent=1, ensure_ascii=False))
 

@@ -4,6 +4,10 @@ Run it with the project venv (it builds the workloads with the project's transfo
 
     .venv/bin/python bench/bench_engine.py [--quick] [--only ours,llamacpp,vllm] [--skip transformers]
     .venv/bin/python bench/bench_engine.py --report bench/results/engine-2025-01-01.json
+    .venv/bin/python bench/bench_engine.py --only ours,base,vllm --baseline /tmp/main-tree   # A/B against main
+
+`--baseline DIR` adds the runner `base`: our engine from another checkout (`git worktree add DIR main`, or
+`git archive main | tar -x -C DIR`), its own bench/ours.py with DIR first on PYTHONPATH, in the same rotation.
 
 Each runner is a separate process started with its own venv's python (peers live under
 $GLMSERVE_BENCH_DIR, see setup_peers.sh) in worker mode (harness.py `--worker`). They are started one
@@ -37,6 +41,7 @@ import workloads as wl
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 OURS = "ours"
+BASE = "base"  # our engine from the --baseline checkout
 LOWER_IS_BETTER = {"prefix_cold_ttft_s", "prefix_warm_ttft_s", "startup_s", "peak_rss_mb"}
 
 
@@ -52,6 +57,7 @@ class Runner:
     python: Path
     hf_model: bool = False
     tool: str | None = None
+    tree: Path | None = None  # another checkout whose bench/ours.py and glmserve run (--baseline)
 
     def available(self) -> str | None:
         """None when runnable, else why not."""
@@ -81,8 +87,11 @@ class Worker:
         self.runner, self.key, self.log = runner, key, log
         print(f"== {key}: {' '.join(cmd)} (log {log})", file=sys.stderr, flush=True)
         self._err = log.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, text=True, bufsize=1)
+        env = None
+        if runner.tree:  # that checkout's glmserve, not the venv's editable install
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(runner.tree), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(cmd, cwd=runner.tree or REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._err, text=True, bufsize=1, env=env)
         self.error: str | None = None
 
     def _line(self, marker: str, timeout_s: float) -> dict[str, Any]:
@@ -125,16 +134,17 @@ class Worker:
 
 def worker_command(runner: Runner, work_path: Path, gguf: Path, args: argparse.Namespace) -> list[str]:
     extra = ["--dtype", args.peer_dtype] if args.peer_dtype and runner.hf_model else []
-    if args.quantization and runner.key == OURS:
+    if args.quantization and runner.key in (OURS, BASE):
         extra += ["--quantization", args.quantization]
-    return [str(runner.python), str(BENCH / runner.script), "--workloads", str(work_path), "--gguf", str(gguf),
+    script = (runner.tree / "bench" if runner.tree else BENCH) / runner.script
+    return [str(runner.python), str(script), "--workloads", str(work_path), "--gguf", str(gguf),
             "--hf-dir", str(wl.BENCH_DIR / "smollm2-bf16"), *extra, "--worker", "--t0", repr(time.time())]
 
 
 def result_key(runner: Runner, args: argparse.Namespace) -> str:
     if args.peer_dtype and runner.hf_model:
         return f"{runner.key}:{args.peer_dtype}"
-    if args.quantization and runner.key == OURS:
+    if args.quantization and runner.key in (OURS, BASE):
         return f"{runner.key}:{args.quantization}"
     return runner.key
 
@@ -328,7 +338,9 @@ def _conditions(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller counts (smoke run)")
-    parser.add_argument("--only", default="", help="comma-separated runner keys: " + ",".join(r.key for r in RUNNERS))
+    parser.add_argument("--only", default="", help="comma-separated runner keys: " + ",".join(r.key for r in RUNNERS)
+                        + f" ({BASE} with --baseline)")
+    parser.add_argument("--baseline", type=Path, help=f"another checkout of glmserve, measured as runner {BASE!r}")
     parser.add_argument("--skip", default="", help="comma-separated runner keys to leave out")
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds a runner may take to start or to measure one sample before it is dropped")
@@ -359,10 +371,15 @@ def main() -> None:
         return
     only = {k for k in args.only.split(",") if k}
     skip = {k for k in args.skip.split(",") if k}
-    unknown = (only | skip) - {r.key for r in RUNNERS}
+    runners = list(RUNNERS)
+    if args.baseline:
+        if not (args.baseline / "bench" / "ours.py").exists():
+            parser.error(f"--baseline {args.baseline}: no bench/ours.py there (not a glmserve checkout)")
+        runners.insert(1, Runner(BASE, "ours.py", Path(sys.executable), tree=args.baseline.resolve()))
+    unknown = (only | skip) - {r.key for r in runners}
     if unknown:
         parser.error(f"unknown runner(s): {', '.join(sorted(unknown))}")
-    chosen = [r for r in RUNNERS if (not only or r.key in only) and r.key not in skip]
+    chosen = [r for r in runners if (not only or r.key in only) and r.key not in skip]
 
     work_path = wl.ensure(args.quick)
     gguf = wl.embedded_gguf_path()

@@ -72,6 +72,19 @@ def license_text(name: str) -> str:
     return (LICENSES / name).read_text(encoding="utf-8")
 
 
+def license_family(name: str) -> str:
+    """"GPL-2" -> "GPL": versions of one license share much of their text, so they are kept apart."""
+    return name.split("-")[0]
+
+
+def license_distractors(gold: str, pool: tuple[str, ...], k: int, seed: int) -> list[str]:
+    """`k` licenses of `pool` from other families than `gold`'s (a seeded draw, in draw order)."""
+    others = [n for n in pool if license_family(n) != license_family(gold)]
+    if len(others) < k:
+        raise ValueError(f"only {len(others)} licenses of other families than {gold!r} in the pool, need {k}")
+    return random.Random(f"{seed}:{gold}").sample(others, k)
+
+
 def make_questions(units: list[Unit], n: int, chinese: bool = False, seed: int = 0) -> list[Question]:
     """`n` questions over one document's units, alternating cloze and "which section"."""
     lo, hi = (25, 200) if chinese else (60, 400)

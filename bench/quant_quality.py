@@ -20,6 +20,12 @@ untied, QuaRot's R1): the rotated float model is then the reference of every row
 perplexity and KL against the unrotated float, equal to float rounding), and the rows quantize the rotated weights,
 which no longer lie on the GGUF's Q4_1 grid. "below bf16" stays against the shipped (tied) model in bf16.
 
+`--online-down-rotation` (with --rotate) adds QuaRot's R4 as an evaluation only: every down_proj's input x becomes
+x Q4 (a randomized Hadamard of the intermediate size, in a forward pre-hook: an online rotation, here a dense matmul
+where an engine would run a fast Hadamard transform) and its weight W Q4, so the float model computes the same
+function; calibration and every row then see the rotated down_proj inputs. The engine does not run this rotation:
+these rows are not servable folders.
+
 On a shared, loaded machine keep `--threads 1`: GPTQ's column loop is thousands of small ops, and with 2 threads
 on oversubscribed cores (load average 13 on 2 cores) one 576x576 GPTQ layer took 55 s, against 3.3 s on one
 thread run right before it.
@@ -45,7 +51,7 @@ from glmserve.quant.perplexity import token_windows
 from glmserve.quant.pipeline import bits_per_weight, scheme_specs, weight_bytes
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
-from glmserve.quant.rotate import KINDS, rotate_model
+from glmserve.quant.rotate import KINDS, rotate_model, rotation
 from glmserve.quant.schemes import scheme
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +76,19 @@ CONFIGS = {
     # DeepSeek-V3's fine-grained FP8: 128x128 weight blocks, activations per 1x128 tile
     "fp8-block-g128": dict(scheme="fp8-block-g128"),
     "gptq-fp8-block-g128": dict(scheme="fp8-block-g128", method="gptq"),
+    # the scale search (-ss: each (row, group)'s range by Hessian-diagonal-weighted MSE, quant/scale_search.py),
+    # alone and as GPTQ's fixed grid; GPTQ on FP8 weights only and with E4M3 tokens; damping alternatives
+    "fp8-a16-ss": dict(scheme="fp8-a16", scale_search=True),
+    "fp8-ss": dict(scheme="fp8", scale_search=True),
+    "gptq-fp8-a16": dict(scheme="fp8-a16", method="gptq"),
+    "gptq-fp8-a16-ss": dict(scheme="fp8-a16", method="gptq", scale_search=True),
+    "gptq-fp8-a16-ss-d0.1": dict(scheme="fp8-a16", method="gptq", scale_search=True, gptq_damp=0.1),
+    "gptq-fp8-ss": dict(scheme="fp8", method="gptq", scale_search=True),
+    "gptq-fp8-block-g128-ss": dict(scheme="fp8-block-g128", method="gptq", scale_search=True),
+    "rtn-w4a16-asym-ss": dict(scheme="w4a16-asym", scale_search=True),
+    "gptq-w4a16-asym-ss": dict(scheme="w4a16-asym", method="gptq", scale_search=True),
+    "gptq-w4a16-asym-ss-d0.1": dict(scheme="w4a16-asym", method="gptq", scale_search=True, gptq_damp=0.1),
+    "awq-gptq-w4a16-asym-ss": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True),
     "nvfp4": dict(scheme="nvfp4"),
     "rtn-w4a16": dict(scheme="w4a16"),
     "rtn-w4a16-asym": dict(scheme="w4a16-asym"),
@@ -181,11 +200,24 @@ def _run(ckpt, options: dict, args, stats: dict, hidden: int):
             result, None)
 
 
+@torch.no_grad()
+def _online_down_rotation(model: torch.nn.Module, seed: int = 1) -> None:
+    """QuaRot's R4 (arXiv 2404.00456, section 4: the online Hadamard before down_proj) on every down_proj: weight
+    W -> W Q4 and input x -> x Q4 in a pre-hook, Q4 orthogonal, so x Q4 (W Q4)^T = x W^T."""
+    for name, m in linear_layers(model).items():
+        if name.endswith("mlp.down_proj"):
+            q4 = rotation(m.in_features, "auto", seed).float()
+            m.weight.data = (m.weight.data.double() @ q4.double()).float()
+            m.register_forward_pre_hook(lambda _m, args, q4=q4: (args[0] @ q4,) + args[1:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--calib", nargs="+", required=True)
     p.add_argument("--heldout", nargs="+", required=True)
+    p.add_argument("--calib-eval", nargs="+", default=None, help="the text of the \"calib ppl\" column (default: "
+                   "--calib); lets extra calibration files join --calib while that column stays comparable")
     p.add_argument("--calib-tokens", type=int, default=8192, help="calibration tokens (GPTQ, AWQ, outlier "
                    "channels, Fisher sensitivity), an equal share from each file")
     p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of each evaluation set")
@@ -195,10 +227,14 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--rotate", default=None, choices=KINDS, help="rotate the residual stream first; the rotated "
                    "float model is the reference")
+    p.add_argument("--online-down-rotation", action="store_true", help="with --rotate: also QuaRot's R4, an online "
+                   "Hadamard on every down_proj input (evaluation only; see the docstring)")
     args = p.parse_args()
+    if args.online_down_rotation and not args.rotate:
+        p.error("--online-down-rotation goes with --rotate")
     torch.set_num_threads(args.threads)
     ckpt = load_float(args.model)
-    evals = {"calib": _windows(ckpt.tokenizer, args.calib, args.seq_len, args.eval_tokens),
+    evals = {"calib": _windows(ckpt.tokenizer, args.calib_eval or args.calib, args.seq_len, args.eval_tokens),
              "heldout": _windows(ckpt.tokenizer, args.heldout, args.seq_len, args.eval_tokens)}
     t0 = time.time()
     base, reference = {}, {}
@@ -211,11 +247,14 @@ def main() -> None:
     if args.rotate:
         t0 = time.time()
         rotate_model(ckpt.model, args.rotate)
+        if args.online_down_rotation:
+            _online_down_rotation(ckpt.model)
         rotated, kl, logprobs = {}, {}, {}
         for k, ws in evals.items():
             rotated[k], kl[k], logprobs[k] = _evaluate(ckpt.model, ws, reference[k], keep=True)
         served, _ = weight_bytes(ckpt.model, None)
-        rows.append({"config": f"float32-rotated-{args.rotate}", "ppl": rotated,
+        rows.append({"config": f"float32-rotated-{args.rotate}" + ("-r4" if args.online_down_rotation else ""),
+                     "ppl": rotated,
                      "increase": {k: rotated[k] / base[k] - 1 for k in base}, "kl": kl, "weights_mib": served / 2**20,
                      "vs_bf16": 1 - served / bf16, "seconds": time.time() - t0})
         print(f"float32 rotated ({args.rotate}): ppl {rotated}, vs unrotated "

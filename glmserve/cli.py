@@ -200,6 +200,10 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                         help="round to nearest, GPTQ, AWQ, or AWQ's scales then GPTQ (needs --calib)")
     parser.add_argument("--gptq-damp", type=float, default=0.01, metavar="F", help="GPTQ's damping: F times the "
                         "mean Hessian diagonal added to it (default 0.01)")
+    parser.add_argument("--scale-search", action="store_true", help="set each (row, group)'s scale (and zero "
+                        "point) by a search for the smallest rounding error weighted by the calibration inputs' "
+                        "mean square (plain squared error without --calib) instead of from the absmax; integer "
+                        "and FP8 weights, with rtn, gptq (scales then kept fixed) or awq-gptq")
     parser.add_argument("--smooth", type=float, default=None, metavar="ALPHA", help="SmoothQuant: migrate "
                         "activation outliers into the weights with strength ALPHA in [0, 1] (0.5 typical; for "
                         "w8a8 / fp8; needs --calib)")
@@ -220,7 +224,7 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
                  bits_budget: float | None = None, candidates: str | None = None, calib: list[str] | None = None,
                  calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto",
                  sensitivity: str = "measured", smooth: float | None = None, stats=None, gptq_damp: float = 0.01,
-                 rotate: str | None = None):
+                 rotate: str | None = None, scale_search: bool = False):
     """Quantize `model` (a path, 'default', or a loaded models.hf_float.FloatCheckpoint, left unchanged) into a
     compressed-tensors folder `out`; returns (float model, pipeline Result). `stats`: calibration statistics
     already collected on these windows (calibrate.collect_stats), reused instead of collected again. `rotate`
@@ -246,7 +250,7 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
         raise InvalidRequestError(f"--gptq-damp must be in (0, 1], not {gptq_damp}")
     plan = pipeline.Plan(recipe=load_recipe(recipe) if recipe else uniform(scheme) if scheme else None,
                          bits_budget=bits_budget, method=method, sensitivity=sensitivity, smooth=smooth,
-                         gptq_damp=gptq_damp)
+                         gptq_damp=gptq_damp, scale_search=scale_search)
     if candidates:
         plan.candidates = tuple(c.strip() for c in candidates.split(","))
     if pipeline.needs_calibration(plan) and not calib:
@@ -282,7 +286,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
                                  bits_budget=args.bits_budget, candidates=args.candidates, calib=args.calib,
                                  calib_tokens=args.calib_tokens, seq_len=args.seq_len, method=args.method,
                                  dtype=args.dtype, sensitivity=args.sensitivity, smooth=args.smooth,
-                                 gptq_damp=args.gptq_damp, rotate=args.rotate)
+                                 gptq_damp=args.gptq_damp, rotate=args.rotate, scale_search=args.scale_search)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     counts: dict[str, int] = {}

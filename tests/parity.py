@@ -77,3 +77,17 @@ def assert_same_output(got, want, tol: float = 1e-4) -> None:
     for x, y in zip(a.logprobs, b.logprobs):
         assert abs(x.logprob - y.logprob) < tol
         assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def reference_decode(q, k, v, slots, lengths, scale):
+    """Decode attention in float64, row by row, over k/v [Hkv, slots, D] at `slots` [B, L] (the first `lengths`):
+    (out [B, H, D], log-sum-exp [B, H]) in float32; the oracle of the decode kernels' tests."""
+    outs, lses = [], []
+    g = q.shape[1] // k.shape[0]
+    for row in range(q.shape[0]):
+        idx = slots[row, :lengths[row]]
+        kr, vr = k[:, idx].double().repeat_interleave(g, 0), v[:, idx].double().repeat_interleave(g, 0)
+        s = torch.einsum("hd,hld->hl", q[row].double(), kr) * scale
+        outs.append(torch.einsum("hl,hld->hd", torch.softmax(s, -1), vr))
+        lses.append(torch.logsumexp(s, -1))
+    return torch.stack(outs).float(), torch.stack(lses).float()

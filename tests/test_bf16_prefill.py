@@ -133,7 +133,9 @@ def test_mlp_keeps_bf16_between_its_gemms_only_where_both_run_bf16(amx, monkeypa
     assert not bf16_between(x, mlp.gate_up_proj, mlp.down_proj)
     widened = mlp(x)  # the same bf16 GEMMs, float32 between them
     # bf16 roundings of activations, weights and outputs (2^-9 relative each) against float32 on the same
-    # int4 weights: measured ~4e-3 either way; kept bf16 in between adds the SiLU's and the product's roundings
+    # int4 weights: measured ~4e-3 either way
     for y in (out, widened):
         assert ((y - ref).norm() / ref.norm()).item() < 1e-2
-    assert not torch.equal(out, widened)
+    # silu_and_mul (kernels/csrc/prefill_ops.cpp) computes from the bf16 gate-up in float32 and rounds once, as
+    # the widened path's cast before down does: keeping bf16 between the GEMMs costs no accuracy
+    assert torch.equal(out, widened)

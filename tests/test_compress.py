@@ -217,6 +217,17 @@ def test_neighbour_relevance_stays_within_a_section() -> None:
 
     rel = np.array([0.0, 1.0, 0.0, 0.0, 0.5])
     group = np.array([0, 0, 0, 1, 1])  # two sections: the neighbour across the boundary does not count
-    np.testing.assert_allclose(with_neighbours(rel, group, weight=0.5), [0.5, 1.0, 0.5, 0.25, 0.5])
-    np.testing.assert_allclose(with_neighbours(rel, group, weight=0.0), rel)
+    np.testing.assert_allclose(with_neighbours(rel, group, weight=0.5, between=0.0), [0.5, 1.0, 0.5, 0.25, 0.5])
+    np.testing.assert_allclose(with_neighbours(rel, group, weight=0.0, between=0.0), rel)
+
+
+def test_between_term_rewards_a_unit_both_of_whose_neighbours_are_relevant() -> None:
+    import numpy as np
+
+    from glmserve.compress.select import with_neighbours
+
+    rel = np.array([1.0, 0.0, 0.8, 0.0, 0.0, 0.6])
+    group = np.array([0, 0, 0, 0, 1, 1])  # unit 3's next neighbour is in another section: it has no smaller one
+    np.testing.assert_allclose(with_neighbours(rel, group, weight=0.0, between=0.5), [1.0, 0.4, 0.8, 0.0, 0.0, 0.6])
+    np.testing.assert_allclose(with_neighbours(rel, group, weight=0.5, between=0.5), [1.0, 0.9, 0.8, 0.4, 0.3, 0.6])
 

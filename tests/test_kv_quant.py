@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import assert_same_output
+from parity import assert_same_output, reference_decode
 
 from glmserve import LLM, SamplingParams
 from glmserve.config import EngineConfig
@@ -111,24 +111,11 @@ def test_decode_attention_on_quantized_kv(name, kernel_backend):
     store(cache[1], torch.arange(slots_n), v)
     out, lse = paged_attention_with_lse(q, cache, slots, lengths, d**-0.5)
     seen = dequantize(cache, torch.float32)
-    want, want_lse = _reference_decode(q, seen[0], seen[1], slots, lengths, d**-0.5)
+    want, want_lse = reference_decode(q, seen[0], seen[1], slots, lengths, d**-0.5)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
-    exact, _ = _reference_decode(q, k.transpose(0, 1), v.transpose(0, 1), slots, lengths, d**-0.5)
+    exact, _ = reference_decode(q, k.transpose(0, 1), v.transpose(0, 1), slots, lengths, d**-0.5)
     assert (out - exact).abs().max() < (0.02 if name == "int8" else 0.1)
-
-
-def _reference_decode(q, k, v, slots, lengths, scale):
-    """Plain softmax attention per row over k/v [Hkv, slots, D] at `slots`, float64."""
-    outs, lses = [], []
-    g = q.shape[1] // k.shape[0]
-    for row in range(q.shape[0]):
-        idx = slots[row, :lengths[row]]
-        kr, vr = k[:, idx].double().repeat_interleave(g, 0), v[:, idx].double().repeat_interleave(g, 0)
-        s = torch.einsum("hd,hld->hl", q[row].double(), kr) * scale
-        outs.append(torch.einsum("hl,hld->hd", torch.softmax(s, -1), vr))
-        lses.append(torch.logsumexp(s, -1))
-    return torch.stack(outs).float(), torch.stack(lses).float()
 
 
 # -- engine (tiny random Llama) -------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ variant this CPU runs (fixture cpu_isa: the avx512 build needs VNNI; the avx2 bu
 for every format it supports, at batch sizes 1, 3, 8, 33, 64 and SmolLM2's shapes (576 -> 49152 is the
 lm_head: batch 1 by default, batch 3 with -m slow; `grid` says which of the others run by default).
 Batches from DENSE_MIN_ROWS rows on CPUs with AMX take the bf16 GEMM path instead (tests at the end).
+Batches of 16 rows or more run on the AMX int8 tiles where the avx512 build finds them (`set_amx`): the
+batched cases run on both tile kinds (fixture `tiles`), and the AMX sums equal the VNNI ones bit for bit.
 
 Two checks per case:
 - vs an emulation: the kernel's own int8 activations (tested against their formula separately) times the
@@ -30,7 +32,14 @@ from glmserve.layers.embedding import QuantizedEmbedding
 from glmserve.layers.linear import QuantizedLinear
 from glmserve.layers.param_loading import WHOLE
 from glmserve.quant import backend as registry
-from glmserve.quant.cpu_backend import DENSE_MIN_ROWS, CpuBlockBackend, block_form, dense_apply, dense_path_for
+from glmserve.quant.cpu_backend import (
+    DENSE_MIN_ROWS,
+    PREPACK_ENV,
+    CpuBlockBackend,
+    block_form,
+    dense_apply,
+    dense_path_for,
+)
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
 from glmserve.quant.schemes import Scheme
@@ -182,6 +191,47 @@ def test_formats_against_emulation_and_reference(cpu_isa, fmt, out, inp, batch):
     check(fmt, batch, out, inp)
 
 
+@pytest.fixture(params=["amx", "vnni"])
+def tiles(request, cpu_isa):
+    """Batches of 16+ rows on the AMX int8 tiles, or on the variant's own (VNNI / AVX2 / scalar) tiles; the AMX
+    case skips where the build or the CPU has none."""
+    set_amx = kernels.op("set_amx", CPU, torch.float32)
+    on = set_amx(request.param == "amx")
+    if request.param == "amx" and not on:
+        pytest.skip(f"no AMX int8 tiles on {cpu_isa} here")
+    yield request.param
+    set_amx(True)
+
+
+@pytest.mark.parametrize("batch", [16, 33])
+@pytest.mark.parametrize("fmt", ["int8_group32", "int8_channel_asym", "int4_group32", "int4_group64_asym", "w8a8",
+                                 "gguf_q8_0", "gguf_q4_1"])
+def test_batches_on_both_tile_kinds(tiles, fmt, batch):
+    check(fmt, batch, 576, 1536)
+
+
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "int4_group64_asym"])
+def test_amx_tiles_equal_the_vnni_tiles(cpu_isa, fmt):
+    """Same integer sums per block, scaled and summed in the same order: the same floats (batches 16-64, a
+    partial last A tile included)."""
+    set_amx = kernels.op("set_amx", CPU, torch.float32)
+    if not set_amx(True):
+        pytest.skip(f"no AMX int8 tiles on {cpu_isa} here")
+    spec, act = FORMATS[fmt]
+    backend = CpuBlockBackend()
+    prepared = backend.prepare(weight(fmt, 200, 576), act, CPU)
+    try:
+        for batch in (16, 17, 40, 64):
+            x = activations(batch, 576)
+            amx = backend.apply(prepared, x, None)
+            set_amx(False)
+            vnni = backend.apply(prepared, x, None)
+            set_amx(True)
+            assert torch.equal(amx, vnni), batch
+    finally:
+        set_amx(True)
+
+
 @pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_lm_head_shape(cpu_isa, fmt, batch):
@@ -272,8 +322,13 @@ def test_dequantize_packed_is_the_stored_weight(cpu_isa, fmt):
     assert torch.equal(bf16, f32.bfloat16())
 
 
+def p_weight_abs(p) -> torch.Tensor:
+    """|w| of a prepared cpu_block weight, read back from its packed layout."""
+    return CpuBlockBackend().dequantize_rows(p, torch.arange(p.out_features), torch.float32).abs()
+
+
 @pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group64_asym"])
-def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt):
+def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt, monkeypatch):
     """From DENSE_MIN_ROWS rows (prefill) on AMX: bfloat16 activations, weights and outputs with float32
     sums, so each output is within 2^-8 of sum |x w| (two roundings of 2^-9 per product) plus 2^-8 of itself
     (the output's rounding) of `reference`. Other CPUs and builds keep the int8 path (checked above)."""
@@ -288,6 +343,15 @@ def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt):
     assert backend.bf16_rows(p, DENSE_MIN_ROWS) and not backend.bf16_rows(p, DENSE_MIN_ROWS - 1)
     y16 = backend.apply(p, x.bfloat16(), None)  # bf16 activations stay bf16 (layers/linear.py bf16_between)
     assert y16.dtype == torch.bfloat16 and torch.equal(y16, y.bfloat16())
+    packed = p.dense
+    assert packed is not None and packed.is_mkldnn  # oneDNN's prepacked copy, made by the first dense call
+    dense_apply(p, x)
+    assert p.dense is packed  # and kept
+    monkeypatch.setenv(PREPACK_ENV, "0")
+    per_call = dense_apply(p, x).float()  # the weight dequantized at this call, a plain oneDNN matmul
+    # both sum in float32 (in their own order) and round once to bf16: at most one bf16 step apart
+    sums = (x.abs() @ p_weight_abs(p).T)
+    assert ((y - per_call).abs() <= 2 ** -7 * per_call.abs() + 1e-5 * sums).all()
     w_ref, w_ref_abs, _ = reference_weight(fmt, 192, 576)
     ref = F.linear(x, w_ref).double()
     bound = 2 ** -8 * (x.abs() @ w_ref_abs.T).double() + 2 ** -8 * ref.abs() + 1e-6
@@ -336,3 +400,29 @@ def test_dequantize_rows_drops_the_input_padding(cpu_isa):
     ids = torch.tensor([20, 0, 16])
     rows = backend.dequantize_rows(backend.prepare(w, None, CPU), ids, torch.float32)
     torch.testing.assert_close(rows, dequantize(w)[ids], rtol=1e-3, atol=0)  # d rounded to fp16 by the packing
+
+
+def test_embedded_model_decodes_a_batch_of_32_the_same_on_amx_and_vnni_tiles(cpu_isa):
+    """Greedy decode of 32 prompts at once on the default model (Q4_1 / Q8_0 blocks): the AMX tiles give the
+    VNNI tiles' tokens and logprobs exactly (the batched linears, the Q8_0 lm_head included, at M = 32). No
+    prefix caching: the second run recomputes the same prompts in the same steps."""
+    from glmserve import LLM, SamplingParams
+
+    set_amx = kernels.op("set_amx", CPU, torch.float32)
+    if not set_amx(True):
+        pytest.skip(f"no AMX int8 tiles on {cpu_isa} here")
+    llm = LLM(model=None, dtype="float32", max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=256,
+              kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 20000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 24, (32,), generator=gen)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    try:
+        amx = llm.generate(prompts, params)
+        set_amx(False)
+        vnni = llm.generate(prompts, params)
+    finally:
+        set_amx(True)
+    for a, v in zip(amx, vnni):
+        assert a.outputs[0].token_ids == v.outputs[0].token_ids
+        assert a.outputs[0].logprobs == v.outputs[0].logprobs

@@ -9,8 +9,11 @@ also takes half of the larger relevance of its neighbours in the same section (`
 a question often sits next to the sentence that matches its words (the "sentence window" of retrieval pipelines,
 as a score instead of a fixed expansion; the weight was chosen on the tune split of bench/bench_compress.py's
 paraphrased license questions, where it took answer retention from 59% to 94%; a section-heading term added
-nothing there and was left out). Greedy by score under the budget: a unit that does not fit is skipped, smaller
-ones may still fit.
+nothing there and was left out). A unit both of whose neighbours are relevant also takes a quarter of the
+smaller of the two (BETWEEN_WEIGHT): it sits inside a relevant passage, which a short sentence scoring low on its
+own words would otherwise drop from its middle (chosen on tune splits: 0 / 0.25 / 0.5 / 1 kept 92.9 / 100 / 98.6 /
+98.6% of the larger license set's tune questions and 93.8 / 96.9 / 96.9 / 96.9% of GPL-3's, gold in the middle).
+Greedy by score under the budget: a unit that does not fit is skipped, smaller ones may still fit.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 FACT_BONUS = 0.15
 MMR_LAMBDA = 0.75
 NEIGHBOUR_WEIGHT = 0.5
+BETWEEN_WEIGHT = 0.25
 
 
 def kmeans_representatives(emb: np.ndarray, k: int, iters: int = 8, seed: int = 0) -> np.ndarray:
@@ -56,16 +60,20 @@ def relevance(emb: np.ndarray, bm25: np.ndarray | None, query_emb: np.ndarray | 
     return rel + FACT_BONUS * facts
 
 
-def with_neighbours(rel: np.ndarray, group: np.ndarray, weight: float | None = None) -> np.ndarray:
-    """`rel` plus `weight` x the larger relevance of the units before and after it (in order, same `group`: one
-    section of one document; none across a group's edge)."""
+def with_neighbours(rel: np.ndarray, group: np.ndarray, weight: float | None = None,
+                    between: float | None = None) -> np.ndarray:
+    """`rel` plus `weight` x the larger relevance of the units before and after it, plus `between` x the smaller
+    one (in order, same `group`: one section of one document; none across a group's edge; a unit with one
+    neighbour has no smaller one)."""
     weight = NEIGHBOUR_WEIGHT if weight is None else weight
+    between = BETWEEN_WEIGHT if between is None else between
     same_prev = np.zeros(rel.shape[0], dtype=bool)
     same_prev[1:] = group[1:] == group[:-1]
     prev = np.where(same_prev, np.roll(rel, 1), -np.inf)
     nxt = np.where(np.roll(same_prev, -1), np.roll(rel, -1), -np.inf)  # same_prev[0] is False: no wrap
-    near = np.maximum(prev, nxt)
-    return rel + weight * np.where(np.isfinite(near), near, 0.0)
+    near, inner = np.maximum(prev, nxt), np.minimum(prev, nxt)
+    return (rel + weight * np.where(np.isfinite(near), near, 0.0)
+            + between * np.where(np.isfinite(inner), inner, 0.0))
 
 
 def mmr_fill(emb: np.ndarray, rel: np.ndarray, cost: np.ndarray, budget: int, chosen: np.ndarray) -> np.ndarray:

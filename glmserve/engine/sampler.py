@@ -79,6 +79,12 @@ def apply_truncation(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima, as torch.max documents it): torch.max over the last dim, 3x
+    faster than argmax on CPU for a [32, 49152] batch of logits (bench/RESULTS.md, "Batch-32 decode")."""
+    return x.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [S, vocab] float32, one row per sequence that samples this step."""
     raw_logprobs = None
@@ -97,7 +103,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         apply_penalties(logits, seqs)
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
-        tokens = logits.argmax(dim=-1)
+        tokens = first_max(logits)
     else:
         temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
         scaled = logits / temps[:, None]
@@ -108,10 +114,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         for i, s in enumerate(seqs):
             if s.generator is not None:
                 noise[i] = torch.empty(probs.shape[1]).exponential_(generator=s.generator).to(probs.device)
-        tokens = (probs / noise).argmax(dim=-1)
+        tokens = first_max(probs / noise)
         if any(greedy):
             greedy_rows = torch.tensor(greedy, device=logits.device)
-            tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(greedy_rows, first_max(logits), tokens)
     token_list = tokens.tolist()
     return token_list, _logprobs(raw_logprobs, tokens, seqs)
 

@@ -228,6 +228,8 @@ def _same_run(prev: CheckpointTensor, part: CheckpointTensor, scheme: Scheme) ->
 
 def _tensor_bytes(obj: Any, seen: set[int]) -> int:
     """Bytes of the distinct tensors in a backend's prepared object (tensors, tuples, dataclasses...)."""
+    if isinstance(obj, torch.Tensor) and obj.is_mkldnn:  # oneDNN's opaque layout (a prepacked weight): no storage
+        return obj.numel() * obj.element_size()
     if isinstance(obj, torch.Tensor):
         key = obj.untyped_storage().data_ptr()
         if key in seen:

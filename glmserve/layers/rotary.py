@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from glmserve import kernels
+
 if TYPE_CHECKING:  # a type only: importing transformers costs ~2.5 s at server start
     from transformers import PretrainedConfig
 
@@ -86,6 +88,15 @@ class RotaryEmbedding(RopeTables):
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.stack((-x2, x1), dim=-1).flatten(-2)
         return x.roll(self.rotary_dim // 2, dims=-1)
+
+    def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply` in place on x (returned): one C++ pass for neox rope on float32 CPU rows (kernels
+        `rope_neox_`), `apply`'s result copied back otherwise."""
+        kernel = None if self.interleaved else kernels.op("rope_neox_", x.device, x.dtype)
+        if kernel is not None and x.dim() == 3 and x.stride(-1) == 1 and cos.dtype == torch.float32:
+            kernel(x, cos.reshape(x.shape[0], -1).contiguous(), sin.reshape(x.shape[0], -1).contiguous())
+            return x
+        return x.copy_(self.apply(x, cos, sin))
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] (q and k heads may come as one tensor: the same rotation per head)."""

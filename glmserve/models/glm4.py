@@ -31,7 +31,7 @@ class Glm4DecoderLayer(nn.Module):
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, eps)
 
     def forward(self, x: torch.Tensor, cos_sin, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, meta))
+        x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, meta).to(x.dtype))
         return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 

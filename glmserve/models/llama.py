@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmserve import kernels
 from glmserve.kv.kv_format import KVFormat, kv_format
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.embedding import unset_embedding
@@ -46,16 +47,20 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                stream_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x: the normed hidden states [T, hidden]; q/k/v, rope and the KV write run in `stream_dtype` (the
+        residual stream's; None: x's), so that x may come narrower (bf16 on AMX prefill, where qkv_proj's GEMM is
+        bf16). Returns [T, hidden] in that dtype, or bf16 where o_proj's GEMM is bf16."""
         t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x).to(stream_dtype or x.dtype)
         v = qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d)
         qk = qkv[:, :(heads + kv_heads) * d].view(t, heads + kv_heads, d)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
-        q, k = self.rotary.apply(qk, *cos_sin).split([heads, kv_heads], dim=1)  # one rotation for q and k heads
-        o_dtype = torch.bfloat16 if bf16_between(x, self.o_proj) else x.dtype  # AMX prefill: o_proj's GEMM is bf16
-        return self.o_proj(self.attn(q, k, v, meta, o_dtype)).to(x.dtype)
+        q, k = self.rotary.apply_(qk, *cos_sin).split([heads, kv_heads], dim=1)  # one rotation for q and k heads
+        o_dtype = torch.bfloat16 if bf16_between(qkv, self.o_proj) else qkv.dtype  # AMX prefill: o_proj's GEMM is bf16
+        return self.o_proj(self.attn(q, k, v, meta, o_dtype))
 
 
 class GatedMLP(nn.Module):
@@ -68,8 +73,17 @@ class GatedMLP(nn.Module):
         """[T, hidden] -> [T, hidden] in x's dtype; computed in bf16 when both projections run a bf16 GEMM
         (AMX prefill: the wide gate-up output is then never widened to float32)."""
         h = x.to(torch.bfloat16) if bf16_between(x, self.gate_up_proj, self.down_proj) else x
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(h))
-        return self.down_proj(F.silu(gate) * up).to(x.dtype)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h))).to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of a fused [T, 2I] gate-up output: one C++ pass on CPU (kernels `silu_and_mul`,
+    float32 inside, rounded once), PyTorch ops otherwise."""
+    kernel = kernels.op("silu_and_mul", gate_up.device, gate_up.dtype)
+    if kernel is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+        return kernel(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -82,8 +96,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos_sin, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x: the residual stream [T, hidden] (the model's own tensor), updated in place and returned. Each norm
+        hands its output in the dtype the next projection's GEMM takes (bf16 on AMX prefill); the residual adds
+        are fused into the norms after them where the kernels run (RMSNorm.add_norm)."""
+        h = self.input_layernorm.add_norm(x, None, _gemm_dtype(x, self.self_attn.qkv_proj))
+        attn = self.self_attn(h, cos_sin, meta, x.dtype)
+        h = self.post_attention_layernorm.add_norm(
+            x, attn, _gemm_dtype(x, self.mlp.gate_up_proj, self.mlp.down_proj))
+        return x.add_(self.mlp(h))
+
+
+def _gemm_dtype(x: torch.Tensor, *linears: nn.Module) -> torch.dtype:
+    """bf16 where float32 activations `x` may enter `linears` as bf16 (layers/linear.py `bf16_between`), else x's."""
+    return torch.bfloat16 if bf16_between(x, *linears) else x.dtype
 
 
 class DecoderOnlyLM(LoadsCheckpoint, nn.Module):

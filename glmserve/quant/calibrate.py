@@ -149,33 +149,38 @@ def gptq_supports(spec: QuantSpec) -> bool:
 
 @torch.no_grad()
 def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 0.01, block: int = 128,
-         act_order: bool = True) -> QuantizedWeight:
+         act_order: bool = True, initial: QuantizedWeight | None = None) -> QuantizedWeight:
     """GPTQ-quantize `w` [out, in] (int, group or channel strategy) given its input Hessian [in, in].
 
     act_order: quantize columns in order of decreasing Hessian diagonal (the reference's --act-order), so the
     inputs with the largest activations are rounded first while the most columns remain to absorb their error;
     groups stay contiguous with scales set from the weights before any update (the reference's static_groups,
-    llm-compressor's actorder "static"), so the output is an ordinary group-wise weight."""
+    llm-compressor's actorder "static"), so the output is an ordinary group-wise weight.
+    initial: a quantization of `w` under `spec` whose scales (and zero points) stay fixed, e.g. from the scale
+    search (scale_search.py; GPTQ's reference likewise sets its grid by an MSE search before the column loop);
+    default: round to nearest's."""
     if not gptq_supports(spec):
         raise ValueError(f"GPTQ quantizes integer or FP8 group/channel weights, not {spec}")
+    if initial is not None and (initial.spec != spec or tuple(initial.codes.shape) != tuple(w.shape)):
+        raise ValueError(f"the initial weight ({initial.spec}, {tuple(initial.codes.shape)}) is not a "
+                         f"{tuple(w.shape)} weight under {spec}")
     out_f, in_f = w.shape
     nvfp4 = _is_nvfp4(spec)
-    rtn = quantize(w, spec)  # the canonical dtypes for this spec; block and NVFP4 scales, fixed before any update
-    block_scales = rtn.scales if spec.strategy == "block" or nvfp4 else None
-    group = {"group": spec.group_size, "tensor_group": spec.group_size,
-             "block": spec.block_structure[1] if spec.block_structure else None}.get(spec.strategy, in_f)
-    if in_f % group and block_scales is None:
-        raise ValueError(f"in_features {in_f} is not a multiple of the group size {group}")
     W = w.detach().to(torch.float64).clone()
     H = hessian.to(torch.float64).clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    # the canonical dtypes for this spec, and the scales fixed before any update (block, NVFP4, act order, initial)
+    rtn = initial if initial is not None else quantize(W.float(), spec)
+    block_scales = rtn.scales if spec.strategy == "block" or nvfp4 else None
+    group = {"group": spec.group_size, "tensor_group": spec.group_size,
+             "block": spec.block_structure[1] if spec.block_structure else None}.get(spec.strategy, in_f)
+    if in_f % group and block_scales is None:
+        raise ValueError(f"in_features {in_f} is not a multiple of the group size {group}")
     group_spec = QuantSpec(spec.num_bits, spec.type, spec.symmetric, "channel")
-    fixed = act_order or block_scales is not None  # scales set before any update (else per group as reached)
-    static = None  # act order: each group's channel scales from the weights in their own column order
-    if act_order and block_scales is None:
-        static = [quantize(W[:, g0:g0 + group].float(), group_spec) for g0 in range(0, in_f, group)]
+    # scales set before any update (else per group from the error-updated weights as the loop reaches it)
+    fixed = act_order or initial is not None or block_scales is not None
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
     else:
@@ -191,10 +196,10 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
         scales[:] = block_scales.float() / rtn.global_scale
     elif block_scales is not None:
         scales[:] = block_scales.float().repeat_interleave(spec.block_structure[0], dim=0)[:out_f]
-    elif static is not None:
-        scales[:] = torch.cat([q.scales.float() for q in static], dim=1)
+    elif fixed:  # each group's scales from the weights before any update (the reference's static groups)
+        scales[:] = rtn.scales.float().reshape(out_f, -1)
         if zeros is not None:
-            zeros[:] = torch.stack([q.zeros.float().reshape(-1) for q in static], dim=1)
+            zeros[:] = rtn.zeros.float().reshape(out_f, -1)
     scale = zero = None
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)

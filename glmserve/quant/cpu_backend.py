@@ -22,6 +22,7 @@ fp16 d, m, the integer math is exact: only the fp32 sum of the block results rou
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ QK = 32  # inputs per block (the kernel's)
 ROWS = 16  # output rows per tile (the kernel's)
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # bits of each GGUF block format this backend runs
 DENSE_MIN_ROWS = 128  # rows from which the bf16 GEMM path wins (bench/gemm_micro.py --quant)
+PREPACK_ENV = "GLMSERVE_BF16_PREPACK"  # "0": the dense path dequantizes into a scratch buffer at every call
 
 
 @dataclass
@@ -54,6 +56,7 @@ class PackedWeight:
     per_token: bool
     linear: Callable
     dequantize: Callable | None  # into bf16 for the dense path; None where it is not taken (dense_path_for)
+    dense: torch.Tensor | None = None  # the bf16 weight in oneDNN's blocked layout, made at its first dense call
 
     @property
     def nbytes(self) -> int:
@@ -155,16 +158,33 @@ def dense_path_for(device: torch.device) -> Callable | None:
 _scratch: dict[str, torch.Tensor] = {}  # one bf16 buffer for every layer's dequantized weight (grows)
 
 
-def dense_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
-    """rows [T, in] (float32 or bf16) x the weight dequantized into the shared bf16 scratch -> [T, out] bf16
-    (oneDNN sums in float32, then rounds once)."""
+def _dequantized(p: PackedWeight) -> torch.Tensor:
+    """The weight dequantized into the shared bf16 scratch: [out, in] (a view, overwritten by the next call)."""
     kp = p.codes.shape[1] * QK
     need = p.out_features * kp
     buf = _scratch.get("bf16")
     if buf is None or buf.numel() < need:
         buf = _scratch["bf16"] = torch.empty(need, dtype=torch.bfloat16)
-    w = p.dequantize(p.codes, p.scales, p.mins, p.u4, p.out_features, True, buf)
-    return F.linear(rows.to(torch.bfloat16), w[:, :p.in_features])
+    return p.dequantize(p.codes, p.scales, p.mins, p.u4, p.out_features, True, buf)[:, :p.in_features]
+
+
+def prepacked(p: PackedWeight) -> torch.Tensor:
+    """The weight as oneDNN's prepacked bf16 matrix (its AMX blocked layout, as vLLM-CPU and IPEX keep their
+    linear weights), made once at the first dense call and kept: the dense path then neither dequantizes nor
+    lets oneDNN reorder a plain weight at every call (bench/RESULTS.md, "Prefill on AMX"). Costs 2 bytes per
+    weight on top of the packed codes, for the layers that ever run a prefill-sized batch."""
+    if p.dense is None:
+        p.dense = torch.ops.mkldnn._reorder_linear_weight(_dequantized(p).contiguous(), DENSE_MIN_ROWS * 4)
+    return p.dense
+
+
+def dense_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """rows [T, in] (float32 or bf16) x the bf16 weight -> [T, out] bf16 (oneDNN sums in float32, then rounds
+    once): the prepacked weight, or with GLMSERVE_BF16_PREPACK=0 the weight dequantized at this call."""
+    x = rows.to(torch.bfloat16).contiguous()
+    if os.environ.get(PREPACK_ENV) == "0":
+        return F.linear(x, _dequantized(p))
+    return torch.ops.mkldnn._linear_pointwise(x, prepacked(p), None, "none", [], "")
 
 
 def _per_block(t: torch.Tensor, spec: QuantSpec, out: int, blocks: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from glmserve.errors import InvalidRequestError
-from glmserve.quant import awq, smoothquant
+from glmserve.quant import awq, scale_search, smoothquant
 from glmserve.quant.calibrate import InputStats, collect_stats, gptq, gptq_supports, linear_layers
 from glmserve.quant.compressed_tensors import OutlierColumns, QuantizedModule, save_checkpoint, spec_to_args
 from glmserve.quant.perplexity import mean_nll, window_loss
@@ -58,6 +58,7 @@ class Plan:
     sensitivity: str = "measured"
     gptq_damp: float = 0.01
     smooth: float | None = None  # SmoothQuant's alpha (smoothquant.py); None: no migration
+    scale_search: bool = False  # each (row, group)'s range by weighted-MSE search (scale_search.py), not absmax
 
 
 @dataclass
@@ -124,7 +125,10 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
                                   "or SmoothQuant")
     if plan.smooth is not None:
         smoothquant.check_alpha(plan.smooth)
-    if stats is None and needs_calibration(plan):
+    if plan.scale_search and plan.method == "awq":
+        raise InvalidRequestError("--scale-search does not combine with --method awq: AWQ's clipping search "
+                                  "already chooses the ranges (use rtn, gptq or awq-gptq)")
+    if stats is None and (needs_calibration(plan) or (plan.scale_search and calib)):
         progress = tqdm(total=len(calib), desc="calibrate", unit="window")
         stats = collect_stats(model, calib, schemes, progress)
         progress.close()
@@ -166,6 +170,9 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
         also = ", fp8 and nvfp4" if supported is gptq_supports else ""
         notes.append(f"{plan.method.upper()} applies to integer{also} group/channel weights; the other layers are "
                      "rounded to nearest")
+    if plan.scale_search and any(not scale_search.supports(m.weight.spec) for m in modules.values()):
+        notes.append("the scale search covers integer group/channel and FP8 weights; the other layers keep "
+                     "round to nearest's scales")
     if threshold is not None:
         kept = sum(len(m.outliers.columns) for m in modules.values() if m.outliers is not None)
         notes.append(f"activation_threshold {threshold}: {kept} input columns kept in float across "
@@ -173,10 +180,21 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     return Result(modules, schemes, notes, deltas, rescaled)
 
 
+def _searched(w: torch.Tensor, hessian: torch.Tensor | None, spec: QuantSpec, plan: Plan) -> QuantizedWeight | None:
+    """The scale search's quantization of `w` (importance: the Hessian diagonal), or None when not asked for or
+    not covering `spec`."""
+    if not plan.scale_search or not scale_search.supports(spec):
+        return None
+    return scale_search.search_quantize(w, spec, None if hessian is None else torch.diagonal(hessian))
+
+
 def _quantize_layer(name: str, w: torch.Tensor, hessian: torch.Tensor | None, spec: QuantSpec,
                     plan: Plan) -> QuantizedWeight:
+    searched = _searched(w, hessian, spec, plan)
     if plan.method in GPTQ_METHODS and gptq_supports(spec):
-        return gptq(w, hessian, spec, damp=plan.gptq_damp)
+        return gptq(w, hessian, spec, damp=plan.gptq_damp, initial=searched)
+    if searched is not None:
+        return searched
     if plan.method != "awq" or not awq.supports(spec):
         return quantize(w, spec)
     if name.rpartition(".")[2] in ("q_proj", "k_proj"):  # llm-awq's auto_clip leaves q/k unclipped: their

@@ -3,7 +3,8 @@ compressed-tensors format we run (int8/int4 by tensor, channel, group or block, 
 points; float8 E4M3; NVFP4). Scales follow compressed-tensors' calculate_qparams
 (compressed_tensors/quantization/utils/helpers.py): symmetric int: amax / qmax; asymmetric: (max - min) /
 (2^bits - 1) with an integer zero point; float8: amax / 448; NVFP4: a global scale 448 * 6 / amax and a
-float8 scale per 16 inputs. Calibrated methods (GPTQ, AWQ) build on the same functions."""
+float8 scale per 16 inputs. Calibrated methods (GPTQ, AWQ, the scale search) build on the same functions; `shrink`
+scales each group's range (int: min and max; float8: amax) by a factor before the scale is set (scale_search.py)."""
 
 from __future__ import annotations
 
@@ -49,34 +50,36 @@ def ungrouped(g: torch.Tensor, spec: QuantSpec, shape: tuple[int, int]) -> torch
     return g.reshape(out, inp)
 
 
-def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
+def quantize(w: torch.Tensor, spec: QuantSpec, shrink: torch.Tensor | float | None = None) -> QuantizedWeight:
     """Round-to-nearest `w` [out, in] under `spec` (a weight spec: not dynamic); GGUF block formats as
-    llama.cpp rounds them (glmserve/quant/gguf_blocks.py)."""
-    if spec.gguf_type is not None:
-        return quantize_blocks(w, spec)
+    llama.cpp rounds them (glmserve/quant/gguf_blocks.py). `shrink` (int and float8 formats): a factor per group,
+    broadcastable to grouped(w, spec)[..., :1], applied to the range the scale is set from (below 1: values beyond
+    it are clipped; float8 above 1: no clipping, the E4M3 grid shifted against the weights)."""
+    if spec.gguf_type is not None or (spec.type == "float" and spec.num_bits == 4):
+        if shrink is not None:
+            raise ValueError(f"a range factor applies to integer and float8 weights, not {spec}")
+        return quantize_blocks(w, spec) if spec.gguf_type is not None else _quantize_nvfp4(w.detach().float(), spec)
     w = w.detach().to(torch.float32)
     if spec.type == "float" and spec.num_bits == 8:
-        return _quantize_fp8(w, spec)
-    if spec.type == "float" and spec.num_bits == 4:
-        return _quantize_nvfp4(w, spec)
-    return _quantize_int(w, spec)
+        return _quantize_fp8(w, spec, 1.0 if shrink is None else shrink)
+    return _quantize_int(w, spec, 1.0 if shrink is None else shrink)
 
 
 def _squeeze(t: torch.Tensor) -> torch.Tensor:
     return t.squeeze(-1)
 
 
-def _quantize_int(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
+def _quantize_int(w: torch.Tensor, spec: QuantSpec, shrink: torch.Tensor | float) -> QuantizedWeight:
     g = grouped(w, spec)
     if spec.symmetric:
         qmax = 2 ** (spec.num_bits - 1) - 1
-        scale = (g.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(1e-12)
+        scale = (g.abs().amax(dim=-1, keepdim=True) * shrink / qmax).clamp_min(1e-12)
         codes = torch.round(g / scale).clamp(-qmax - 1, qmax)
         zeros = None
     else:
         levels = 2 ** spec.num_bits - 1
-        lo = g.amin(dim=-1, keepdim=True).clamp(max=0)
-        hi = g.amax(dim=-1, keepdim=True).clamp(min=0)
+        lo = g.amin(dim=-1, keepdim=True).clamp(max=0) * shrink
+        hi = g.amax(dim=-1, keepdim=True).clamp(min=0) * shrink
         scale = ((hi - lo) / levels).clamp_min(1e-12)
         zero = torch.round(-lo / scale).clamp(0, levels)
         codes = torch.round(g / scale + zero).clamp(0, levels)
@@ -86,9 +89,9 @@ def _quantize_int(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
                            _squeeze(scale), zeros=zeros)
 
 
-def _quantize_fp8(w: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
+def _quantize_fp8(w: torch.Tensor, spec: QuantSpec, shrink: torch.Tensor | float) -> QuantizedWeight:
     g = grouped(w, spec)
-    scale = (g.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    scale = (g.abs().amax(dim=-1, keepdim=True) * shrink / FP8_MAX).clamp_min(1e-12)
     codes = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedWeight(spec, ungrouped(codes.float(), spec, w.shape).to(torch.float8_e4m3fn), _squeeze(scale))
 

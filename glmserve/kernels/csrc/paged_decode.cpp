@@ -14,16 +14,29 @@
 // times its scale.
 // The split into a score pass and a value pass follows the textbook softmax(QK^T)V; see also
 // vLLM's csrc/cpu/attention.cpp for the paged layout idea (read, not copied).
+// SIMD path (AVX-512: 16 lanes, AVX2 + FMA: 8 lanes; D a multiple of the lane count, rows of float32, bfloat16,
+// int8, and float16 / fp8 where the build has the conversions): a key's dot products with the group's query
+// heads are accumulated lane-wise, and the lane sums of N keys are taken together by a transposing reduction
+// tree (one vector of N scores, instead of one horizontal sum per key and head); the softmax's exp is a
+// vector polynomial (exp_ps); each value row is loaded once for all of the group's heads. The scalar loop below
+// is the path of the scalar build and of other shapes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -67,6 +80,214 @@ struct Fp8Rows {
   static float scale(const uint8_t* row, int64_t D) { return half_at(row + D); }
 };
 
+
+// ---------------------------------------------------------------------------------------------- SIMD path
+// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to
+// r^7 (truncation below 1e-8 relative), times 2^n put into the exponent bits; below -87 the result is 0.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860682030941723e-6f;
+constexpr float kExpMin = -87.0f;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct Simd {
+  using V = __m512;
+  static constexpr int N = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  static V exp(V x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, set1(kExpMin), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, set1(kExpMin));
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm512_fnmadd_ps(n, set1(kLn2Lo), _mm512_fnmadd_ps(n, set1(kLn2Hi), x));
+    V p = set1(1.f / 5040);
+    for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = fma(p, r, set1(c));
+    return _mm512_maskz_scalef_ps(live, p, n);
+  }
+  // r[j] = sum of the lanes of v[j], j < 16: pairs of vectors are interleaved and added level by level (within
+  // 128-bit lanes by unpack, then across them by 128-bit shuffles), each level halving the vectors.
+  static V lane_sums(const V* v) {
+    V t[4];
+    for (int i = 0; i < 4; ++i) {
+      const V* w = v + 4 * i;
+      const V a = add(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));  // [w0 w1 w0 w1] per lane
+      const V b = add(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+      const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+      t[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+    }  // t[i]: in 128-bit lane k, the sums over lane k of w0..w3
+    const V x0 = add(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+    const V x1 = add(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
+    return add(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+  }
+  static V load_row(const float* p) { return load(p); }
+  static V load_row(const c10::BFloat16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static V load_row(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V load_row(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load_row(const uint8_t* p) {  // E4M3 codes: each one's value from the table
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_i32gather_ps(idx, kFp8Values.data(), 4);
+  }
+};
+#define GLMSERVE_PAGED_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Simd {
+  using V = __m256;
+  static constexpr int N = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float reduce_add(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float reduce_max(V v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static V exp(V x) {
+    const V live = _mm256_cmp_ps(x, set1(kExpMin), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, set1(kExpMin));
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r = _mm256_fnmadd_ps(n, set1(kLn2Lo), _mm256_fnmadd_ps(n, set1(kLn2Hi), x));
+    V p = set1(1.f / 5040);
+    for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = fma(p, r, set1(c));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), live);
+  }
+  // r[j] = sum of the lanes of v[j], j < 8: hadd pairs twice (sums within 128-bit lanes), then the two halves
+  static V lane_sums(const V* v) {
+    const V a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const V b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return add(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  static V load_row(const float* p) { return load(p); }
+  static V load_row(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static V load_row(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load_row(const uint8_t* p) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_i32gather_ps(kFp8Values.data(), idx, 4);
+  }
+#if defined(__F16C__)
+  static V load_row(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+};
+#define GLMSERVE_PAGED_SIMD 1
+#endif
+
+#ifdef GLMSERVE_PAGED_SIMD
+template <typename T, typename = void>
+struct HasSimdRows : std::false_type {};
+template <typename T>
+struct HasSimdRows<T, std::void_t<decltype(Simd::load_row(std::declval<const T*>()))>> : std::true_type {};
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t width) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t at = 0; at < width * static_cast<int64_t>(sizeof(T)); at += 64) _mm_prefetch(p + at, _MM_HINT_T0);
+}
+
+// One (sequence, kv head) task: the group's g query heads q [g, D] over the n keys at `seq_slots`.
+// scores: scratch of g * (n rounded up to N) floats.
+template <typename Rows>
+void decode_task_simd(const float* q, const typename Rows::storage* kh, const typename Rows::storage* vh,
+                      const int64_t* seq_slots, int64_t n, int64_t group, int64_t D, float scale, float* scores,
+                      float* out, float* lse) {
+  using S = Simd;
+  using V = S::V;
+  constexpr int N = S::N;
+  const int64_t W = D + Rows::extra, chunks = D / N, stride = (n + N - 1) / N * N;
+  V partial[N];
+  for (int64_t j0 = 0; j0 < n; j0 += N) {
+    const int jn = static_cast<int>(std::min<int64_t>(N, n - j0));
+    // the pool's blocks are a page or less apart, where the hardware prefetcher stops: fetch the next chunk's
+    // keys and this chunk's values (read after the softmax) while this chunk's scores are computed
+    for (int64_t j = j0 + N; j < std::min<int64_t>(n, j0 + 2 * N); ++j) prefetch_row(kh + seq_slots[j] * W, W);
+    for (int64_t j = j0; j < j0 + jn; ++j) prefetch_row(vh + seq_slots[j] * W, W);
+    V row_scale = S::set1(scale);
+    if (Rows::extra) {
+      alignas(64) float rs[N];
+      for (int j = 0; j < N; ++j) rs[j] = j < jn ? scale * Rows::scale(kh + seq_slots[j0 + j] * W, D) : 0.f;
+      row_scale = S::load(rs);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * D;
+      for (int j = 0; j < N; ++j) {
+        V acc = S::zero();
+        if (j < jn) {
+          const auto* krow = kh + seq_slots[j0 + j] * W;
+          for (int64_t c = 0; c < chunks; ++c) acc = S::fma(S::load(qg + c * N), S::load_row(krow + c * N), acc);
+        }
+        partial[j] = acc;
+      }
+      S::store(scores + g * stride + j0, S::mul(S::lane_sums(partial), row_scale));
+    }
+  }
+  const int64_t full = n / N * N;
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * stride;
+    float mx = -std::numeric_limits<float>::infinity();
+    if (full) {
+      V m = S::load(s);
+      for (int64_t j = N; j < full; j += N) m = S::max(m, S::load(s + j));
+      mx = S::reduce_max(m);
+    }
+    for (int64_t j = full; j < n; ++j) mx = std::max(mx, s[j]);
+    V vsum = S::zero();
+    const V vneg = S::set1(-mx);
+    for (int64_t j = 0; j < full; j += N) {
+      const V e = S::exp(S::add(S::load(s + j), vneg));
+      S::store(s + j, e);
+      vsum = S::add(vsum, e);
+    }
+    float sum = S::reduce_add(vsum);
+    for (int64_t j = full; j < n; ++j) {
+      s[j] = std::exp(s[j] - mx);
+      sum += s[j];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+    if (lse != nullptr) lse[g] = mx + std::log(sum);
+  }
+  // out[g] = sum over keys of p[g, j] v[j]: each value row loaded once for every head of the group
+  V* acc = reinterpret_cast<V*>(scores + group * stride);  // [group, chunks] after the scores (aligned by N)
+  for (int64_t i = 0; i < group * chunks; ++i) acc[i] = S::zero();
+  for (int64_t j = 0; j < n; ++j) {
+    const auto* vrow = vh + seq_slots[j] * W;
+    const float vs = Rows::extra ? Rows::scale(vrow, D) : 1.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const V v = S::load_row(vrow + c * N);
+      for (int64_t g = 0; g < group; ++g)
+        acc[g * chunks + c] = S::fma(S::set1(scores[g * stride + j] * vs), v, acc[g * chunks + c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) S::store(out + g * D + c * N, acc[g * chunks + c]);
+}
+#endif
+
 template <typename Rows>
 void decode_kernel(const float* q, const typename Rows::storage* k_cache, const typename Rows::storage* v_cache,
                    const int64_t* slots, const int64_t* ctx_lens, float* out, float* lse, int64_t B, int64_t H,
@@ -81,6 +302,21 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
       const int64_t b = task / Hkv;
       const int64_t h = task % Hkv;
       const int64_t n = ctx_lens[b];
+#ifdef GLMSERVE_PAGED_SIMD
+      if constexpr (HasSimdRows<cache_t>::value) {
+        if (D % Simd::N == 0 && n > 0) {
+          // the scores [group, n rounded up to N], then the value accumulators [group, D]; aligned for vectors
+          const int64_t floats = group * ((n + Simd::N - 1) / Simd::N * Simd::N) + group * D + Simd::N;
+          scores.resize(floats);
+          float* scratch = scores.data();
+          scratch += (Simd::N - reinterpret_cast<uintptr_t>(scratch) / sizeof(float) % Simd::N) % Simd::N;
+          decode_task_simd<Rows>(q + (b * H + h * group) * D, k_cache + h * num_slots * W,
+                                 v_cache + h * num_slots * W, slots + b * L, n, group, D, scale, scratch,
+                                 out + (b * H + h * group) * D, lse != nullptr ? lse + b * H + h * group : nullptr);
+          continue;
+        }
+      }
+#endif
       scores.assign(group * n, 0.f);
       const int64_t* seq_slots = slots + b * L;
       const cache_t* kh = k_cache + h * num_slots * W;

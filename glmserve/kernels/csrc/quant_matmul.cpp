@@ -26,6 +26,15 @@
 //   AVX2: vpmaddubsw + vpmaddwd. u4: nibble x int8 pairs (at most 2 * 15 * 127) add up in int16 over the
 //     whole block (8 steps: at most 30,480), one vpmaddwd per block. i8: |c| x sign(q, c) per step.
 //   scalar: the same sums in plain C++ (any CPU).
+// AMX (avx512 build, CPUs with AMX-INT8, Linux, from AMX_MIN_ROWS activation rows): the i8 block layout above
+//   is already an AMX B tile for K = 32 (8 rows of [16 output rows][4 bytes]); u4 blocks are unpacked into one
+//   (low nibbles rows 0-3, high nibbles rows 4-7). Per 16 activation rows and block, one tdpbssd (s8 x s8:
+//   the u4 codes 0..15 are non-negative int8) gives the 16 x 16 integer sums of the block, stored and scaled
+//   into 16 fp32 accumulators with AVX-512 (the block's scales are an outer product of the weights' d and the
+//   activations' dx, so integer sums cannot run across blocks). Two sets of tiles alternate between blocks.
+//   This follows llama.cpp's ggml/src/ggml-cpu/amx/mmq.cpp (K-blocks of 32 through tdpbssd/tdpbusd, the
+//   scales applied after _tile_stored); the layout and code here are our own. set_amx(false) turns it off
+//   (tests, benchmarks), as does GLMSERVE_CPU_AMX=0 at load.
 // Batch: each tile computes NB activation rows at once (8 on AVX-512, 2 on AVX2, 1 scalar) so that its
 // weights are loaded (and nibbles unpacked) once per NB rows; a tile's weights (16 x in bytes or half of it)
 // stay in L1/L2 across the batch. Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles
@@ -38,10 +47,21 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__x86_64__) && \
+    defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define GLMSERVE_AMX 1
+#endif
+
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -219,6 +239,99 @@ void tile_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, f
 }
 #endif
 
+
+#ifdef GLMSERVE_AMX
+// ---------------------------------------------------------------------------------------------- AMX
+constexpr int64_t AMX_ROWS = 16;  // activation rows per A tile
+constexpr int64_t AMX_MIN_ROWS = 16;  // below, the VNNI tiles (an A tile of fewer rows wastes the rest)
+
+bool amx_supported() {  // AMX-TILE and AMX-INT8 (CPUID leaf 7 EDX bits 24, 25), and Linux lets us use the tiles
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+std::atomic<bool> amx_wanted{[] {
+  const char* env = std::getenv("GLMSERVE_CPU_AMX");
+  return env == nullptr || std::string(env) != "0";
+}()};
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0/3: C [16 act rows][16 out rows] int32; 1/4: A [16 act rows][32 codes]; 2/5: B [8][16 out rows x 4]
+__attribute__((target("amx-tile,amx-int8"))) void amx_config() {
+  TileConfig cfg;
+  for (int t : {0, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {1, 4}) cfg.rows[t] = 16, cfg.colsb[t] = QK;
+  for (int t : {2, 5}) cfg.rows[t] = QK / 4, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // GCC 12 dropped the stores above as dead before ldtilecfg
+  _tile_loadconfig(&cfg);
+}
+
+// out [16 act rows, 16 out rows] for activation rows n0..n0+15 (q padded to whole A tiles) and one weight tile
+template <bool U4>
+__attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, const Acts& a, int64_t n0,
+                                                             int64_t nblocks, float* out) {
+  alignas(64) int32_t c[2][AMX_ROWS * ROWS];
+  alignas(64) uint8_t unpacked[2][I8_BLOCK];
+  __m512 acc[AMX_ROWS];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int8_t* q = a.q + n0 * a.kp;
+  auto scale_into = [&](const int32_t* sums, int64_t b) {
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
+    const __m512 mw = w.m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + b * ROWS)))
+                          : _mm512_setzero_ps();
+    for (int r = 0; r < AMX_ROWS; ++r) {
+      const int64_t i = (n0 + r) * a.nb + b;
+      const __m512 x = _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * ROWS));
+      acc[r] = _mm512_fmadd_ps(x, _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[r]);
+      if (w.m) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r]);
+    }
+  };
+  auto b_tile = [&](int64_t b, int k) -> const uint8_t* {
+    const uint8_t* codes = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
+    if (!U4) return codes;
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(codes + j * 64);
+      _mm512_store_si512(unpacked[k] + j * 64, _mm512_and_si512(v, low4));
+      _mm512_store_si512(unpacked[k] + (4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    }
+    return unpacked[k];
+  };
+  for (int64_t b = 0; b < nblocks; b += 2) {  // two blocks at a time on the two tile sets
+    _tile_zero(0);
+    _tile_loadd(1, q + b * QK, a.kp);
+    _tile_loadd(2, b_tile(b, 0), 64);
+    _tile_dpbssd(0, 1, 2);
+    const bool second = b + 1 < nblocks;
+    if (second) {
+      _tile_zero(3);
+      _tile_loadd(4, q + (b + 1) * QK, a.kp);
+      _tile_loadd(5, b_tile(b + 1, 1), 64);
+      _tile_dpbssd(3, 4, 5);
+    }
+    _tile_stored(0, c[0], 64);
+    scale_into(c[0], b);
+    if (second) {
+      _tile_stored(3, c[1], 64);
+      scale_into(c[1], b + 1);
+    }
+  }
+  for (int r = 0; r < AMX_ROWS; ++r) _mm512_storeu_ps(out + r * ROWS, acc[r]);
+}
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_release() { _tile_release(); }
+#endif
+
 // ---------------------------------------------------------------------------------------------- dispatch
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr int MAX_NB = 8;
@@ -242,10 +355,19 @@ void tile_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nb
   tile<NB, U4>(w, a, n0, nblocks, out);
 }
 
-at::Tensor matmul_impl(const Acts& a, int64_t N, const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm,
+bool use_amx(int64_t N) {
+#ifdef GLMSERVE_AMX
+  return N >= AMX_MIN_ROWS && amx_wanted.load() && amx_supported();
+#else
+  (void)N;
+  return false;
+#endif
+}
+
+at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm,
                        bool u4, int64_t out_features) {
   const int64_t tiles = codes.size(0), nblocks = codes.size(1);
-  TORCH_CHECK(nblocks == a.nb, "quant_matmul: the weight has ", nblocks, " blocks of 32 inputs, the activations ", a.nb);
+  TORCH_CHECK(nblocks == a_in.nb, "quant_matmul: the weight has ", nblocks, " blocks of 32 inputs, the activations ", a_in.nb);
   TORCH_CHECK(tiles * ROWS >= out_features, "quant_matmul: ", tiles, " tiles of 16 rows hold fewer than ", out_features);
   TORCH_CHECK(codes.size(2) == (u4 ? U4_BLOCK : I8_BLOCK), "quant_matmul: block bytes ", codes.size(2));
   auto out = at::empty({N, out_features}, at::kFloat);
@@ -254,8 +376,41 @@ at::Tensor matmul_impl(const Acts& a, int64_t N, const at::Tensor& codes, const 
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(wd.data_ptr<at::Half>());
   const uint16_t* mp = wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr;
   const int64_t block_bytes = codes.size(2);
+  const bool amx = use_amx(N);
+  Acts a = a_in;
+  std::vector<int8_t> q_pad;  // AMX: the activations padded with zero rows to whole A tiles (16 rows)
+  std::vector<float> d_pad, s_pad;
+#ifdef GLMSERVE_AMX
+  if (amx && N % AMX_ROWS) {
+    const int64_t padded = (N + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    q_pad.assign(padded * a.kp, 0);
+    d_pad.assign(padded * a.nb, 0.f);
+    s_pad.assign(padded * a.nb, 0.f);
+    std::memcpy(q_pad.data(), a.q, N * a.kp);
+    std::memcpy(d_pad.data(), a.d, N * a.nb * sizeof(float));
+    std::memcpy(s_pad.data(), a.s, N * a.nb * sizeof(float));
+    a.q = q_pad.data(), a.d = d_pad.data(), a.s = s_pad.data();
+  }
+#endif
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    float buf[MAX_NB * ROWS];
+    float buf[std::max<int64_t>(MAX_NB, 16) * ROWS];
+#ifdef GLMSERVE_AMX
+    if (amx) {
+      amx_config();
+      for (int64_t t = begin; t < end; ++t) {
+        const Weights w{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
+        const int64_t r0 = t * ROWS, cols = std::min<int64_t>(ROWS, out_features - r0);
+        for (int64_t n0 = 0; n0 < N; n0 += AMX_ROWS) {
+          if (u4) tile_amx<true>(w, a, n0, nblocks, buf);
+          else tile_amx<false>(w, a, n0, nblocks, buf);
+          for (int64_t n = 0; n < std::min<int64_t>(AMX_ROWS, N - n0); ++n)
+            std::memcpy(o + (n0 + n) * out_features + r0, buf + n * ROWS, cols * sizeof(float));
+        }
+      }
+      amx_release();
+      return;
+    }
+#endif
     for (int64_t t = begin; t < end; ++t) {
       const Weights w{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
       const int64_t r0 = t * ROWS, cols = std::min<int64_t>(ROWS, out_features - r0);
@@ -268,6 +423,18 @@ at::Tensor matmul_impl(const Acts& a, int64_t N, const at::Tensor& codes, const 
     }
   });
   return out;
+}
+
+// set_amx(enable): whether the AMX tiles run batches of AMX_MIN_ROWS rows or more; returns whether they now
+// do (false where the build or the CPU has no AMX)
+bool set_amx(bool enable) {
+#ifdef GLMSERVE_AMX
+  amx_wanted.store(enable);
+  return enable && amx_supported();
+#else
+  (void)enable;
+  return false;
+#endif
 }
 
 // quantize one row of k floats into kp = ceil(k / 32) * 32 int8 codes (the tail zero)
@@ -422,5 +589,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "int8 activations per block of 32 or per row (CPU)");
   m.def("quant_matmul", &quant_matmul, "quantized activations x packed int8/int4 block weights (CPU)");
   m.def("quant_linear", &quant_linear, "quantize_activations, then quant_matmul (CPU)");
+  m.def("set_amx", &set_amx, "use the AMX int8 tiles for batches of 16 rows or more (where the CPU has them)");
   m.def("dequantize_packed", &dequantize_packed, "packed block weights -> dense [out, blocks*32] bf16 or f32 (CPU)");
 }

@@ -1,0 +1,144 @@
+"""Where a batched decode step's time goes, by component: the quantized linears by role (QKV, o, gate-up, down,
+lm_head), paged decode attention, the rest of the model (norms, rotary, SiLU, residuals, embedding), sampling,
+the step's batch building (scheduler, block tables, metadata) and the per-token bookkeeping (detokenization,
+stop checks, outputs).
+
+    GLMSERVE_BENCH_THREADS=1 .venv/bin/python bench/profile_decode.py [--batch 32] [--steps 32] [--repeats 3]
+
+torch.profiler does not see our C++ kernels (pybind calls, not torch ops: bench/profile_engine.py books them
+as "outside ops"), so each component is timed here with perf_counter around its call (module hooks and method
+wrappers; one thread, so the sums are exclusive where the components do not nest). The batch's prompts
+(`DECODE_BATCH_PROMPT_LEN` tokens, bench/workloads.py) are computed before the timed steps. Prints the
+median over `--repeats` windows of `--steps` steps of each component's ms per step and share of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import workloads as wl
+
+os.environ.setdefault("OMP_NUM_THREADS", str(wl.THREADS))
+
+ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+class Timers:
+    """Seconds per component name, summed over calls."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = collections.defaultdict(float)
+        self._start: dict[int, float] = {}
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[name] += time.perf_counter() - start
+        return timed
+
+    def hook_module(self, name: str, module) -> None:
+        def pre(mod, args):
+            self._start[id(mod)] = time.perf_counter()
+
+        def post(mod, args, out):
+            self.total[name] += time.perf_counter() - self._start.pop(id(mod))
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+
+def instrument(engine, timers: Timers) -> None:
+    from glmserve.engine import runner as runner_module
+    from glmserve.layers.attention import PagedAttention
+
+    model = engine.runner.model
+    for name, module in model.named_modules():
+        role = name.rsplit(".", 1)[-1]
+        if role in ROLES:
+            timers.hook_module(role, module)
+    timers.hook_module("embedding", model.embed_tokens)
+    timers.hook_module("model forward (all)", model)
+    from glmserve.layers import attention as attention_module
+
+    PagedAttention.__call__ = timers.wrap("attention (all)", PagedAttention.__call__)
+    PagedAttention._decode = timers.wrap("attention: decode kernel", PagedAttention._decode)
+    attention_module.store = timers.wrap("attention: KV write", attention_module.store)
+    runner_module.sample = timers.wrap("sampling", runner_module.sample)
+    r = engine.runner
+    r._prepare = timers.wrap("batch building (runner._prepare)", r._prepare)
+    model.attention_metadata = timers.wrap("attention metadata", model.attention_metadata)
+    engine.scheduler.schedule = timers.wrap("scheduler", engine.scheduler.schedule)
+    engine._check_stop = timers.wrap("detokenize + stop checks", engine._check_stop)
+    engine._output = timers.wrap("request outputs", engine._output)
+    engine.step = timers.wrap("engine step (all)", engine.step)
+
+
+def window(engine, params, prompts: list[list[int]], steps: int, timers: Timers, tag: str) -> dict[str, float]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    while not all(s.num_output_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill, outside the window
+    timers.total.clear()
+    for _ in range(steps):
+        engine.step()
+    ms = {k: v * 1e3 / steps for k, v in timers.total.items()}
+    while engine.has_unfinished_requests():
+        engine.step()
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=wl.DECODE_BATCH)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write {component: ms per step} here (bench/ab_decode.py reads it)")
+    args = parser.parse_args()
+
+    import torch
+
+    from glmserve import LLM, SamplingParams
+
+    torch.set_num_threads(wl.THREADS)
+    llm = LLM(model=None, num_threads=wl.THREADS)
+    engine = llm.engine
+    maker = wl.PromptMaker(wl.load_tokenizer(wl.embedded_gguf_path()), wl.SEED + 5)
+    llm.generate([maker.tokens(64)], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
+    timers = Timers()
+    instrument(engine, timers)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
+    runs = [window(engine, params, maker.batch(args.batch, wl.DECODE_BATCH_PROMPT_LEN), args.steps, timers, f"w{i}")
+            for i in range(args.repeats)]
+    median = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
+    step = median["engine step (all)"]
+    forward = median["model forward (all)"]
+    linears = sum(median.get(r, 0.0) for r in ROLES)
+    inside = linears + median.get("attention (all)", 0.0) + median.get("embedding", 0.0)
+    median["model rest (norms, rotary, SiLU, residuals)"] = forward - inside
+    outside = sum(median.get(k, 0.0) for k in ("model forward (all)", "sampling", "batch building (runner._prepare)",
+                                               "attention metadata", "scheduler", "detokenize + stop checks",
+                                               "request outputs"))
+    median["engine rest (KV block bookkeeping, Python)"] = step - outside
+    print(f"decode batch {args.batch}, {args.steps} steps x {args.repeats} windows, {torch.get_num_threads()} "
+          f"thread(s): {step:.2f} ms/step = {args.batch / step * 1e3:.1f} tok/s; load {os.getloadavg()[0]:.2f}")
+    print("| component | ms / step | share of step |")
+    print("|---|---|---|")
+    for k, v in sorted(median.items(), key=lambda kv: -kv[1]):
+        print(f"| {k} | {v:.2f} | {v / step:.1%} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(median))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The fused layer ops of kernels/csrc/prefill_ops.cpp (add_rms_norm, rope_neox_, silu_and_mul), every
+instruction-set variant against plain PyTorch: exact where the math is (the residual add), within float32
+rounding (norm, rope, SiLU's exp) or one bf16 rounding (2^-8 relative) otherwise; and the model code that
+calls them (layers/norm.py `add_norm`, layers/rotary.py `apply_`, models/llama.py `silu_and_mul`) equal to
+its PyTorch path."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glmserve import kernels
+from glmserve.layers.norm import RMSNorm
+from glmserve.layers.rotary import RotaryEmbedding
+from glmserve.models.llama import silu_and_mul
+
+CPU = torch.device("cpu")
+BF16_ROUNDING = 2.0**-8  # one round to nearest in bf16 (8 bits of mantissa), relative
+
+
+def _op(name: str, dtype: torch.dtype = torch.float32):
+    kernel = kernels.op(name, CPU, dtype)
+    assert kernel is not None
+    return kernel
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-6)).max().item()
+
+
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+def test_add_rms_norm(cpu_isa, delta_dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 576, generator=gen) * 3
+    delta = None if delta_dtype is None else torch.randn(37, 576, generator=gen).to(delta_dtype)
+    weight = torch.rand(576, generator=gen) + 0.5
+    summed = x if delta is None else x + delta.float()
+    ref = F.rms_norm(summed, (576,), weight, 1e-5)
+    for bf16_out in (False, True):
+        stream = x.clone()
+        out = _op("add_rms_norm")(stream, delta if delta is not None else torch.empty(0), weight, 1e-5, bf16_out)
+        assert torch.equal(stream, summed)  # the residual add is exact
+        assert out.dtype == (torch.bfloat16 if bf16_out else torch.float32)
+        assert _relative(out, ref) < (BF16_ROUNDING if bf16_out else 1e-5)
+
+
+def test_add_rms_norm_rejects_bad_input(cpu_isa):
+    norm = _op("add_rms_norm")
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        norm(torch.randn(4, 8).t(), torch.empty(0), torch.ones(4), 1e-5, False)
+    with pytest.raises(RuntimeError, match="delta"):
+        norm(torch.randn(4, 8), torch.randn(4, 7), torch.ones(8), 1e-5, False)
+    with pytest.raises(RuntimeError, match="weight"):
+        norm(torch.randn(4, 8), torch.empty(0), torch.ones(7), 1e-5, False)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_rope_neox_in_place(cpu_isa, partial):
+    config = types.SimpleNamespace(rope_theta=10000.0, partial_rotary_factor=partial)
+    rotary = RotaryEmbedding(config, 64, 4096)
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(29, 15 * 64, generator=gen)
+    qk = qkv[:, :12 * 64].view(29, 12, 64)  # q and k heads of a fused qkv output: rows strided by 15 heads
+    positions = torch.randint(0, 4096, (29,), generator=gen)
+    cos, sin = rotary.cos_sin(positions)
+    ref = rotary.apply(qk, cos, sin)
+    v = qkv[:, 12 * 64:].clone()
+    _op("rope_neox_")(qk, cos[:, 0].contiguous(), sin[:, 0].contiguous())
+    assert (qk - ref).abs().max().item() < 1e-5
+    assert torch.equal(qkv[:, 12 * 64:], v)  # the v heads are not touched
+    with pytest.raises(RuntimeError, match="even"):
+        _op("rope_neox_")(qk, cos[:, 0, :3].contiguous(), sin[:, 0, :3].contiguous())
+
+
+def test_silu_and_mul(cpu_isa):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(41, 2 * 1536, generator=gen) * 4
+    x[0, :8] = torch.tensor([-200.0, -90.0, -20.0, 0.0, 20.0, 90.0, 200.0, 1e-30])  # the exp's clamps
+    ref = F.silu(x[:, :1536]) * x[:, 1536:]
+    assert _relative(_op("silu_and_mul")(x), ref) < 1e-5
+    xb = x.to(torch.bfloat16)
+    ref_b = F.silu(xb[:, :1536].float()) * xb[:, 1536:].float()  # from the same bf16 inputs, in float32
+    out = _op("silu_and_mul", torch.bfloat16)(xb)
+    assert out.dtype == torch.bfloat16 and _relative(out, ref_b) < BF16_ROUNDING
+    with pytest.raises(RuntimeError, match="2I"):
+        _op("silu_and_mul")(torch.randn(3, 5))
+
+
+def test_model_ops_match_their_torch_path(kernel_backend):
+    """The callers give the same result with the kernels (each variant) as on the PyTorch path."""
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.rand(64, generator=gen) + 0.5
+    x, delta = torch.randn(9, 64, generator=gen), torch.randn(9, 64, generator=gen)
+    stream = x.clone()
+    out = norm.add_norm(stream, delta, torch.bfloat16)
+    assert torch.equal(stream, x + delta)
+    assert out.dtype == torch.bfloat16
+    assert _relative(out, F.rms_norm(x + delta, (64,), norm.weight, 1e-6)) < BF16_ROUNDING
+
+    rotary = RotaryEmbedding(types.SimpleNamespace(rope_theta=500000.0), 64, 128)
+    qk = torch.randn(9, 4, 64, generator=gen)
+    cos, sin = rotary.cos_sin(torch.arange(9))
+    ref = rotary.apply(qk, cos, sin)
+    assert (rotary.apply_(qk, cos, sin) - ref).abs().max().item() < 1e-5
+
+    gate_up = torch.randn(9, 2 * 32, generator=gen)
+    assert _relative(silu_and_mul(gate_up), F.silu(gate_up[:, :32]) * gate_up[:, 32:]) < 1e-5
