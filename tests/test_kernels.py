@@ -115,3 +115,40 @@ def test_a_built_kernel_imports_without_torch_cpp_extension_or_ninja(tmp_path):
            "CI": "true"}  # CI: a failed build raises instead of falling back to None
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_parallel_loops_use_torchs_intra_op_threads(cpu_isa):
+    """The kernels are compiled with -fopenmp (build.py): ATen's parallel_for is inline OpenMP, and without it
+    every parallel loop of ours ran on one thread. Each item of a grain-1 loop records the thread that ran it."""
+    module = build.load("paged_decode", cpu_isa)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            assert sorted(set(module.parallel_thread_ids(64).tolist())) == list(range(threads))
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="n must be positive"):
+        module.parallel_thread_ids(0)
+
+
+@pytest.mark.skipif(kernels.torch_only(), reason="GLMSERVE_TORCH_ONLY=1: setup builds no kernels")
+def test_the_kernels_share_torchs_openmp_runtime():
+    """No kernel library links an OpenMP runtime of its own (its GOMP_* calls resolve to the libgomp torch
+    loaded): with every variant loaded the process maps one libgomp, so torch.set_num_threads binds our loops."""
+    probe = ("from glmserve import kernels\nfrom glmserve.kernels import build\n"
+             "for isa in kernels.available_isas():\n"
+             "    for source in build.SOURCES:\n"
+             "        module = build.load(source, isa)\n"
+             "        assert module is not None, (source, isa)\n"
+             "        print('so', module.__file__)\n"
+             "for path in sorted({line.split()[-1] for line in open('/proc/self/maps') if '/libgomp' in line}):\n"
+             "    print('gomp', path)\n")
+    run = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "CI": "true"}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line.split(" ", 1) for line in run.stdout.splitlines()]
+    assert len([path for kind, path in lines if kind == "gomp"]) == 1, run.stdout
+    for library in (path for kind, path in lines if kind == "so"):
+        dynamic = subprocess.run(["readelf", "-d", library], capture_output=True, text=True, check=True).stdout
+        assert "libgomp" not in dynamic and "libomp" not in dynamic, f"{library} links an OpenMP runtime"

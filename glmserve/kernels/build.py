@@ -32,7 +32,14 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # csrc/<name>.cpp, one extension each per variant
 SOURCES = ("paged_decode", "sparse", "quant_matmul", "float_quant_matmul", "prefill_ops")
-BASE_CFLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only")
+# -fopenmp: at::parallel_for is inline in ATen's headers with torch's OpenMP backend (torch/include/ATen/
+# ParallelOpenMP.h: `#pragma omp parallel` under `#ifdef _OPENMP`), so without it every parallel loop of ours ran
+# on one thread whatever torch.set_num_threads said. It is a compile flag only: cpp_extension passes extra_cflags
+# to the compiler, not to the link, so the .so does not link the system libgomp (no NEEDED libgomp); its GOMP_* /
+# omp_* references resolve at load time through libtorch_cpu.so's dependencies to the libgomp torch's wheel
+# bundles and already loaded. One OpenMP runtime, one thread pool, and torch.set_num_threads binds our loops too
+# (tests/test_kernels.py checks both). It also turns on the `#pragma omp simd` hints in csrc.
+BASE_CFLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp")
 
 
 def in_ci() -> bool:

@@ -412,7 +412,20 @@ std::vector<at::Tensor> paged_decode_lse(const at::Tensor& q, const at::Tensor& 
   return run(q, k_cache, v_cache, slots, ctx_lens, scale, true);
 }
 
+// Test-only: the at::get_thread_num() that ran each of `n` items of an at::parallel_for with grain 1, as
+// int64 [n]; tests check that our builds' parallel loops use torch's intra-op threads (build.py, -fopenmp).
+at::Tensor parallel_thread_ids(int64_t n) {
+  TORCH_CHECK(n > 0, "parallel_thread_ids: n must be positive, got ", n);
+  at::Tensor ids = at::full({n}, -1, at::kLong);
+  int64_t* out = ids.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = at::get_thread_num();
+  });
+  return ids;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("paged_decode_lse", &paged_decode_lse, "paged decode attention (CPU) and the log-sum-exp per head");
+  m.def("parallel_thread_ids", &parallel_thread_ids, "test-only: the intra-op thread that ran each item");
 }
