@@ -59,8 +59,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         q, k = self.rotary.apply_(qk, *cos_sin).split([heads, kv_heads], dim=1)  # one rotation for q and k heads
-        o_dtype = torch.bfloat16 if bf16_between(qkv, self.o_proj) else qkv.dtype  # AMX prefill: o_proj's GEMM is bf16
-        return self.o_proj(self.attn(q, k, v, meta, o_dtype))
+        return self.o_proj(self.attn(q, k, v, meta, _gemm_dtype(qkv, self.o_proj)))  # bf16 for o_proj's AMX GEMM
 
 
 class GatedMLP(nn.Module):
@@ -72,7 +71,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden] in x's dtype; computed in bf16 when both projections run a bf16 GEMM
         (AMX prefill: the wide gate-up output is then never widened to float32)."""
-        h = x.to(torch.bfloat16) if bf16_between(x, self.gate_up_proj, self.down_proj) else x
+        h = x.to(_gemm_dtype(x, self.gate_up_proj, self.down_proj))
         return self.down_proj(silu_and_mul(self.gate_up_proj(h))).to(x.dtype)
 
 
