@@ -64,8 +64,9 @@ def test_the_suite_loads_the_kernels_setup_built():
     """Setup (`python -m glmserve.kernels`, HOME untouched) and this suite (its own HOME) share one build
     directory: each variant's shared library is already there, so no test compiles one again. Without CI=true a
     machine where setup could not build them (no compiler) skips, as the kernel tests do."""
-    names = [build.extension_name(source, isa) for isa in kernels.available_isas() for source in build.SOURCES]
-    missing = [name for name in names if not (build.build_directory(name) / f"{name}.so").exists()]
+    variants = [(source, isa) for isa in kernels.available_isas() for source in build.SOURCES]
+    missing = [build.extension_name(*v) for v in variants
+               if not (build.build_directory(*v) / f"{build.extension_name(*v)}.so").exists()]
     if missing and not build.in_ci():
         pytest.skip(f"setup built no {', '.join(missing)} here")
     assert not missing, missing
@@ -101,16 +102,16 @@ def test_a_built_kernel_imports_without_torch_cpp_extension_or_ninja(tmp_path):
     torch's load() would hash the sources and run ninja again. Only the .so is copied to a fresh root and ninja
     is off the PATH, so the load succeeds only by importing it."""
     name = build.extension_name("sparse", "scalar")
-    built = build.build_directory(name) / f"{name}.so"
+    built = build.build_directory("sparse", "scalar") / f"{name}.so"
     if not built.exists() and not build.in_ci():
         pytest.skip(f"setup built no {name} here")
-    copy = tmp_path / build.build_directory(name).name
+    copy = tmp_path / build.build_directory("sparse", "scalar").name
     copy.mkdir()
     (copy / built.name).write_bytes(built.read_bytes())
     probe = ("from glmserve.kernels import build\n"
              "module = build.load('sparse', 'scalar')\n"
              "assert module is not None and hasattr(module, 'block_scores')\n"
-             "assert not (build.build_directory(build.extension_name('sparse', 'scalar')) / 'build.ninja').exists()")
+             "assert not (build.build_directory('sparse', 'scalar') / 'build.ninja').exists()")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "PATH": "/nonexistent", "GLMSERVE_TORCH_ONLY": "0",
            "CI": "true"}  # CI: a failed build raises instead of falling back to None
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)

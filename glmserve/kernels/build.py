@@ -52,22 +52,24 @@ def extension_name(source: str, isa: str) -> str:
     return f"glmserve_{source}_{isa}"
 
 
-def build_directory(name: str) -> Path:
-    """One extension's build directory per version of the kernel sources and torch installation: the folder name
-    carries a hash of csrc's contents, the compiler flags and torch's location, so checkouts with the same kernels
-    and environment (worktrees on one venv) share one build, and a checkout whose kernels or venv differ (a clean
-    clone for CI) never loads or overwrites another's."""
-    return extensions_root() / f"{name}-{_sources_digest()}"
+def build_directory(source: str, isa: str) -> Path:
+    """One extension's build directory per version of its source and the torch installation: the folder name
+    carries a hash of csrc/`source`.cpp, the compiler flags and torch's location, so checkouts with the same kernel
+    and environment (worktrees on one venv) share one build, a change to one source rebuilds only that source's
+    variants, and a checkout whose kernel or venv differs (a clean clone for CI) never loads or overwrites
+    another's."""
+    return extensions_root() / f"{extension_name(source, isa)}-{_source_digest(source)}"
 
 
 @functools.cache
-def _sources_digest() -> str:
+def _source_digest(source: str) -> str:
     # the torch installation too: build.ninja holds its include and library paths, so two environments (a venv
     # and a CI clone's venv) sharing one cache would each find the other's command changed and rebuild, in turn
     import torch
 
     digest = hashlib.sha1(f"{' '.join(BASE_CFLAGS)} {torch.__version__} {Path(torch.__file__).parent}".encode())
-    for path in sorted(SOURCE_DIR.iterdir()):
+    # every header of csrc too (none today), so that an included file's change rebuilds its includers
+    for path in [SOURCE_DIR / f"{source}.cpp", *sorted(SOURCE_DIR.glob("*.h"))]:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:8]
@@ -104,7 +106,7 @@ def _staged_source(directory: Path, source: str) -> Path:
     """csrc/`source`.cpp copied once into the build directory, the path the build compiles. torch writes the
     source's absolute path into build.ninja and ninja rebuilds when that command or the source's mtime changes,
     so compiling each checkout's own file rebuilt the shared directory for every worktree (and a fresh checkout's
-    newer mtime did too). The directory is named by the sources' hash, so an existing copy is the same text."""
+    newer mtime did too). The directory is named by the source's hash, so an existing copy is the same text."""
     staged = directory / "src" / f"{source}.cpp"
     if not staged.exists():
         staged.parent.mkdir(exist_ok=True)
@@ -115,7 +117,7 @@ def _staged_source(directory: Path, source: str) -> Path:
 
 
 def _import_built(directory: Path, name: str) -> ModuleType | None:
-    """The extension's library when a build finished in `directory` (named by the sources' hash: a library there
+    """The extension's library when a build finished in `directory` (named by the source's hash: a library there
     was built from these sources and flags), imported directly; torch's load() would hash the sources again and
     run ninja, 0.1-0.2 s per kernel at every start (bench/RESULTS.md). None where there is none or it does not
     import (a build killed mid-link): then load() builds it."""
@@ -140,7 +142,7 @@ def load(source: str, isa: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as build_extension
 
-        directory = build_directory(name)
+        directory = build_directory(source, isa)
         with _exclusive_build(directory):
             module = _import_built(directory, name) or build_extension(
                 name=name, sources=[str(_staged_source(directory, source))],
