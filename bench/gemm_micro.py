@@ -12,11 +12,21 @@ lm_head 49152) it times, interleaved in one run (medians of `--repeats` rounds):
   q4_dense    the same Q4_1 weight dequantized per call into bf16, then the bf16 F.linear (the backend's
               path from DENSE_MIN_ROWS rows on AMX CPUs: glmserve/quant/cpu_backend.py)
 and prints GFLOP/s with each variant's ratio to `linear`.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/gemm_micro.py --dense [--tokens 16,32,64,128,512,2048] [--layers ...]
+
+compares instead the paths of a Q4_1 weight (the embedded model's format) at prefill-sized batches, bf16
+activations in and bf16 out, on AMX CPUs (DENSE_COLUMNS), with each variant's ratio to `per_call`:
+  per_call    the weight dequantized per call into a bf16 scratch, then F.linear (oneDNN reorders it per call)
+  prepacked   oneDNN's prepacked bf16 weight (torch.ops.mkldnn._linear_pointwise), made once and kept
+  amx         our AMX bf16 GEMM reading the packed weight (kernel amx_bf16_linear)
+  int8        our int8 kernel (quant_linear: AMX int8 tiles from 16 rows, float32 activations)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -27,26 +37,27 @@ import torch.utils.mkldnn
 import workloads as wl
 
 from glmserve import kernels
-from glmserve.quant.cpu_backend import CpuBlockBackend, dense_apply
+from glmserve.quant.cpu_backend import CpuBlockBackend, PackedWeight
 from glmserve.quant.quantize import quantize
 from glmserve.quant.spec import QuantSpec
 
 Q4_1 = QuantSpec(4, symmetric=False, strategy="group", group_size=32, gguf_type="Q4_1")
 COLUMNS = ("wt", "mkldnn", "bf16", "q4_int8", "q4_dense")
+DENSE_COLUMNS = ("prepacked", "amx", "int8")
 
 HIDDEN = 576
 SHAPES = {"qkv": (HIDDEN, 960), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 3072), "down": (1536, HIDDEN),
           "lm_head": (HIDDEN, 49152)}
 
 
-def per_call_s(fn: Callable[[], object], min_s: float = 0.05) -> float:
-    """Seconds per call, calling `fn` until `min_s` has passed."""
+def per_call_s(fn: Callable[[], object], min_s: float = 0.05, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds per call, calling `fn` until `min_s` has passed on `clock`."""
     fn()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_s:
+    calls, start = 0, clock()
+    while clock() - start < min_s:
         fn()
         calls += 1
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -66,9 +77,33 @@ def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]
     q4 = CpuBlockBackend().prepare(quantize(w, Q4_1), None, cpu)
     out["q4_int8"] = lambda: q4.linear(x, False, q4.codes, q4.scales, q4.mins, True, q4.out_features)
     if kernels.op("dequantize_packed", cpu, torch.float32) is not None:
-        q4.dequantize = kernels.op("dequantize_packed", cpu, torch.float32)
-        out["q4_dense"] = lambda: dense_apply(q4, x)
+        out["q4_dense"] = per_call_dense(q4, x.bfloat16())
     return out
+
+
+def per_call_dense(p: PackedWeight, xb: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """xb (bf16) times the packed weight dequantized whole into a bf16 scratch at every call, then F.linear (the
+    dense path before our AMX GEMM; GLMSERVE_AMX_GEMM=0)."""
+    dequantized = kernels.op("dequantize_packed", torch.device("cpu"), torch.float32)
+    scratch = torch.empty(p.out_features * p.codes.shape[1] * 32, dtype=torch.bfloat16)
+    return lambda: F.linear(xb, dequantized(p.codes, p.scales, p.mins, p.u4, p.out_features, True, scratch)
+                            [:, :p.in_features])
+
+
+def dense_variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The Q4_1 weight's paths for prefill-sized batches (the module docstring's --dense columns)."""
+    cpu = torch.device("cpu")
+    p = CpuBlockBackend().prepare(quantize(w, Q4_1), None, cpu)
+    xb = x.bfloat16()
+    w16 = CpuBlockBackend().dequantize_rows(p, torch.arange(p.out_features), torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w16, 512)
+    amx = kernels.op("amx_bf16_linear", cpu, torch.float32)
+    return {
+        "per_call": per_call_dense(p, xb),
+        "prepacked": lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], ""),
+        "amx": lambda: amx(xb, p.codes, p.scales, p.mins, p.u4, p.out_features),
+        "int8": lambda: p.linear(x, False, p.codes, p.scales, p.mins, True, p.out_features),
+    }
 
 
 def main() -> None:
@@ -76,30 +111,40 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,32,512")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", default=",".join(SHAPES), help="comma-separated subset of " + ",".join(SHAPES))
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: time.perf_counter; cpu: time.process_time (this process's CPU time: on a shared "
+                             "machine, time slices lost to other processes do not count)")
+    parser.add_argument("--dense", action="store_true", help="Q4_1 prefill paths on AMX (DENSE_COLUMNS)")
     args = parser.parse_args()
+    if args.dense and not kernels.amx_bf16():
+        parser.error("--dense needs a CPU with AMX-BF16 and the avx512 kernels")
+    make, base, columns = (dense_variants, "per_call", DENSE_COLUMNS) if args.dense else (variants, "linear", COLUMNS)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(wl.THREADS)
     torch.manual_seed(0)
-    print(f"threads {torch.get_num_threads()}; GFLOP/s, median of {args.repeats} interleaved rounds; "
-          "ratio = variant / linear")
-    print("| tokens | layer | linear | " + " | ".join(COLUMNS) + " |")
-    print("|---" * (3 + len(COLUMNS)) + "|")
+    print(f"threads {torch.get_num_threads()}, {args.clock} clock; GFLOP/s, median of {args.repeats} interleaved "
+          "rounds; "
+          f"ratio = variant / {base}; load average {os.getloadavg()}")
+    print(f"| tokens | layer | {base} | " + " | ".join(columns) + " |")
+    print("|---" * (3 + len(columns)) + "|")
     with torch.inference_mode():
         for tokens in (int(t) for t in args.tokens.split(",")):
             for name in args.layers.split(","):
                 k, n = SHAPES[name]
                 x, w = torch.randn(tokens, k), torch.randn(n, k) / k**0.5
-                fns = variants(x, w)
+                fns = make(x, w)
                 times: dict[str, list[float]] = {v: [] for v in fns}
                 for _ in range(args.repeats):
                     for v, fn in fns.items():
-                        times[v].append(per_call_s(fn))
+                        times[v].append(per_call_s(fn, clock=clock))
                 flops = 2 * tokens * k * n
                 rate = {v: flops / statistics.median(t) / 1e9 for v, t in times.items()}
-                cells = [f"{rate['linear']:.1f}"] + [
-                    f"{rate[v]:.1f} ({rate[v] / rate['linear']:.2f}×)" if v in rate else "—"
-                    for v in COLUMNS
+                cells = [f"{rate[base]:.1f}"] + [
+                    f"{rate[v]:.1f} ({rate[v] / rate[base]:.2f}×)" if v in rate else "—"
+                    for v in columns
                 ]
                 print(f"| {tokens} | {name} | " + " | ".join(cells) + " |", flush=True)
+    print(f"load average after: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The `cpu_block` backend (quant/cpu_backend.py, kernels/csrc/quant_matmul.cpp) on every instruction-set
 variant this CPU runs (fixture cpu_isa: the avx512 build needs VNNI; the avx2 build is compiled once with
 -mavx2 -mfma, no -march, so it is the build an AVX2-only AMD EPYC runs; scalar is the compiler's baseline),
-for every format it supports, at batch sizes 1, 3, 8, 33, 64 and SmolLM2's shapes (576 -> 49152 is the
+for every format it supports, at batch sizes 1, 3, 8, 33, 63 and SmolLM2's shapes (576 -> 49152 is the
 lm_head: batch 1 by default, batch 3 with -m slow; `grid` says which of the others run by default).
-Batches from DENSE_MIN_ROWS rows on CPUs with AMX take the bf16 GEMM path instead (tests at the end).
+Batches from DENSE_MIN_ROWS rows on CPUs with AMX take the bf16 GEMM path instead (tests at the end: our
+AMX bf16 GEMM, kernel amx_bf16_linear, against a float64 reference; the int8 batches stay below that).
 Batches of 16 rows or more run on the AMX int8 tiles where the avx512 build finds them (`set_amx`): the
 batched cases run on both tile kinds (fixture `tiles`), and the AMX sums equal the VNNI ones bit for bit.
 
@@ -33,12 +34,14 @@ from glmserve.layers.linear import QuantizedLinear
 from glmserve.layers.param_loading import WHOLE
 from glmserve.quant import backend as registry
 from glmserve.quant.cpu_backend import (
+    AMX_GEMM_ENV,
     DENSE_MIN_ROWS,
     PREPACK_ENV,
     CpuBlockBackend,
     block_form,
     dense_apply,
     dense_path_for,
+    pack,
 )
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
@@ -66,7 +69,7 @@ FORMATS = {
 }
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (out, in)
 LM_HEAD = (49152, 576)
-BATCHES = [1, 3, 8, 33, 64]
+BATCHES = [1, 3, 8, 33, DENSE_MIN_ROWS - 1]  # the int8 kernel's batches (from DENSE_MIN_ROWS on AMX: bf16 GEMM)
 INV127 = torch.tensor(1.0 / 127.0, dtype=torch.float32)
 
 
@@ -331,34 +334,91 @@ def p_weight_abs(p) -> torch.Tensor:
 def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt, monkeypatch):
     """From DENSE_MIN_ROWS rows (prefill) on AMX: bfloat16 activations, weights and outputs with float32
     sums, so each output is within 2^-8 of sum |x w| (two roundings of 2^-9 per product) plus 2^-8 of itself
-    (the output's rounding) of `reference`. Other CPUs and builds keep the int8 path (checked above)."""
+    (the output's rounding) of `reference`. Our AMX GEMM by default; oneDNN on the prepacked weight
+    (GLMSERVE_BF16_PREPACK=1) and on the weight dequantized per call (GLMSERVE_AMX_GEMM=0) as options, each
+    within one bf16 step of it. Other CPUs and builds keep the int8 path (checked above)."""
     backend = CpuBlockBackend()
     p = backend.prepare(weight(fmt, 192, 576), None, CPU)
     if dense_path_for(CPU) is None:
-        assert p.dequantize is None
+        assert p.dequantize is None and p.gemm is None
         pytest.skip(f"no bf16 GEMM path on {cpu_isa} here (needs AMX and the avx512 build)")
-    monkeypatch.setenv(PREPACK_ENV, "1")  # opt-in: oneDNN-prepacked bf16 copies of the weights
     x = activations(DENSE_MIN_ROWS + 3, 576)
     y = backend.apply(p, x, None)
     assert y.dtype == torch.float32 and torch.equal(y, dense_apply(p, x).float())
+    assert torch.equal(y, p.gemm(x, p.codes, p.scales, p.mins, p.u4, 192).float())  # our kernel's result
     assert backend.bf16_rows(p, DENSE_MIN_ROWS) and not backend.bf16_rows(p, DENSE_MIN_ROWS - 1)
     y16 = backend.apply(p, x.bfloat16(), None)  # bf16 activations stay bf16 (layers/linear.py bf16_between)
     assert y16.dtype == torch.bfloat16 and torch.equal(y16, y.bfloat16())
+    monkeypatch.setenv(PREPACK_ENV, "1")  # opt-in: oneDNN-prepacked bf16 copies of the weights
+    prepacked = dense_apply(p, x).float()
     packed = p.dense
     assert packed is not None and packed.is_mkldnn  # oneDNN's prepacked copy, made by the first dense call
     dense_apply(p, x)
     assert p.dense is packed  # and kept
     monkeypatch.delenv(PREPACK_ENV)
-    per_call = dense_apply(p, x).float()  # the default: the weight dequantized at this call, a plain oneDNN matmul
-    # both sum in float32 (in their own order) and round once to bf16: at most one bf16 step apart
+    monkeypatch.setenv(AMX_GEMM_ENV, "0")
+    per_call = dense_apply(p, x).float()  # the weight dequantized at this call, a plain oneDNN matmul
+    assert p.dense is packed
+    # all sum in float32 (in their own order) and round once to bf16: at most one bf16 step apart
     sums = (x.abs() @ p_weight_abs(p).T)
-    assert ((y - per_call).abs() <= 2 ** -7 * per_call.abs() + 1e-5 * sums).all()
+    for other in (prepacked, per_call):
+        assert ((y - other).abs() <= 2 ** -7 * other.abs() + 1e-5 * sums).all()
     w_ref, w_ref_abs, _ = reference_weight(fmt, 192, 576)
     ref = F.linear(x, w_ref).double()
     bound = 2 ** -8 * (x.abs() @ w_ref_abs.T).double() + 2 ** -8 * ref.abs() + 1e-6
     assert ((y.double() - ref).abs() <= bound).all()
     w8a8 = backend.prepare(weight("w8a8", 192, 576), TOKEN, CPU)
-    assert w8a8.dequantize is None  # int8 activations are W8A8's spec: never the bf16 path
+    assert w8a8.dequantize is None and w8a8.gemm is None  # int8 activations are W8A8's spec: never the bf16 path
+
+
+@pytest.mark.parametrize("inp", [576, 1536, 100])
+@pytest.mark.parametrize("u4, with_mins", [(False, False), (False, True), (True, False), (True, True)])
+def test_amx_bf16_gemm_against_the_reference(u4, with_mins, inp):
+    """Our AMX bf16 GEMM (amx_bf16_linear) on random packed weights (`pack` of codes, d and m drawn directly:
+    int8 codes or nibbles, with and without mins), 600 outputs (38 tiles, the last padded: several panels),
+    odd batches, inputs padded to 32 (100: the padded inputs' weight is m, the kernel must zero their
+    activations). Each output is within 2^-8 of sum |x w| (the weight's bf16 rounding, 2^-9 each) plus 2^-8 of
+    itself (its own rounding) of the float64 product of the bf16 activations and w = d c + m; float32
+    activations are rounded to bf16 first (the same result)."""
+    op = kernels.op("amx_bf16_linear", CPU, torch.float32)
+    if not kernels.amx_bf16() or op is None:
+        pytest.skip("no AMX-BF16 tiles here (or not the avx512 build)")
+    out, blocks = 600, -(-inp // 32)
+    g = torch.Generator().manual_seed(inp + 2 * u4 + with_mins)
+    codes = torch.randint(0, 16, (out, inp), generator=g) if u4 else torch.randint(-128, 128, (out, inp), generator=g)
+    d = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
+    m = (torch.randn(out, blocks, generator=g) * 0.05).half() if with_mins else None
+    packed = pack(codes.to(torch.int8), d, m, u4)
+    w = codes.double() * d.double().repeat_interleave(32, dim=1)[:, :inp]
+    if m is not None:
+        w = w + m.double().repeat_interleave(32, dim=1)[:, :inp]
+    for batch in (1, 15, 17, 130):
+        x = torch.randn(batch, inp, generator=g)
+        y = op(x.bfloat16(), *packed, u4, out)
+        assert y.dtype == torch.bfloat16 and y.shape == (batch, out)
+        xb = x.bfloat16().double()
+        ref = xb @ w.T
+        bound = 2 ** -8 * (xb.abs() @ w.abs().T) + 2 ** -8 * ref.abs() + 1e-6
+        assert ((y.double() - ref).abs() <= bound).all(), (batch, (y.double() - ref).abs().max())
+        assert torch.equal(op(x, *packed, u4, out), y)
+        if batch == 17:  # a strided (non-contiguous) input is copied, with the same result
+            wide = torch.zeros(batch, inp + 8, dtype=torch.bfloat16)
+            wide[:, :inp] = x.bfloat16()
+            assert torch.equal(op(wide[:, :inp], *packed, u4, out), y)
+    with pytest.raises(RuntimeError, match="features"):
+        op(torch.randn(3, blocks * 32 + 32), *packed, u4, out)
+
+
+def test_amx_bf16_gemm_is_an_error_without_amx(cpu_isa):
+    """Where the dense path is not taken (no AMX, or the avx2 / scalar build) the op is a clear error, never a
+    silent wrong result."""
+    if kernels.amx_bf16():
+        pytest.skip(f"{cpu_isa} has the AMX bf16 GEMM here")
+    op = kernels.op("amx_bf16_linear", CPU, torch.float32)
+    packed = pack(torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1).half(), None, False)
+    if op is not None:
+        with pytest.raises(RuntimeError, match="AMX|avx512"):
+            op(torch.randn(2, 32), *packed, False, 16)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

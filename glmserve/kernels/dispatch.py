@@ -23,6 +23,9 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   set_amx(enable) -> bool: whether quant_matmul / quant_linear run batches of 16+ rows on the AMX int8 tiles
                (default: yes where the CPU and the avx512 build have them, unless GLMSERVE_CPU_AMX=0); returns
                whether they now do
+  amx_bf16_linear(x [T,in] bf16 or f32, codes, scales, mins, u4, out_features) -> [T,out] bf16: x times the
+               packed weight on the AMX bf16 tiles, dequantized panel by panel in the kernel (float32 sums); the
+               avx512 build on CPUs with AMX-BF16 only (kernels.amx_bf16()), an error elsewhere
   dequantize_packed(codes, scales, mins, u4, out_features, bf16, out) -> [out_features, in32] bf16 or f32:
                the packed weight as a dense matrix, written into the flat buffer `out`
   add_rms_norm(x [T,H] f32 (in place), delta [T,H] f32/bf16 or empty, weight [H] f32, eps, bf16_out) -> [T,H]:
@@ -55,6 +58,7 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "float_quant_linear": "float_quant_matmul",
     "fp8_fake_quantize_rows": "float_quant_matmul",
     "dequantize_packed": "quant_matmul",
+    "amx_bf16_linear": "quant_matmul",
     "set_amx": "quant_matmul",
     "add_rms_norm": "prefill_ops",
     "rope_neox_": "prefill_ops",

@@ -38,10 +38,14 @@ from glmserve.quant.weight import QuantizedWeight
 QK = 32  # inputs per block (the kernel's)
 ROWS = 16  # output rows per tile (the kernel's)
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # bits of each GGUF block format this backend runs
-DENSE_MIN_ROWS = 128  # rows from which the bf16 GEMM path wins (bench/gemm_micro.py --quant)
-# "1": the dense path keeps oneDNN-prepacked bf16 copies of the weights (faster prefill, +2 bytes per weight);
-# otherwise (the default, for the memory of quantized serving) it dequantizes into a scratch buffer at every call
+DENSE_MIN_ROWS = 64  # rows from which the bf16 GEMM path beats the int8 tiles 1.7-2x (bench/gemm_micro.py --dense)
+# "1": the dense path keeps oneDNN-prepacked bf16 copies of the weights (+2 bytes per weight: 10-20% faster than
+# our AMX GEMM at 128-512 rows, bench/RESULTS.md "AMX bf16 GEMM on the packed weights"); otherwise (the default,
+# for the memory of quantized serving) our AMX GEMM reads the packed weight (kernel amx_bf16_linear)
 PREPACK_ENV = "GLMSERVE_BF16_PREPACK"
+# "0": the dense path dequantizes the whole weight into a bf16 scratch at every call and runs F.linear instead of
+# our AMX GEMM (the path before it, kept for A/B: bench/bench_prefill_ab.py --env GLMSERVE_AMX_GEMM=0)
+AMX_GEMM_ENV = "GLMSERVE_AMX_GEMM"
 
 
 @dataclass
@@ -58,6 +62,7 @@ class PackedWeight:
     per_token: bool
     linear: Callable
     dequantize: Callable | None  # into bf16 for the dense path; None where it is not taken (dense_path_for)
+    gemm: Callable | None = None  # the kernel's amx_bf16_linear where the dense path is taken
     dense: torch.Tensor | None = None  # the bf16 weight in oneDNN's blocked layout, made at its first dense call
 
     @property
@@ -107,10 +112,11 @@ class CpuBlockBackend:
         out_features, in_features = weight.shape
         u4 = weight.spec.num_bits == 4
         per_token = bool(_activations_per_token(activations))
+        dequantize = None if per_token else dense_path_for(device)
         return PackedWeight(*pack(codes, scales, mins, u4), u4=u4, in_features=in_features,
                             out_features=out_features, per_token=per_token,
-                            linear=kernels.op("quant_linear", device, torch.float32),
-                            dequantize=None if per_token else dense_path_for(device))
+                            linear=kernels.op("quant_linear", device, torch.float32), dequantize=dequantize,
+                            gemm=kernels.op("amx_bf16_linear", device, torch.float32) if dequantize else None)
 
     def apply(self, prepared: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         p = prepared
@@ -150,8 +156,8 @@ class CpuBlockBackend:
 
 
 def dense_path_for(device: torch.device) -> Callable | None:
-    """The kernel's `dequantize_packed` where large batches take the bf16 GEMM path: a CPU with AMX and the
-    avx512 build active (GLMSERVE_CPU_ISA=avx2 or scalar stands for a CPU without AMX)."""
+    """The kernel's `dequantize_packed` where large batches take the bf16 GEMM path (`dense_apply`): a CPU with
+    AMX and the avx512 build active (GLMSERVE_CPU_ISA=avx2 or scalar stands for a CPU without AMX)."""
     if not kernels.amx_bf16():
         return None
     return kernels.op("dequantize_packed", device, torch.float32)
@@ -181,12 +187,16 @@ def prepacked(p: PackedWeight) -> torch.Tensor:
 
 
 def dense_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
-    """rows [T, in] (float32 or bf16) x the bf16 weight -> [T, out] bf16 (oneDNN sums in float32, then rounds
-    once): the weight dequantized at this call, or with GLMSERVE_BF16_PREPACK=1 the prepacked weight."""
-    x = rows.to(torch.bfloat16).contiguous()
-    if os.environ.get(PREPACK_ENV) != "1":
-        return F.linear(x, _dequantized(p))
-    return torch.ops.mkldnn._linear_pointwise(x, prepacked(p), None, "none", [], "")
+    """rows [T, in] (float32 or bf16) x the bf16 weight -> [T, out] bf16 (sums in float32, rounded once): our AMX
+    GEMM on the packed weight (dequantized panel by panel inside the kernel, nothing kept), or with
+    GLMSERVE_BF16_PREPACK=1 oneDNN on the prepacked weight, or with GLMSERVE_AMX_GEMM=0 the weight dequantized
+    whole at this call and oneDNN."""
+    if os.environ.get(PREPACK_ENV) == "1":
+        x = rows.to(torch.bfloat16).contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, prepacked(p), None, "none", [], "")
+    if os.environ.get(AMX_GEMM_ENV) != "0":
+        return p.gemm(rows, p.codes, p.scales, p.mins, p.u4, p.out_features)
+    return F.linear(rows.to(torch.bfloat16).contiguous(), _dequantized(p))
 
 
 def _per_block(t: torch.Tensor, spec: QuantSpec, out: int, blocks: int) -> torch.Tensor:

@@ -245,13 +245,19 @@ void tile_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, f
 constexpr int64_t AMX_ROWS = 16;  // activation rows per A tile
 constexpr int64_t AMX_MIN_ROWS = 16;  // below, the VNNI tiles (an A tile of fewer rows wastes the rest)
 
-bool amx_supported() {  // AMX-TILE and AMX-INT8 (CPUID leaf 7 EDX bits 24, 25), and Linux lets us use the tiles
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+// AMX-TILE (CPUID leaf 7 EDX bit 24) and the AMX-`kind` bit (22: BF16, 25: INT8), and Linux lets us use the tiles
+bool amx_has(int kind_bit) {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> kind_bit) & 1)) return false;
+  static const bool permitted = [] {
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();
+  return permitted;
+}
+
+bool amx_supported() {
+  static const bool ok = amx_has(25);
   return ok;
 }
 
@@ -330,6 +336,205 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
 }
 
 __attribute__((target("amx-tile,amx-int8"))) void amx_release() { _tile_release(); }
+
+// ---------------------------------------------------------------------------------------------- AMX bf16 GEMM
+// Prefill-sized batches (quant/cpu_backend.py dense_apply): bf16 activations x the packed weight dequantized
+// to bf16 panel by panel, float32 sums on the AMX bf16 tiles, bf16 out. One tile and block of the packed
+// layout (16 output rows x 32 inputs) is exactly one AMX bf16 B tile (16 rows of K pairs x [16 columns][2]):
+// dequantizing it (d * c + m, rounded to bf16) into that VNNI order is the only reordering there is, and no
+// dense copy of the weight is ever made or kept. Blocking (the ideas of oneDNN's brgemm, as vLLM-CPU and IPEX
+// run it, and of llama.cpp's ggml/src/ggml-cpu/amx/mmq.cpp: a B panel in L2, a block of A rows swept over it,
+// accumulators held over the whole K; the code is our own):
+//   a thread takes a panel of PT output tiles (PT * K * 32 bytes, at most ~BF16_PANEL_BYTES: L2-resident)
+//   and dequantizes it once; then for each block of 32 activation rows (2 A tiles, L1/L2-resident across the
+//   panel) and each pair of output tiles: 4 fp32 accumulator tiles (2 x 2) over all K blocks, one tdpbf16ps
+//   each per block of 32 inputs, no per-block scaling (the dequantization applied d and m), stored once and
+//   rounded to bf16. Batch rows past a multiple of 16 and inputs past a multiple of 32 come from a zero-padded
+//   copy of the activations (a padded input's weight is m, not 0).
+constexpr int64_t BF16_PANEL_BYTES = 512 * 1024;  // one panel's B tiles (two are held: L2)
+constexpr int64_t PANEL_TILES_MAX = 32;
+constexpr int64_t K_CHUNK = 8;  // blocks of 32 inputs per chunk of K (A: 32 rows x 8 KB, in L1)
+constexpr int64_t B_TILE = ROWS * QK;  // bf16 elements of one B tile: 16 K pairs x 16 columns x 2
+
+// tiles 0-3: C [16 act rows][16 out rows] fp32 (C[i][j] = tile 2i + j); 4, 5: A [16 act rows][32 inputs] bf16;
+// 6, 7: B [16 input pairs][16 out rows x 2] bf16
+__attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // as amx_config
+  _tile_loadconfig(&cfg);
+}
+
+// Two B tile rows from 64 code bytes [16 out rows][4 inputs 4J..4J+3] (signed i8 codes or u4 nibbles):
+// row 2J = inputs 4J, 4J+1 of each out row, row 2J+1 = 4J+2, 4J+3. ds[g], ms[g]: the rows' d and m for out
+// rows 4g..4g+3, each repeated over its 4 lanes.
+// NIBBLE: 0 = the bytes are signed int8 codes; 1 / 2: the low / high nibbles of the bytes
+template <int NIBBLE>
+__attribute__((target("avx512bf16"))) inline void vnni_rows(const uint8_t* bytes, const __m512* ds, const __m512* ms,
+                                                            uint16_t* out) {
+  __m512 f[4];
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int g = 0; g < 4; ++g) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * g));
+    const __m512i w = NIBBLE == 0 ? _mm512_cvtepi8_epi32(v)
+                    : _mm512_cvtepu8_epi32(_mm_and_si128(NIBBLE == 1 ? v : _mm_srli_epi16(v, 4), low4));
+    f[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w), ds[g], ms[g]);
+  }
+  // [out rows 0-7][4 inputs] and [8-15][4] in bf16: each 32-bit lane one pair of inputs of one out row
+  const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+  const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi32(lo, even, hi));
+  _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi32(lo, odd, hi));
+}
+
+// one block of one tile of the packed weight (codes, and its 16 d and m) -> one B tile [16][32] bf16
+template <bool U4>
+__attribute__((target("avx512bf16"))) void dequantize_b_tile(const uint8_t* c, const uint16_t* d, const uint16_t* m,
+                                                             uint16_t* o) {
+  const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+  const __m512 mv = m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m))) : _mm512_setzero_ps();
+  __m512 ds[4], ms[4];
+  for (int g = 0; g < 4; ++g) {  // lane l of group g: out row 4g + l / 4
+    const __m512i spread = _mm512_add_epi32(_mm512_set1_epi32(4 * g),
+                                            _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
+    ds[g] = _mm512_permutexvar_ps(spread, dv), ms[g] = _mm512_permutexvar_ps(spread, mv);
+  }
+  if (U4) {
+    for (int j = 0; j < 4; ++j) {  // low nibbles: inputs 4j.., high nibbles: 16 + 4j..
+      vnni_rows<1>(c + j * 64, ds, ms, o + 2 * j * 32);
+      vnni_rows<2>(c + j * 64, ds, ms, o + 2 * (4 + j) * 32);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j) vnni_rows<0>(c + j * 64, ds, ms, o + 2 * j * 32);
+  }
+}
+
+// C [MA * 16 act rows][NB * 16 out rows] fp32 (row stride 32 floats, in c) += A rows (a0: rows 0-15, a1: 16-31,
+// lda elements apart) x B tiles k0..k1-1 of NB out tiles (b: [NB][bstride]); C starts at zero where `first`, else
+// from c
+template <int MA, int NB>
+__attribute__((target("amx-tile,amx-bf16"))) void gemm_block(const uint16_t* a0, const uint16_t* a1, int64_t lda,
+                                                             const uint16_t* b, int64_t bstride, int64_t k0,
+                                                             int64_t k1, bool first, float* c) {
+  if (first) {
+    _tile_zero(0);
+    if (NB > 1) _tile_zero(1);
+    if (MA > 1) _tile_zero(2);
+    if (MA > 1 && NB > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, 128);
+    if (NB > 1) _tile_loadd(1, c + 16, 128);
+    if (MA > 1) _tile_loadd(2, c + 16 * 32, 128);
+    if (MA > 1 && NB > 1) _tile_loadd(3, c + 16 * 32 + 16, 128);
+  }
+  const uint16_t* b1 = b + bstride;
+  for (int64_t k = k0; k < k1; ++k) {
+    _tile_loadd(4, a0 + k * QK, lda * 2);
+    _tile_loadd(6, b + k * B_TILE, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NB > 1) {
+      _tile_loadd(7, b1 + k * B_TILE, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (MA > 1) {
+      _tile_loadd(5, a1 + k * QK, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (NB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  if (NB > 1) _tile_stored(1, c + 16, 128);
+  if (MA > 1) _tile_stored(2, c + 16 * 32, 128);
+  if (MA > 1 && NB > 1) _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// rows x cols of c (row stride 32) rounded to bf16 into out (row stride ldo)
+__attribute__((target("avx512bf16"))) void store_bf16(const float* c, int rows, int cols, uint16_t* out, int64_t ldo) {
+  const __mmask16 lo = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+  const __mmask16 hi = static_cast<__mmask16>(cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (1u << (cols - 16)) - 1);
+  for (int r = 0; r < rows; ++r) {
+    const float* cr = c + r * 32;
+    uint16_t* o = out + r * ldo;
+    _mm256_mask_storeu_epi16(o, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cr)));
+    if (hi) _mm256_mask_storeu_epi16(o + 16, hi, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cr + 16)));
+  }
+}
+
+using GemmBlock = void (*)(const uint16_t*, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
+                          bool, float*);
+
+// A panel of output tiles t0..t0+nt-1 dequantized into buf ([nt][nblocks] B tiles), one B tile at a time
+// (`advance`), so that the next panel's dequantization runs on the vector units between the current panel's
+// AMX tile products
+struct PanelDequant {
+  const uint8_t* cp;
+  const uint16_t *dp, *mp;
+  bool u4;
+  int64_t nblocks, t0 = 0, total = 0, done = 0;
+  uint16_t* buf = nullptr;
+
+  void start(int64_t first_tile, int64_t tiles, uint16_t* into) { t0 = first_tile, total = tiles * nblocks, done = 0, buf = into; }
+  void advance(int64_t n) {
+    for (const int64_t stop = std::min(total, done + n); done < stop; ++done) {
+      const int64_t t = t0 + done / nblocks, b = done % nblocks, at = t * nblocks + b;
+      const uint16_t* m = mp ? mp + at * ROWS : nullptr;
+      if (u4) dequantize_b_tile<true>(cp + at * U4_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
+      else dequantize_b_tile<false>(cp + at * I8_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
+    }
+  }
+};
+
+// out [M, out_features] bf16 = a [M, kp] x the packed weight, a: bf16 rows (zero past the inputs); the rows past
+// the last multiple of 16 come from `tail` [16, kp] (zero past M)
+void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
+                   const uint16_t* mp, bool u4, int64_t tiles, int64_t nblocks, int64_t out_features, uint16_t* out) {
+  const int64_t kp = nblocks * QK, tile_elems = nblocks * B_TILE;
+  const int64_t pt = std::max<int64_t>(2, std::min<int64_t>(PANEL_TILES_MAX, BF16_PANEL_BYTES / (2 * tile_elems)) & ~int64_t(1));
+  const int64_t panels = (tiles + pt - 1) / pt;
+  const int64_t chunks = (nblocks + K_CHUNK - 1) / K_CHUNK, kc = (nblocks + chunks - 1) / chunks;
+  const int64_t m_blocks = (M + 31) / 32;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    uint16_t* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * pt * tile_elems * 2));  // two panels
+    float* cbuf = static_cast<float*>(std::aligned_alloc(64, pt / 2 * 32 * 32 * sizeof(float)));
+    amx_bf16_config();
+    PanelDequant next{cp, dp, mp, u4, nblocks};
+    next.start(begin * pt, std::min(pt, tiles - begin * pt), bufs);
+    next.advance(next.total);
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t t0 = panel * pt, nt = std::min(pt, tiles - t0);
+      const uint16_t* bbuf = next.buf;
+      uint16_t* other = bbuf == bufs ? bufs + pt * tile_elems : bufs;
+      next.start((panel + 1) * pt, panel + 1 < end ? std::min(pt, tiles - (panel + 1) * pt) : 0, other);
+      const int64_t per_call = (next.total + m_blocks * chunks * ((nt + 1) / 2) - 1) / (m_blocks * chunks * ((nt + 1) / 2));
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
+        const uint16_t* a0 = m0 + 16 <= M ? a + m0 * kp : tail;
+        const uint16_t* a1 = m0 + 32 <= M ? a0 + 16 * kp : tail;
+        const GemmBlock two_b = rows > 16 ? gemm_block<2, 2> : gemm_block<1, 2>;
+        const GemmBlock one_b = rows > 16 ? gemm_block<2, 1> : gemm_block<1, 1>;
+        for (int64_t k0 = 0; k0 < nblocks; k0 += kc) {  // K in chunks: the A rows' chunk stays in L1 over the panel
+          const int64_t k1 = std::min(nblocks, k0 + kc);
+          for (int64_t t = 0; t < nt; t += 2) {
+            float* c = cbuf + t / 2 * 32 * 32;
+            (t + 1 < nt ? two_b : one_b)(a0, a1, kp, bbuf + t * tile_elems, tile_elems, k0, k1, k0 == 0, c);
+            next.advance(per_call);  // vector work while the tile products run
+            if (k1 == nblocks) {
+              const int64_t n0 = (t0 + t) * ROWS;
+              store_bf16(c, rows, static_cast<int>(std::min<int64_t>(32, out_features - n0)), out + m0 * out_features + n0,
+                         out_features);
+            }
+          }
+        }
+      }
+      next.advance(next.total);
+    }
+    amx_release();
+    std::free(cbuf);
+    std::free(bufs);
+  });
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------- dispatch
@@ -583,6 +788,44 @@ at::Tensor dequantize_packed(const at::Tensor& codes, const at::Tensor& wd, cons
   return w;
 }
 
+// x [M, in] (bf16 or float32) x the packed weight -> [M, out_features] bf16 with float32 sums, on the AMX bf16
+// tiles (amx_bf16_gemm above); only in the avx512 build on a CPU with AMX-BF16 (an error elsewhere)
+at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm,
+                           bool u4, int64_t out_features) {
+  check_weights(codes, wd, wm);
+  const int64_t tiles = codes.size(0), nblocks = codes.size(1), kp = nblocks * QK;
+  TORCH_CHECK(tiles * ROWS >= out_features, "amx_bf16_linear: ", tiles, " tiles of 16 rows hold fewer than ", out_features);
+  TORCH_CHECK(codes.size(2) == (u4 ? U4_BLOCK : I8_BLOCK), "amx_bf16_linear: block bytes ", codes.size(2));
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "amx_bf16_linear: x must be a 2-D bfloat16 or float32 CPU tensor");
+  TORCH_CHECK(x.size(1) <= kp && x.size(1) > kp - QK, "amx_bf16_linear: x has ", x.size(1), " features, the weight ",
+              kp, " (padded to 32)");
+#ifdef GLMSERVE_AMX
+  TORCH_CHECK(amx_has(22), "amx_bf16_linear: this CPU (or kernel) has no AMX-BF16 tiles");
+  const int64_t M = x.size(0);
+  auto out = at::empty({M, out_features}, at::kBFloat16);
+  if (M == 0) return out;
+  // the rows as they are where they already are bf16 rows of kp inputs; else a converted, zero-padded copy
+  at::Tensor a = x;
+  if (x.scalar_type() != at::kBFloat16 || x.size(1) != kp || !x.is_contiguous()) {
+    a = at::zeros({M, kp}, at::kBFloat16);
+    a.narrow(1, 0, x.size(1)).copy_(x);
+  }
+  auto tail = at::zeros({16, kp}, at::kBFloat16);  // the last M % 16 rows, zero-padded to one A tile
+  const int64_t full = M / 16 * 16;
+  if (full < M) tail.narrow(0, 0, M - full).copy_(a.narrow(0, full, M - full));
+  amx_bf16_gemm(reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()), M, codes.data_ptr<uint8_t>(),
+                reinterpret_cast<const uint16_t*>(wd.data_ptr<at::Half>()),
+                wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr, u4, tiles, nblocks,
+                out_features, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  return out;
+#else
+  TORCH_CHECK(false, "amx_bf16_linear: needs the avx512 build on Linux x86-64");
+  return {};
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -590,5 +833,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "quantized activations x packed int8/int4 block weights (CPU)");
   m.def("quant_linear", &quant_linear, "quantize_activations, then quant_matmul (CPU)");
   m.def("set_amx", &set_amx, "use the AMX int8 tiles for batches of 16 rows or more (where the CPU has them)");
+  m.def("amx_bf16_linear", &amx_bf16_linear, "x [M, in] bf16/f32 x packed block weights -> [M, out] bf16 on AMX (CPU)");
   m.def("dequantize_packed", &dequantize_packed, "packed block weights -> dense [out, blocks*32] bf16 or f32 (CPU)");
 }
