@@ -487,7 +487,7 @@ struct PanelDequant {
 };
 
 // out [M, out_features] bf16 = a [M, kp] x the packed weight, a: bf16 rows (zero past the inputs); the rows past
-// the last multiple of 16 come from `tail` [16, kp] (zero past M)
+// the last multiple of 16 come from `tail` [16, kp] (zero past M; null where M is a multiple of 16)
 void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
                    const uint16_t* mp, bool u4, int64_t tiles, int64_t nblocks, int64_t out_features, uint16_t* out) {
   const int64_t kp = nblocks * QK, tile_elems = nblocks * B_TILE;
@@ -811,11 +811,14 @@ at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const a
     a = at::zeros({M, kp}, at::kBFloat16);
     a.narrow(1, 0, x.size(1)).copy_(x);
   }
-  auto tail = at::zeros({16, kp}, at::kBFloat16);  // the last M % 16 rows, zero-padded to one A tile
+  at::Tensor tail;  // the last M % 16 rows, zero-padded to one A tile (none where M is a multiple of 16)
   const int64_t full = M / 16 * 16;
-  if (full < M) tail.narrow(0, 0, M - full).copy_(a.narrow(0, full, M - full));
+  if (full < M) {
+    tail = at::zeros({16, kp}, at::kBFloat16);
+    tail.narrow(0, 0, M - full).copy_(a.narrow(0, full, M - full));
+  }
   amx_bf16_gemm(reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
-                reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()), M, codes.data_ptr<uint8_t>(),
+                full < M ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr, M, codes.data_ptr<uint8_t>(),
                 reinterpret_cast<const uint16_t*>(wd.data_ptr<at::Half>()),
                 wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr, u4, tiles, nblocks,
                 out_features, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
