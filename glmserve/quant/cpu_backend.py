@@ -39,7 +39,7 @@ QK = 32  # inputs per block (the kernel's)
 ROWS = 16  # output rows per tile (the kernel's)
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # bits of each GGUF block format this backend runs
 DENSE_MIN_ROWS = 64  # rows from which the bf16 GEMM path beats the int8 tiles 1.7-2x (bench/gemm_micro.py --dense)
-# "1": the dense path keeps oneDNN-prepacked bf16 copies of the weights (+2 bytes per weight: 10-20% faster than
+# "1": the dense path keeps oneDNN-prepacked bf16 copies of the weights (+2 bytes per weight: 10-30% faster than
 # our AMX GEMM at 128-512 rows, bench/RESULTS.md "AMX bf16 GEMM on the packed weights"); otherwise (the default,
 # for the memory of quantized serving) our AMX GEMM reads the packed weight (kernel amx_bf16_linear)
 PREPACK_ENV = "GLMSERVE_BF16_PREPACK"

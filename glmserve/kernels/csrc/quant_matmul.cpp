@@ -411,13 +411,36 @@ __attribute__((target("avx512bf16"))) void dequantize_b_tile(const uint8_t* c, c
   }
 }
 
+// A panel of output tiles t0..t0+nt-1 dequantized into buf ([nt][nblocks] B tiles), one B tile at a time
+// (`advance`), so that the next panel's dequantization runs on the vector units between the current panel's
+// AMX tile products
+struct PanelDequant {
+  const uint8_t* cp;
+  const uint16_t *dp, *mp;
+  bool u4;
+  int64_t nblocks, t0 = 0, total = 0, done = 0;
+  uint16_t* buf = nullptr;
+
+  void start(int64_t first_tile, int64_t tiles, uint16_t* into) { t0 = first_tile, total = tiles * nblocks, done = 0, buf = into; }
+  void advance(int64_t n) {
+    for (const int64_t stop = std::min(total, done + n); done < stop; ++done) {
+      const int64_t t = t0 + done / nblocks, b = done % nblocks, at = t * nblocks + b;
+      const uint16_t* m = mp ? mp + at * ROWS : nullptr;
+      if (u4) dequantize_b_tile<true>(cp + at * U4_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
+      else dequantize_b_tile<false>(cp + at * I8_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
+    }
+  }
+};
+
 // C [MA * 16 act rows][NB * 16 out rows] fp32 (row stride 32 floats, in c) += A rows (a0: rows 0-15, a1: 16-31,
 // lda elements apart) x B tiles k0..k1-1 of NB out tiles (b: [NB][bstride]); C starts at zero where `first`, else
-// from c
+// from c. `units` B tiles of `work` are dequantized in between, before the stores that wait for the products.
 template <int MA, int NB>
 __attribute__((target("amx-tile,amx-bf16"))) void gemm_block(const uint16_t* a0, const uint16_t* a1, int64_t lda,
                                                              const uint16_t* b, int64_t bstride, int64_t k0,
-                                                             int64_t k1, bool first, float* c) {
+                                                             int64_t k1, bool first, float* c, PanelDequant& work,
+                                                             int64_t units) {
+  const int64_t per_step = (units + (k1 - k0) - 1) / (k1 - k0);
   if (first) {
     _tile_zero(0);
     if (NB > 1) _tile_zero(1);
@@ -443,6 +466,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_block(const uint16_t* a0,
       _tile_dpbf16ps(2, 5, 6);
       if (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
+    work.advance(per_step);  // vector work while the tile products run
   }
   _tile_stored(0, c, 128);
   if (NB > 1) _tile_stored(1, c + 16, 128);
@@ -463,28 +487,7 @@ __attribute__((target("avx512bf16"))) void store_bf16(const float* c, int rows, 
 }
 
 using GemmBlock = void (*)(const uint16_t*, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
-                          bool, float*);
-
-// A panel of output tiles t0..t0+nt-1 dequantized into buf ([nt][nblocks] B tiles), one B tile at a time
-// (`advance`), so that the next panel's dequantization runs on the vector units between the current panel's
-// AMX tile products
-struct PanelDequant {
-  const uint8_t* cp;
-  const uint16_t *dp, *mp;
-  bool u4;
-  int64_t nblocks, t0 = 0, total = 0, done = 0;
-  uint16_t* buf = nullptr;
-
-  void start(int64_t first_tile, int64_t tiles, uint16_t* into) { t0 = first_tile, total = tiles * nblocks, done = 0, buf = into; }
-  void advance(int64_t n) {
-    for (const int64_t stop = std::min(total, done + n); done < stop; ++done) {
-      const int64_t t = t0 + done / nblocks, b = done % nblocks, at = t * nblocks + b;
-      const uint16_t* m = mp ? mp + at * ROWS : nullptr;
-      if (u4) dequantize_b_tile<true>(cp + at * U4_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
-      else dequantize_b_tile<false>(cp + at * I8_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
-    }
-  }
-};
+                          bool, float*, PanelDequant&, int64_t);
 
 // out [M, out_features] bf16 = a [M, kp] x the packed weight, a: bf16 rows (zero past the inputs); the rows past
 // the last multiple of 16 come from `tail` [16, kp] (zero past M; null where M is a multiple of 16)
@@ -518,8 +521,8 @@ void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uin
           const int64_t k1 = std::min(nblocks, k0 + kc);
           for (int64_t t = 0; t < nt; t += 2) {
             float* c = cbuf + t / 2 * 32 * 32;
-            (t + 1 < nt ? two_b : one_b)(a0, a1, kp, bbuf + t * tile_elems, tile_elems, k0, k1, k0 == 0, c);
-            next.advance(per_call);  // vector work while the tile products run
+            (t + 1 < nt ? two_b : one_b)(a0, a1, kp, bbuf + t * tile_elems, tile_elems, k0, k1, k0 == 0, c, next,
+                                         per_call);
             if (k1 == nblocks) {
               const int64_t n0 = (t0 + t) * ROWS;
               store_bf16(c, rows, static_cast<int>(std::min<int64_t>(32, out_features - n0)), out + m0 * out_features + n0,
