@@ -20,7 +20,8 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                E4M3 bytes for fp4), fp4, group, factor, post, out_features) -> [T,out]: FP8 / NVFP4 weights packed
                by quant/cpu_float_backend.py, dequantized in the kernel
   fp8_fake_quantize_rows(x [T,in]) -> [T,in]: E4M3 per-token fake quantization (float_quant_linear's fp8_tokens)
-  set_amx(enable) -> bool: whether quant_matmul / quant_linear run batches of 16+ rows on the AMX int8 tiles
+  set_amx(enable) -> bool: whether quant_matmul / quant_linear run batches of 6+ rows (int8 weights; 10+ for
+               int4) on the AMX int8 tiles
                (default: yes where the CPU and the avx512 build have them, unless GLMSERVE_CPU_AMX=0); returns
                whether they now do
   dequantize_packed(codes, scales, mins, u4, out_features, bf16, out) -> [out_features, in32] bf16 or f32:
