@@ -216,7 +216,7 @@ def test_batches_on_both_tile_kinds(tiles, fmt, batch):
 AMX_BATCHES = [6, 8, 9, 10, 16, 17, 21, 26, 31, 32, 33, 48, 64, 100]
 
 
-@pytest.mark.parametrize("out, inp", [(200, 576), (176, 1536), (40, 96)])  # 18 / 48 / 3 blocks; 12.5 / 11 / 2.5 tiles
+@pytest.mark.parametrize("out, inp", [(200, 576), (176, 1536), (40, 64)])  # 18 / 48 / 2 blocks; 12.5 / 11 / 2.5 tiles
 @pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "int4_group64_asym", "int8_channel_asym", "w8a8"])
 def test_amx_tiles_equal_every_variant(fmt, out, inp):
     """On the same quantized activations, the AMX tiles, the avx512 VNNI tiles and the avx2 tiles compute the same
@@ -252,6 +252,24 @@ def test_amx_tiles_equal_every_variant(fmt, out, inp):
     finally:
         if "avx512" in modules:
             modules["avx512"].set_amx(True)
+
+
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1"])
+def test_tiles_split_across_threads_give_the_same_floats(cpu_isa, fmt):
+    """Two intra-op threads split the weight tiles (each thread configures its own AMX tiles): the same outputs
+    as one thread, at decode batch sizes, AMX on where the build and CPU have it."""
+    backend = CpuBlockBackend()
+    prepared = backend.prepare(weight(fmt, 200, 576), None, CPU)
+    threads = torch.get_num_threads()
+    try:
+        for batch in (8, 17, 32):
+            x = activations(batch, 576)
+            torch.set_num_threads(1)
+            one = backend.apply(prepared, x, None)
+            torch.set_num_threads(2)
+            assert torch.equal(backend.apply(prepared, x, None), one), batch
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
