@@ -194,8 +194,8 @@ def test_formats_against_emulation_and_reference(cpu_isa, fmt, out, inp, batch):
 
 @pytest.fixture(params=["amx", "vnni"])
 def tiles(request, cpu_isa):
-    """Batches of 16+ rows on the AMX int8 tiles, or on the variant's own (VNNI / AVX2 / scalar) tiles; the AMX
-    case skips where the build or the CPU has none."""
+    """Batches of 6+ rows (int8; 10+ for int4) on the AMX int8 tiles, or on the variant's own (VNNI / AVX2 /
+    scalar) tiles; the AMX case skips where the build or the CPU has none."""
     set_amx = kernels.op("set_amx", CPU, torch.float32)
     on = set_amx(request.param == "amx")
     if request.param == "amx" and not on:
