@@ -79,7 +79,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 #ifdef GLMSERVE_HAS_AMX
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
 
-constexpr int64_t QB = 16;  // queries per block: the columns of the B tiles
+constexpr int64_t QB = 16;  // queries per tile: the columns of the B tiles
+constexpr int64_t QT = 2;   // query tiles per work item (each K and V block, once in L1, serves both)
 constexpr int64_t KB = 64;  // keys per block: four 16-row A tiles for the scores, the depth of two P^T tiles
 
 struct Problem {
@@ -94,21 +95,26 @@ struct Problem {
   const int64_t* kv_len;
   const int64_t* pad_start;  // [B] offset of row b's packed keys (units of keys x Hk)
   const uint16_t* kp;  // packed K: per (row, KV head) [Lpad][D]
-  const uint16_t* vt;  // packed V^T: per (row, KV head) [D][Lpad]
+  const uint16_t* vt;  // packed V^T: per (row, KV head) [Lpad / KB][D][KB] (each key block's V^T contiguous)
 };
 
 struct Item {
   int64_t b, h, block, cost;
 };
 
-struct Scratch {  // one thread's buffers
-  std::vector<uint16_t> qt;  // [g][D / 32][16 pairs x 16 queries x 2] Q^T in VNNI pairs
-  std::vector<float> o;      // [g][D][16] out^T
-  std::vector<float> m, l;   // [g][16]
+struct Unit {  // one step of an item: a key block against one head's query tile
+  int64_t kb, tile, state;  // first key, query tile, index of the (tile, head) state: tile * g + head
+};
+
+struct Scratch {  // one thread's buffers; states (query tile, head) = tile * g + head
+  std::vector<uint16_t> qt;  // [states][D / 32][16 pairs x 16 queries x 2] Q^T in VNNI pairs
+  std::vector<float> o;      // [states][D][16] out^T
+  std::vector<float> m, l;   // [states][16]
+  std::vector<Unit> units;
   alignas(64) float s[2][KB * QB];   // scores^T of two units (one computed while the other's softmax runs)
   alignas(64) uint16_t pt[KB * QB];  // P^T bf16 in VNNI pairs: 2 x [16 key pairs][16 queries x 2]
   explicit Scratch(const Problem& p)
-      : qt(p.g * p.D * QB), o(p.g * p.D * QB), m(p.g * QB), l(p.g * QB) {}
+      : qt(QT * p.g * p.D * QB), o(QT * p.g * p.D * QB), m(QT * p.g * QB), l(QT * p.g * QB) {}
 };
 
 AMX_TARGET void tile_config() {
@@ -121,12 +127,12 @@ AMX_TARGET void tile_config() {
 AMX_TARGET void tile_release() { _tile_release(); }
 
 // Q^T of the item's g heads in VNNI pairs; queries past the row's end are zeros
-void pack_queries(const Problem& p, const Item& it, int64_t nq, uint16_t* qt) {
+void pack_queries(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t nq, uint16_t* qt) {
   const int64_t chunks = p.D / 32;
   std::memset(qt, 0, sizeof(uint16_t) * p.g * p.D * QB);
   for (int64_t j = 0; j < p.g; ++j) {
     for (int64_t n = 0; n < nq; ++n) {
-      const uint16_t* src = p.q + (p.q_start[it.b] + it.block * QB + n) * p.q_row + (it.h * p.g + j) * p.q_head;
+      const uint16_t* src = p.q + (p.q_start[b] + i0 + n) * p.q_row + (h * p.g + j) * p.q_head;
       for (int64_t c = 0; c < chunks; ++c) {
         uint32_t* dst = reinterpret_cast<uint32_t*>(qt + (j * chunks + c) * 32 * QB);
         for (int64_t r = 0; r < 16; ++r) std::memcpy(dst + r * QB + n, src + c * 32 + 2 * r, 4);
@@ -230,13 +236,12 @@ inline void transpose16(const float* src, __m512* r) {
 }
 
 // out^T [D][16] += V^T [D][keys kb..kb+63] x P^T, four C tiles of 16 dims at a time
-AMX_TARGET inline void accumulate(const Problem& p, const uint16_t* vt, int64_t lpad, int64_t kb, const uint16_t* pt,
-                                  float* o) {
-  const int64_t stride = lpad * 2;
+AMX_TARGET inline void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o) {
+  constexpr int64_t stride = KB * 2;  // bytes per row of a key block's V^T
   _tile_loadd(6, pt, 64);
   _tile_loadd(7, pt + 32 * QB, 64);
   for (int64_t d = 0; d < p.D; d += 64, o += 64 * QB) {
-    const uint16_t* v = vt + d * lpad + kb;
+    const uint16_t* v = vt + kb * p.D + d * KB;
     _tile_loadd(0, o, 64);
     _tile_loadd(1, o + 16 * QB, 64);
     _tile_loadd(2, o + 32 * QB, 64);
@@ -245,17 +250,17 @@ AMX_TARGET inline void accumulate(const Problem& p, const uint16_t* vt, int64_t 
     _tile_dpbf16ps(0, 4, 6);
     _tile_loadd(5, v + 32, stride);
     _tile_dpbf16ps(0, 5, 7);
-    _tile_loadd(4, v + 16 * lpad, stride);
+    _tile_loadd(4, v + 16 * KB, stride);
     _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, v + 16 * lpad + 32, stride);
+    _tile_loadd(5, v + 16 * KB + 32, stride);
     _tile_dpbf16ps(1, 5, 7);
-    _tile_loadd(4, v + 32 * lpad, stride);
+    _tile_loadd(4, v + 32 * KB, stride);
     _tile_dpbf16ps(2, 4, 6);
-    _tile_loadd(5, v + 32 * lpad + 32, stride);
+    _tile_loadd(5, v + 32 * KB + 32, stride);
     _tile_dpbf16ps(2, 5, 7);
-    _tile_loadd(4, v + 48 * lpad, stride);
+    _tile_loadd(4, v + 48 * KB, stride);
     _tile_dpbf16ps(3, 4, 6);
-    _tile_loadd(5, v + 48 * lpad + 32, stride);
+    _tile_loadd(5, v + 48 * KB + 32, stride);
     _tile_dpbf16ps(3, 5, 7);
     _tile_stored(0, o, 64);
     _tile_stored(1, o + 16 * QB, 64);
@@ -266,54 +271,71 @@ AMX_TARGET inline void accumulate(const Problem& p, const uint16_t* vt, int64_t 
 
 AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
   const int64_t ql = p.q_len[it.b], kl = p.kv_len[it.b], lpad = (kl + KB - 1) / KB * KB;
-  const int64_t i0 = it.block * QB, nq = std::min(QB, ql - i0);
-  const int64_t first = kl - ql + i0, last = first + nq - 1;  // positions of the block's first and last queries
-  alignas(64) float pos[QB];
-  for (int64_t n = 0; n < QB; ++n) pos[n] = static_cast<float>(first + std::min(n, nq - 1));
-  const __m512 qpos = _mm512_load_ps(pos);
+  const int64_t i0 = it.block * QB * QT, tiles = std::min(QT, (ql - i0 + QB - 1) / QB);
+  int64_t nq[QT], first[QT], last[QT];  // per query tile: queries, positions of its first and last
+  __m512 qpos[QT];
+  for (int64_t t = 0; t < tiles; ++t) {
+    nq[t] = std::min(QB, ql - i0 - t * QB);
+    first[t] = kl - ql + i0 + t * QB, last[t] = first[t] + nq[t] - 1;
+    alignas(64) float pos[QB];
+    for (int64_t n = 0; n < QB; ++n) pos[n] = static_cast<float>(first[t] + std::min(n, nq[t] - 1));
+    qpos[t] = _mm512_load_ps(pos);
+    pack_queries(p, it.b, it.h, i0 + t * QB, nq[t], w.qt.data() + t * p.g * p.D * QB);
+  }
   const int64_t region = (p.pad_start[it.b] * p.Hk + it.h * lpad) * p.D;
   const uint16_t* kp = p.kp + region;
   const uint16_t* vt = p.vt + region;
-  pack_queries(p, it, nq, w.qt.data());
   std::fill(w.o.begin(), w.o.end(), 0.0f);
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.0f);
-  // units u = (key block, head), key blocks wholly after the last query skipped; the scores of unit u + 1 are
-  // issued before unit u's softmax, so that the tiles compute them while the vector units run the softmax
-  const int64_t units = (last / KB + 1) * p.g;
-  scores(p, kp, 0, w.qt.data(), w.s[0]);
+  // units (key block, head, query tile) in this order, so that a block's K and V serve all heads and tiles from
+  // L1; blocks wholly after a tile's last query are skipped (causal: half the work)
+  w.units.clear();
+  for (int64_t kb = 0; kb <= last[tiles - 1]; kb += KB)
+    for (int64_t j = 0; j < p.g; ++j)
+      for (int64_t t = 0; t < tiles; ++t)
+        if (kb <= last[t]) w.units.push_back({kb, t, t * p.g + j});
+  // the scores of unit u + 1 are issued before unit u's softmax, so that the tiles compute them while the vector
+  // units run the softmax
+  const int64_t units = static_cast<int64_t>(w.units.size());
+  auto q_of = [&](const Unit& x) { return w.qt.data() + x.state * p.D * QB; };
+  scores(p, kp, 0, q_of(w.units[0]), w.s[0]);
   for (int64_t u = 0; u < units; ++u) {
-    if (u + 1 < units) scores(p, kp, (u + 1) / p.g * KB, w.qt.data() + (u + 1) % p.g * p.D * QB, w.s[(u + 1) & 1]);
-    const int64_t kb = u / p.g * KB, j = u % p.g;
-    float* o = w.o.data() + j * p.D * QB;
+    if (u + 1 < units) scores(p, kp, w.units[u + 1].kb, q_of(w.units[u + 1]), w.s[(u + 1) & 1]);
+    const Unit x = w.units[u];
+    float* o = w.o.data() + x.state * p.D * QB;
+    float* m = &w.m[x.state * QB];
+    float* l = &w.l[x.state * QB];
     __m512 alpha;
-    const bool grew = kb + KB - 1 > first
-                          ? softmax_block<true>(p, kb, qpos, w.s[u & 1], w.pt, &w.m[j * QB], &w.l[j * QB], alpha)
-                          : softmax_block<false>(p, kb, qpos, w.s[u & 1], w.pt, &w.m[j * QB], &w.l[j * QB], alpha);
-    if (grew && kb > 0)  // (the first block finds the output still zero)
+    const bool grew = x.kb + KB - 1 > first[x.tile]
+                          ? softmax_block<true>(p, x.kb, qpos[x.tile], w.s[u & 1], w.pt, m, l, alpha)
+                          : softmax_block<false>(p, x.kb, qpos[x.tile], w.s[u & 1], w.pt, m, l, alpha);
+    if (grew && x.kb > 0)  // (the first block finds the output still zero)
       for (int64_t d = 0; d < p.D; ++d) _mm512_storeu_ps(o + d * QB, _mm512_mul_ps(_mm512_loadu_ps(o + d * QB), alpha));
-    accumulate(p, vt, lpad, kb, w.pt, o);
+    accumulate(p, vt, x.kb, w.pt, o);
   }
-  for (int64_t j = 0; j < p.g; ++j) {  // out = out^T transposed, divided by l
-    alignas(64) float inv[QB];
-    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(&w.l[j * QB])));
-    const int64_t head = it.h * p.g + j;
-    for (int64_t d = 0; d < p.D; d += 16) {
-      __m512 r[QB];
-      transpose16(w.o.data() + (j * p.D + d) * QB, r);
-      for (int64_t n = 0; n < nq; ++n) {
-        const int64_t at = ((p.q_start[it.b] + i0 + n) * p.Hq + head) * p.D + d;
-        const __m512 x = _mm512_mul_ps(r[n], _mm512_set1_ps(inv[n]));
-        if (p.out16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out16 + at), (__m256i)_mm512_cvtneps_pbh(x));
-        else
-          _mm512_storeu_ps(p.out32 + at, x);
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t j = 0; j < p.g; ++j) {  // out = out^T transposed, divided by l
+      const int64_t state = t * p.g + j, head = it.h * p.g + j;
+      alignas(64) float inv[QB];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(&w.l[state * QB])));
+      for (int64_t d = 0; d < p.D; d += 16) {
+        __m512 r[QB];
+        transpose16(w.o.data() + (state * p.D + d) * QB, r);
+        for (int64_t n = 0; n < nq[t]; ++n) {
+          const int64_t at = ((p.q_start[it.b] + i0 + t * QB + n) * p.Hq + head) * p.D + d;
+          const __m512 y = _mm512_mul_ps(r[n], _mm512_set1_ps(inv[n]));
+          if (p.out16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out16 + at), (__m256i)_mm512_cvtneps_pbh(y));
+          else
+            _mm512_storeu_ps(p.out32 + at, y);
+        }
       }
     }
   }
 }
 
-// K rows [Lpad][D] and V^T [D][Lpad] of one (row, KV head), zero past its keys
+// K rows [Lpad][D] and V^T by key blocks [Lpad / KB][D][KB] of one (row, KV head), zero past its keys
 void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t kl, int64_t lpad, int64_t D,
              uint16_t* kp, uint16_t* vt) {
   const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
@@ -321,11 +343,13 @@ void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int
   for (int64_t t = 0; t < kl; ++t)
     std::memcpy(kp + t * D, ks + b * k.stride(0) + t * k.stride(1) + h * k.stride(2), D * 2);
   std::memset(kp + kl * D, 0, (lpad - kl) * D * 2);
-  for (int64_t d = 0; d < D; ++d) std::memset(vt + d * lpad + kl, 0, (lpad - kl) * 2);
-  for (int64_t t0 = 0; t0 < kl; t0 += 16) {  // 16 keys at a time, so that each V^T row is written in runs
-    const int64_t t1 = std::min(kl, t0 + 16);
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t t = t0; t < t1; ++t) vt[d * lpad + t] = vs[b * v.stride(0) + t * v.stride(1) + h * v.stride(2) + d];
+  if (lpad > kl) std::memset(vt + (lpad - KB) * D, 0, KB * D * 2);  // the last block
+  for (int64_t t0 = 0; t0 < kl; t0 += KB) {
+    uint16_t* block = vt + t0 * D;
+    for (int64_t t = t0; t < std::min(kl, t0 + KB); ++t) {
+      const uint16_t* row = vs + b * v.stride(0) + t * v.stride(1) + h * v.stride(2);
+      for (int64_t d = 0; d < D; ++d) block[d * KB + t - t0] = row[d];
+    }
   }
 }
 
@@ -354,8 +378,8 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   std::vector<Item> items;  // cost: key blocks the item visits
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < Hk; ++h)
-      for (int64_t blk = 0; blk * QB < ql[b]; ++blk) {
-        const int64_t last = kl[b] - ql[b] + std::min(ql[b], (blk + 1) * QB) - 1;
+      for (int64_t blk = 0; blk * QB * QT < ql[b]; ++blk) {
+        const int64_t last = kl[b] - ql[b] + std::min(ql[b], (blk + 1) * QB * QT) - 1;
         items.push_back({b, h, blk, last / KB + 1});
       }
   std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
