@@ -141,8 +141,9 @@ void pack_queries(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t nq
   }
 }
 
-// scores^T [64 keys][16 queries] for keys kb..kb+63 and one head's Q^T (qt) into s: four C tiles of 16 keys
-AMX_TARGET inline void scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* qt, float* s) {
+// scores^T [64 keys][16 queries] for keys kb..kb+63 and one head's Q^T (qt) into C tiles 0-3 (16 keys each); they
+// stay there until store_scores
+AMX_TARGET inline void scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* qt) {
   const int64_t stride = p.D * 2;
   const uint16_t* k = kp + kb * p.D;
   _tile_zero(0);
@@ -160,6 +161,9 @@ AMX_TARGET inline void scores(const Problem& p, const uint16_t* kp, int64_t kb, 
     _tile_loadd(5, k + 48 * p.D, stride);
     _tile_dpbf16ps(3, 5, 6);
   }
+}
+
+AMX_TARGET inline void store_scores(float* s) {
   _tile_stored(0, s, 64);
   _tile_stored(1, s + 16 * QB, 64);
   _tile_stored(2, s + 32 * QB, 64);
@@ -295,13 +299,14 @@ AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
     for (int64_t j = 0; j < p.g; ++j)
       for (int64_t t = 0; t < tiles; ++t)
         if (kb <= last[t]) w.units.push_back({kb, t, t * p.g + j});
-  // the scores of unit u + 1 are issued before unit u's softmax, so that the tiles compute them while the vector
-  // units run the softmax
+  // the scores of unit u + 1 are computed during unit u's softmax (the tiles work while the vector units run it)
+  // and stored after it: the softmax's loads do not wait behind tile stores issued before them
   const int64_t units = static_cast<int64_t>(w.units.size());
   auto q_of = [&](const Unit& x) { return w.qt.data() + x.state * p.D * QB; };
-  scores(p, kp, 0, q_of(w.units[0]), w.s[0]);
+  scores(p, kp, 0, q_of(w.units[0]));
+  store_scores(w.s[0]);
   for (int64_t u = 0; u < units; ++u) {
-    if (u + 1 < units) scores(p, kp, w.units[u + 1].kb, q_of(w.units[u + 1]), w.s[(u + 1) & 1]);
+    if (u + 1 < units) scores(p, kp, w.units[u + 1].kb, q_of(w.units[u + 1]));
     const Unit x = w.units[u];
     float* o = w.o.data() + x.state * p.D * QB;
     float* m = &w.m[x.state * QB];
@@ -312,6 +317,7 @@ AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
                           : softmax_block<false>(p, x.kb, qpos[x.tile], w.s[u & 1], w.pt, m, l, alpha);
     if (grew && x.kb > 0)  // (the first block finds the output still zero)
       for (int64_t d = 0; d < p.D; ++d) _mm512_storeu_ps(o + d * QB, _mm512_mul_ps(_mm512_loadu_ps(o + d * QB), alpha));
+    if (u + 1 < units) store_scores(w.s[(u + 1) & 1]);
     accumulate(p, vt, x.kb, w.pt, o);
   }
   for (int64_t t = 0; t < tiles; ++t) {
