@@ -17,18 +17,23 @@
 // blocked, K/V packed once, causal blocks above the diagonal skipped); the tile formulation is our own:
 //
 // Everything is computed transposed, so that the softmax runs down columns (no horizontal reductions):
-//   scores^T [32 keys, 16 queries] = K [keys, D] x Q^T: A tiles are 16 rows of K (32 of D each, bf16), the B
-//     tile is the block's Q^T in VNNI pairs ([D/2 pairs][16 queries x 2], packed once per query block), two
-//     tdpbf16ps per 32 of D into two C tiles (key halves); one zmm row per key holds its 16 queries' scores.
-//   softmax: max, exp (vec_math.h's fast_exp16) and sum are lane-wise over the 32 rows; the diagonal block masks
-//     keys after each query's position; blocks wholly after the block's last query are skipped (half the work).
-//   out^T [D, 16 queries] += V^T [D, 32 keys] x P^T: A tiles are 16 dims of the V^T packed once per call
-//     (keys contiguous), the B tile is P^T in VNNI pairs (bf16 pairs of consecutive key rows interleaved); the
-//     float32 accumulator lives in memory (L1), loaded into a C tile per 16 dims, multiplied by exp(m - m_new)
-//     lane-wise when a max grows.
-// One work item is (row, KV head, block of 16 queries) with its Hq / Hk query heads together, so each K and V
-// tile serves all of them while it is in L1; items are spread over threads with at::parallel_for, heavy and light
-// (long and short causal spans) alternating so that contiguous ranges carry similar work.
+//   scores^T [64 keys, 16 queries] = K [keys, D] x Q^T: A tiles are 16 rows of K (32 of D each, bf16, K packed
+//     once per call), the B tile is a query tile's Q^T in VNNI pairs ([16 pairs of D][16 queries x 2], packed
+//     once per work item), D / 32 tdpbf16ps into each of four C tiles (16 keys each); one zmm row per key then
+//     holds its 16 queries' scores.
+//   softmax in base 2 (scores times scale * log2 e): max, 2^x (vec_math.h's fast_exp2_16) and sum are lane-wise
+//     over the 64 rows; a block that reaches past a query tile's first position masks the keys after each
+//     query's; blocks wholly after a tile's last query are skipped (causal: half the work).
+//   out^T [D, 16 queries] += V^T [D, 64 keys] x P^T: A tiles are 16 dims x 32 keys of V^T (packed once per call,
+//     each 64-key block's [D][64] contiguous), two B tiles are P^T in VNNI pairs (the bf16 rows of two
+//     consecutive keys interleaved); the float32 accumulator lives in memory (L1), loaded into four C tiles,
+//     multiplied lane-wise by 2^(m_old - m_new) first when a max grew.
+//   The scores of the next step are computed on the tiles while the vector units run this step's softmax, and
+//     stored after it (vector loads issued after a tile store wait for it).
+// One work item is (row, KV head, two tiles of 16 queries) with the Hq / Hk query heads of that KV head; its
+// steps run key block by key block, each block against every head and tile, so each K and V block is read into
+// L1 once for all of them. Items are spread over threads with at::parallel_for, heavy and light (long and short
+// causal spans) alternating so that contiguous ranges carry similar work.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
