@@ -96,6 +96,23 @@ def test_rows_of_one_batch_match_each_row_alone():
 
 
 @needs_amx
+def test_threads_split_the_work_without_changing_the_result():
+    """Work items (KV head, 32 queries) go to at::parallel_for's threads; each is computed alone, so any split
+    gives the same bits."""
+    kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
+    q, k, v = inputs(300, 300, 9, 3, 64)
+    lens = torch.tensor([300])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, k[None], v[None], lens, lens, 0.125, False)
+        torch.set_num_threads(3)
+        assert torch.equal(kernel(q, k[None], v[None], lens, lens, 0.125, False), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
 def test_bad_input_is_a_clear_error():
     kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
     q, k, v = inputs(8, 8, 9, 3, 64)
