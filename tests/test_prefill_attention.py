@@ -123,8 +123,9 @@ def test_bad_input_is_a_clear_error():
         kernel(q, k[None], v[None], lens, torch.tensor([9]), 0.125, False)
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernel(q.float(), k[None], v[None], lens, lens, 0.125, False)
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernel(q[..., :48], k[None, ..., :48], v[None, ..., :48], lens, lens, 0.125, False)
+    for d in (32, 96):
+        with pytest.raises(RuntimeError, match="64 or 128"):
+            kernel(q[..., :d], k[None, ..., :d], v[None, ..., :d], lens, lens, 0.125, False)
     with pytest.raises(RuntimeError, match="not a multiple"):
         kernel(q[:, :8], k[None], v[None], lens, lens, 0.125, False)
 
@@ -145,7 +146,7 @@ def test_variants_without_amx_report_it_unavailable(isa):
 
 
 def test_the_layer_takes_the_kernel_only_where_it_runs(monkeypatch):
-    assert amx_prefill_kernel(48) is None and amx_prefill_kernel(192) is None
+    assert all(amx_prefill_kernel(d) is None for d in (32, 48, 96, 192))
     monkeypatch.setenv(AMX_ATTENTION_ENV, "0")
     assert amx_prefill_kernel(64) is None
     monkeypatch.delenv(AMX_ATTENTION_ENV)

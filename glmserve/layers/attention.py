@@ -62,8 +62,8 @@ def prefill_compute_dtype(q: torch.Tensor, num_tokens: int) -> torch.dtype:
 
 def amx_prefill_kernel(head_dim: int) -> Callable | None:
     """Our causal prefill attention on AMX bf16 tiles (kernels op `prefill_attention`) where this CPU and build
-    run it and the head dim is a multiple of 32 up to 128, unless GLMSERVE_AMX_ATTENTION=0; else None."""
-    if os.environ.get(AMX_ATTENTION_ENV) == "0" or head_dim % 32 or head_dim > 128:
+    run it and the head dim is 64 or 128, unless GLMSERVE_AMX_ATTENTION=0; else None."""
+    if os.environ.get(AMX_ATTENTION_ENV) == "0" or head_dim not in (64, 128):
         return None
     cpu = torch.device("cpu")
     available = kernels.op("prefill_attention_available", cpu, torch.bfloat16)

@@ -8,7 +8,7 @@
 // of k[b] / v[b] (q_lens[b] <= kv_lens[b] <= L), and its query i sits at position kv_lens[b] - q_lens[b] + i and
 // attends keys at positions <= its own (a fresh prompt: B = 1, kv_lens = q_lens = T; a chunk over cached
 // context: kv_lens = cached + chunk). Grouped-query heads: query head j reads KV head j / (Hq / Hk). D is a
-// multiple of 32 up to 128; the last dimension of q, k and v is contiguous, other strides are free.
+// 64 or 128 (the output tiles cover 64 dims at a time); the last dimension of q, k and v is contiguous, other strides are free.
 //
 // The algorithm is FlashAttention-2's (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism
 // and Work Partitioning"): per block of queries, the keys in blocks, an online softmax (running max m, sum l,
@@ -61,8 +61,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(),
               "prefill_attention: q [T, Hq, D], k and v [B, L, Hk, D] of one shape");
   const int64_t D = q.size(2);
-  TORCH_CHECK(k.size(3) == D && D % 32 == 0 && D <= 128, "prefill_attention: head dim ", D,
-              " (q) and ", k.size(3), " (k) must be equal, a multiple of 32, at most 128");
+  TORCH_CHECK(k.size(3) == D && (D == 64 || D == 128), "prefill_attention: head dim ", D, " (q) and ", k.size(3),
+              " (k) must be equal, 64 or 128");
   TORCH_CHECK(q.size(1) % k.size(2) == 0, "prefill_attention: ", q.size(1), " query heads are not a multiple of ",
               k.size(2), " KV heads");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
