@@ -123,9 +123,11 @@ def test_bad_input_is_a_clear_error():
         kernel(q, k[None], v[None], lens, torch.tensor([9]), 0.125, False)
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernel(q.float(), k[None], v[None], lens, lens, 0.125, False)
+    wide = inputs(8, 8, 9, 3, 128)
     for d in (32, 96):
+        q_d, k_d, v_d = (x[..., :d] for x in wide)
         with pytest.raises(RuntimeError, match="64 or 128"):
-            kernel(q[..., :d], k[None, ..., :d], v[None, ..., :d], lens, lens, 0.125, False)
+            kernel(q_d, k_d[None], v_d[None], lens, lens, 0.125, False)
     with pytest.raises(RuntimeError, match="not a multiple"):
         kernel(q[:, :8], k[None], v[None], lens, lens, 0.125, False)
 
