@@ -78,12 +78,17 @@ def torch_only() -> bool:
     return os.environ.get("GLMSERVE_TORCH_ONLY") == "1"
 
 
+def dtypes(name: str) -> tuple[torch.dtype, ...]:
+    """The query / tensor dtypes op `name` is dispatched for (its first: the one its tests ask with)."""
+    return OP_DTYPES.get(name, DTYPES)
+
+
 def op(name: str, device: torch.device, dtype: torch.dtype) -> Callable | None:
     """The C++ op `name` (one of OPS) for tensors of `dtype` on `device`, from the active instruction-set
     variant; None where the caller takes its PyTorch path: another device or dtype, GLMSERVE_TORCH_ONLY=1,
     or a kernel that could not be built."""
     source = OPS[name]
-    if device.type != "cpu" or dtype not in OP_DTYPES.get(name, DTYPES) or torch_only():
+    if device.type != "cpu" or dtype not in dtypes(name) or torch_only():
         return None
     module = load(source, active_isa())
     return None if module is None else getattr(module, name)
