@@ -128,7 +128,9 @@ def _group(step: StepRows, rows: slice, query_offsets: torch.Tensor | None) -> G
     query_pos = starts[:, None] + torch.arange(int(lens.max()))[None, :]  # [B, Q]
     mask = ((key_pos[:, None, :] <= query_pos[:, :, None]) & in_context[:, None, :])[:, None]  # [B, 1, Q, L]
     query_index, valid = padded_queries(lens, query_offsets)
+    resident = group_offloaded is None  # every key of every row listed: the AMX kernel's lengths (attention.py)
     return GroupMetadata(
         kv_slots=kv_slots.to(dev), key_mask=mask.to(dev), num_tokens=num_tokens,
         query_index=query_index.to(dev), valid_index=valid.to(dev), offloaded=group_offloaded,
+        query_lens=lens.long() if resident else None, key_lens=(starts + lens).long() if resident else None,
     )
