@@ -9,7 +9,8 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
 3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V (as computed: with a
    quantized KV format, only later steps read the stored rows); a chunk after cached context attends to
    its gathered context under a mask; several rows run one SDPA each (`GroupMetadata.rows`: padding them to
-   one grid would multiply the work by their length spread), padded only where rows have offloaded KV.
+   one grid would multiply the work by their length spread; each reads its K/V as stored, fresh rows too),
+   padded only where rows have offloaded KV.
    On AMX CPUs a float32 prefill group of `BF16_MIN_TOKENS` tokens or more runs its SDPA on bf16 q/k/v
    with float32 accumulation inside the kernel (as vLLM-CPU's bf16 attention does), 2.6-3.8x faster; the
    stored K/V stay in the pool's format and the output returns in float32, or bf16 where the caller asks
@@ -155,16 +156,20 @@ class PagedAttention:
         dtype = q.dtype if g.offloaded is not None else prefill_compute_dtype(q, g.num_tokens)
         if g.rows is None:
             return self._prefill_rows(q, k, v, g, dtype)
+        # as in the padded group, every row reads its K/V as stored (a fresh row too: quantized formats round it)
+        stored = format_of(self.kv_cache).roundtrip
         outs, offset = [], 0
         for row in g.rows:  # a few rows per step: one SDPA each instead of one over the padded rows
             end = offset + row.num_tokens
-            outs.append(self._prefill_rows(q[offset:end], k[offset:end], v[offset:end], row, dtype))
+            k_row, v_row = (stored(k[offset:end]), stored(v[offset:end])) if row.fresh_causal else (None, None)
+            outs.append(self._prefill_rows(q[offset:end], k_row, v_row, row, dtype))
             offset = end
         return torch.cat(outs)
 
-    def _prefill_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata,
+    def _prefill_rows(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, g: GroupMetadata,
                       dtype: torch.dtype) -> torch.Tensor:
-        """The attention of a group whose rows are padded to one [B, Q] grid (one row: no padding)."""
+        """The attention of a group whose rows are padded to one [B, Q] grid (one row: no padding); the new K/V
+        `k`, `v` are read only by a fresh row (`fresh_causal`), the others gather theirs from the pool."""
         if g.fresh_causal:
             out = F.scaled_dot_product_attention(
                 *(t.transpose(0, 1).unsqueeze(0).to(dtype) for t in (q, k, v)),
