@@ -102,6 +102,13 @@ def _decode_group(step: StepRows, rows: slice) -> GroupMetadata:
 
 
 def _prefill_group(step: StepRows, rows: slice) -> GroupMetadata:
+    """The prefill rows as one group; several rows without offloaded chunks get one group each (`rows` of the
+    group): a padded group of B rows costs B x longest chunk x longest context with a full mask, where rows of
+    100..1,000 tokens apart need a few times less (and a fresh row takes the causal kernel on its own K/V)."""
+    if len(step.lens[rows]) > 1 and all(sp is None for sp in step.spans[rows]):
+        parts = [_group(step, slice(r, r + 1), torch.zeros(1, dtype=torch.long)) for r in range(rows.start, rows.stop)]
+        return GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=sum(p.num_tokens for p in parts),
+                             rows=parts, observe=step.observe)
     first = step.first_tokens[rows]
     g = _group(step, rows, first - first[0])
     g.observe = step.observe
