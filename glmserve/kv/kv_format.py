@@ -1,6 +1,9 @@
 """KV formats: how a token's key or value row of one kv head is stored in the pool (`--kv-cache-dtype`).
 
-Float formats (float32, bfloat16, float16) store the row as is. Quantized formats store it as 8-bit codes
+Float formats (float32, bfloat16, float16) store the row as is. `auto` (`default_kv_format`) is bfloat16 for a
+float32 model on CPU, as vLLM-CPU keeps its KV: half of float32's bytes, and decode attention, which reads every
+cached row each step, is memory-bound there (bench/RESULTS.md "bf16 KV by default on CPU"); elsewhere the model
+dtype. `--kv-cache-dtype float32` keeps float32 rows. Quantized formats store it as 8-bit codes
 with one scale per (token, kv head), packed into the same row:
 
     row [head_dim + 2] = head_dim codes, then the float16 scale's two bytes
@@ -65,8 +68,11 @@ class KVFormat:
         return torch.cat([codes, scale.view(self.storage)], dim=-1)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """x as a reader of the pool sees it after the write (quantized, then dequantized), in x's dtype."""
-        return dequantize(self.quantize(x), x.dtype) if self.quantized else x
+        """x as a reader of the pool sees it after the write (quantized, then dequantized; a float format
+        narrower than x: rounded), in x's dtype."""
+        if self.quantized:
+            return dequantize(self.quantize(x), x.dtype)
+        return x if x.dtype == self.storage else x.to(self.storage).to(x.dtype)
 
     def __str__(self) -> str:
         return self.name
@@ -94,6 +100,14 @@ def kv_format(name_or_dtype: str | torch.dtype | KVFormat) -> KVFormat:
         raise InvalidRequestError(f"KV cache format must be one of {sorted([*FORMATS, *ALIASES])}, "
                                   f"got {name_or_dtype!r}")
     return FORMATS[name]
+
+
+def default_kv_format(model_dtype: torch.dtype, device: torch.device) -> KVFormat:
+    """The format of `--kv-cache-dtype auto`: bfloat16 for a float32 model on CPU (the decode kernel reads bf16
+    rows by a 16-bit shift, prefill over cached context runs bf16 on AMX), else the model dtype."""
+    if device.type == "cpu" and model_dtype == torch.float32:
+        return FORMATS["bfloat16"]
+    return kv_format(model_dtype)
 
 
 def format_of(pool: torch.Tensor) -> KVFormat:
