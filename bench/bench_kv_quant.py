@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 from bench_sparse import PASSKEY_FILLER, chat_prompt, haystack, prose
+from paged_decode_ab import DIM, decode_case, layer_pools
 
 from glmserve import LLM, SamplingParams
-from glmserve.kv.kv_format import kv_format, store
 from glmserve.layers.partial_attention import paged_attention_with_lse
 
 
@@ -93,31 +93,18 @@ def attention_ms(contexts: list[int], names: list[str], repeats: int, batch: int
     the calls cycle over as many layer pools as make at least that many MB of float32 K/V, so that the keys come
     from memory as in the engine's step (30 layers' caches), not from a cache that one layer's loop keeps warm."""
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, block = 9, 3, 64, 16
     out: dict = {}
     for context in contexts:
-        slots_per_layer = batch * -(-context // block) * block
-        layers = max(1, -(-(pool_mb << 20) // (2 * kv_heads * slots_per_layer * dim * 4)))
-        k, v = (torch.randn(slots_per_layer, kv_heads, dim, generator=gen) for _ in range(2))
-        q = torch.randn(batch, heads, dim, generator=gen)
-        blocks = torch.randperm(slots_per_layer // block, generator=gen)
-        slots = (blocks[:, None] * block + torch.arange(block)).reshape(batch, -1)[:, :context].contiguous()
-        lengths = torch.full((batch,), context)
-        pools = {}
-        for name in names:
-            fmt = kv_format(name)
-            layer = torch.empty(2, kv_heads, slots_per_layer, fmt.row_width(dim), dtype=fmt.storage)
-            store(layer[0], torch.arange(slots_per_layer), k)
-            store(layer[1], torch.arange(slots_per_layer), v)
-            pools[name] = [layer] + [layer.clone() for _ in range(layers - 1)]
+        q, k, v, slots, lengths, layers = decode_case(context, batch, pool_mb, gen)
+        pools = {name: layer_pools(name, k, v, layers) for name in names}
         times: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(repeats):
             for name, caches in pools.items():
-                paged_attention_with_lse(q, caches[0], slots, lengths, dim**-0.5)  # warm
+                paged_attention_with_lse(q, caches[0], slots, lengths, DIM**-0.5)  # warm
                 n = max(calls, len(caches))
                 start = time.perf_counter()
                 for i in range(n):
-                    paged_attention_with_lse(q, caches[i % len(caches)], slots, lengths, dim**-0.5)
+                    paged_attention_with_lse(q, caches[i % len(caches)], slots, lengths, DIM**-0.5)
                 times[name].append((time.perf_counter() - start) / n * 1e3)
         median = {n: statistics.median(t) for n, t in times.items()}
         out[context] = {"ms": median, "ratio_vs_first": {n: median[names[0]] / median[n] for n in names},

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glmserve import kernels
 from glmserve.errors import InvalidRequestError
 
 SCALE_BYTES = 2  # one float16 scale per row
@@ -134,3 +135,14 @@ def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """Writes x [T, Hkv, D] at `slots` [T] of one pool side `cache` [Hkv, slots, W], in the pool's format:
     one quantize of the batch and one index_copy_."""
     cache.index_copy_(1, slots, format_of(cache).quantize(x).transpose(0, 1))
+
+
+def store_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Writes one layer's k and v [T, Hkv, D] at `slots` [T] of its pool [2, Hkv, slots, W], in the pool's format:
+    float formats in one C++ pass on CPU (kernels `store_kv`: the cast and both copies), else `store` per side."""
+    kernel = None if format_of(pool).quantized else kernels.op("store_kv", k.device, k.dtype)
+    if kernel is not None and v.dtype == k.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
+        kernel(pool[0], pool[1], slots, k, v)
+        return
+    store(pool[0], slots, k)
+    store(pool[1], slots, v)
