@@ -139,8 +139,10 @@ def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
 
 def store_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Writes one layer's k and v [T, Hkv, D] at `slots` [T] of its pool [2, Hkv, slots, W], in the pool's format:
-    float formats in one C++ pass on CPU (kernels `store_kv`: the cast and both copies), else `store` per side."""
-    kernel = None if format_of(pool).quantized else kernels.op("store_kv", k.device, k.dtype)
+    float32 / bfloat16 pools in one C++ pass on CPU (kernels `store_kv`: the cast and both copies), else `store`
+    per side."""
+    fused = pool.dtype in (torch.float32, torch.bfloat16)  # float16 pools: torch's cast (exact at overflow)
+    kernel = kernels.op("store_kv", k.device, k.dtype) if fused else None
     if kernel is not None and v.dtype == k.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
         kernel(pool[0], pool[1], slots, k, v)
         return

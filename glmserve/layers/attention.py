@@ -7,8 +7,10 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    batch's rows first and every read dequantizes),
 2. decode group: gathers each sequence's keys/values by slot index and runs one batched
    grouped-query attention (no expansion of KV heads),
-3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V (as computed: with a
-   quantized KV format, only later steps read the stored rows); otherwise the queries are padded per
+3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V (rounded to a float KV format
+   narrower than q, e.g. the bf16 pool of a float32 model on CPU, so that a prefix-cache hit or a restored chunk
+   later attends to the very values a cold prefill did; as computed with a quantized KV format: only later steps
+   read the stored rows); otherwise the queries are padded per
    sequence and attend to their gathered context under a mask. On AMX CPUs a float32 prefill group of
    `BF16_MIN_TOKENS` tokens or more runs its SDPA on bf16 q/k/v with float32 accumulation inside the
    kernel (as vLLM-CPU's bf16 attention does), 2.6-3.8x faster; the stored K/V stay in the pool's format
@@ -152,6 +154,9 @@ class PagedAttention:
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         dtype = q.dtype if g.offloaded is not None else prefill_compute_dtype(q, g.num_tokens)
         if g.fresh_causal:
+            fmt = format_of(self.kv_cache)
+            if not fmt.quantized:  # the K/V values as stored, as every later read (decode, prefix hits) sees them
+                k, v = k.to(fmt.storage), v.to(fmt.storage)
             out = F.scaled_dot_product_attention(
                 *(t.transpose(0, 1).unsqueeze(0).to(dtype) for t in (q, k, v)),
                 is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
