@@ -171,7 +171,7 @@ def test_http_prompt_longer_than_the_pool_and_stream_metrics(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
     from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
 
-    kv_token_bytes = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32
+    kv_token_bytes = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16 KV (the CPU default)
     args = ["--max-model-len", "2048", "--kv-chunk-tokens", "64", "--max-num-batched-tokens", "256",
             "--kv-cache-memory-bytes", str(480 * kv_token_bytes), "--no-sparse-block-bounds",
             "--kv-disk-dir", str(tmp_path / "kv"), "--num-threads", "1", "--session-store", "off"]
