@@ -75,3 +75,6 @@ def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
     assert torch.equal(got.view(bits), want.view(bits))
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots + slots_n, k, v)
+    half = torch.zeros(2, kv_heads, slots_n, dim, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 caches"):
+        kernels.op("store_kv", k.device, k.dtype)(half[0], half[1], slots, k, v)

@@ -22,7 +22,7 @@
 // and the lane sums of N keys are taken together by a transposing reduction tree (one vector of N scores, instead
 // of one horizontal sum per key and head); the softmax's exp is a vector polynomial (exp_ps) and its normalization
 // is applied once to the outputs. The scalar loop below is the path of the scalar build and of other shapes.
-// `store_kv` is the float formats' KV write (a cast and both sides' copies in one pass).
+// `store_kv` is the float32 / bfloat16 pools' KV write (a cast and both sides' copies in one pass).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -457,10 +457,24 @@ std::vector<at::Tensor> paged_decode_lse(const at::Tensor& q, const at::Tensor& 
   return run(q, k_cache, v_cache, slots, ctx_lens, scale, true);
 }
 
-// The KV write of one layer for float formats: k, v [T, Hkv, D] float32 (rows of D contiguous floats, any row and
-// head strides: views of the fused qkv output) into caches [Hkv, slots, D] of float32 / bfloat16 / float16 at
-// slots [T] int64, each value rounded to the cache's dtype as torch's cast rounds it (to nearest, ties to even).
-// One pass instead of a cast and an index_copy_ per side.
+// Rows x [T, Hkv, D] (float32, contiguous rows) into cache [Hkv, num_slots, D] at slot[t], cast to T_out.
+template <typename T_out>
+void store_rows(const at::Tensor& x, T_out* cache, const int64_t* slot, int64_t num_slots) {
+  const float* data = x.data_ptr<float>();
+  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2), st = x.stride(0), sh = x.stride(1);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* row = data + t * st + h * sh;
+      T_out* out = cache + (h * num_slots + slot[t]) * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T_out>(row[d]);
+    }
+}
+
+// The KV write of one layer for float32 / bfloat16 pools: k, v [T, Hkv, D] float32 (rows of D contiguous floats,
+// any row and head strides: views of the fused qkv output) into caches [Hkv, slots, D] at slots [T] int64, each
+// value rounded as torch's cast rounds it (bf16: to nearest, ties to even, in integer arithmetic). One pass
+// instead of a cast and an index_copy_ per side. Not float16: c10::Half's float conversion relies on float
+// overflow to reach inf, which this build's -ffast-math folds away (NaN bits came out of 131008.f).
 void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
   TORCH_CHECK(k.dim() == 3 && k.scalar_type() == at::kFloat && k.stride(2) == 1 && v.sizes() == k.sizes() &&
@@ -475,19 +489,17 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache's ", num_slots);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "store_kv", [&] {
-    for (const auto& [src, dst] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
-      const float* x = src->data_ptr<float>();
-      scalar_t* cache = dst->data_ptr<scalar_t>();
-      const int64_t st = src->stride(0), sh = src->stride(1);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = 0; h < Hkv; ++h) {
-          const float* row = x + t * st + h * sh;
-          scalar_t* out = cache + (h * num_slots + slot[t]) * D;
-          for (int64_t d = 0; d < D; ++d) out[d] = static_cast<scalar_t>(row[d]);
-        }
+  const auto side = [&](const at::Tensor& x, const at::Tensor& cache) {
+    if (cache.scalar_type() == at::kFloat) {
+      store_rows(x, cache.data_ptr<float>(), slot, num_slots);
+    } else {
+      TORCH_CHECK(cache.scalar_type() == at::kBFloat16, "store_kv: float32 or bfloat16 caches, got ",
+                  cache.scalar_type());
+      store_rows(x, cache.data_ptr<c10::BFloat16>(), slot, num_slots);
     }
-  });
+  };
+  side(k, k_cache);
+  side(v, v_cache);
 }
 
 // Test-only: the at::get_thread_num() that ran each of `n` items of an at::parallel_for with grain 1, as
