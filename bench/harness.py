@@ -226,7 +226,9 @@ class Suite:
         raise ValueError(f"unknown metric {metric!r}")
 
     def _throughput(self) -> float:
+        cpu = time.process_time()
         latency, produced = timed(self.engine, self.work.throughput, self.work.decode_tokens)
+        cpu = time.process_time() - cpu
         prompt_tokens = sum(map(len, self.work.throughput))
         self.details["throughput"] = {
             "requests": len(self.work.throughput),
@@ -234,6 +236,9 @@ class Suite:
             "generated_tokens": produced,
             "wall_s": round(latency, 3),
             "total_tok_s": round((prompt_tokens + produced) / latency, 2),
+            # this process's CPU time (every thread): with 1 thread on a shared core, steadier than wall time
+            "cpu_s": round(cpu, 3),
+            "tok_per_cpu_s": round(produced / cpu, 2),
         }
         return produced / latency
 

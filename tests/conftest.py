@@ -91,9 +91,10 @@ def _use_kernels(isa: str, monkeypatch) -> str:
     """Routes every kernel call to the C++ variant `isa`; skips when its kernels did not build (with CI=true
     a failed build raises instead, so the test fails) or GLMSERVE_TORCH_ONLY=1 turns them off."""
     from glmserve import kernels
+    from glmserve.kernels.dispatch import dtypes
 
     monkeypatch.setenv("GLMSERVE_CPU_ISA", isa)
-    missing = [name for name in kernels.OPS if kernels.op(name, torch.device("cpu"), torch.float32) is None]
+    missing = [name for name in kernels.OPS if kernels.op(name, torch.device("cpu"), dtypes(name)[0]) is None]
     if missing:
         pytest.skip(f"C++ kernels unavailable ({isa}): {', '.join(missing)}")
     return isa

@@ -13,6 +13,7 @@ import torch
 from glmserve import kernels
 from glmserve.errors import InvalidRequestError
 from glmserve.kernels import build
+from glmserve.kernels.dispatch import dtypes
 
 CPU = torch.device("cpu")
 
@@ -27,7 +28,7 @@ def test_variants_are_best_first_and_scalar_always_runs():
 def test_the_forced_variant_is_the_one_called(cpu_isa):
     assert kernels.active_isa() == cpu_isa
     for name in kernels.OPS:
-        assert kernels.op(name, CPU, torch.float32).__module__ == f"glmserve_{kernels.OPS[name]}_{cpu_isa}"
+        assert kernels.op(name, CPU, dtypes(name)[0]).__module__ == f"glmserve_{kernels.OPS[name]}_{cpu_isa}"
 
 
 def test_best_variant_by_default(monkeypatch):
@@ -45,7 +46,7 @@ def test_torch_path_for_other_devices_dtypes_and_torch_only(cpu_isa, monkeypatch
     assert kernels.op("paged_decode", torch.device("meta"), torch.float32) is None
     assert kernels.op("paged_decode", CPU, torch.bfloat16) is None
     monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")
-    assert all(kernels.op(name, CPU, torch.float32) is None for name in kernels.OPS)
+    assert all(kernels.op(name, CPU, dtypes(name)[0]) is None for name in kernels.OPS)
 
 
 @pytest.mark.parametrize("ci", ["true", ""])

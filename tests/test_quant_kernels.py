@@ -4,8 +4,9 @@ variant this CPU runs (fixture cpu_isa: the avx512 build needs VNNI; the avx2 bu
 for every format it supports, at batch sizes 1, 3, 8, 33, 64 and SmolLM2's shapes (576 -> 49152 is the
 lm_head: batch 1 by default, batch 3 with -m slow; `grid` says which of the others run by default).
 Batches from DENSE_MIN_ROWS rows on CPUs with AMX take the bf16 GEMM path instead (tests at the end).
-Batches of 16 rows or more run on the AMX int8 tiles where the avx512 build finds them (`set_amx`): the
-batched cases run on both tile kinds (fixture `tiles`), and the AMX sums equal the VNNI ones bit for bit.
+Batches of 6 rows or more (int8 blocks; 10 for int4) run on the AMX int8 tiles where the avx512 build finds them
+(`set_amx`): the batched cases run on both tile kinds (fixture `tiles`), and the AMX sums equal the VNNI and AVX2
+ones bit for bit (`test_amx_tiles_equal_every_variant`).
 
 Two checks per case:
 - vs an emulation: the kernel's own int8 activations (tested against their formula separately) times the
@@ -193,8 +194,8 @@ def test_formats_against_emulation_and_reference(cpu_isa, fmt, out, inp, batch):
 
 @pytest.fixture(params=["amx", "vnni"])
 def tiles(request, cpu_isa):
-    """Batches of 16+ rows on the AMX int8 tiles, or on the variant's own (VNNI / AVX2 / scalar) tiles; the AMX
-    case skips where the build or the CPU has none."""
+    """Batches of 6+ rows (int8; 10+ for int4) on the AMX int8 tiles, or on the variant's own (VNNI / AVX2 /
+    scalar) tiles; the AMX case skips where the build or the CPU has none."""
     set_amx = kernels.op("set_amx", CPU, torch.float32)
     on = set_amx(request.param == "amx")
     if request.param == "amx" and not on:
@@ -203,33 +204,72 @@ def tiles(request, cpu_isa):
     set_amx(True)
 
 
-@pytest.mark.parametrize("batch", [16, 33])
+@pytest.mark.parametrize("batch", [8, 16, 33])
 @pytest.mark.parametrize("fmt", ["int8_group32", "int8_channel_asym", "int4_group32", "int4_group64_asym", "w8a8",
                                  "gguf_q8_0", "gguf_q4_1"])
 def test_batches_on_both_tile_kinds(tiles, fmt, batch):
     check(fmt, batch, 576, 1536)
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "int4_group64_asym"])
-def test_amx_tiles_equal_the_vnni_tiles(cpu_isa, fmt):
-    """Same integer sums per block, scaled and summed in the same order: the same floats (batches 16-64, a
-    partial last A tile included)."""
-    set_amx = kernels.op("set_amx", CPU, torch.float32)
-    if not set_amx(True):
-        pytest.skip(f"no AMX int8 tiles on {cpu_isa} here")
+# decode batches around the AMX paths' boundaries: a group of 16 rows, a last group of 1-15 rows (on AMX padded with
+# zero rows, or on the VNNI tiles under 6 rows for int8 blocks and 10 for u4 ones), whole batches under 16
+AMX_BATCHES = [6, 8, 9, 10, 16, 17, 21, 26, 31, 32, 33, 48, 64, 100]
+
+
+@pytest.mark.parametrize("out, inp", [(200, 576), (176, 1536), (40, 64)])  # 18 / 48 / 2 blocks; 12.5 / 11 / 2.5 tiles
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "int4_group64_asym", "int8_channel_asym", "w8a8"])
+def test_amx_tiles_equal_every_variant(fmt, out, inp):
+    """On the same quantized activations, the AMX tiles, the avx512 VNNI tiles and the avx2 tiles compute the same
+    integer sums per block and scale and sum them in the same order: the same floats, at every decode batch size
+    (out_features not a multiple of 32 or 16: partial weight tiles). The scalar build (no FMA instruction) rounds
+    each product before adding: within 2e-6 of the sum of |terms|, as the emulation bound above."""
+    from glmserve.kernels.build import load
+    from glmserve.kernels.isa import available_isas
+
+    modules = {isa: load("quant_matmul", isa) for isa in available_isas()}
+    if any(m is None for m in modules.values()):
+        pytest.skip(f"C++ kernels unavailable: {[isa for isa, m in modules.items() if m is None]}")
     spec, act = FORMATS[fmt]
-    backend = CpuBlockBackend()
-    prepared = backend.prepare(weight(fmt, 200, 576), act, CPU)
+    p = CpuBlockBackend().prepare(weight(fmt, out, inp), act, CPU)
+    packed = (p.codes, p.scales, p.mins, p.u4, out)
+    w_abs = p_weight_abs(p)
+    amx = "avx512" in modules and modules["avx512"].set_amx(True)
     try:
-        for batch in (16, 17, 40, 64):
-            x = activations(batch, 576)
-            amx = backend.apply(prepared, x, None)
-            set_amx(False)
-            vnni = backend.apply(prepared, x, None)
-            set_amx(True)
-            assert torch.equal(amx, vnni), batch
+        for batch in AMX_BATCHES:
+            x = activations(batch, inp)
+            acts = modules["scalar"].quantize_activations(x, act is not None)
+            results = {isa: m.quant_matmul(*acts, *packed) for isa, m in modules.items()}
+            if amx:
+                modules["avx512"].set_amx(False)
+                results["avx512 VNNI"] = modules["avx512"].quant_matmul(*acts, *packed)
+                modules["avx512"].set_amx(True)
+            exact = [isa for isa in results if isa != "scalar"]
+            for isa in exact[1:]:
+                assert torch.equal(results[isa], results[exact[0]]), (isa, exact[0], batch)
+            xq = (acts[0].float().reshape(batch, -1, 32) * acts[1].unsqueeze(-1)).reshape(batch, -1)[:, :inp]
+            sums = xq.abs() @ w_abs.T
+            assert ((results["scalar"] - results[exact[0]]).abs() <= 2e-6 * sums + 1e-7).all(), batch
     finally:
-        set_amx(True)
+        if "avx512" in modules:
+            modules["avx512"].set_amx(True)
+
+
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1"])
+def test_tiles_split_across_threads_give_the_same_floats(cpu_isa, fmt):
+    """Two intra-op threads split the weight tiles (each thread configures its own AMX tiles): the same outputs
+    as one thread, at decode batch sizes, AMX on where the build and CPU have it."""
+    backend = CpuBlockBackend()
+    prepared = backend.prepare(weight(fmt, 200, 576), None, CPU)
+    threads = torch.get_num_threads()
+    try:
+        for batch in (8, 17, 32):
+            x = activations(batch, 576)
+            torch.set_num_threads(1)
+            one = backend.apply(prepared, x, None)
+            torch.set_num_threads(2)
+            assert torch.equal(backend.apply(prepared, x, None), one), batch
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])

@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # csrc/<name>.cpp, one extension each per variant
-SOURCES = ("paged_decode", "sparse", "quant_matmul", "float_quant_matmul", "prefill_ops")
+SOURCES = ("paged_decode", "sparse", "quant_matmul", "float_quant_matmul", "prefill_ops", "prefill_attention")
 # -fopenmp: at::parallel_for is inline in ATen's headers with torch's OpenMP backend (torch/include/ATen/
 # ParallelOpenMP.h: `#pragma omp parallel` under `#ifdef _OPENMP`), so without it every parallel loop of ours ran
 # on one thread whatever torch.set_num_threads said. It is a compile flag only: cpp_extension passes extra_cflags
@@ -68,11 +69,17 @@ def _source_digest(source: str) -> str:
     import torch
 
     digest = hashlib.sha1(f"{' '.join(BASE_CFLAGS)} {torch.__version__} {Path(torch.__file__).parent}".encode())
-    # every header of csrc too (none today), so that an included file's change rebuilds its includers
-    for path in [SOURCE_DIR / f"{source}.cpp", *sorted(SOURCE_DIR.glob("*.h"))]:
+    # the csrc headers it includes too, so that a header's change rebuilds its includers (and only them)
+    for path in [SOURCE_DIR / f"{source}.cpp", *(SOURCE_DIR / h for h in included_headers(source))]:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:8]
+
+
+def included_headers(source: str) -> tuple[str, ...]:
+    """The csrc headers csrc/`source`.cpp includes (`#include "name.h"`, one level: headers include none)."""
+    text = (SOURCE_DIR / f"{source}.cpp").read_text()
+    return tuple(sorted(set(re.findall(r'^#include "([A-Za-z0-9_]+\.h)"', text, flags=re.MULTILINE))))
 
 
 def extensions_root() -> Path:
@@ -103,16 +110,18 @@ def _exclusive_build(directory: Path) -> Iterator[None]:
 
 
 def _staged_source(directory: Path, source: str) -> Path:
-    """csrc/`source`.cpp copied once into the build directory, the path the build compiles. torch writes the
-    source's absolute path into build.ninja and ninja rebuilds when that command or the source's mtime changes,
-    so compiling each checkout's own file rebuilt the shared directory for every worktree (and a fresh checkout's
-    newer mtime did too). The directory is named by the source's hash, so an existing copy is the same text."""
+    """csrc/`source`.cpp (with the headers it includes, beside it) copied once into the build directory, the path
+    the build compiles. torch writes the source's absolute path into build.ninja and ninja rebuilds when that
+    command or the source's mtime changes, so compiling each checkout's own file rebuilt the shared directory for
+    every worktree (and a fresh checkout's newer mtime did too). The directory is named by the hash of the source
+    and its headers, so an existing copy is the same text."""
     staged = directory / "src" / f"{source}.cpp"
     if not staged.exists():
         staged.parent.mkdir(exist_ok=True)
-        partial = staged.with_suffix(".partial")
-        partial.write_bytes((SOURCE_DIR / f"{source}.cpp").read_bytes())
-        partial.rename(staged)
+        for name in [*included_headers(source), f"{source}.cpp"]:  # the source last: its presence means all are
+            partial = staged.parent / f"{name}.partial"
+            partial.write_bytes((SOURCE_DIR / name).read_bytes())
+            partial.rename(staged.parent / name)
     return staged
 
 

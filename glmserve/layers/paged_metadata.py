@@ -102,6 +102,13 @@ def _decode_group(step: StepRows, rows: slice) -> GroupMetadata:
 
 
 def _prefill_group(step: StepRows, rows: slice) -> GroupMetadata:
+    """The prefill rows as one group; several rows without offloaded chunks get one group each (`rows` of the
+    group): a padded group of B rows costs B x longest chunk x longest context with a full mask, where rows of
+    100..1,000 tokens apart need a few times less (and a fresh row takes the causal kernel on its own K/V)."""
+    if len(step.lens[rows]) > 1 and all(sp is None for sp in step.spans[rows]):
+        parts = [_group(step, slice(r, r + 1), torch.zeros(1, dtype=torch.long)) for r in range(rows.start, rows.stop)]
+        return GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=sum(p.num_tokens for p in parts),
+                             rows=parts, observe=step.observe)
     first = step.first_tokens[rows]
     g = _group(step, rows, first - first[0])
     g.observe = step.observe
@@ -128,7 +135,9 @@ def _group(step: StepRows, rows: slice, query_offsets: torch.Tensor | None) -> G
     query_pos = starts[:, None] + torch.arange(int(lens.max()))[None, :]  # [B, Q]
     mask = ((key_pos[:, None, :] <= query_pos[:, :, None]) & in_context[:, None, :])[:, None]  # [B, 1, Q, L]
     query_index, valid = padded_queries(lens, query_offsets)
+    resident = group_offloaded is None  # every key of every row listed: the AMX kernel's lengths (attention.py)
     return GroupMetadata(
         kv_slots=kv_slots.to(dev), key_mask=mask.to(dev), num_tokens=num_tokens,
         query_index=query_index.to(dev), valid_index=valid.to(dev), offloaded=group_offloaded,
+        query_lens=lens.long() if resident else None, key_lens=(starts + lens).long() if resident else None,
     )

@@ -19,43 +19,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_math.h"
+
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// exp(x) for x in [-87, 88], ~2 ulp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial, times
-// 2^n built in the exponent bits. Branch-free and free of library calls (no fmin/fmax, nearbyint or fma, which
-// are calls without -ffinite-math-only or FMA), so that the loops below vectorize; -ffast-math contracts the
-// products and sums into FMAs where the variant has them. ln2 is split so that n * ln2_hi is exact.
-inline float fast_exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const int32_t i = static_cast<int32_t>(x * 1.44269504088896341f + 128.5f) - 128;  // round(x / ln2), positive trunc
-  const float n = static_cast<float>(i);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(i + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+using glmserve::bf16_to_f32;
+using glmserve::f32_to_bf16;
+using glmserve::fast_exp;
 
 void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");

@@ -26,15 +26,20 @@
 //   AVX2: vpmaddubsw + vpmaddwd. u4: nibble x int8 pairs (at most 2 * 15 * 127) add up in int16 over the
 //     whole block (8 steps: at most 30,480), one vpmaddwd per block. i8: |c| x sign(q, c) per step.
 //   scalar: the same sums in plain C++ (any CPU).
-// AMX (avx512 build, CPUs with AMX-INT8, Linux, from AMX_MIN_ROWS activation rows): the i8 block layout above
-//   is already an AMX B tile for K = 32 (8 rows of [16 output rows][4 bytes]); u4 blocks are unpacked into one
-//   (low nibbles rows 0-3, high nibbles rows 4-7). Per 16 activation rows and block, one tdpbssd (s8 x s8:
-//   the u4 codes 0..15 are non-negative int8) gives the 16 x 16 integer sums of the block, stored and scaled
-//   into 16 fp32 accumulators with AVX-512 (the block's scales are an outer product of the weights' d and the
-//   activations' dx, so integer sums cannot run across blocks). Two sets of tiles alternate between blocks.
-//   This follows llama.cpp's ggml/src/ggml-cpu/amx/mmq.cpp (K-blocks of 32 through tdpbssd/tdpbusd, the
-//   scales applied after _tile_stored); the layout and code here are our own. set_amx(false) turns it off
-//   (tests, benchmarks), as does GLMSERVE_CPU_AMX=0 at load.
+// AMX (avx512 build, CPUs with AMX-INT8, Linux; batches from 6 rows for int8 blocks, 10 for u4 ones): the i8
+//   block layout above is already an AMX B tile for K = 32 (8 rows of [16 output rows][4 bytes]); u4 blocks are
+//   unpacked into one (low nibbles rows 0-3, high nibbles rows 4-7). Per group of 16 activation rows and block, one
+//   tdpbssd (s8 x s8: the u4 codes 0..15 are non-negative int8) gives the 16 x 16 integer sums of the block,
+//   stored and scaled into fp32 accumulators with AVX-512 (the block's scales are an outer product of the
+//   weights' d and the activations' dx, so integer sums cannot run across blocks). The conversion and FMAs of
+//   the scales, not the TMUL, bound this: per activation row and block a convert, a multiply and one FMA (two
+//   with mins) of 16 lanes. So the tile products run 4 blocks ahead of the scaling on 4 accumulator tiles,
+//   the accumulators of a group stay in registers over all blocks, u4 blocks are unpacked 8 blocks ahead, and
+//   the next weight tile is prefetched. This follows llama.cpp's ggml/src/ggml-cpu/amx/mmq.cpp (K-blocks of 32
+//   through tdpbssd/tdpbusd, the scales applied after _tile_stored); the layout and code here are our own.
+//   The last group of a batch (17-31 rows: 1-15) is padded with zero rows; under the thresholds above it runs
+//   on the VNNI tiles instead. The same integer sums, scaled and summed in the same order: the VNNI tiles'
+//   floats bit for bit. set_amx(false) turns it off (tests, benchmarks), as does GLMSERVE_CPU_AMX=0 at load.
 // Batch: each tile computes NB activation rows at once (8 on AVX-512, 2 on AVX2, 1 scalar) so that its
 // weights are loaded (and nibbles unpacked) once per NB rows; a tile's weights (16 x in bytes or half of it)
 // stay in L1/L2 across the batch. Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles
@@ -242,8 +247,13 @@ void tile_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, f
 
 #ifdef GLMSERVE_AMX
 // ---------------------------------------------------------------------------------------------- AMX
-constexpr int64_t AMX_ROWS = 16;  // activation rows per A tile
-constexpr int64_t AMX_MIN_ROWS = 16;  // below, the VNNI tiles (an A tile of fewer rows wastes the rest)
+constexpr int64_t AMX_ROWS = 16;       // activation rows per A tile (a group)
+// a group of fewer real rows runs on the VNNI tiles: an AMX group costs its tile products and stores whatever its
+// rows, the VNNI tiles cost per row; the break-even measured at about 6 rows for int8 blocks and 9-10 for u4 ones,
+// which pay the nibble unpacking per group too (bench/RESULTS.md, "AMX int8 tiles for decode batches")
+constexpr int64_t AMX_GROUP_MIN_I8 = 6, AMX_GROUP_MIN_U4 = 10;
+constexpr int64_t AMX_AHEAD = 4;       // blocks whose tile products run ahead of their scaling: C tiles 0-3
+constexpr int64_t AMX_RING = 2 * AMX_AHEAD;  // int32 result buffers of [16][16], written by tile stores
 
 bool amx_supported() {  // AMX-TILE and AMX-INT8 (CPUID leaf 7 EDX bits 24, 25), and Linux lets us use the tiles
   static const bool ok = [] {
@@ -266,68 +276,130 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0/3: C [16 act rows][16 out rows] int32; 1/4: A [16 act rows][32 codes]; 2/5: B [8][16 out rows x 4]
+// tiles 0-3: C [16 act rows][16 out rows] int32, one per block in flight; 4/5: A [16 act rows][32 codes];
+// 6/7: B [8][16 out rows x 4] (4/6 for even blocks, 5/7 for odd ones)
 __attribute__((target("amx-tile,amx-int8"))) void amx_config() {
   TileConfig cfg;
-  for (int t : {0, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  for (int t : {1, 4}) cfg.rows[t] = 16, cfg.colsb[t] = QK;
-  for (int t : {2, 5}) cfg.rows[t] = QK / 4, cfg.colsb[t] = 64;
+  for (int t : {0, 1, 2, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = QK;
+  for (int t : {6, 7}) cfg.rows[t] = QK / 4, cfg.colsb[t] = 64;
   asm volatile("" : : "r"(&cfg) : "memory");  // GCC 12 dropped the stores above as dead before ldtilecfg
   _tile_loadconfig(&cfg);
 }
 
-// out [16 act rows, 16 out rows] for activation rows n0..n0+15 (q padded to whole A tiles) and one weight tile
-template <bool U4>
-__attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, const Acts& a, int64_t n0,
-                                                             int64_t nblocks, float* out) {
-  alignas(64) int32_t c[2][AMX_ROWS * ROWS];
-  alignas(64) uint8_t unpacked[2][I8_BLOCK];
-  __m512 acc[AMX_ROWS];
-  for (auto& v : acc) v = _mm512_setzero_ps();
+// One block's 16 x 16 integer sums into `dst` ([16][16] int32): GCC's tile intrinsics stringize their tile
+// numbers, so they are literals here. The store is our own asm naming the 1 KB it writes: GCC's _tile_stored
+// clobbers all memory, which made the compiler keep the fp32 accumulators on the stack (a load and a store per
+// row and block, on the store port the tile stores need).
+#define GLMSERVE_AMX_BLOCK(C, A, B, act, stride, codes, dst)                                             \
+  do {                                                                                                   \
+    _tile_zero(C);                                                                                       \
+    _tile_loadd(A, act, stride);                                                                         \
+    _tile_loadd(B, codes, 64);                                                                           \
+    _tile_dpbssd(C, A, B);                                                                               \
+    asm volatile("tilestored %%tmm" #C ", (%1,%2,1)"                                                    \
+                 : "=m"(*reinterpret_cast<int32_t(*)[AMX_ROWS * ROWS]>(dst))                              \
+                 : "r"(dst), "r"(int64_t{64}));                                                          \
+  } while (0)
+
+// A u4 block unpacked into an AMX B tile (low nibbles rows 0-3, high nibbles rows 4-7): the signed int8
+// layout, codes 0..15
+inline void amx_unpack_u4(const uint8_t* codes, uint8_t* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const int8_t* q = a.q + n0 * a.kp;
-  auto scale_into = [&](const int32_t* sums, int64_t b) {
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
-    const __m512 mw = w.m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + b * ROWS)))
-                          : _mm512_setzero_ps();
-    for (int r = 0; r < AMX_ROWS; ++r) {
-      const int64_t i = (n0 + r) * a.nb + b;
-      const __m512 x = _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * ROWS));
-      acc[r] = _mm512_fmadd_ps(x, _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[r]);
-      if (w.m) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r]);
-    }
-  };
-  auto b_tile = [&](int64_t b, int k) -> const uint8_t* {
-    const uint8_t* codes = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
-    if (!U4) return codes;
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(codes + j * 64);
-      _mm512_store_si512(unpacked[k] + j * 64, _mm512_and_si512(v, low4));
-      _mm512_store_si512(unpacked[k] + (4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-    }
-    return unpacked[k];
-  };
-  for (int64_t b = 0; b < nblocks; b += 2) {  // two blocks at a time on the two tile sets
-    _tile_zero(0);
-    _tile_loadd(1, q + b * QK, a.kp);
-    _tile_loadd(2, b_tile(b, 0), 64);
-    _tile_dpbssd(0, 1, 2);
-    const bool second = b + 1 < nblocks;
-    if (second) {
-      _tile_zero(3);
-      _tile_loadd(4, q + (b + 1) * QK, a.kp);
-      _tile_loadd(5, b_tile(b + 1, 1), 64);
-      _tile_dpbssd(3, 4, 5);
-    }
-    _tile_stored(0, c[0], 64);
-    scale_into(c[0], b);
-    if (second) {
-      _tile_stored(3, c[1], 64);
-      scale_into(c[1], b + 1);
-    }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(codes + j * 64);
+    _mm512_store_si512(out + j * 64, _mm512_and_si512(v, low4));
+    _mm512_store_si512(out + (4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
   }
-  for (int r = 0; r < AMX_ROWS; ++r) _mm512_storeu_ps(out + r * ROWS, acc[r]);
 }
+
+// out [rows, cols] (row stride ldo) for activation rows n0..n0+rows-1 (rows <= 16; q padded to whole A tiles)
+// and the first cols <= 16 output rows of one weight tile
+// whose blocks are AMX B tiles (`btiles`, [nblocks][512]). The tile products of block b + AMX_AHEAD are issued
+// before block b is scaled, so the TMUL and the tile stores of the next blocks overlap this block's conversion
+// and FMAs (the bound: per activation row and block, a convert, a multiply and one or two FMAs of 16 lanes), and
+// the 16 fp32 accumulators stay in registers over all blocks. Per element the same operations in the same
+// block order as tile_avx512, so the sums are the VNNI tiles' bit for bit. `next` (the following weight tile's
+// bytes, or nullptr) is prefetched, `next_bytes` of it spread over the blocks. The pipelining and the
+// store-then-scale per block of 32 follow llama.cpp's ggml/src/ggml-cpu/amx/mmq.cpp (its tinygemm_kernel_amx);
+// the layout and the code are our own.
+template <int R, bool U4, bool MINS>  // R: the rows computed (rows rounded up to 4; the padded rows' scales are 0)
+__attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, const Acts& a, int64_t n0, int rows,
+                                                             int64_t nblocks, const uint8_t* next,
+                                                             int64_t next_bytes, float* out, int64_t ldo,
+                                                             int cols) {
+  alignas(64) int32_t ring[AMX_RING][AMX_ROWS * ROWS];
+  // u4: block b is unpacked AMX_AHEAD blocks before its tile load (a tile load right after the vector stores of
+  // its data stalls until they reach L1), into a ring of 2 AMX_RING blocks
+  alignas(64) uint8_t unpacked[U4 ? 2 * AMX_RING : 1][I8_BLOCK];
+  auto unpack = [&](int64_t b) {
+    if (U4 && b < nblocks) amx_unpack_u4(w.codes + b * U4_BLOCK, unpacked[b % (2 * AMX_RING)]);
+  };
+  const uint16_t *wd = w.d, *wm = w.m;
+  // one named accumulator per row: GCC does not keep an array of 16 zmm (1 KB) in registers
+#define GLMSERVE_EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define GLMSERVE_ACC(r) [[maybe_unused]] __m512 acc##r = _mm512_setzero_ps();
+  GLMSERVE_EACH_ROW(GLMSERVE_ACC)
+  const int8_t* q = a.q + n0 * a.kp;
+  const int64_t stride = a.kp;
+  auto issue = [&](int64_t b) {
+    const int8_t* act = q + b * QK;
+    const uint8_t* codes = U4 ? unpacked[b % (2 * AMX_RING)] : w.codes + b * I8_BLOCK;
+    int32_t* dst = ring[b % AMX_RING];
+    switch (b % AMX_AHEAD) {
+      case 0: GLMSERVE_AMX_BLOCK(0, 4, 6, act, stride, codes, dst); break;
+      case 1: GLMSERVE_AMX_BLOCK(1, 5, 7, act, stride, codes, dst); break;
+      case 2: GLMSERVE_AMX_BLOCK(2, 4, 6, act, stride, codes, dst); break;
+      default: GLMSERVE_AMX_BLOCK(3, 5, 7, act, stride, codes, dst); break;
+    }
+  };
+  const float* dx = a.d + n0 * a.nb;
+  const float* sx = a.s + n0 * a.nb;
+  const int64_t nb = a.nb;
+  const int64_t lines = next ? (next_bytes + 63) / 64 : 0, per_block = (lines + nblocks - 1) / nblocks;
+  for (int64_t b = 0; b < 2 * AMX_AHEAD; ++b) unpack(b);
+  for (int64_t b = 0; b < std::min(AMX_AHEAD, nblocks); ++b) issue(b);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    if (b + AMX_AHEAD < nblocks) issue(b + AMX_AHEAD);
+    unpack(b + 2 * AMX_AHEAD);
+    for (int64_t l = b * per_block; l < std::min(lines, (b + 1) * per_block); ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T0);
+    const int32_t* sums = ring[b % AMX_RING];
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + b * ROWS)));
+    const __m512 mw = MINS ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wm + b * ROWS)))
+                           : _mm512_setzero_ps();
+#define GLMSERVE_SCALE(r)                                                                              \
+    if constexpr (r < R) {                                                                             \
+      const __m512 x = _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * ROWS));                         \
+      acc##r = _mm512_fmadd_ps(x, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])), acc##r);          \
+      if (MINS) acc##r = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), acc##r);                  \
+    }
+    GLMSERVE_EACH_ROW(GLMSERVE_SCALE)
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+#define GLMSERVE_STORE(r) \
+  if constexpr (r < R) {  \
+    if (r < rows) _mm512_mask_storeu_ps(out + r * ldo, keep, acc##r); \
+  }
+  GLMSERVE_EACH_ROW(GLMSERVE_STORE)
+#undef GLMSERVE_STORE
+#undef GLMSERVE_SCALE
+#undef GLMSERVE_ACC
+#undef GLMSERVE_EACH_ROW
+}
+
+// tile_amx for `rows` rows, R = rows rounded up to 4
+template <bool U4, bool MINS>
+void tile_amx_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nblocks, const uint8_t* next,
+                   int64_t next_bytes, float* out, int64_t ldo, int cols) {
+  switch ((rows + 3) / 4) {
+    case 1: return tile_amx<4, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
+    case 2: return tile_amx<8, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
+    case 3: return tile_amx<12, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
+    default: return tile_amx<16, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
+  }
+}
+#undef GLMSERVE_AMX_BLOCK
 
 __attribute__((target("amx-tile,amx-int8"))) void amx_release() { _tile_release(); }
 #endif
@@ -355,11 +427,54 @@ void tile_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nb
   tile<NB, U4>(w, a, n0, nblocks, out);
 }
 
-bool use_amx(int64_t N) {
+// rows n0..n0+count-1 of out, for weight tile t, on the variant's own tiles (MAX_NB rows at a time)
+void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64_t nblocks, bool u4, float* o,
+               int64_t out_features, int64_t r0) {
+  float buf[MAX_NB * ROWS];
+  const int64_t cols = std::min<int64_t>(ROWS, out_features - r0);
+  for (int64_t n = n0; n < n0 + count; n += MAX_NB) {
+    const int rows = static_cast<int>(std::min<int64_t>(MAX_NB, n0 + count - n));
+    if (u4) tile_rows<true, MAX_NB>(w, a, n, rows, nblocks, buf);
+    else tile_rows<false, MAX_NB>(w, a, n, rows, nblocks, buf);
+    for (int i = 0; i < rows; ++i) std::memcpy(o + (n + i) * out_features + r0, buf + i * ROWS, cols * sizeof(float));
+  }
+}
+
 #ifdef GLMSERVE_AMX
-  return N >= AMX_MIN_ROWS && amx_wanted.load() && amx_supported();
+// weight tiles [begin, end) on the AMX tiles, groups of 16 activation rows (a group of fewer than AMX_GROUP_MIN_*
+// real rows on the VNNI tiles)
+void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
+               int64_t end, int64_t nblocks, bool u4, float* o, int64_t out_features) {
+  const int64_t tile_bytes = nblocks * (u4 ? U4_BLOCK : I8_BLOCK);
+  amx_config();
+  for (int64_t t = begin; t < end; ++t) {
+    const Weights w{cp + t * tile_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
+    const int64_t r0 = t * ROWS;
+    const int cols = static_cast<int>(std::min<int64_t>(ROWS, out_features - r0));
+    const uint8_t* next = t + 1 < end ? w.codes + tile_bytes : nullptr;
+    for (int64_t n0 = 0; n0 < N; n0 += AMX_ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(AMX_ROWS, N - n0));
+      if (rows < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8)) {
+        simd_rows(w, a, n0, rows, nblocks, u4, o, out_features, r0);
+        continue;
+      }
+      const uint8_t* ahead = n0 == 0 ? next : nullptr;  // the next tile's codes, prefetched during the first group
+      float* dst = o + n0 * out_features + r0;
+      if (u4 && w.m) tile_amx_rows<true, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
+      else if (u4) tile_amx_rows<true, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
+      else if (w.m) tile_amx_rows<false, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
+      else tile_amx_rows<false, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
+    }
+  }
+  amx_release();
+}
+#endif
+
+bool use_amx(int64_t N, bool u4) {
+#ifdef GLMSERVE_AMX
+  return N >= (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) && amx_wanted.load() && amx_supported();
 #else
-  (void)N;
+  (void)N, (void)u4;
   return false;
 #endif
 }
@@ -376,56 +491,38 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(wd.data_ptr<at::Half>());
   const uint16_t* mp = wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr;
   const int64_t block_bytes = codes.size(2);
-  const bool amx = use_amx(N);
   Acts a = a_in;
-  std::vector<int8_t> q_pad;  // AMX: the activations padded with zero rows to whole A tiles (16 rows)
-  std::vector<float> d_pad, s_pad;
 #ifdef GLMSERVE_AMX
-  if (amx && N % AMX_ROWS) {
-    const int64_t padded = (N + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
-    q_pad.assign(padded * a.kp, 0);
-    d_pad.assign(padded * a.nb, 0.f);
-    s_pad.assign(padded * a.nb, 0.f);
-    std::memcpy(q_pad.data(), a.q, N * a.kp);
-    std::memcpy(d_pad.data(), a.d, N * a.nb * sizeof(float));
-    std::memcpy(s_pad.data(), a.s, N * a.nb * sizeof(float));
-    a.q = q_pad.data(), a.d = d_pad.data(), a.s = s_pad.data();
+  if (use_amx(N, u4)) {
+    // the activations padded with zero rows (codes and scales) to whole A tiles of 16 rows
+    std::vector<int8_t> q_pad;
+    std::vector<float> d_pad, s_pad;
+    if (N % AMX_ROWS) {
+      const int64_t padded = (N + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+      q_pad.assign(padded * a.kp, 0);
+      d_pad.assign(padded * a.nb, 0.f);
+      s_pad.assign(padded * a.nb, 0.f);
+      std::memcpy(q_pad.data(), a.q, N * a.kp);
+      std::memcpy(d_pad.data(), a.d, N * a.nb * sizeof(float));
+      std::memcpy(s_pad.data(), a.s, N * a.nb * sizeof(float));
+      a.q = q_pad.data(), a.d = d_pad.data(), a.s = s_pad.data();
+    }
+    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+      amx_tiles(cp, dp, mp, a, N, begin, end, nblocks, u4, o, out_features);
+    });
+    return out;
   }
 #endif
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    float buf[std::max<int64_t>(MAX_NB, 16) * ROWS];
-#ifdef GLMSERVE_AMX
-    if (amx) {
-      amx_config();
-      for (int64_t t = begin; t < end; ++t) {
-        const Weights w{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
-        const int64_t r0 = t * ROWS, cols = std::min<int64_t>(ROWS, out_features - r0);
-        for (int64_t n0 = 0; n0 < N; n0 += AMX_ROWS) {
-          if (u4) tile_amx<true>(w, a, n0, nblocks, buf);
-          else tile_amx<false>(w, a, n0, nblocks, buf);
-          for (int64_t n = 0; n < std::min<int64_t>(AMX_ROWS, N - n0); ++n)
-            std::memcpy(o + (n0 + n) * out_features + r0, buf + n * ROWS, cols * sizeof(float));
-        }
-      }
-      amx_release();
-      return;
-    }
-#endif
     for (int64_t t = begin; t < end; ++t) {
       const Weights w{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
-      const int64_t r0 = t * ROWS, cols = std::min<int64_t>(ROWS, out_features - r0);
-      for (int64_t n0 = 0; n0 < N; n0 += MAX_NB) {
-        const int rows = static_cast<int>(std::min<int64_t>(MAX_NB, N - n0));
-        if (u4) tile_rows<true, MAX_NB>(w, a, n0, rows, nblocks, buf);
-        else tile_rows<false, MAX_NB>(w, a, n0, rows, nblocks, buf);
-        for (int n = 0; n < rows; ++n) std::memcpy(o + (n0 + n) * out_features + r0, buf + n * ROWS, cols * sizeof(float));
-      }
+      simd_rows(w, a, 0, N, nblocks, u4, o, out_features, t * ROWS);
     }
   });
   return out;
 }
 
-// set_amx(enable): whether the AMX tiles run batches of AMX_MIN_ROWS rows or more; returns whether they now
+// set_amx(enable): whether the AMX tiles run batches of AMX_GROUP_MIN_* rows or more; returns whether they now
 // do (false where the build or the CPU has no AMX)
 bool set_amx(bool enable) {
 #ifdef GLMSERVE_AMX
@@ -589,6 +686,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "int8 activations per block of 32 or per row (CPU)");
   m.def("quant_matmul", &quant_matmul, "quantized activations x packed int8/int4 block weights (CPU)");
   m.def("quant_linear", &quant_linear, "quantize_activations, then quant_matmul (CPU)");
-  m.def("set_amx", &set_amx, "use the AMX int8 tiles for batches of 16 rows or more (where the CPU has them)");
+  m.def("set_amx", &set_amx, "use the AMX int8 tiles for batches of 6+ (int8) / 10+ (u4) rows (where the CPU has them)");
   m.def("dequantize_packed", &dequantize_packed, "packed block weights -> dense [out, blocks*32] bf16 or f32 (CPU)");
 }

@@ -1,0 +1,125 @@
+"""A/B of two versions of the int8 block kernel (kernels/csrc/quant_matmul.cpp): `quant_matmul` on SmolLM2-135M's
+linear shapes and its lm_head at decode batch sizes, both builds loaded in one process and timed interleaved
+(A, B and B's VNNI tiles in turn, the order rotating per repeat) on the same packed weights and the same quantized
+activations. Checks first that every output of both builds, AMX and VNNI tiles, is the same floats.
+
+    git show main:glmserve/kernels/csrc/quant_matmul.cpp > /tmp/qm_main.cpp
+    .venv/bin/python bench/ab_quant_kernels.py /tmp/qm_main.cpp [--batches 8 16 32 64] [--threads 1] [--repeats 9]
+
+A is compiled from the given source (avx512 variant, the kernels' own flags) under its own module name, in a build
+directory named by its hash; B is this checkout's avx512 build. Weights: random, round-to-nearest int4 group 32
+with zero points (GGUF Q4_1's math and bytes: u4 codes, fp16 d and m) and int8 group 32 (Q8_0's); the lm_head is
+Q8_0, as the default model's tied embedding. Prints per case the median microseconds per call of each (wall time,
+and the calling thread's CPU time, which a loaded machine inflates less), GMAC/s (batch x out x in per second, from
+the CPU time) and B / A time, with the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_quant_kernels import SHAPES, seconds_per_call
+
+from glmserve import kernels
+from glmserve.kernels.build import BASE_CFLAGS, extensions_root, load
+from glmserve.kernels.isa import BY_NAME
+from glmserve.quant.cpu_backend import CpuBlockBackend
+from glmserve.quant.quantize import quantize
+from glmserve.quant.spec import QuantSpec
+
+CPU = torch.device("cpu")
+FORMATS = {
+    "Q4_1-like": QuantSpec(4, symmetric=False, strategy="group", group_size=32),
+    "Q8_0-like": QuantSpec(8, strategy="group", group_size=32),
+}
+
+
+def build_a(source: Path):
+    """The avx512 variant of `source` compiled under a module name of its own (glmserve_qm_ab_<hash>)."""
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha1(source.read_bytes()).hexdigest()[:8]
+    name = f"glmserve_qm_ab_{digest}"
+    directory = extensions_root() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return load(name=name, sources=[str(source)], extra_cflags=[*BASE_CFLAGS, *BY_NAME["avx512"].cflags],
+                build_directory=str(directory))
+
+
+def cpu_and_wall(fn, *args) -> tuple[float, float]:
+    """Seconds per call of fn(*args) in a loop of ~5 ms: (the calling thread's CPU time, wall time)."""
+    calls = max(1, int(0.005 / seconds_per_call(fn, *args, repeats=1)))
+    start, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(calls):
+        fn(*args)
+    return (time.thread_time() - cpu) / calls, (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a_source", type=Path, help="A: a quant_matmul.cpp (e.g. main's)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    a, b = build_a(args.a_source), load("quant_matmul", "avx512")
+    if not (a.set_amx(True) and b.set_amx(True)):
+        sys.exit("no AMX int8 tiles here (or a build without them)")
+    quantize_acts = kernels.op("quantize_activations", CPU, torch.float32)
+    backend = CpuBlockBackend()
+    print("loadavg before:", Path("/proc/loadavg").read_text().strip())
+    print(f"threads {args.threads}, medians of {args.repeats}; us: CPU time of the calling thread (wall)")
+    print("| shape | format | M | A us | B us | B VNNI us | A GMAC/s | B GMAC/s | B VNNI GMAC/s | B / A time |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for shape, fmt in itertools.product(args.shapes, args.formats):
+        out, inp = SHAPES[shape]
+        if shape.startswith("lm_head") and fmt != "Q8_0-like":
+            continue  # the default model's tied embedding is Q8_0
+        w = torch.randn(out, inp, generator=torch.Generator().manual_seed(out + inp)) * 0.02
+        p = backend.prepare(quantize(w, FORMATS[fmt]), None, CPU)
+        weights = (p.codes, p.scales, p.mins, p.u4, p.out_features)
+        for m in args.batches:
+            acts = quantize_acts(torch.randn(m, inp, generator=torch.Generator().manual_seed(m)), False)
+
+            def vnni(*xs):
+                b.set_amx(False)
+                try:
+                    return b.quant_matmul(*xs)
+                finally:
+                    b.set_amx(True)
+
+            calls = {"A": a.quant_matmul, "B": b.quant_matmul, "B VNNI": vnni}
+            outs = {k: f(*acts, *weights) for k, f in calls.items()}
+            a.set_amx(False)
+            outs["A VNNI"] = a.quant_matmul(*acts, *weights)
+            a.set_amx(True)
+            for k, v in outs.items():
+                assert torch.equal(v, outs["A VNNI"]), f"{shape} {fmt} M={m}: {k} differs from A's VNNI tiles"
+            cpu: dict[str, list[float]] = {k: [] for k in calls}
+            wall: dict[str, list[float]] = {k: [] for k in calls}
+            for r in range(args.repeats):
+                for k in list(calls)[r % 3:] + list(calls)[:r % 3]:
+                    c, w_ = cpu_and_wall(calls[k], *acts, *weights)
+                    cpu[k].append(c)
+                    wall[k].append(w_)
+            us = {k: statistics.median(v) * 1e6 for k, v in cpu.items()}
+            us_wall = {k: statistics.median(v) * 1e6 for k, v in wall.items()}
+            gmacs = {k: m * out * inp / t / 1e3 for k, t in us.items()}
+            cells = " | ".join(f"{us[k]:.0f} ({us_wall[k]:.0f})" for k in calls)
+            print(f"| {shape} | {fmt} | {m} | {cells} | {gmacs['A']:.0f} | {gmacs['B']:.0f} | {gmacs['B VNNI']:.0f} | "
+                  f"{us['B'] / us['A']:.2f} |", flush=True)
+    print("loadavg after:", Path("/proc/loadavg").read_text().strip())
+
+
+if __name__ == "__main__":
+    main()

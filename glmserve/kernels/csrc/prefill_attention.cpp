@@ -1,0 +1,439 @@
+// Causal prefill attention on the AMX bf16 tiles (CPU, avx512 build on CPUs with AMX-BF16).
+//
+//   prefill_attention(q [T, Hq, D] bf16, k [B, L, Hk, D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64,
+//                     scale, out_bf16) -> out [T, Hq, D] bf16 (out_bf16) or float32
+//   prefill_attention_available() -> bool: this build and CPU run it (AMX tiles granted by Linux)
+//
+// Rows b = 0..B-1 hold q_lens[b] queries each, one after the other in q; row b's keys are the first kv_lens[b]
+// of k[b] / v[b] (q_lens[b] <= kv_lens[b] <= L), and its query i sits at position kv_lens[b] - q_lens[b] + i and
+// attends keys at positions <= its own (a fresh prompt: B = 1, kv_lens = q_lens = T; a chunk over cached
+// context: kv_lens = cached + chunk). Grouped-query heads: query head j reads KV head j / (Hq / Hk). D is a
+// 64 or 128 (the output tiles cover 64 dims at a time); the last dimension of q, k and v is contiguous, other strides are free.
+//
+// The algorithm is FlashAttention-2's (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism
+// and Work Partitioning"): per block of queries, the keys in blocks, an online softmax (running max m, sum l,
+// output rescaled when m grows) in float32, the output divided by l once at the end. The blocking follows what
+// torch's aten/src/ATen/native/cpu/FlashAttentionKernel.cpp and vLLM's csrc/cpu attention do on CPU (queries
+// blocked, K/V packed once, causal blocks above the diagonal skipped); the tile formulation is our own:
+//
+// Everything is computed transposed, so that the softmax runs down columns (no horizontal reductions):
+//   scores^T [64 keys, 16 queries] = K [keys, D] x Q^T: A tiles are 16 rows of K (32 of D each, bf16, K packed
+//     once per call), the B tile is a query tile's Q^T in VNNI pairs ([16 pairs of D][16 queries x 2], packed
+//     once per work item), D / 32 tdpbf16ps into each of four C tiles (16 keys each); one zmm row per key then
+//     holds its 16 queries' scores.
+//   softmax in base 2 (scores times scale * log2 e): max, 2^x (vec_math.h's fast_exp2_16) and sum are lane-wise
+//     over the 64 rows; a block that reaches past a query tile's first position masks the keys after each
+//     query's; blocks wholly after a tile's last query are skipped (causal: half the work).
+//   out^T [D, 16 queries] += V^T [D, 64 keys] x P^T: A tiles are 16 dims x 32 keys of V^T (packed once per call,
+//     each 64-key block's [D][64] contiguous), two B tiles are P^T in VNNI pairs (the bf16 rows of two
+//     consecutive keys interleaved); the float32 accumulator lives in memory (L1), loaded into four C tiles,
+//     multiplied lane-wise by 2^(m_old - m_new) first when a max grew.
+//   The scores of the next step are computed on the tiles while the vector units run this step's softmax, and
+//     stored after it (vector loads issued after a tile store wait for it).
+// One work item is (row, KV head, two tiles of 16 queries) with the Hq / Hk query heads of that KV head; its
+// steps run key block by key block, each block against every head and tile, so each K and V block is read into
+// L1 once for all of them. Items are spread over threads with at::parallel_for, heavy and light (long and short
+// causal spans) alternating so that contiguous ranges carry similar work.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "amx.h"
+#include "vec_math.h"
+
+#ifdef GLMSERVE_HAS_AMX
+#include <immintrin.h>
+#endif
+
+namespace {
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_lens,
+                  const at::Tensor& kv_lens) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "prefill_attention: CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+              v.scalar_type() == at::kBFloat16, "prefill_attention: q, k, v must be bfloat16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "prefill_attention: q [T, Hq, D], k and v [B, L, Hk, D] of one shape");
+  const int64_t D = q.size(2);
+  TORCH_CHECK(k.size(3) == D && (D == 64 || D == 128), "prefill_attention: head dim ", D, " (q) and ", k.size(3),
+              " (k) must be equal, 64 or 128");
+  TORCH_CHECK(q.size(1) % k.size(2) == 0, "prefill_attention: ", q.size(1), " query heads are not a multiple of ",
+              k.size(2), " KV heads");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "prefill_attention: the head dim of q, k, v must be contiguous");
+  for (const auto* t : {&q_lens, &kv_lens})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == k.size(0),
+                "prefill_attention: q_lens and kv_lens are CPU int64 [B] with B = k.size(0)");
+  const int64_t* ql = q_lens.data_ptr<int64_t>();
+  const int64_t* kl = kv_lens.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < k.size(0); ++b) {
+    TORCH_CHECK(ql[b] >= 0 && ql[b] <= kl[b] && kl[b] <= k.size(1), "prefill_attention: row ", b, " has ", ql[b],
+                " queries and ", kl[b], " keys of ", k.size(1), " (need 0 <= queries <= keys <= L)");
+    total += ql[b];
+  }
+  TORCH_CHECK(total == q.size(0), "prefill_attention: q_lens sum to ", total, ", q has ", q.size(0), " tokens");
+}
+
+#ifdef GLMSERVE_HAS_AMX
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+
+constexpr int64_t QB = 16;  // queries per tile: the columns of the B tiles
+constexpr int64_t QT = 2;   // query tiles per work item (each K and V block, once in L1, serves both)
+constexpr int64_t KB = 64;  // keys per block: four 16-row A tiles for the scores, the depth of two P^T tiles
+
+struct Problem {
+  const uint16_t* q;  // bf16 bits
+  int64_t q_row, q_head;  // strides (elements)
+  uint16_t* out16;  // one of these two
+  float* out32;
+  int64_t Hq, Hk, g, D;
+  float scale;
+  const int64_t* q_start;  // [B] first token of row b in q / out
+  const int64_t* q_len;
+  const int64_t* kv_len;
+  const int64_t* pad_start;  // [B] offset of row b's packed keys (units of keys x Hk)
+  const uint16_t* kp;  // packed K: per (row, KV head) [Lpad][D]
+  const uint16_t* vt;  // packed V^T: per (row, KV head) [Lpad / KB][D][KB] (each key block's V^T contiguous)
+};
+
+struct Item {
+  int64_t b, h, block, cost;
+};
+
+struct Unit {  // one step of an item: a key block against one head's query tile
+  int64_t kb, tile, state;  // first key, query tile, index of the (tile, head) state: tile * g + head
+};
+
+struct Scratch {  // one thread's buffers; states (query tile, head) = tile * g + head
+  std::vector<uint16_t> qt;  // [states][D / 32][16 pairs x 16 queries x 2] Q^T in VNNI pairs
+  std::vector<float> o;      // [states][D][16] out^T
+  std::vector<float> m, l;   // [states][16]
+  std::vector<Unit> units;
+  alignas(64) float s[2][KB * QB];   // scores^T of two units (one computed while the other's softmax runs)
+  alignas(64) uint16_t pt[KB * QB];  // P^T bf16 in VNNI pairs: 2 x [16 key pairs][16 queries x 2]
+  explicit Scratch(const Problem& p)
+      : qt(QT * p.g * p.D * QB), o(QT * p.g * p.D * QB), m(QT * p.g * QB), l(QT * p.g * QB) {}
+};
+
+AMX_TARGET void tile_config() {
+  glmserve::TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // every tile 16 rows x 64 bytes
+  asm volatile("" : : "r"(&cfg) : "memory");  // keep the stores above (GCC 12 dropped them as dead before ldtilecfg)
+  _tile_loadconfig(&cfg);
+}
+
+AMX_TARGET void tile_release() { _tile_release(); }
+
+// Q^T of the item's g heads in VNNI pairs; queries past the row's end are zeros
+void pack_queries(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t nq, uint16_t* qt) {
+  const int64_t chunks = p.D / 32;
+  std::memset(qt, 0, sizeof(uint16_t) * p.g * p.D * QB);
+  for (int64_t j = 0; j < p.g; ++j) {
+    for (int64_t n = 0; n < nq; ++n) {
+      const uint16_t* src = p.q + (p.q_start[b] + i0 + n) * p.q_row + (h * p.g + j) * p.q_head;
+      for (int64_t c = 0; c < chunks; ++c) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(qt + (j * chunks + c) * 32 * QB);
+        for (int64_t r = 0; r < 16; ++r) std::memcpy(dst + r * QB + n, src + c * 32 + 2 * r, 4);
+      }
+    }
+  }
+}
+
+// scores^T [64 keys][16 queries] for keys kb..kb+63 and one head's Q^T (qt) into C tiles 0-3 (16 keys each); they
+// stay there until store_scores
+AMX_TARGET inline void scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* qt) {
+  const int64_t stride = p.D * 2;
+  const uint16_t* k = kp + kb * p.D;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < p.D / 32; ++c, k += 32) {
+    _tile_loadd(6, qt + c * 32 * QB, 64);
+    _tile_loadd(4, k, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, k + 16 * p.D, stride);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_loadd(4, k + 32 * p.D, stride);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(5, k + 48 * p.D, stride);
+    _tile_dpbf16ps(3, 5, 6);
+  }
+}
+
+AMX_TARGET inline void store_scores(float* s) {
+  _tile_stored(0, s, 64);
+  _tile_stored(1, s + 16 * QB, 64);
+  _tile_stored(2, s + 32 * QB, 64);
+  _tile_stored(3, s + 48 * QB, 64);
+}
+
+// online softmax over one block of scores^T s, in base 2 (scores times scale * log2 e, so that the exponential is
+// vec_math.h's fast_exp2_16); P^T into pt as bf16 VNNI pairs (two B tiles: keys 0-31, 32-63); m, l: the head's
+// running max (scaled, base 2) and sum for its 16 queries; returns whether the max grew for some query, with
+// alpha = 2^(m_old - m_new) (the factor of the output so far)
+template <bool Masked>
+AMX_TARGET inline bool softmax_block(const Problem& p, int64_t kb, __m512 qpos, const float* s, uint16_t* pt,
+                                     float* m, float* l, __m512& alpha) {
+  const __m512 scale = _mm512_set1_ps(p.scale * glmserve::kLog2e);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 live[KB];
+  __m512 mx = ninf;
+  for (int k = 0; k < KB; ++k) {
+    const __m512 x = _mm512_load_ps(s + k * QB);
+    if constexpr (Masked) {  // keys after the query's position
+      live[k] = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(kb + k)), qpos, _CMP_LE_OQ);
+      mx = _mm512_mask_max_ps(mx, live[k], mx, x);
+    } else {
+      mx = _mm512_max_ps(mx, x);
+    }
+  }
+  const __m512 m_old = _mm512_loadu_ps(m), m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, scale));
+  // exactly 1 where the max stayed; m_old = -inf (the first block) gives 2^-126
+  alpha = glmserve::fast_exp2_16(_mm512_max_ps(_mm512_sub_ps(m_old, m_new), _mm512_set1_ps(-126.0f)));
+  __m512 sum = _mm512_setzero_ps();
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int k = 0; k < KB; k += 2) {
+    __m512 e0 = glmserve::fast_exp2_16(_mm512_fmsub_ps(_mm512_load_ps(s + k * QB), scale, m_new));
+    __m512 e1 = glmserve::fast_exp2_16(_mm512_fmsub_ps(_mm512_load_ps(s + (k + 1) * QB), scale, m_new));
+    if constexpr (Masked) {
+      e0 = _mm512_maskz_mov_ps(live[k], e0);
+      e1 = _mm512_maskz_mov_ps(live[k + 1], e1);
+    }
+    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+    // keys k and k+1 of each query side by side: [q0 k, q0 k+1, q1 k, q1 k+1, ...]
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // [e0 (16), e1 (16)]
+    _mm512_store_si512(pt + k * QB, _mm512_permutexvar_epi16(pairs, both));
+  }
+  _mm512_storeu_ps(m, m_new);
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
+  return _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_LT_OQ) != 0;
+}
+
+// 16 x 16 floats (rows of 16 at `src`) transposed into r: unpack pairs of rows (32-bit, then 64-bit, within 128-bit
+// lanes), then a 4 x 4 transpose of the 128-bit lanes
+inline void transpose16(const float* src, __m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = _mm512_loadu_ps(src + 2 * i * 16), b = _mm512_loadu_ps(src + (2 * i + 1) * 16);
+    t[2 * i] = _mm512_unpacklo_ps(a, b);
+    t[2 * i + 1] = _mm512_unpackhi_ps(a, b);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+// out^T [D][16] += V^T [D][keys kb..kb+63] x P^T, four C tiles of 16 dims at a time
+AMX_TARGET inline void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o) {
+  constexpr int64_t stride = KB * 2;  // bytes per row of a key block's V^T
+  _tile_loadd(6, pt, 64);
+  _tile_loadd(7, pt + 32 * QB, 64);
+  for (int64_t d = 0; d < p.D; d += 64, o += 64 * QB) {
+    const uint16_t* v = vt + kb * p.D + d * KB;
+    _tile_loadd(0, o, 64);
+    _tile_loadd(1, o + 16 * QB, 64);
+    _tile_loadd(2, o + 32 * QB, 64);
+    _tile_loadd(3, o + 48 * QB, 64);
+    _tile_loadd(4, v, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, v + 32, stride);
+    _tile_dpbf16ps(0, 5, 7);
+    _tile_loadd(4, v + 16 * KB, stride);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, v + 16 * KB + 32, stride);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_loadd(4, v + 32 * KB, stride);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(5, v + 32 * KB + 32, stride);
+    _tile_dpbf16ps(2, 5, 7);
+    _tile_loadd(4, v + 48 * KB, stride);
+    _tile_dpbf16ps(3, 4, 6);
+    _tile_loadd(5, v + 48 * KB + 32, stride);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_stored(0, o, 64);
+    _tile_stored(1, o + 16 * QB, 64);
+    _tile_stored(2, o + 32 * QB, 64);
+    _tile_stored(3, o + 48 * QB, 64);
+  }
+}
+
+AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
+  const int64_t ql = p.q_len[it.b], kl = p.kv_len[it.b], lpad = (kl + KB - 1) / KB * KB;
+  const int64_t i0 = it.block * QB * QT, tiles = std::min(QT, (ql - i0 + QB - 1) / QB);
+  int64_t nq[QT], first[QT], last[QT];  // per query tile: queries, positions of its first and last
+  __m512 qpos[QT];
+  for (int64_t t = 0; t < tiles; ++t) {
+    nq[t] = std::min(QB, ql - i0 - t * QB);
+    first[t] = kl - ql + i0 + t * QB, last[t] = first[t] + nq[t] - 1;
+    alignas(64) float pos[QB];
+    for (int64_t n = 0; n < QB; ++n) pos[n] = static_cast<float>(first[t] + std::min(n, nq[t] - 1));
+    qpos[t] = _mm512_load_ps(pos);
+    pack_queries(p, it.b, it.h, i0 + t * QB, nq[t], w.qt.data() + t * p.g * p.D * QB);
+  }
+  const int64_t region = (p.pad_start[it.b] * p.Hk + it.h * lpad) * p.D;
+  const uint16_t* kp = p.kp + region;
+  const uint16_t* vt = p.vt + region;
+  std::fill(w.o.begin(), w.o.end(), 0.0f);
+  std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.end(), 0.0f);
+  // units (key block, head, query tile) in this order, so that a block's K and V serve all heads and tiles from
+  // L1; blocks wholly after a tile's last query are skipped (causal: half the work)
+  w.units.clear();
+  for (int64_t kb = 0; kb <= last[tiles - 1]; kb += KB)
+    for (int64_t j = 0; j < p.g; ++j)
+      for (int64_t t = 0; t < tiles; ++t)
+        if (kb <= last[t]) w.units.push_back({kb, t, t * p.g + j});
+  // the scores of unit u + 1 are computed during unit u's softmax (the tiles work while the vector units run it)
+  // and stored after it: the softmax's loads do not wait behind tile stores issued before them
+  const int64_t units = static_cast<int64_t>(w.units.size());
+  auto q_of = [&](const Unit& x) { return w.qt.data() + x.state * p.D * QB; };
+  scores(p, kp, 0, q_of(w.units[0]));
+  store_scores(w.s[0]);
+  for (int64_t u = 0; u < units; ++u) {
+    if (u + 1 < units) scores(p, kp, w.units[u + 1].kb, q_of(w.units[u + 1]));
+    const Unit x = w.units[u];
+    float* o = w.o.data() + x.state * p.D * QB;
+    float* m = &w.m[x.state * QB];
+    float* l = &w.l[x.state * QB];
+    __m512 alpha;
+    const bool grew = x.kb + KB - 1 > first[x.tile]
+                          ? softmax_block<true>(p, x.kb, qpos[x.tile], w.s[u & 1], w.pt, m, l, alpha)
+                          : softmax_block<false>(p, x.kb, qpos[x.tile], w.s[u & 1], w.pt, m, l, alpha);
+    if (grew && x.kb > 0)  // (the first block finds the output still zero)
+      for (int64_t d = 0; d < p.D; ++d) _mm512_storeu_ps(o + d * QB, _mm512_mul_ps(_mm512_loadu_ps(o + d * QB), alpha));
+    if (u + 1 < units) store_scores(w.s[(u + 1) & 1]);
+    accumulate(p, vt, x.kb, w.pt, o);
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t j = 0; j < p.g; ++j) {  // out = out^T transposed, divided by l
+      const int64_t state = t * p.g + j, head = it.h * p.g + j;
+      alignas(64) float inv[QB];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(&w.l[state * QB])));
+      for (int64_t d = 0; d < p.D; d += 16) {
+        __m512 r[QB];
+        transpose16(w.o.data() + (state * p.D + d) * QB, r);
+        for (int64_t n = 0; n < nq[t]; ++n) {
+          const int64_t at = ((p.q_start[it.b] + i0 + t * QB + n) * p.Hq + head) * p.D + d;
+          const __m512 y = _mm512_mul_ps(r[n], _mm512_set1_ps(inv[n]));
+          if (p.out16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.out16 + at), (__m256i)_mm512_cvtneps_pbh(y));
+          else
+            _mm512_storeu_ps(p.out32 + at, y);
+        }
+      }
+    }
+  }
+}
+
+// K rows [Lpad][D] and V^T by key blocks [Lpad / KB][D][KB] of one (row, KV head), zero past its keys
+void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t kl, int64_t lpad, int64_t D,
+             uint16_t* kp, uint16_t* vt) {
+  const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  for (int64_t t = 0; t < kl; ++t)
+    std::memcpy(kp + t * D, ks + b * k.stride(0) + t * k.stride(1) + h * k.stride(2), D * 2);
+  std::memset(kp + kl * D, 0, (lpad - kl) * D * 2);
+  if (lpad > kl) std::memset(vt + (lpad - KB) * D, 0, KB * D * 2);  // the last block
+  for (int64_t t0 = 0; t0 < kl; t0 += KB) {
+    uint16_t* block = vt + t0 * D;
+    for (int64_t t = t0; t < std::min(kl, t0 + KB); ++t) {
+      const uint16_t* row = vs + b * v.stride(0) + t * v.stride(1) + h * v.stride(2);
+      for (int64_t d = 0; d < D; ++d) block[d * KB + t - t0] = row[d];
+    }
+  }
+}
+
+at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* ql, const int64_t* kl,
+               double scale, bool out_bf16) {
+  const int64_t B = k.size(0), Hk = k.size(2), D = q.size(2), Hq = q.size(1), T = q.size(0);
+  std::vector<int64_t> q_start(B), pad_start(B);
+  int64_t tokens = 0, keys = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    q_start[b] = tokens, pad_start[b] = keys;
+    tokens += ql[b], keys += (kl[b] + KB - 1) / KB * KB;
+  }
+  std::vector<uint16_t> kp(keys * Hk * D), vt(keys * Hk * D);
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hk, h = i % Hk, lpad = (kl[b] + KB - 1) / KB * KB;
+      const int64_t region = (pad_start[b] * Hk + h * lpad) * D;
+      pack_kv(k, v, b, h, kl[b], lpad, D, kp.data() + region, vt.data() + region);
+    }
+  });
+  at::Tensor out = at::empty({T, Hq, D}, q.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+  Problem p{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0), q.stride(1),
+            out_bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr,
+            out_bf16 ? nullptr : out.data_ptr<float>(), Hq, Hk, Hq / Hk, D, static_cast<float>(scale),
+            q_start.data(), ql, kl, pad_start.data(), kp.data(), vt.data()};
+  std::vector<Item> items;  // cost: key blocks the item visits
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t blk = 0; blk * QB * QT < ql[b]; ++blk) {
+        const int64_t last = kl[b] - ql[b] + std::min(ql[b], (blk + 1) * QB * QT) - 1;
+        items.push_back({b, h, blk, last / KB + 1});
+      }
+  std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::vector<Item> order;  // heaviest, lightest, second heaviest, second lightest, ...
+  order.reserve(items.size());
+  for (size_t lo = 0, hi = items.size(); lo < hi;) {
+    order.push_back(items[lo++]);
+    if (lo < hi) order.push_back(items[--hi]);
+  }
+  at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch w(p);
+    tile_config();
+    for (int64_t i = begin; i < end; ++i) attend(p, order[i], w);
+    tile_release();
+  });
+  return out;
+}
+#endif
+
+bool prefill_attention_available() {
+#ifdef GLMSERVE_HAS_AMX
+  return glmserve::amx_bf16_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_lens,
+                             const at::Tensor& kv_lens, double scale, bool out_bf16) {
+  check_inputs(q, k, v, q_lens, kv_lens);
+  TORCH_CHECK(prefill_attention_available(),
+              "prefill_attention: needs the avx512 build on a CPU with AMX-BF16 tiles granted by Linux");
+#ifdef GLMSERVE_HAS_AMX
+  return run(q, k, v, q_lens.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), scale, out_bf16);
+#else
+  return at::Tensor();
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention on the AMX bf16 tiles (CPU)");
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "whether this build and CPU run prefill_attention");
+}

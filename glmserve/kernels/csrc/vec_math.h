@@ -1,0 +1,69 @@
+// Small numeric helpers shared by the prefill kernels (prefill_ops.cpp, prefill_attention.cpp): bf16 <-> float32
+// conversion as torch rounds, exp(x) as a scalar function the compiler vectorizes (fast_exp) and, in AVX-512
+// builds, 2^x on one 16-lane vector (fast_exp2_16).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace glmserve {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// exp(x) for x in [-87, 88], ~2 ulp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial, times
+// 2^n built in the exponent bits (x below -87 gives exp(-87), above 88 exp(88)). Branch-free and free of library
+// calls (no fmin/fmax, nearbyint or fma, which are calls without -ffinite-math-only or FMA), so that loops over it
+// vectorize; -ffast-math contracts the products and sums into FMAs where the variant has them. ln2 is split so
+// that n * ln2_hi is exact.
+constexpr float kExpLo = -87.0f, kExpHi = 88.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-06f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float fast_exp(float x) {
+  x = x < kExpLo ? kExpLo : (x > kExpHi ? kExpHi : x);
+  const int32_t i = static_cast<int32_t>(x * kLog2e + 128.5f) - 128;  // round(x / ln2), positive trunc
+  const float n = static_cast<float>(i);
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = kExpPoly[0];
+  for (int k = 1; k < 6; ++k) p = p * r + kExpPoly[k];
+  p = p * r * r + r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(i + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+#if defined(__AVX512F__)
+// 2^x on 16 lanes for finite x, ~1e-7 relative: x = n + f with n = round(x), |f| <= 1/2, 2^f = e^(f ln2) by its
+// Taylor series to degree 6 (truncation ~1.2e-7), times 2^n by vscalefps, which also gives 0 below -149 and +inf
+// above 128 without clamps. 9 instructions: the softmax of prefill_attention.cpp runs one per 16 scores.
+constexpr float kExp2Taylor[6] = {1.5403530393e-4f, 1.3333558146e-3f, 9.6181291076e-3f,
+                                  5.5504108665e-2f, 2.4022650696e-1f, 6.9314718056e-1f};  // ln2^k / k!, k = 6..1
+
+inline __m512 fast_exp2_16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
+  for (int k = 1; k < 6; ++k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[k]));
+  return _mm512_scalef_ps(_mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f)), n);
+}
+#endif
+
+}  // namespace glmserve

@@ -1,0 +1,196 @@
+"""Our causal prefill attention on AMX bf16 tiles (kernels op `prefill_attention`, csrc/prefill_attention.cpp)
+against a float32 SDPA with an explicit causal mask at the queries' offset, on the same bf16-rounded inputs; the
+layer's use of it (layers/attention.py) against torch's bf16 SDPA, which it replaces; and the variants without
+AMX (avx2, scalar), which report it unavailable so that the layer keeps SDPA. The kernel tests skip on CPUs
+without AMX-BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glmserve import kernels
+from glmserve.kernels import build
+from glmserve.layers.attention import (
+    AMX_ATTENTION_ENV,
+    BF16_MIN_TOKENS,
+    AttentionMetadata,
+    GroupMetadata,
+    PagedAttention,
+    amx_prefill_kernel,
+)
+
+CPU = torch.device("cpu")
+
+
+def available() -> bool:
+    probe = kernels.op("prefill_attention_available", CPU, torch.bfloat16)
+    return probe is not None and probe()
+
+
+needs_amx = pytest.mark.skipif(not available(), reason="no AMX-BF16 tiles (or no avx512 build) on this CPU")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float32 SDPA of q [T, Hq, D] over k, v [S, Hk, D] (the same bf16 values), query i at position S - T + i."""
+    t, s, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    mask = torch.arange(s)[None, :] <= (s - t + torch.arange(t))[:, None]
+    qf, kf, vf = (x.float().transpose(0, 1) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(qf, kf.repeat_interleave(group, 0), vf.repeat_interleave(group, 0),
+                                         attn_mask=mask, scale=q.shape[2] ** -0.5)
+    return out.transpose(0, 1)
+
+
+def inputs(t: int, s: int, hq: int, hk: int, d: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, hq, d, generator=gen).bfloat16()
+    k = torch.randn(s, hk, d, generator=gen).bfloat16()
+    v = torch.randn(s, hk, d, generator=gen).bfloat16()
+    return q, k, v
+
+
+def relative(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+@needs_amx
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["gqa-9-3", "mha-4-4"])
+@pytest.mark.parametrize("t", [1, 15, 16, 17, 100, 512])
+@pytest.mark.parametrize("cached", [0, 37, 300])
+@pytest.mark.parametrize("d", [64, 128])
+def test_kernel_matches_float32_reference(heads, t, cached, d):
+    hq, hk = heads
+    q, k, v = inputs(t, t + cached, hq, hk, d)
+    kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
+    lens, keys = torch.tensor([t]), torch.tensor([t + cached])
+    ref = reference(q, k, v)
+    out32 = kernel(q, k[None], v[None], lens, keys, d**-0.5, False)
+    out16 = kernel(q, k[None], v[None], lens, keys, d**-0.5, True)
+    assert out32.dtype == torch.float32 and out16.dtype == torch.bfloat16 and out32.shape == ref.shape
+    # inputs are exact in bf16 on both sides; the kernel rounds the softmax weights P to bf16 for P x V (2^-9
+    # relative each, ~1e-3 on the output, as torch's bf16 flash kernel does), and out16 the output once more
+    assert relative(out32, ref) < 3e-3
+    assert relative(out16, ref) < 5e-3
+    assert (out32 - ref).abs().max().item() < 2e-2
+
+
+@needs_amx
+def test_rows_of_one_batch_match_each_row_alone():
+    """Two rows (a fresh prompt and a chunk over cached keys) in one call, keys padded to a common length in
+    strided (head-major, as the layer gathers them) tensors: each row as the reference for it alone."""
+    kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
+    rows = [(70, 70), (33, 140)]  # (queries, keys)
+    parts = [inputs(t, s, 9, 3, 64, seed=i) for i, (t, s) in enumerate(rows)]
+    length = max(s for _, s in rows) + 5
+    k = torch.zeros(3, len(rows), length, 64, dtype=torch.bfloat16)  # [Hk, B, L, D] (junk past each row's keys)
+    v = torch.full((3, len(rows), length, 64), 7.0, dtype=torch.bfloat16)
+    for b, (_, kb, vb) in enumerate(parts):
+        k[:, b, :kb.shape[0]] = kb.transpose(0, 1)
+        v[:, b, :vb.shape[0]] = vb.transpose(0, 1)
+    q = torch.cat([p[0] for p in parts])
+    out = kernel(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), torch.tensor([t for t, _ in rows]),
+                 torch.tensor([s for _, s in rows]), 0.125, False)
+    assert relative(out[:70], reference(*parts[0])) < 3e-3
+    assert relative(out[70:], reference(*parts[1])) < 3e-3
+
+
+@needs_amx
+def test_threads_split_the_work_without_changing_the_result():
+    """Work items (KV head, 32 queries) go to at::parallel_for's threads; each is computed alone, so any split
+    gives the same bits."""
+    kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
+    q, k, v = inputs(300, 300, 9, 3, 64)
+    lens = torch.tensor([300])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, k[None], v[None], lens, lens, 0.125, False)
+        torch.set_num_threads(3)
+        assert torch.equal(kernel(q, k[None], v[None], lens, lens, 0.125, False), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_bad_input_is_a_clear_error():
+    kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
+    q, k, v = inputs(8, 8, 9, 3, 64)
+    lens = torch.tensor([8])
+    with pytest.raises(RuntimeError, match="q_lens sum to 7"):
+        kernel(q, k[None], v[None], torch.tensor([7]), lens, 0.125, False)
+    with pytest.raises(RuntimeError, match="queries <= keys"):
+        kernel(q, k[None], v[None], lens, torch.tensor([9]), 0.125, False)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel(q.float(), k[None], v[None], lens, lens, 0.125, False)
+    wide = inputs(8, 8, 9, 3, 128)
+    for d in (32, 96):
+        q_d, k_d, v_d = (x[..., :d] for x in wide)
+        with pytest.raises(RuntimeError, match="64 or 128"):
+            kernel(q_d, k_d[None], v_d[None], lens, lens, 0.125, False)
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        kernel(q[:, :8], k[None], v[None], lens, lens, 0.125, False)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_variants_without_amx_report_it_unavailable(isa):
+    """The layer asks `prefill_attention_available` and keeps SDPA where it says no: the avx2 and scalar builds
+    (AMD EPYC, GLMSERVE_CPU_ISA=avx2) always do, and their op refuses to run."""
+    if isa not in kernels.available_isas():
+        pytest.skip(f"this CPU does not run the {isa} variant")
+    module = build.load("prefill_attention", isa)
+    if module is None:
+        pytest.skip(f"the {isa} variant could not be built here")
+    assert module.prefill_attention_available() is False
+    q, k, v = inputs(4, 4, 2, 2, 64)
+    with pytest.raises(RuntimeError, match="AMX"):
+        module.prefill_attention(q, k[None], v[None], torch.tensor([4]), torch.tensor([4]), 0.125, False)
+
+
+def test_the_layer_takes_the_kernel_only_where_it_runs(monkeypatch):
+    assert all(amx_prefill_kernel(d) is None for d in (32, 48, 96, 192))
+    monkeypatch.setenv(AMX_ATTENTION_ENV, "0")
+    assert amx_prefill_kernel(64) is None
+    monkeypatch.delenv(AMX_ATTENTION_ENV)
+    assert (amx_prefill_kernel(64) is not None) == available()
+    monkeypatch.setenv("GLMSERVE_CPU_ISA", "avx2")  # as on a CPU without AVX-512
+    if "avx2" in kernels.available_isas() and build.load("prefill_attention", "avx2") is not None:
+        assert amx_prefill_kernel(64) is None
+
+
+HEADS, KV_HEADS, DIM, NULL = 9, 3, 64, 16
+
+
+def layer_output(monkeypatch, kernel_on: bool, context: int, t: int) -> torch.Tensor:
+    """One layer's prefill of `t` tokens after `context` cached ones, with the lengths the engine's metadata
+    passes (paged_metadata.py), through our kernel or torch's bf16 SDPA."""
+    monkeypatch.setenv(AMX_ATTENTION_ENV, "1" if kernel_on else "0")
+    gen = torch.Generator().manual_seed(3)
+    attn = PagedAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)
+    attn.kv_cache = torch.zeros(2, KV_HEADS, NULL + context + t, DIM)
+    attn.kv_cache[:, :, NULL:NULL + context] = torch.randn(2, KV_HEADS, context, DIM, generator=gen)
+    q = torch.randn(t, HEADS, DIM, generator=gen)
+    k, v = torch.randn(2, t, KV_HEADS, DIM, generator=gen)
+    length = context + t
+    if context == 0:
+        g = GroupMetadata(kv_slots=torch.empty(1, 0, dtype=torch.long), key_mask=None, num_tokens=t,
+                          fresh_causal=True)
+    else:
+        mask = torch.arange(length)[None, :] <= (context + torch.arange(t))[:, None]
+        g = GroupMetadata(kv_slots=torch.arange(NULL, NULL + length)[None], key_mask=mask[None, None], num_tokens=t,
+                          query_index=torch.arange(t)[None], valid_index=torch.arange(t),
+                          query_lens=torch.tensor([t]), key_lens=torch.tensor([length]))
+    meta = AttentionMetadata(slot_mapping=torch.arange(NULL + context, NULL + length), decode=None, prefill=g)
+    return attn(q, k, v, meta)
+
+
+@needs_amx
+@pytest.mark.parametrize("context", [0, 300], ids=["fresh-causal", "cached-context"])
+def test_layer_on_the_kernel_matches_bf16_sdpa(monkeypatch, context):
+    monkeypatch.setattr(kernels, "amx_bf16", lambda: True)
+    t = BF16_MIN_TOKENS + 40
+    ours = layer_output(monkeypatch, True, context, t)
+    sdpa = layer_output(monkeypatch, False, context, t)
+    assert ours.dtype == torch.float32 and ours.shape == sdpa.shape == (t, HEADS * DIM)
+    rel = ((ours - sdpa).norm() / sdpa.norm()).item()
+    assert 0 < rel < 5e-3  # both round P and the output to bf16, in different orders; 0 would mean one path
