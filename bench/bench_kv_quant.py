@@ -3,7 +3,8 @@ run: KV bytes per token, passkey / needle retrieval hits, and decode speed as a 
 
     .venv/bin/python bench/bench_kv_quant.py [--formats float32,bfloat16,int8,fp8] [--lengths 1024,2048]
                                              [--threads 1] [--out FILE]
-    .venv/bin/python bench/bench_kv_quant.py --attention-only [--contexts 8192,32768] [--out FILE]
+    .venv/bin/python bench/bench_kv_quant.py --attention-only [--contexts 8192,32768] [--attention-batch 1]
+                                             [--attention-pool-mb 0] [--out FILE]
 
 - retrieval: bench_sparse.py's passkey and needle-in-a-haystack prompts (the same haystacks, keys and question),
   dense attention, the answer decoded (24 tokens); a hit = the number appears in it;
@@ -11,9 +12,11 @@ run: KV bytes per token, passkey / needle retrieval hits, and decode speed as a 
   timed (engine steps after the prefill); formats take turns, `--repeats` rounds, the median per format;
   reported as tok/s and the ratio to float32 KV;
 - `--attention-only`: the decode attention of one SmolLM2 layer alone (9 query heads, 3 kv heads, head_dim 64,
-  batch 1) over a pool of random K/V written in each format, through the engine's decode path (the C++ kernel
-  of the active instruction set, or PyTorch with GLMSERVE_TORCH_ONLY=1): ms per call, formats in turns,
-  medians, ratio to float32 KV. Where the KV is larger than the caches, this is where its bytes show.
+  `--attention-batch` sequences, default 1) over a pool of random K/V written in each format (with
+  `--attention-pool-mb`: cycled over that many MB of layer pools, so that K/V come from memory as in an engine
+  step), through the engine's decode path (the C++ kernel of the active instruction set, or PyTorch with
+  GLMSERVE_TORCH_ONLY=1): ms per call, formats in turns, medians, ratio to float32 KV. Where the KV is larger than
+  the caches, this is where its bytes show.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from pathlib import Path
 
 import torch
 from bench_sparse import PASSKEY_FILLER, chat_prompt, haystack, prose
+from paged_decode_ab import DIM, decode_case, layer_pools
 
 from glmserve import LLM, SamplingParams
-from glmserve.kv.kv_format import kv_format, store
 from glmserve.layers.partial_attention import paged_attention_with_lse
 
 
@@ -83,33 +86,32 @@ def decode_rate(llm: LLM, prompts: list[list[int]], steps: int) -> float:
     return steps * len(prompts) / (time.perf_counter() - start)
 
 
-def attention_ms(contexts: list[int], names: list[str], repeats: int, calls: int = 20) -> dict:
-    """ms per decode-attention call of one layer over `context` keys, per format (formats in turns)."""
+def attention_ms(contexts: list[int], names: list[str], repeats: int, batch: int = 1, pool_mb: int = 0,
+                 calls: int = 20) -> dict:
+    """ms per decode-attention call of one layer (`batch` sequences of `context` keys each, their slots in
+    shuffled blocks of 16 as the engine's block tables give them), per format (formats in turns). With `pool_mb`
+    the calls cycle over as many layer pools as make at least that many MB of float32 K/V, so that the keys come
+    from memory as in the engine's step (30 layers' caches), not from a cache that one layer's loop keeps warm."""
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim = 9, 3, 64
     out: dict = {}
     for context in contexts:
-        k, v = (torch.randn(context, kv_heads, dim, generator=gen) for _ in range(2))
-        q = torch.randn(1, heads, dim, generator=gen)
-        slots, lengths = torch.randperm(context, generator=gen)[None], torch.tensor([context])
-        caches = {}
-        for name in names:
-            fmt = kv_format(name)
-            caches[name] = torch.empty(2, kv_heads, context, fmt.row_width(dim), dtype=fmt.storage)
-            store(caches[name][0], torch.arange(context), k)
-            store(caches[name][1], torch.arange(context), v)
+        q, k, v, slots, lengths, layers = decode_case(context, batch, pool_mb, gen)
+        pools = {name: layer_pools(name, k, v, layers) for name in names}
         times: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(repeats):
-            for name, cache in caches.items():
-                paged_attention_with_lse(q, cache, slots, lengths, dim**-0.5)  # warm
+            for name, caches in pools.items():
+                paged_attention_with_lse(q, caches[0], slots, lengths, DIM**-0.5)  # warm
+                n = max(calls, len(caches))
                 start = time.perf_counter()
-                for _ in range(calls):
-                    paged_attention_with_lse(q, cache, slots, lengths, dim**-0.5)
-                times[name].append((time.perf_counter() - start) / calls * 1e3)
+                for i in range(n):
+                    paged_attention_with_lse(q, caches[i % len(caches)], slots, lengths, DIM**-0.5)
+                times[name].append((time.perf_counter() - start) / n * 1e3)
         median = {n: statistics.median(t) for n, t in times.items()}
-        out[context] = {"ms": median, "ratio_vs_first": {n: median[names[0]] / median[n] for n in names}}
-        print(f"  attention over {context} keys, ms/call: "
+        out[context] = {"ms": median, "ratio_vs_first": {n: median[names[0]] / median[n] for n in names},
+                        "layers": layers}
+        print(f"  attention, batch {batch} x {context} keys, {layers} layer pool(s), ms/call: "
               + ", ".join(f"{n} {m:.3f} ({median[names[0]] / m:.2f}x)" for n, m in median.items()), flush=True)
+        del pools
     return out
 
 
@@ -126,11 +128,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--attention-batch", type=int, default=1, help="--attention-only: sequences per call")
+    ap.add_argument("--attention-pool-mb", type=int, default=0,
+                    help="--attention-only: cycle over layer pools of at least this many MB of float32 K/V")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     names = args.formats.split(",")
     if args.attention_only:
-        result = {"attention": attention_ms([int(c) for c in args.contexts.split(",")], names, args.repeats)}
+        result = {"attention": attention_ms([int(c) for c in args.contexts.split(",")], names, args.repeats,
+                                            args.attention_batch, args.attention_pool_mb)}
         if args.out:
             args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, **result}, indent=1))
         return

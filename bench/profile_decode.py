@@ -73,7 +73,9 @@ def instrument(engine, timers: Timers) -> None:
 
     PagedAttention.__call__ = timers.wrap("attention (all)", PagedAttention.__call__)
     PagedAttention._decode = timers.wrap("attention: decode kernel", PagedAttention._decode)
-    attention_module.store = timers.wrap("attention: KV write", attention_module.store)
+    for write in ("store", "store_kv"):  # the KV write as attention calls it (store_kv since bf16 KV)
+        if hasattr(attention_module, write):
+            setattr(attention_module, write, timers.wrap("attention: KV write", getattr(attention_module, write)))
     runner_module.sample = timers.wrap("sampling", runner_module.sample)
     r = engine.runner
     r._prepare = timers.wrap("batch building (runner._prepare)", r._prepare)

@@ -76,8 +76,9 @@ def _prompts(vocab: int, lengths, gen: torch.Generator) -> list[list[int]]:
 
 def test_logits_match_transformers(tiny):
     path, hf_model = tiny
+    # float32 latents (the CPU default is bf16): compared with transformers' float32 model at float32 tolerances
     llm = LLM(model=str(path), block_size=4, max_num_batched_tokens=24, max_num_seqs=8,
-              kv_cache_memory_bytes=4 << 20)
+              kv_cache_memory_bytes=4 << 20, kv_cache_dtype="float32")
     check_two_waves(llm, hf_model, (5, 17, 41, 60))
 
 
@@ -101,7 +102,7 @@ def _reference_selections(hf_model, tokens: list[int]) -> dict[int, torch.Tensor
 def test_selected_positions_match_reference(tiny):
     path, hf_model = tiny
     llm = LLM(model=str(path), block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
-              kv_cache_memory_bytes=4 << 20)
+              kv_cache_memory_bytes=4 << 20, kv_cache_dtype="float32")  # the float32 reference's top-k
     model = llm.engine.runner.model
     records: list[tuple[int, torch.Tensor, object]] = []
     model.selection_observer = lambda layer, pos, sel: records.append((layer, pos.clone(), sel))

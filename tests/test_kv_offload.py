@@ -15,19 +15,22 @@ from glmserve.sparse.block import block_bounds_bytes
 from glmserve.sparse.pinning import QuestionObservation
 
 BS, CHUNK, STEP = 4, 16, 16  # block size, chunk tokens, prefill tokens per step
+KV = "float32"  # not the CPU default bf16: pool sizes below count float32 rows, and outputs meet transformers' float32
 POOL_BLOCKS = 14  # 56 tokens: the first chunk, a chunk filling up, a step's tokens and a block (52) fit
 
 
-def _pool_bytes(model_dir, blocks: int) -> int:
-    """A KV budget of `blocks` usable blocks (K/V and block-indexer bounds) plus the null block."""
-    probe = LLM(model=str(model_dir), dtype="float32", block_size=BS, max_model_len=64).engine
-    bounds = block_bounds_bytes(probe.runner.model.paged_attention_layers(), torch.float32)
+def _pool_bytes(model_dir, blocks: int, kv: str = KV) -> int:
+    """A KV budget of `blocks` usable blocks (K/V and block-indexer bounds, in KV format `kv`) plus the null
+    block."""
+    probe = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, block_size=BS, max_model_len=64).engine
+    bounds = block_bounds_bytes(probe.runner.model.paged_attention_layers(), probe.runner.kv_cache.dtype)
     return (blocks + 1) * (probe.kv.io.bytes_per_block + bounds)
 
 
 def _engine(model_dir, tmp_path, **kw) -> LLM:
     """An engine on a pool of POOL_BLOCKS blocks offloading to tmp_path (unless `kw` says otherwise)."""
-    kw.setdefault("kv_cache_memory_bytes", _pool_bytes(model_dir, POOL_BLOCKS))
+    kw.setdefault("kv_cache_dtype", KV)
+    kw.setdefault("kv_cache_memory_bytes", _pool_bytes(model_dir, POOL_BLOCKS, kw["kv_cache_dtype"]))
     kw.setdefault("max_model_len", 400)
     return LLM(model=str(model_dir), dtype="float32", block_size=BS, kv_chunk_tokens=CHUNK,
                max_num_batched_tokens=STEP, kv_disk_dir=str(tmp_path / "kv"), **kw)
@@ -100,7 +103,8 @@ def test_prefix_loaded_back_as_large_as_the_pool_does_not_block_admission(hf_lla
 def test_pool_too_small_or_no_room_for_chunks_is_a_clear_error(tiny_model_dir, tmp_path):
     path = tiny_model_dir("llama")
     with pytest.raises(InvalidRequestError, match="kv_disk_dir"):
-        LLM(model=str(path), dtype="float32", block_size=BS, max_model_len=400, kv_cache_memory_bytes=20_000)
+        LLM(model=str(path), dtype="float32", kv_cache_dtype=KV, block_size=BS, max_model_len=400,
+            kv_cache_memory_bytes=20_000)
     with pytest.raises(InvalidRequestError, match="offloading KV chunks needs at least"):
         _engine(path, tmp_path, kv_cache_memory_bytes=20_000)
     # a pool that holds max_model_len needs no offload, however small: no minimum applies
@@ -109,8 +113,8 @@ def test_pool_too_small_or_no_room_for_chunks_is_a_clear_error(tiny_model_dir, t
     from test_glm_moe_dsa import make_model
 
     with pytest.raises(InvalidRequestError, match="kv_disk_dir"):  # MLA attention does not offload
-        LLM(model=str(make_model("glm_moe_dsa", tmp_path / "glm5")), dtype="float32", block_size=BS, max_model_len=400,
-            kv_cache_memory_bytes=20_000, kv_disk_dir=str(tmp_path / "kv"))
+        LLM(model=str(make_model("glm_moe_dsa", tmp_path / "glm5")), dtype="float32", kv_cache_dtype=KV, block_size=BS,
+            max_model_len=400, kv_cache_memory_bytes=20_000, kv_disk_dir=str(tmp_path / "kv"))
 
 
 @pytest.mark.parametrize("device", ["cpu", "generic"])
@@ -144,7 +148,8 @@ def test_block_sparse_streaming_reads_only_chunks_with_selected_blocks(hf_llama,
                         lambda self: (assign(self), observed.append((self.votes, self.sequences[0].sparse_pins))))
     prompt = _prompts((300,), seed=7)[0]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    whole = LLM(model=str(path), dtype="float32", block_size=BS, max_model_len=400, max_num_batched_tokens=STEP)
+    whole = LLM(model=str(path), dtype="float32", kv_cache_dtype=KV, block_size=BS, max_model_len=400,
+                max_num_batched_tokens=STEP)
     want = whole.generate([prompt], params, sparse=sparse)[0]
     llm = _engine(path, tmp_path, kv_host_memory_bytes=(1 << 30) if where == "host" else 0)
     got = llm.generate([prompt], params, sparse=sparse)[0]
@@ -166,7 +171,7 @@ def test_http_prompt_longer_than_the_pool_and_stream_metrics(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
     from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
 
-    kv_token_bytes = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32
+    kv_token_bytes = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16 KV (the CPU default)
     args = ["--max-model-len", "2048", "--kv-chunk-tokens", "64", "--max-num-batched-tokens", "256",
             "--kv-cache-memory-bytes", str(480 * kv_token_bytes), "--no-sparse-block-bounds",
             "--kv-disk-dir", str(tmp_path / "kv"), "--num-threads", "1", "--session-store", "off"]
@@ -182,3 +187,18 @@ def test_http_prompt_longer_than_the_pool_and_stream_metrics(tmp_path):
     assert samples["glmserve_kv_stream_offloaded_chunks_total"] >= (800 - 480) // 64
     assert samples["glmserve_kv_stream_read_slices_total"] > 0
     assert samples["glmserve_kv_stream_bytes"] == 0  # the finished request's chunks are gone
+
+
+def test_running_offload_with_bf16_kv_matches_the_resident_pool(hf_llama, tmp_path, kernel_backend):
+    """bf16 KV (the CPU default for float32 models): a sequence longer than the pool streams its offloaded bf16
+    chunks back through attention and follows a bf16 engine whose pool holds everything."""
+    path, _ = hf_llama
+    prompt = _prompts((300,), seed=11)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    resident = LLM(model=str(path), dtype="float32", kv_cache_dtype="bfloat16", block_size=BS, max_model_len=400,
+                   max_num_batched_tokens=STEP)
+    llm = _engine(path, tmp_path, kv_cache_dtype="bfloat16")
+    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    assert_same_output(llm.generate([prompt], params)[0], resident.generate([prompt], params)[0], tol=1e-3)
+    stats = llm.engine.kv.offload.stats
+    assert stats.offloaded_chunks > 0 and stats.read_slices > 0

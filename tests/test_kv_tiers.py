@@ -177,6 +177,7 @@ def test_kv_io_roundtrip_any_layout(make, dtype):
 # -- engine: the prefix cache spans device, host and disk --------------------------------------------------
 
 BS, CHUNK = 4, 16  # 4 blocks per chunk
+TOKEN_BYTES = 256  # the tiny llama's KV per token in bf16, the CPU default for float32 models (the tiny GLM-5: 304)
 
 
 def _chunk_hashes(tokens: list[int]) -> list[int]:
@@ -204,9 +205,9 @@ def _setup(tiny_model_dir, model_dir=None, **tiers):
 
     common = dict(model=str(model_dir or tiny_model_dir("llama")), dtype="float32", block_size=BS, max_model_len=128,
                   max_num_batched_tokens=64)
-    # 512 B of KV per token (the tiny GLM-5: 608): a pool of ~36-45 blocks (with or without block-indexer
+    # TOKEN_BYTES of KV per token: a pool of ~36-45 blocks (with or without block-indexer
     # bounds), so the second prompt evicts most of the first
-    llm = LLM(**common, kv_cache_memory_bytes=36 * 2560, kv_chunk_tokens=CHUNK, **tiers)
+    llm = LLM(**common, kv_cache_memory_bytes=36 * 5 * TOKEN_BYTES, kv_chunk_tokens=CHUNK, **tiers)
     cold = LLM(**common, enable_prefix_caching=False)
     rng = torch.Generator().manual_seed(0)
     a = torch.randint(2, 300, (100,), generator=rng).tolist()
@@ -220,7 +221,7 @@ def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, ho
     """host: 7 chunks of room; loading the prefix's 6 back spills the other prompt's chunks, which push the
     prefix's own out of the host tier while it loads (held copies keep them usable)."""
     llm, ref, a, b, params = _setup(tiny_model_dir, kv_disk_dir=str(tmp_path / "kv") if disk else None,
-                                    kv_host_memory_bytes=host_chunks * CHUNK * 512)
+                                    kv_host_memory_bytes=host_chunks * CHUNK * TOKEN_BYTES)
     tiers = llm.engine.kv.tiers
 
     first = llm.generate([a], params)[0]
@@ -260,7 +261,7 @@ def test_evicted_prefix_comes_back_from_lower_tiers(tiny_model_dir, tmp_path, ho
 def test_full_disk_tier_still_answers(tiny_model_dir, tmp_path):
     """A disk budget smaller than one chunk: every write is refused, nothing is left in the directory, and
     the requests answer as a cold run does (the evicted prefix is recomputed)."""
-    llm, ref, a, b, params = _setup(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_bytes=CHUNK * 512)
+    llm, ref, a, b, params = _setup(tiny_model_dir, kv_disk_dir=str(tmp_path), kv_disk_bytes=CHUNK * TOKEN_BYTES)
     tiers = llm.engine.kv.tiers
     assert_same_output(llm.generate([a], params)[0], ref)
     llm.generate([b], params)

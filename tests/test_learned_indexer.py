@@ -267,9 +267,10 @@ class RecordingIndexer:
         return scores
 
 
-def _engine(model_dir: Path, indexer: Path) -> LLMEngine:
+def _engine(model_dir: Path, indexer: Path, kv_cache_dtype: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), learned_indexer=str(indexer), kv_cache_memory_bytes=4 << 20,
-                                  max_num_batched_tokens=48, max_num_seqs=4, dtype="float32"))
+                                  max_num_batched_tokens=48, max_num_seqs=4, dtype="float32",
+                                  kv_cache_dtype=kv_cache_dtype))
 
 
 def _run(engine: LLMEngine, prompts: dict[str, list[int]], sparse: dict, max_tokens: int = 6) -> dict:
@@ -286,7 +287,7 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]], sparse: dict, max_tok
 
 def test_decode_scores_equal_brute_force_after_prefix_hits(llama, trained, tiny_model_dir):
     weights, _, path = trained
-    engine = _engine(tiny_model_dir("llama"), path)
+    engine = _engine(tiny_model_dir("llama"), path, "float32")  # its cached keys meet the float32 teacher's
     assert "learned" in engine.sparse_modes
     layers = [layer.self_attn.attn for layer in engine.runner.model.layers]
     assert all(isinstance(a.indexers["learned"], Indexer) and a.indexers["learned"].unit_size == 1 for a in layers)

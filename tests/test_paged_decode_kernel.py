@@ -52,3 +52,29 @@ def test_peaked_scores_underflow_to_zero_weight(cpu_isa):
     want, want_lse = reference_decode(q, cache[0], cache[1], slots, lengths, 0.125)
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse, want_lse, rtol=2e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
+def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
+    """The fused KV write (kernels `store_kv`) against `store`'s cast + index_copy_, bit for bit: k and v as views of
+    a fused qkv output (strided rows), values at bf16 rounding ties, and a slot outside the cache refused (float16
+    pools take `store`)."""
+    gen = torch.Generator().manual_seed(3)
+    t, kv_heads, dim, slots_n = 11, 3, 64, 40
+    qkv = torch.randn(t, (9 + 2 * kv_heads) * dim, generator=gen)
+    qkv[:, ::7] = 1.0 + 2.0 ** -8 * torch.randint(0, 4, qkv[:, ::7].shape, generator=gen)  # bf16 ties and neighbours
+    k = qkv[:, 9 * dim:(9 + kv_heads) * dim].view(t, kv_heads, dim)
+    v = qkv[:, (9 + kv_heads) * dim:].view(t, kv_heads, dim)
+    slots = torch.randperm(slots_n, generator=gen)[:t]
+    storage = kv_format(fmt).storage
+    got, want = (torch.zeros(2, kv_heads, slots_n, dim, dtype=storage) for _ in range(2))
+    kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots, k, v)
+    store(want[0], slots, k)
+    store(want[1], slots, v)
+    bits = torch.int32 if storage == torch.float32 else torch.int16  # bit for bit
+    assert torch.equal(got.view(bits), want.view(bits))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots + slots_n, k, v)
+    half = torch.zeros(2, kv_heads, slots_n, dim, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 caches"):
+        kernels.op("store_kv", k.device, k.dtype)(half[0], half[1], slots, k, v)

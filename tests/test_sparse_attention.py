@@ -302,7 +302,7 @@ def test_block_bounds_are_exact_and_bound_every_key(kernel_backend):
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     return LLM(model=str(tiny_model_dir("llama")), max_model_len=512, max_num_batched_tokens=512,
-               kv_cache_memory_bytes=40 * (BLOCK * 512 + 512))  # 40 blocks of KV + bounds: blocks get reused
+               kv_cache_memory_bytes=40 * (BLOCK * 256 + 256))  # 40 blocks of bf16 KV + bounds: blocks get reused
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -484,7 +484,8 @@ def test_unavailable_modes_fail_clearly_and_enqueue_nothing(llm, tiny_model_dir)
 def test_native_top_k_and_threshold_per_request(tmp_path):
     path = make_dsa_model("glm_moe_dsa", tmp_path / "glm")
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(model=str(path), block_size=4, max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20)
+    llm = LLM(model=str(path), block_size=4, max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20,
+              kv_cache_dtype="float32")  # selections compared with the float32 reference's
     assert llm.engine.sparse_modes == ("dense", "native") and llm.engine.default_sparse.mode == "native"
     model = llm.engine.runner.model
     records = []

@@ -26,7 +26,7 @@ from glmserve.engine.scheduler import Scheduler
 from glmserve.engine.sequence import Sequence
 from glmserve.engine.structured import GrammarCompiler
 from glmserve.errors import InvalidRequestError, PromptTooLongError
-from glmserve.kv.kv_format import kv_format
+from glmserve.kv.kv_format import default_kv_format, kv_format
 from glmserve.kv.session_io import PendingRestore, wait_for_any
 from glmserve.kv.stack import KVStack, kv_budget_bytes, plan_pool
 from glmserve.models.loader import load_model
@@ -79,7 +79,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_format = kv_format(self.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
+        self.kv_format = (default_kv_format(self.dtype, self.device) if config.kv_cache_dtype == "auto"
+                          else kv_format(config.kv_cache_dtype))
         side_dtype = self.dtype if self.kv_format.quantized else self.kv_format.storage  # the block bounds' dtype
         loaded = load_model(config.model, config.tokenizer, self.device, self.dtype, config.quantization,
                             config.quantize_embeddings)

@@ -5,6 +5,8 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   paged_decode(q [B,H,D], k_cache [Hkv,S,W], v_cache, slots [B,L] i64, ctx_lens [B] i64, scale) -> out [B,H,D]
                (cache f32/bf16/f16 with W = D, or int8 / fp8-bits uint8 rows with W = D + 2: glmserve/kv/kv_format.py)
   paged_decode_lse(same arguments) -> [out [B,H,D], lse [B,H]]: also each head's log-sum-exp of scores
+  store_kv(k_cache [Hkv,S,D], v_cache, slots [T] i64, k [T,Hkv,D], v) (in place): one layer's KV write into
+               float32 / bf16 caches (k/v float32 rows, any row stride), rounded as torch's cast rounds
   bounds_update(slots [T] i64, keys [T,Hkv,D], bounds [blocks,2,Hkv,D], block_size) (in place)
   block_scores(q [B,H,D], bounds [blocks,2,Hkv,D], tables [B,W] i64, num_units [B] i64, scale) -> [B,W]
   learned_scores(qi [B,Hi,d], w [B,Hi] (times the scale), keys [slots,d] f32 or bf16, tables [B,W] i64,
@@ -52,6 +54,7 @@ from glmserve.kernels.isa import active_isa
 OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "paged_decode": "paged_decode",
     "paged_decode_lse": "paged_decode",
+    "store_kv": "paged_decode",
     "bounds_update": "sparse",
     "block_scores": "sparse",
     "learned_scores": "sparse",

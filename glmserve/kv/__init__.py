@@ -5,7 +5,8 @@ The map, from the token up:
 - **Pool** (one per model, `bind_kv_cache`; Llama family `[layers, 2, kv_heads, slots, width]`, MLA latents +
   indexer keys): `slots` token slots in blocks of `block_size`. Block 0 is the null block: never handed out,
   zeroed, read wherever a row has no block (padding, offloaded entries). A row is stored in the pool's KV format
-  (`kv_format.py`: float, or int8 / fp8 codes with the row's float16 scale packed after them, width head_dim + 2;
+  (`kv_format.py`: float, bfloat16 by default for a float32 model on CPU, or int8 / fp8 codes with the row's
+  float16 scale packed after them, width head_dim + 2;
   the pool's dtype names its format), quantized at the write and dequantized by every reader, so block copies
   carry the scales; MLA latent pools are float only.
 - **Block table** (`seq_kv.py` `SeqKV`, held by the engine's Sequence as `seq.kv`): entry `i` is the pool block

@@ -1,6 +1,9 @@
 """KV formats: how a token's key or value row of one kv head is stored in the pool (`--kv-cache-dtype`).
 
-Float formats (float32, bfloat16, float16) store the row as is. Quantized formats store it as 8-bit codes
+Float formats (float32, bfloat16, float16) store the row as is. `auto` (`default_kv_format`) is bfloat16 for a
+float32 model on CPU, as vLLM-CPU keeps its KV: half of float32's bytes, and decode attention, which reads every
+cached row each step, is memory-bound there (bench/RESULTS.md "bf16 KV by default on CPU"); elsewhere the model
+dtype. `--kv-cache-dtype float32` keeps float32 rows. Quantized formats store it as 8-bit codes
 with one scale per (token, kv head), packed into the same row:
 
     row [head_dim + 2] = head_dim codes, then the float16 scale's two bytes
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glmserve import kernels
 from glmserve.errors import InvalidRequestError
 
 SCALE_BYTES = 2  # one float16 scale per row
@@ -65,8 +69,11 @@ class KVFormat:
         return torch.cat([codes, scale.view(self.storage)], dim=-1)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """x as a reader of the pool sees it after the write (quantized, then dequantized), in x's dtype."""
-        return dequantize(self.quantize(x), x.dtype) if self.quantized else x
+        """x as a reader of the pool sees it after the write (quantized, then dequantized; a float format
+        narrower than x: rounded), in x's dtype."""
+        if self.quantized:
+            return dequantize(self.quantize(x), x.dtype)
+        return x if x.dtype == self.storage else x.to(self.storage).to(x.dtype)
 
     def __str__(self) -> str:
         return self.name
@@ -96,6 +103,14 @@ def kv_format(name_or_dtype: str | torch.dtype | KVFormat) -> KVFormat:
     return FORMATS[name]
 
 
+def default_kv_format(model_dtype: torch.dtype, device: torch.device) -> KVFormat:
+    """The format of `--kv-cache-dtype auto`: bfloat16 for a float32 model on CPU (the decode kernel reads bf16
+    rows by a 16-bit shift, prefill over cached context runs bf16 on AMX), else the model dtype."""
+    if device.type == "cpu" and model_dtype == torch.float32:
+        return FORMATS["bfloat16"]
+    return kv_format(model_dtype)
+
+
 def format_of(pool: torch.Tensor) -> KVFormat:
     """The format of rows stored in `pool` (any slice of a pool), from its dtype."""
     fmt = _BY_STORAGE.get(pool.dtype)
@@ -120,3 +135,16 @@ def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """Writes x [T, Hkv, D] at `slots` [T] of one pool side `cache` [Hkv, slots, W], in the pool's format:
     one quantize of the batch and one index_copy_."""
     cache.index_copy_(1, slots, format_of(cache).quantize(x).transpose(0, 1))
+
+
+def store_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Writes one layer's k and v [T, Hkv, D] at `slots` [T] of its pool [2, Hkv, slots, W], in the pool's format:
+    float32 / bfloat16 pools in one C++ pass on CPU (kernels `store_kv`: the cast and both copies), else `store`
+    per side."""
+    fused = pool.dtype in (torch.float32, torch.bfloat16)  # float16 pools: torch's cast (exact at overflow)
+    kernel = kernels.op("store_kv", k.device, k.dtype) if fused else None
+    if kernel is not None and v.dtype == k.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
+        kernel(pool[0], pool[1], slots, k, v)
+        return
+    store(pool[0], slots, k)
+    store(pool[1], slots, v)

@@ -2,12 +2,15 @@
 
 Per step layers/paged_metadata.py builds one `AttentionMetadata` shared by every layer. The flat batch
 holds decode tokens first (one per sequence), then prefill chunks. Each layer:
-1. writes its new K/V into the cache pool at `slot_mapping` (one index_copy_; quantized KV formats,
-   glmserve/kv/kv_format.py, quantize the batch's rows first and every read dequantizes),
+1. writes its new K/V into the cache pool at `slot_mapping` (float formats: one C++ pass on CPU that casts and
+   copies both sides, else an index_copy_ per side; quantized KV formats, glmserve/kv/kv_format.py, quantize the
+   batch's rows first and every read dequantizes),
 2. decode group: gathers each sequence's keys/values by slot index and runs one batched
    grouped-query attention (no expansion of KV heads),
-3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V (as computed: with a
-   quantized KV format, only later steps read the stored rows); a chunk after cached context attends to
+3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V (rounded to a float KV format
+   narrower than q, e.g. the bf16 pool of a float32 model on CPU, so that a prefix-cache hit or a restored chunk
+   later attends to the very values a cold prefill did; as computed with a quantized KV format: only later steps
+   read the stored rows); a chunk after cached context attends to
    its gathered context under a mask; several rows run one attention each (`GroupMetadata.rows`: padding
    them to one grid would multiply the work by their length spread; each reads its K/V as stored, fresh
    rows too), padded only where rows have offloaded KV. On AMX CPUs a float32 prefill group of
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 
 from glmserve import kernels
 from glmserve.errors import InvalidRequestError
-from glmserve.kv.kv_format import format_of, store
+from glmserve.kv.kv_format import format_of, store_kv
 from glmserve.layers.offloaded_attention import OffloadedRows, decode_offloaded, prefill_offloaded
 from glmserve.layers.partial_attention import attention_with_lse, gather_kv, paged_attention_with_lse
 from glmserve.sparse.indexer import Indexer, ScoringRows
@@ -124,8 +127,7 @@ class PagedAttention:
         that takes bf16, so that a bf16 prefill's output is not widened and narrowed again)."""
         cache = self.kv_cache
         assert cache is not None, "KV cache not allocated"
-        store(cache[0], meta.slot_mapping, k)
-        store(cache[1], meta.slot_mapping, v)
+        store_kv(cache, meta.slot_mapping, k, v)
         if self.indexers:  # scorers see the keys as attention reads them back
             seen = format_of(cache).roundtrip(k)
             for indexer in self.indexers.values():
@@ -194,6 +196,9 @@ class PagedAttention:
             if kernel is not None:
                 return self._prefill_amx(kernel, q, k, v, g)
         if g.fresh_causal:
+            fmt = format_of(self.kv_cache)
+            if not fmt.quantized:  # the K/V values as stored, as every later read (decode, prefix hits) sees them
+                k, v = k.to(fmt.storage), v.to(fmt.storage)
             out = F.scaled_dot_product_attention(
                 *(t.transpose(0, 1).unsqueeze(0).to(dtype) for t in (q, k, v)),
                 is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,

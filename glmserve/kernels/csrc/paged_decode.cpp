@@ -14,12 +14,15 @@
 // times its scale.
 // The split into a score pass and a value pass follows the textbook softmax(QK^T)V; see also
 // vLLM's csrc/cpu/attention.cpp for the paged layout idea (read, not copied).
-// SIMD path (AVX-512: 16 lanes, AVX2 + FMA: 8 lanes; D a multiple of the lane count, rows of float32, bfloat16,
-// int8, and float16 / fp8 where the build has the conversions): a key's dot products with the group's query
-// heads are accumulated lane-wise, and the lane sums of N keys are taken together by a transposing reduction
-// tree (one vector of N scores, instead of one horizontal sum per key and head); the softmax's exp is a
-// vector polynomial (exp_ps); each value row is loaded once for all of the group's heads. The scalar loop below
-// is the path of the scalar build and of other shapes.
+// SIMD path (AVX-512: 16 lanes, AVX2 + FMA: 8 lanes; D a multiple of the lane count with D / lanes in 2, 3, 4, 6,
+// 8, 16, 32; rows of float32, bfloat16 (widened by a 16-bit shift), int8, and float16 / fp8 where the build has the
+// conversions): the query heads of a group are taken in tiles whose q chunks (score pass) and output accumulators
+// (value pass) stay in registers, so each key and value chunk is loaded and widened once per tile (once for the
+// whole group when it fits: SmolLM2's 3 heads of D 64 on AVX-512); a key's dot products are accumulated lane-wise,
+// and the lane sums of N keys are taken together by a transposing reduction tree (one vector of N scores, instead
+// of one horizontal sum per key and head); the softmax's exp is a vector polynomial (exp_ps) and its normalization
+// is applied once to the outputs. The scalar loop below is the path of the scalar build and of other shapes.
+// `store_kv` is the float32 / bfloat16 pools' KV write (a cast and both sides' copies in one pass).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -209,42 +212,61 @@ inline void prefetch_row(const T* row, int64_t width) {
   for (int64_t at = 0; at < width * static_cast<int64_t>(sizeof(T)); at += 64) _mm_prefetch(p + at, _MM_HINT_T0);
 }
 
-// One (sequence, kv head) task: the group's g query heads q [g, D] over the n keys at `seq_slots`.
-// scores: scratch of g * (n rounded up to N) floats.
-template <typename Rows>
+// Vector registers one tile of query heads keeps: its q chunks (score pass) or its output accumulators (value
+// pass); the rest hold a key or value chunk, the partial sums and the probabilities.
+constexpr int kTileRegs = Simd::N == 16 ? 16 : 8;
+
+// One (sequence, kv head) task: the group's g query heads q [g, D] over the n keys at `seq_slots`, D = CH lanes'
+// chunks (a template argument, so that a tile of heads' q chunks and output accumulators stay in registers: each
+// key or value chunk is loaded and widened to float32 once for all heads of the tile).
+// scores: scratch of g * (n rounded up to N) + g floats.
+template <typename Rows, int CH>
 void decode_task_simd(const float* q, const typename Rows::storage* kh, const typename Rows::storage* vh,
-                      const int64_t* seq_slots, int64_t n, int64_t group, int64_t D, float scale, float* scores,
-                      float* out, float* lse) {
+                      const int64_t* seq_slots, int64_t n, int64_t group, float scale, float* scores, float* out,
+                      float* lse) {
   using S = Simd;
   using V = S::V;
   constexpr int N = S::N;
-  const int64_t W = D + Rows::extra, chunks = D / N, stride = (n + N - 1) / N * N;
-  V partial[N];
-  for (int64_t j0 = 0; j0 < n; j0 += N) {
-    const int jn = static_cast<int>(std::min<int64_t>(N, n - j0));
-    // the pool's blocks are a page or less apart, where the hardware prefetcher stops: fetch the next chunk's
-    // keys and this chunk's values (read after the softmax) while this chunk's scores are computed
-    for (int64_t j = j0 + N; j < std::min<int64_t>(n, j0 + 2 * N); ++j) prefetch_row(kh + seq_slots[j] * W, W);
-    for (int64_t j = j0; j < j0 + jn; ++j) prefetch_row(vh + seq_slots[j] * W, W);
-    V row_scale = S::set1(scale);
-    if (Rows::extra) {
-      alignas(64) float rs[N];
-      for (int j = 0; j < N; ++j) rs[j] = j < jn ? scale * Rows::scale(kh + seq_slots[j0 + j] * W, D) : 0.f;
-      row_scale = S::load(rs);
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * D;
+  constexpr int64_t D = CH * N;
+  constexpr int GT = kTileRegs / CH > 0 ? kTileRegs / CH : 1;  // heads per tile
+  const int64_t W = D + Rows::extra, stride = (n + N - 1) / N * N;
+  float* inv = scores + group * stride;  // each head's 1 / softmax sum
+  for (int64_t g0 = 0; g0 < group; g0 += GT) {
+    const int gn = static_cast<int>(std::min<int64_t>(GT, group - g0));
+    V qv[GT][CH];
+    for (int t = 0; t < GT; ++t)
+      for (int c = 0; c < CH; ++c) qv[t][c] = t < gn ? S::load(q + (g0 + t) * D + c * N) : S::zero();
+    for (int64_t j0 = 0; j0 < n; j0 += N) {
+      const int jn = static_cast<int>(std::min<int64_t>(N, n - j0));
+      if (g0 == 0) {
+        // the pool's blocks are a page or less apart, where the hardware prefetcher stops: fetch the next chunk's
+        // keys and this chunk's values (read after the softmax) while this chunk's scores are computed
+        for (int64_t j = j0 + N; j < std::min<int64_t>(n, j0 + 2 * N); ++j) prefetch_row(kh + seq_slots[j] * W, W);
+        for (int64_t j = j0; j < j0 + jn; ++j) prefetch_row(vh + seq_slots[j] * W, W);
+      }
+      V row_scale = S::set1(scale);
+      if (Rows::extra) {
+        alignas(64) float rs[N];
+        for (int j = 0; j < N; ++j) rs[j] = j < jn ? scale * Rows::scale(kh + seq_slots[j0 + j] * W, D) : 0.f;
+        row_scale = S::load(rs);
+      }
+      V partial[GT][N];
       for (int j = 0; j < N; ++j) {
-        V acc = S::zero();
+        V acc[GT];
+        for (int t = 0; t < GT; ++t) acc[t] = S::zero();
         if (j < jn) {
           const auto* krow = kh + seq_slots[j0 + j] * W;
-          for (int64_t c = 0; c < chunks; ++c) acc = S::fma(S::load(qg + c * N), S::load_row(krow + c * N), acc);
+          for (int c = 0; c < CH; ++c) {
+            const V k = S::load_row(krow + c * N);
+            for (int t = 0; t < GT; ++t) acc[t] = S::fma(qv[t][c], k, acc[t]);
+          }
         }
-        partial[j] = acc;
+        for (int t = 0; t < GT; ++t) partial[t][j] = acc[t];
       }
-      S::store(scores + g * stride + j0, S::mul(S::lane_sums(partial), row_scale));
+      for (int t = 0; t < gn; ++t) S::store(scores + (g0 + t) * stride + j0, S::mul(S::lane_sums(partial[t]), row_scale));
     }
   }
+  // softmax numerators in place; the normalization is applied to the outputs
   const int64_t full = n / N * N;
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * stride;
@@ -267,24 +289,46 @@ void decode_task_simd(const float* q, const typename Rows::storage* kh, const ty
       s[j] = std::exp(s[j] - mx);
       sum += s[j];
     }
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+    inv[g] = 1.f / sum;
     if (lse != nullptr) lse[g] = mx + std::log(sum);
   }
-  // out[g] = sum over keys of p[g, j] v[j]: each value row loaded once for every head of the group
-  V* acc = reinterpret_cast<V*>(scores + group * stride);  // [group, chunks] after the scores (aligned by N)
-  for (int64_t i = 0; i < group * chunks; ++i) acc[i] = S::zero();
-  for (int64_t j = 0; j < n; ++j) {
-    const auto* vrow = vh + seq_slots[j] * W;
-    const float vs = Rows::extra ? Rows::scale(vrow, D) : 1.f;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const V v = S::load_row(vrow + c * N);
-      for (int64_t g = 0; g < group; ++g)
-        acc[g * chunks + c] = S::fma(S::set1(scores[g * stride + j] * vs), v, acc[g * chunks + c]);
+  // out[g] = sum over keys of p[g, j] v[j] / sum[g]: each value chunk loaded once for every head of a tile
+  for (int64_t g0 = 0; g0 < group; g0 += GT) {
+    const int gn = static_cast<int>(std::min<int64_t>(GT, group - g0));
+    V acc[GT][CH];
+    for (int t = 0; t < GT; ++t)
+      for (int c = 0; c < CH; ++c) acc[t][c] = S::zero();
+    for (int64_t j = 0; j < n; ++j) {
+      const auto* vrow = vh + seq_slots[j] * W;
+      const float vs = Rows::extra ? Rows::scale(vrow, D) : 1.f;
+      V p[GT];
+      for (int t = 0; t < GT; ++t) p[t] = S::set1(t < gn ? scores[(g0 + t) * stride + j] * vs : 0.f);
+      for (int c = 0; c < CH; ++c) {
+        const V v = S::load_row(vrow + c * N);
+        for (int t = 0; t < GT; ++t) acc[t][c] = S::fma(p[t], v, acc[t][c]);
+      }
+    }
+    for (int t = 0; t < gn; ++t) {
+      const V norm = S::set1(inv[g0 + t]);
+      for (int c = 0; c < CH; ++c) S::store(out + (g0 + t) * D + c * N, S::mul(acc[t][c], norm));
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c) S::store(out + g * D + c * N, acc[g * chunks + c]);
+}
+
+// Runs the task with D / N chunks as a template argument; false for chunk counts without an instantiation
+// (those heads take the scalar loop).
+template <typename Rows>
+bool decode_task_simd_any(int64_t chunks, const float* q, const typename Rows::storage* kh,
+                          const typename Rows::storage* vh, const int64_t* seq_slots, int64_t n, int64_t group,
+                          float scale, float* scores, float* out, float* lse) {
+  switch (chunks) {
+#define GLMSERVE_CHUNKS(CH) \
+  case CH: decode_task_simd<Rows, CH>(q, kh, vh, seq_slots, n, group, scale, scores, out, lse); return true;
+    GLMSERVE_CHUNKS(2) GLMSERVE_CHUNKS(3) GLMSERVE_CHUNKS(4) GLMSERVE_CHUNKS(6) GLMSERVE_CHUNKS(8)
+    GLMSERVE_CHUNKS(16) GLMSERVE_CHUNKS(32)
+#undef GLMSERVE_CHUNKS
+    default: return false;
+  }
 }
 #endif
 
@@ -305,15 +349,16 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
 #ifdef GLMSERVE_PAGED_SIMD
       if constexpr (HasSimdRows<cache_t>::value) {
         if (D % Simd::N == 0 && n > 0) {
-          // the scores [group, n rounded up to N], then the value accumulators [group, D]; aligned for vectors
-          const int64_t floats = group * ((n + Simd::N - 1) / Simd::N * Simd::N) + group * D + Simd::N;
+          // the scores [group, n rounded up to N], then each head's normalizer; aligned for vectors
+          const int64_t floats = group * ((n + Simd::N - 1) / Simd::N * Simd::N) + group + Simd::N;
           scores.resize(floats);
           float* scratch = scores.data();
           scratch += (Simd::N - reinterpret_cast<uintptr_t>(scratch) / sizeof(float) % Simd::N) % Simd::N;
-          decode_task_simd<Rows>(q + (b * H + h * group) * D, k_cache + h * num_slots * W,
-                                 v_cache + h * num_slots * W, slots + b * L, n, group, D, scale, scratch,
-                                 out + (b * H + h * group) * D, lse != nullptr ? lse + b * H + h * group : nullptr);
-          continue;
+          if (decode_task_simd_any<Rows>(D / Simd::N, q + (b * H + h * group) * D, k_cache + h * num_slots * W,
+                                         v_cache + h * num_slots * W, slots + b * L, n, group, scale, scratch,
+                                         out + (b * H + h * group) * D,
+                                         lse != nullptr ? lse + b * H + h * group : nullptr))
+            continue;
         }
       }
 #endif
@@ -412,6 +457,51 @@ std::vector<at::Tensor> paged_decode_lse(const at::Tensor& q, const at::Tensor& 
   return run(q, k_cache, v_cache, slots, ctx_lens, scale, true);
 }
 
+// Rows x [T, Hkv, D] (float32, contiguous rows) into cache [Hkv, num_slots, D] at slot[t], cast to T_out.
+template <typename T_out>
+void store_rows(const at::Tensor& x, T_out* cache, const int64_t* slot, int64_t num_slots) {
+  const float* data = x.data_ptr<float>();
+  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2), st = x.stride(0), sh = x.stride(1);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* row = data + t * st + h * sh;
+      T_out* out = cache + (h * num_slots + slot[t]) * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T_out>(row[d]);
+    }
+}
+
+// The KV write of one layer for float32 / bfloat16 pools: k, v [T, Hkv, D] float32 (rows of D contiguous floats,
+// any row and head strides: views of the fused qkv output) into caches [Hkv, slots, D] at slots [T] int64, each
+// value rounded as torch's cast rounds it (bf16: to nearest, ties to even, in integer arithmetic). One pass
+// instead of a cast and an index_copy_ per side. Not float16: c10::Half's float conversion relies on float
+// overflow to reach inf, which this build's -ffast-math folds away (NaN bits came out of 131008.f).
+void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(k.dim() == 3 && k.scalar_type() == at::kFloat && k.stride(2) == 1 && v.sizes() == k.sizes() &&
+                  v.scalar_type() == at::kFloat && v.stride(2) == 1,
+              "k, v: [T, Hkv, D] float32 with contiguous rows");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "caches: contiguous [Hkv, slots, D] of one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1, "slots: [T] int64");
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2), num_slots = k_cache.size(1);
+  TORCH_CHECK(slots.size(0) == T && k_cache.size(0) == Hkv && k_cache.size(2) == D, "shapes do not match");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache's ", num_slots);
+  const auto side = [&](const at::Tensor& x, const at::Tensor& cache) {
+    if (cache.scalar_type() == at::kFloat) {
+      store_rows(x, cache.data_ptr<float>(), slot, num_slots);
+    } else {
+      TORCH_CHECK(cache.scalar_type() == at::kBFloat16, "store_kv: float32 or bfloat16 caches, got ",
+                  cache.scalar_type());
+      store_rows(x, cache.data_ptr<c10::BFloat16>(), slot, num_slots);
+    }
+  };
+  side(k, k_cache);
+  side(v, v_cache);
+}
+
 // Test-only: the at::get_thread_num() that ran each of `n` items of an at::parallel_for with grain 1, as
 // int64 [n]; tests check that our builds' parallel loops use torch's intra-op threads (build.py, -fopenmp).
 at::Tensor parallel_thread_ids(int64_t n) {
@@ -427,5 +517,6 @@ at::Tensor parallel_thread_ids(int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("paged_decode_lse", &paged_decode_lse, "paged decode attention (CPU) and the log-sum-exp per head");
+  m.def("store_kv", &store_kv, "KV write of one layer into float caches (CPU)");
   m.def("parallel_thread_ids", &parallel_thread_ids, "test-only: the intra-op thread that ran each item");
 }

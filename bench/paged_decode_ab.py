@@ -1,0 +1,101 @@
+"""A/B of two builds of the paged decode kernel (csrc/paged_decode.cpp) in one process: both extension files are
+loaded side by side and called in turn on the same queries and the same pools, per KV format, so that machine load
+hits both alike. Batch `--batch` sequences of each context, SmolLM2's attention shape (9 query heads, 3 kv heads,
+head_dim 64), slots in shuffled blocks of 16; the calls cycle over layer pools of at least `--pool-mb` MB of
+float32 K/V, so that the keys come from memory as in an engine step. Prints ms per call (medians of `--repeats`)
+and B's speed-up over A.
+
+    .venv/bin/python bench/paged_decode_ab.py A.so B.so [--contexts 160,1024,4096] [--formats float32,bfloat16]
+
+A build's file: ~/.cache/torch_extensions/py*_cpu/glmserve_paged_decode_<isa>-<digest>/glmserve_paged_decode_<isa>.so
+(`glmserve.kernels.build._source_digest("paged_decode")` with that checkout on PYTHONPATH gives the digest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from glmserve.kv.kv_format import kv_format, store
+
+HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+
+
+def load(path: Path):
+    """The extension module at `path` (not registered in sys.modules: two builds of one name load side by side)."""
+    name = path.name.split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def decode_case(context: int, batch: int, pool_mb: int, gen: torch.Generator):
+    """Random q [batch, HEADS, DIM], k, v [slots, KV_HEADS, DIM], each sequence's `context` slots (shuffled blocks
+    of BLOCK), lengths, and how many layer pools make at least `pool_mb` MB of float32 K/V."""
+    slots_per_layer = batch * -(-context // BLOCK) * BLOCK
+    layers = max(1, -(-(pool_mb << 20) // (2 * KV_HEADS * slots_per_layer * DIM * 4)))
+    k, v = (torch.randn(slots_per_layer, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    q = torch.randn(batch, HEADS, DIM, generator=gen)
+    blocks = torch.randperm(slots_per_layer // BLOCK, generator=gen)
+    slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(batch, -1)[:, :context].contiguous()
+    return q, k, v, slots, torch.full((batch,), context), layers
+
+
+def layer_pools(name: str, k: torch.Tensor, v: torch.Tensor, layers: int) -> list[torch.Tensor]:
+    """`layers` pools [2, KV_HEADS, slots, W] holding k and v in KV format `name`."""
+    fmt = kv_format(name)
+    first = torch.empty(2, KV_HEADS, k.shape[0], fmt.row_width(DIM), dtype=fmt.storage)
+    store(first[0], torch.arange(k.shape[0]), k)
+    store(first[1], torch.arange(k.shape[0]), v)
+    return [first] + [first.clone() for _ in range(layers - 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    parser.add_argument("--contexts", default="160,1024,4096")
+    parser.add_argument("--formats", default="float32,bfloat16")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--pool-mb", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=12)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ops = {"A": load(args.a).paged_decode, "B": load(args.b).paged_decode}
+    gen = torch.Generator().manual_seed(0)
+    print(f"batch {args.batch}, {HEADS} heads / {KV_HEADS} kv heads / D {DIM}, 1 thread; ms per call (median of "
+          f"{args.repeats})")
+    print("| context | KV format | A ms | B ms | B speed-up |")
+    print("|---|---|---|---|---|")
+    for context in (int(c) for c in args.contexts.split(",")):
+        q, k, v, slots, lengths, layers = decode_case(context, args.batch, args.pool_mb, gen)
+        for name in args.formats.split(","):
+            pools = layer_pools(name, k, v, layers)
+            first = pools[0]
+            outs = {side: op(q, first[0], first[1], slots, lengths, DIM**-0.5) for side, op in ops.items()}
+            torch.testing.assert_close(outs["B"], outs["A"], rtol=2e-5, atol=2e-5)
+            times: dict[str, list[float]] = {"A": [], "B": []}
+            n = max(args.calls, layers)
+            for r in range(args.repeats):
+                for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                    start = time.perf_counter()
+                    for i in range(n):
+                        pool = pools[i % layers]
+                        ops[side](q, pool[0], pool[1], slots, lengths, DIM**-0.5)
+                    times[side].append((time.perf_counter() - start) / n * 1e3)
+            a, b = statistics.median(times["A"]), statistics.median(times["B"])
+            print(f"| {context} | {name} | {a:.3f} | {b:.3f} | {a / b:.2f}x |", flush=True)
+            del pools
+
+
+if __name__ == "__main__":
+    main()
