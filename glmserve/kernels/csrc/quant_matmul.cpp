@@ -54,11 +54,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__x86_64__) && \
     defined(__linux__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include "amx.h"  // amx_bf16_permitted (the bf16 GEMM's check)
+#include "amx.h"  // the tile permission checks and TileConfig
 #define GLMSERVE_AMX 1
 #endif
 
@@ -257,31 +253,15 @@ constexpr int64_t AMX_GROUP_MIN_I8 = 6, AMX_GROUP_MIN_U4 = 10;
 constexpr int64_t AMX_AHEAD = 4;       // blocks whose tile products run ahead of their scaling: C tiles 0-3
 constexpr int64_t AMX_RING = 2 * AMX_AHEAD;  // int32 result buffers of [16][16], written by tile stores
 
-bool amx_supported() {  // AMX-TILE and AMX-INT8 (CPUID leaf 7 EDX bits 24, 25), and Linux lets us use the tiles
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
-
 std::atomic<bool> amx_wanted{[] {
   const char* env = std::getenv("GLMSERVE_CPU_AMX");
   return env == nullptr || std::string(env) != "0";
 }()};
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tiles 0-3: C [16 act rows][16 out rows] int32, one per block in flight; 4/5: A [16 act rows][32 codes];
 // 6/7: B [8][16 out rows x 4] (4/6 for even blocks, 5/7 for odd ones)
 __attribute__((target("amx-tile,amx-int8"))) void amx_config() {
-  TileConfig cfg;
+  glmserve::TileConfig cfg;
   for (int t : {0, 1, 2, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   for (int t : {4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = QK;
   for (int t : {6, 7}) cfg.rows[t] = QK / 4, cfg.colsb[t] = 64;
@@ -427,7 +407,7 @@ constexpr int64_t B_TILE = ROWS * QK;  // bf16 elements of one B tile: 16 K pair
 // tiles 0-3: C [16 act rows][16 out rows] fp32 (C[i][j] = tile 2i + j); 4, 5: A [16 act rows][32 inputs] bf16;
 // 6, 7: B [16 input pairs][16 out rows x 2] bf16
 __attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_config() {
-  TileConfig cfg;
+  glmserve::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   asm volatile("" : : "r"(&cfg) : "memory");  // as amx_config
   _tile_loadconfig(&cfg);
@@ -676,7 +656,7 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
 
 bool use_amx(int64_t N, bool u4) {
 #ifdef GLMSERVE_AMX
-  return N >= (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) && amx_wanted.load() && amx_supported();
+  return N >= (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) && amx_wanted.load() && glmserve::amx_int8_permitted();
 #else
   (void)N, (void)u4;
   return false;
@@ -731,7 +711,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
 bool set_amx(bool enable) {
 #ifdef GLMSERVE_AMX
   amx_wanted.store(enable);
-  return enable && amx_supported();
+  return enable && glmserve::amx_int8_permitted();
 #else
   (void)enable;
   return false;
