@@ -42,11 +42,13 @@ FORMATS = {
 
 
 def build_a(source: Path):
-    """The avx512 variant of `source` compiled under a module name of its own (glmserve_qm_ab_<hash>)."""
+    """The avx512 variant of a kernel source compiled under a module name of its own (glmserve_ab_<stem>_<hash>):
+    an extension loaded under the name of one already loaded comes back as that first module, so two builds of one
+    kernel can only sit side by side under different names."""
     from torch.utils.cpp_extension import load
 
     digest = hashlib.sha1(source.read_bytes()).hexdigest()[:8]
-    name = f"glmserve_qm_ab_{digest}"
+    name = f"glmserve_ab_{source.stem}_{digest}"
     directory = extensions_root() / name
     directory.mkdir(parents=True, exist_ok=True)
     return load(name=name, sources=[str(source)], extra_cflags=[*BASE_CFLAGS, *BY_NAME["avx512"].cflags],

@@ -1,40 +1,30 @@
-"""A/B of two builds of the paged decode kernel (csrc/paged_decode.cpp) in one process: both extension files are
-loaded side by side and called in turn on the same queries and the same pools, per KV format, so that machine load
-hits both alike. Batch `--batch` sequences of each context, SmolLM2's attention shape (9 query heads, 3 kv heads,
-head_dim 64), slots in shuffled blocks of 16; the calls cycle over layer pools of at least `--pool-mb` MB of
-float32 K/V, so that the keys come from memory as in an engine step. Prints ms per call (medians of `--repeats`)
-and B's speed-up over A.
+"""A/B of two versions of the paged decode kernel (csrc/paged_decode.cpp) in one process: A compiled from the given
+source under a module name of its own (ab_quant_kernels.build_a), B this checkout's avx512 build, called in turn
+on the same queries and the same pools, per KV format, so that machine load hits both alike. Batch `--batch`
+sequences of each context, SmolLM2's attention shape (9 query heads, 3 kv heads, head_dim 64), slots in shuffled
+blocks of 16; the calls cycle over layer pools of at least `--pool-mb` MB of float32 K/V, so that the keys come
+from memory as in an engine step. Prints ms per call (medians of `--repeats`) and B's speed-up over A.
 
-    .venv/bin/python bench/paged_decode_ab.py A.so B.so [--contexts 160,1024,4096] [--formats float32,bfloat16]
+    git show main:glmserve/kernels/csrc/paged_decode.cpp > /tmp/pd_main.cpp
+    .venv/bin/python bench/paged_decode_ab.py /tmp/pd_main.cpp [--contexts 160,1024,4096] [--formats float32,bfloat16]
 
-A build's file: ~/.cache/torch_extensions/py*_cpu/glmserve_paged_decode_<isa>-<digest>/glmserve_paged_decode_<isa>.so
-(`glmserve.kernels.build._source_digest("paged_decode")` with that checkout on PYTHONPATH gives the digest).
+(Loading two built .so files of one kernel side by side does not work: the second load returns the first module.)
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from ab_quant_kernels import build_a
 
+from glmserve.kernels.build import load
 from glmserve.kv.kv_format import kv_format, store
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
-
-
-def load(path: Path):
-    """The extension module at `path` (not registered in sys.modules: two builds of one name load side by side)."""
-    name = path.name.split(".")[0]
-    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
-    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 def decode_case(context: int, batch: int, pool_mb: int, gen: torch.Generator):
@@ -60,8 +50,7 @@ def layer_pools(name: str, k: torch.Tensor, v: torch.Tensor, layers: int) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("a", type=Path)
-    parser.add_argument("b", type=Path)
+    parser.add_argument("a_source", type=Path, help="A: a paged_decode.cpp (e.g. main's)")
     parser.add_argument("--contexts", default="160,1024,4096")
     parser.add_argument("--formats", default="float32,bfloat16")
     parser.add_argument("--batch", type=int, default=32)
@@ -70,7 +59,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=12)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ops = {"A": load(args.a).paged_decode, "B": load(args.b).paged_decode}
+    ops = {"A": build_a(args.a_source).paged_decode, "B": load("paged_decode", "avx512").paged_decode}
     gen = torch.Generator().manual_seed(0)
     print(f"batch {args.batch}, {HEADS} heads / {KV_HEADS} kv heads / D {DIM}, 1 thread; ms per call (median of "
           f"{args.repeats})")
