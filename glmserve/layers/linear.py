@@ -211,10 +211,11 @@ def bf16_between(x: torch.Tensor, *linears: nn.Module) -> bool:
     """True where float32 activations `x` may enter `linears` in bf16 and stay bf16 between them (an MLP's
     gate-up and down on AMX prefill: two casts of the wide intermediate and the float32 SiLU saved): each is
     a QuantizedLinear that `takes_bf16` x's rows, and GLMSERVE_BF16_ACTIVATIONS is not "0"."""
-    if x.dtype != torch.float32 or os.environ.get(BF16_ACTIVATIONS_ENV) == "0":
+    if x.dtype != torch.float32:
         return False
-    rows = x.numel() // x.shape[-1]
-    return all(isinstance(linear, QuantizedLinear) and linear.takes_bf16(rows) for linear in linears)
+    rows = x.numel() // x.shape[-1]  # the environment read last: decode batches stop at takes_bf16's row count
+    return (all(isinstance(linear, QuantizedLinear) and linear.takes_bf16(rows) for linear in linears)
+            and os.environ.get(BF16_ACTIVATIONS_ENV) != "0")
 
 
 def _same_run(prev: CheckpointTensor, part: CheckpointTensor, scheme: Scheme) -> bool:
