@@ -162,14 +162,14 @@ class QuantizedLinear(nn.Module):
 
     # -- running --------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a model's flat batch: as it is
         if len(self._segments) == 1:
             y = self._segments[0].apply(flat, self.bias)
         else:
             y = torch.cat([s.apply(flat, None) for s in self._segments], dim=-1)
             if self.bias is not None:
                 y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
