@@ -82,8 +82,8 @@ def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
 
 @pytest.mark.parametrize("threads", [2, 3, 7])
 def test_threads_split_a_mixed_batch_without_changing_it(cpu_isa, threads):
-    """Rows of very different lengths (as in a mixed serving batch) split over threads by their keys: the output is
-    the one-thread output bit for bit, also with more threads than rows' heads and with empty rows."""
+    """Rows of very different lengths (as in a mixed serving batch) split over threads: the output is the
+    one-thread output bit for bit, also with more threads than the 2 cores here and with empty rows."""
     q, cache, slots, lengths = _case("bfloat16", 9, 3, 64, [150, 3, 0, 120, 1, 1, 90, 150, 2, 64], seed=11)
     op = kernels.op("paged_decode_lse", q.device, q.dtype)
     before = torch.get_num_threads()

@@ -3,8 +3,7 @@
 // One query token per sequence. For each (sequence, kv head) the kernel reads that head's keys
 // and values once, by slot, without gathering them into a temporary: scores for the g query
 // heads that share the kv head, a softmax, then the weighted sum of values. Work is split over
-// (sequence, kv head) pairs with at::parallel_for, in one contiguous range of pairs per thread with about equal
-// numbers of keys (`balanced_parts`). Layouts follow glmserve/layers/attention.py:
+// (sequence, kv head) pairs with at::parallel_for. Layouts follow glmserve/layers/attention.py:
 // q [B, H, D] float32, cache k/v [Hkv, slots, W], slots [B, L] int64, context lengths [B] int64,
 // out [B, H, D] float32; `paged_decode_lse` also returns each head's log-sum-exp of scores [B, H]
 // (float32), to merge with attention over keys elsewhere (KV offload).
@@ -333,27 +332,6 @@ bool decode_task_simd_any(int64_t chunks, const float* q, const typename Rows::s
 }
 #endif
 
-// Task ranges for the threads: contiguous runs of (sequence, kv head) tasks with about equal work each, counted as
-// the keys read plus a fixed cost per task, so that the long sequences of a mixed batch do not land on one thread
-// (at::parallel_for alone splits by task count: a batch's first half could hold most of its keys). Returns the
-// range bounds [0, ..., B * Hkv], one range per thread.
-std::vector<int64_t> balanced_parts(const int64_t* ctx_lens, int64_t B, int64_t Hkv, int64_t threads) {
-  constexpr int64_t kTaskCost = 16;  // keys' worth of a task's own work (its q tile, softmax and output)
-  const int64_t tasks = B * Hkv;
-  threads = std::max<int64_t>(1, std::min(threads, tasks));
-  const auto work = [&](int64_t task) { return std::max<int64_t>(ctx_lens[task / Hkv], 0) + kTaskCost; };
-  int64_t total = 0;
-  for (int64_t task = 0; task < tasks; ++task) total += work(task);
-  std::vector<int64_t> parts{0};
-  int64_t done = 0;
-  for (int64_t task = 0; task + 1 < tasks && static_cast<int64_t>(parts.size()) < threads; ++task) {
-    done += work(task);
-    if (done * threads >= total * static_cast<int64_t>(parts.size())) parts.push_back(task + 1);
-  }
-  parts.push_back(tasks);
-  return parts;
-}
-
 template <typename Rows>
 void decode_kernel(const float* q, const typename Rows::storage* k_cache, const typename Rows::storage* v_cache,
                    const int64_t* slots, const int64_t* ctx_lens, float* out, float* lse, int64_t B, int64_t H,
@@ -361,9 +339,7 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
   using cache_t = typename Rows::storage;
   const int64_t group = H / Hkv;
   const int64_t W = D + Rows::extra;
-  const std::vector<int64_t> parts = balanced_parts(ctx_lens, B, Hkv, at::get_num_threads());
-  at::parallel_for(0, static_cast<int64_t>(parts.size()) - 1, 1, [&](int64_t part_begin, int64_t part_end) {
-    const int64_t begin = parts[part_begin], end = parts[part_end];
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(group * D);
     for (int64_t task = begin; task < end; ++task) {
