@@ -2,8 +2,8 @@
 //
 //   first_max(x [S, V] f32, contiguous rows) -> [S] int64: each row's index of its maximum, the first of equal
 //                maxima, and the first NaN where a row holds one: the index torch.max(x, dim=-1) returns. torch's
-//                max over the last dim runs one scalar comparison chain per row (~1 ms for 32 rows of 49,152 on one
-//                core, 2% of a batch-32 decode step); here each row is one vectorized pass over chunks of 1,024 (the
+//                max over the last dim runs one scalar comparison chain per row (0.7-2 ms for 32 rows of 49,152 on one
+//                core, up to 3.5% of a batch-32 decode step: bench/RESULTS.md); here each row is one vectorized pass over chunks of 1,024 (the
 //                chunk's max and whether it holds a NaN: loops the compiler vectorizes in every variant), keeping
 //                the first chunk that reaches the running maximum, then one scan of that chunk for the index.
 //                Rows are split over torch's intra-op threads.
