@@ -1,8 +1,8 @@
 """The C++ decode attention (kernels/csrc/paged_decode.cpp) on every instruction-set variant this CPU runs
 (fixture cpu_isa: the avx512 build's 16-lane SIMD path, the avx2 build's 8-lane one, the scalar loop) against
 plain float64 softmax attention over the stored (dequantized) keys and values: every KV format, head sizes that
-take the SIMD path and ones that fall back to the scalar loop, query-head groups of 1, 3 and 4, and context
-lengths around the lane count (the reduction's partial last chunk) and the exp's underflow."""
+take the SIMD path and ones that fall back to the scalar loop, query-head groups of 1, 3, 4 and 8 (two tiles of
+heads), and context lengths around the lane count (the reduction's partial last chunk) and the exp's underflow."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _case(fmt_name: str, heads: int, kv_heads: int, dim: int, lengths: list[int]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 48), (6, 2, 20)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 48), (16, 2, 64), (6, 2, 20)])
 def test_decode_matches_float64_attention(cpu_isa, fmt, heads, kv_heads, dim):
     q, cache, slots, lengths = _case(fmt, heads, kv_heads, dim, [1, 7, 8, 15, 16, 17, 33, 151], seed=dim + heads)
     scale = dim**-0.5
@@ -78,3 +78,22 @@ def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
     half = torch.zeros(2, kv_heads, slots_n, dim, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 caches"):
         kernels.op("store_kv", k.device, k.dtype)(half[0], half[1], slots, k, v)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_threads_split_a_mixed_batch_without_changing_it(cpu_isa, threads):
+    """Rows of very different lengths (as in a mixed serving batch) split over threads: the output is the
+    one-thread output bit for bit, also with more threads than the 2 cores here and with empty rows."""
+    q, cache, slots, lengths = _case("bfloat16", 9, 3, 64, [150, 3, 0, 120, 1, 1, 90, 150, 2, 64], seed=11)
+    op = kernels.op("paged_decode_lse", q.device, q.dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = op(q, cache[0], cache[1], slots, lengths, 0.125)
+        torch.set_num_threads(threads)
+        got = op(q, cache[0], cache[1], slots, lengths, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    live = lengths > 0  # a row without keys has no defined output
+    for g, w in zip(got, want):
+        assert torch.equal(g[live], w[live])

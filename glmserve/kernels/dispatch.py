@@ -39,12 +39,16 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                out_bf16) -> [T,Hq,D] bf16 or f32: causal attention of rows of q_lens queries packed in q, each at the
                end of its kv_lens keys, on the AMX bf16 tiles (bf16 tensors only)
   prefill_attention_available() -> bool: whether this variant and CPU run prefill_attention (avx512 with AMX)
+  first_max(x [S,V] f32, contiguous rows) -> [S] i64: each row's index of its maximum, the first of equal maxima
+               (a NaN first): torch.max(x, -1).indices in one vectorized pass per row (sampling's greedy pick)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -72,6 +76,7 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "silu_and_mul": "prefill_ops",
     "prefill_attention": "prefill_attention",
     "prefill_attention_available": "prefill_attention",
+    "first_max": "sampling",
 }
 DTYPES = (torch.float32,)  # every op's query / score dtype, unless OP_DTYPES says otherwise
 OP_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
@@ -94,9 +99,38 @@ def dtypes(name: str) -> tuple[torch.dtype, ...]:
 def op(name: str, device: torch.device, dtype: torch.dtype) -> Callable | None:
     """The C++ op `name` (one of OPS) for tensors of `dtype` on `device`, from the active instruction-set
     variant; None where the caller takes its PyTorch path: another device or dtype, GLMSERVE_TORCH_ONLY=1,
-    or a kernel that could not be built."""
+    or a kernel that could not be built. Inside `pinned()` each answer is looked up once."""
+    answers = getattr(_pins, "answers", None)
+    if answers is None:
+        return _lookup(name, device, dtype)
+    key = (name, device.type, dtype)
+    if key not in answers:
+        answers[key] = _lookup(name, device, dtype)
+    return answers[key]
+
+
+def _lookup(name: str, device: torch.device, dtype: torch.dtype) -> Callable | None:
     source = OPS[name]
     if device.type != "cpu" or dtype not in dtypes(name) or torch_only():
         return None
     module = load(source, active_isa())
     return None if module is None else getattr(module, name)
+
+
+_pins = threading.local()  # .answers: this thread's pinned op() answers, while inside pinned()
+
+
+@contextlib.contextmanager
+def pinned() -> Iterator[None]:
+    """Within (in this thread): `op` answers each (name, device type, dtype) once, as the environment
+    (GLMSERVE_CPU_ISA, GLMSERVE_TORCH_ONLY) was at that first lookup, and reuses it. A decode step asks ~200 times
+    (each layer's norms, rope, KV write, attention, linears), ~2 us each for the two environment reads; a model
+    step runs inside one (engine/runner.py). Nested: the outermost one's answers hold."""
+    if getattr(_pins, "answers", None) is not None:
+        yield
+        return
+    _pins.answers = {}
+    try:
+        yield
+    finally:
+        _pins.answers = None
