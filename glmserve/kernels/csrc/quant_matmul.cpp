@@ -250,6 +250,7 @@ constexpr int64_t AMX_ROWS = 16;       // activation rows per A tile (a group)
 // rows, the VNNI tiles cost per row; the break-even measured at about 6 rows for int8 blocks and 9-10 for u4 ones,
 // which pay the nibble unpacking per group too (bench/RESULTS.md, "AMX int8 tiles for decode batches")
 constexpr int64_t AMX_GROUP_MIN_I8 = 6, AMX_GROUP_MIN_U4 = 10;
+constexpr int64_t AMX_UNPACK_ONCE = 24;  // u4 tiles of up to this many blocks: unpacked once for all groups (amx_tiles)
 constexpr int64_t AMX_AHEAD = 4;       // blocks whose tile products run ahead of their scaling: C tiles 0-3
 constexpr int64_t AMX_RING = 2 * AMX_AHEAD;  // int32 result buffers of [16][16], written by tile stores
 
@@ -298,7 +299,7 @@ inline void amx_unpack_u4(const uint8_t* codes, uint8_t* out) {
 // out [rows, cols] (row stride ldo) for activation rows n0..n0+rows-1 (rows <= 16; q padded to whole A tiles)
 // and the first cols <= 16 output rows of one weight tile
 // whose blocks are AMX B tiles (`btiles`, [nblocks][512]). The tile products of block b + AMX_AHEAD are issued
-// before block b is scaled, so the TMUL and the tile stores of the next blocks overlap this block's conversion
+// halfway through block b's scaling (2-9% faster than before it), so the TMUL and the tile stores of the next blocks overlap this block's conversion
 // and FMAs (the bound: per activation row and block, a convert, a multiply and one or two FMAs of 16 lanes), and
 // the 16 fp32 accumulators stay in registers over all blocks. Per element the same operations in the same
 // block order as tile_avx512, so the sums are the VNNI tiles' bit for bit. `next` (the following weight tile's
@@ -319,7 +320,9 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
   };
   const uint16_t *wd = w.d, *wm = w.m;
   // one named accumulator per row: GCC does not keep an array of 16 zmm (1 KB) in registers
-#define GLMSERVE_EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define GLMSERVE_FIRST_HALF(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#define GLMSERVE_SECOND_HALF(X) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define GLMSERVE_EACH_ROW(X) GLMSERVE_FIRST_HALF(X) GLMSERVE_SECOND_HALF(X)
 #define GLMSERVE_ACC(r) [[maybe_unused]] __m512 acc##r = _mm512_setzero_ps();
   GLMSERVE_EACH_ROW(GLMSERVE_ACC)
   const int8_t* q = a.q + n0 * a.kp;
@@ -342,7 +345,6 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
   for (int64_t b = 0; b < 2 * AMX_AHEAD; ++b) unpack(b);
   for (int64_t b = 0; b < std::min(AMX_AHEAD, nblocks); ++b) issue(b);
   for (int64_t b = 0; b < nblocks; ++b) {
-    if (b + AMX_AHEAD < nblocks) issue(b + AMX_AHEAD);
     unpack(b + 2 * AMX_AHEAD);
     for (int64_t l = b * per_block; l < std::min(lines, (b + 1) * per_block); ++l)
       _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T0);
@@ -356,7 +358,9 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
       acc##r = _mm512_fmadd_ps(x, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])), acc##r);          \
       if (MINS) acc##r = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), acc##r);                  \
     }
-    GLMSERVE_EACH_ROW(GLMSERVE_SCALE)
+    GLMSERVE_FIRST_HALF(GLMSERVE_SCALE)
+    if (b + AMX_AHEAD < nblocks) issue(b + AMX_AHEAD);
+    GLMSERVE_SECOND_HALF(GLMSERVE_SCALE)
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
 #define GLMSERVE_STORE(r) \
@@ -368,6 +372,8 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
 #undef GLMSERVE_SCALE
 #undef GLMSERVE_ACC
 #undef GLMSERVE_EACH_ROW
+#undef GLMSERVE_FIRST_HALF
+#undef GLMSERVE_SECOND_HALF
 }
 
 // tile_amx for `rows` rows, R = rows rounded up to 4
@@ -626,16 +632,26 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
 
 #ifdef GLMSERVE_AMX
 // weight tiles [begin, end) on the AMX tiles, groups of 16 activation rows (a group of fewer than AMX_GROUP_MIN_*
-// real rows on the VNNI tiles)
+// real rows on the VNNI tiles). u4 weights of up to AMX_UNPACK_ONCE blocks run by more than one group are
+// unpacked once per tile for all its groups (12 KB at most, which leaves L1 room for the activations; 0.88-0.95x
+// the time at 32-63 rows for 576 inputs, and no gain at 1,536 inputs, where a whole tile is 24 KB) instead of
+// once per group
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
                int64_t end, int64_t nblocks, bool u4, float* o, int64_t out_features) {
   const int64_t tile_bytes = nblocks * (u4 ? U4_BLOCK : I8_BLOCK);
+  const bool unpack_once = u4 && N > AMX_ROWS && nblocks <= AMX_UNPACK_ONCE;
+  alignas(64) uint8_t unpacked[AMX_UNPACK_ONCE * I8_BLOCK];
   amx_config();
   for (int64_t t = begin; t < end; ++t) {
     const Weights w{cp + t * tile_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
     const int64_t r0 = t * ROWS;
     const int cols = static_cast<int>(std::min<int64_t>(ROWS, out_features - r0));
     const uint8_t* next = t + 1 < end ? w.codes + tile_bytes : nullptr;
+    Weights wu = w;
+    if (unpack_once) {
+      for (int64_t b = 0; b < nblocks; ++b) amx_unpack_u4(w.codes + b * U4_BLOCK, unpacked + b * I8_BLOCK);
+      wu.codes = unpacked;
+    }
     for (int64_t n0 = 0; n0 < N; n0 += AMX_ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(AMX_ROWS, N - n0));
       if (rows < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8)) {
@@ -644,7 +660,9 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
       }
       const uint8_t* ahead = n0 == 0 ? next : nullptr;  // the next tile's codes, prefetched during the first group
       float* dst = o + n0 * out_features + r0;
-      if (u4 && w.m) tile_amx_rows<true, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
+      if (unpack_once && w.m) tile_amx_rows<false, true>(wu, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
+      else if (unpack_once) tile_amx_rows<false, false>(wu, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
+      else if (u4 && w.m) tile_amx_rows<true, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
       else if (u4) tile_amx_rows<true, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
       else if (w.m) tile_amx_rows<false, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
       else tile_amx_rows<false, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
