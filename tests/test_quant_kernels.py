@@ -300,6 +300,12 @@ def test_lm_head_shape(cpu_isa, fmt, batch):
     check(fmt, batch, *LM_HEAD)
 
 
+def test_lm_head_batch_past_the_streaming_size(tiles):
+    """44 rows of the lm_head (8.7 MB of logits): on AMX written with non-temporal stores; both tile kinds against
+    the emulation and the reference."""
+    check("gguf_q8_0", 44, *LM_HEAD)
+
+
 def test_odd_shapes_pad_to_blocks_and_tiles(cpu_isa):
     """in_features not a multiple of 32 (per-channel int8) and out_features not a multiple of 16."""
     w = quantize(torch.randn(21, 100), QuantSpec(8, strategy="channel"))

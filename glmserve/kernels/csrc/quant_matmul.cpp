@@ -251,6 +251,10 @@ constexpr int64_t AMX_ROWS = 16;       // activation rows per A tile (a group)
 // which pay the nibble unpacking per group too (bench/RESULTS.md, "AMX int8 tiles for decode batches")
 constexpr int64_t AMX_GROUP_MIN_I8 = 6, AMX_GROUP_MIN_U4 = 10;
 constexpr int64_t AMX_UNPACK_ONCE = 24;  // u4 tiles of up to this many blocks: unpacked once for all groups (amx_tiles)
+// outputs of at least this many bytes are written with non-temporal stores (amx_tiles): the lm_head at 64 rows
+// (12.6 MB) 0.65x the time alone, 0.77-0.80x with a max or softmax over the logits after it; at 32 rows (6.3 MB)
+// even, at 8-16 rows slower (1.06-1.27x with the reduction after it), hence 8 MB
+constexpr int64_t AMX_STREAM_BYTES = int64_t(8) << 20;
 constexpr int64_t AMX_AHEAD = 4;       // blocks whose tile products run ahead of their scaling: C tiles 0-3
 constexpr int64_t AMX_RING = 2 * AMX_AHEAD;  // int32 result buffers of [16][16], written by tile stores
 
@@ -310,7 +314,7 @@ template <int R, bool U4, bool MINS>  // R: the rows computed (rows rounded up t
 __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, const Acts& a, int64_t n0, int rows,
                                                              int64_t nblocks, const uint8_t* next,
                                                              int64_t next_bytes, float* out, int64_t ldo,
-                                                             int cols) {
+                                                             int cols, bool stream) {
   alignas(64) int32_t ring[AMX_RING][AMX_ROWS * ROWS];
   // u4: block b is unpacked AMX_AHEAD blocks before its tile load (a tile load right after the vector stores of
   // its data stalls until they reach L1), into a ring of 2 AMX_RING blocks
@@ -367,7 +371,16 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
   if constexpr (r < R) {  \
     if (r < rows) _mm512_mask_storeu_ps(out + r * ldo, keep, acc##r); \
   }
-  GLMSERVE_EACH_ROW(GLMSERVE_STORE)
+#define GLMSERVE_STREAM(r) \
+  if constexpr (r < R) {   \
+    if (r < rows) _mm512_stream_ps(out + r * ldo, acc##r); \
+  }
+  if (stream && cols == ROWS) {
+    GLMSERVE_EACH_ROW(GLMSERVE_STREAM)
+  } else {
+    GLMSERVE_EACH_ROW(GLMSERVE_STORE)
+  }
+#undef GLMSERVE_STREAM
 #undef GLMSERVE_STORE
 #undef GLMSERVE_SCALE
 #undef GLMSERVE_ACC
@@ -379,12 +392,12 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
 // tile_amx for `rows` rows, R = rows rounded up to 4
 template <bool U4, bool MINS>
 void tile_amx_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nblocks, const uint8_t* next,
-                   int64_t next_bytes, float* out, int64_t ldo, int cols) {
+                   int64_t next_bytes, float* out, int64_t ldo, int cols, bool stream) {
   switch ((rows + 3) / 4) {
-    case 1: return tile_amx<4, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
-    case 2: return tile_amx<8, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
-    case 3: return tile_amx<12, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
-    default: return tile_amx<16, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
+    case 1: return tile_amx<4, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
+    case 2: return tile_amx<8, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
+    case 3: return tile_amx<12, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
+    default: return tile_amx<16, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
   }
 }
 #undef GLMSERVE_AMX_BLOCK
@@ -635,11 +648,16 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
 // real rows on the VNNI tiles). u4 weights of up to AMX_UNPACK_ONCE blocks run by more than one group are
 // unpacked once per tile for all its groups (12 KB at most, which leaves L1 room for the activations; 0.88-0.95x
 // the time at 32-63 rows for 576 inputs, and no gain at 1,536 inputs, where a whole tile is 24 KB) instead of
-// once per group
+// once per group. Outputs of AMX_STREAM_BYTES or more (the lm_head from 43 rows) bypass the caches (non-temporal
+// stores of whole 64-byte rows of a tile): their row stride, a multiple of 4 KB there, maps every batch row's
+// 64 bytes of a tile onto one or two cache sets, and the regular stores' reads for ownership cost up to 45% of the
+// lm_head at 64 rows
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
                int64_t end, int64_t nblocks, bool u4, float* o, int64_t out_features) {
   const int64_t tile_bytes = nblocks * (u4 ? U4_BLOCK : I8_BLOCK);
   const bool unpack_once = u4 && N > AMX_ROWS && nblocks <= AMX_UNPACK_ONCE;
+  const bool stream = out_features % ROWS == 0 && reinterpret_cast<uintptr_t>(o) % 64 == 0 &&
+                      N * out_features * static_cast<int64_t>(sizeof(float)) >= AMX_STREAM_BYTES;
   alignas(64) uint8_t unpacked[AMX_UNPACK_ONCE * I8_BLOCK];
   amx_config();
   for (int64_t t = begin; t < end; ++t) {
@@ -660,14 +678,15 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
       }
       const uint8_t* ahead = n0 == 0 ? next : nullptr;  // the next tile's codes, prefetched during the first group
       float* dst = o + n0 * out_features + r0;
-      if (unpack_once && w.m) tile_amx_rows<false, true>(wu, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
-      else if (unpack_once) tile_amx_rows<false, false>(wu, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
-      else if (u4 && w.m) tile_amx_rows<true, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
-      else if (u4) tile_amx_rows<true, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
-      else if (w.m) tile_amx_rows<false, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
-      else tile_amx_rows<false, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
+      if (unpack_once && w.m) tile_amx_rows<false, true>(wu, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (unpack_once) tile_amx_rows<false, false>(wu, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (u4 && w.m) tile_amx_rows<true, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (u4) tile_amx_rows<true, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (w.m) tile_amx_rows<false, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else tile_amx_rows<false, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
     }
   }
+  if (stream) _mm_sfence();
   amx_release();
 }
 #endif
