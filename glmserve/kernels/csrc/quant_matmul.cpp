@@ -252,7 +252,7 @@ constexpr int64_t AMX_ROWS = 16;       // activation rows per A tile (a group)
 constexpr int64_t AMX_GROUP_MIN_I8 = 6, AMX_GROUP_MIN_U4 = 10;
 constexpr int64_t AMX_UNPACK_ONCE = 24;  // u4 tiles of up to this many blocks: unpacked once for all groups (amx_tiles)
 // outputs of at least this many bytes are written with non-temporal stores (amx_tiles): the lm_head at 64 rows
-// (12.6 MB) 0.65x the time alone, 0.77-0.80x with a max or softmax over the logits after it; at 32 rows (6.3 MB)
+// (12.6 MB) 0.65x the time alone, 0.77-0.80x with an argmax or softmax over the logits after it; at 32 rows (6.3 MB)
 // even, at 8-16 rows slower (1.06-1.27x with the reduction after it), hence 8 MB
 constexpr int64_t AMX_STREAM_BYTES = int64_t(8) << 20;
 constexpr int64_t AMX_AHEAD = 4;       // blocks whose tile products run ahead of their scaling: C tiles 0-3
@@ -301,15 +301,15 @@ inline void amx_unpack_u4(const uint8_t* codes, uint8_t* out) {
 }
 
 // out [rows, cols] (row stride ldo) for activation rows n0..n0+rows-1 (rows <= 16; q padded to whole A tiles)
-// and the first cols <= 16 output rows of one weight tile
-// whose blocks are AMX B tiles (`btiles`, [nblocks][512]). The tile products of block b + AMX_AHEAD are issued
-// halfway through block b's scaling (2-9% faster than before it), so the TMUL and the tile stores of the next blocks overlap this block's conversion
-// and FMAs (the bound: per activation row and block, a convert, a multiply and one or two FMAs of 16 lanes), and
-// the 16 fp32 accumulators stay in registers over all blocks. Per element the same operations in the same
-// block order as tile_avx512, so the sums are the VNNI tiles' bit for bit. `next` (the following weight tile's
-// bytes, or nullptr) is prefetched, `next_bytes` of it spread over the blocks. The pipelining and the
-// store-then-scale per block of 32 follow llama.cpp's ggml/src/ggml-cpu/amx/mmq.cpp (its tinygemm_kernel_amx);
-// the layout and the code are our own.
+// and the first cols <= 16 output rows of one weight tile whose blocks are AMX B tiles (`btiles`, [nblocks][512]).
+// The tile products of block b + AMX_AHEAD are issued halfway through block b's scaling (up to 9% faster than
+// before it), so the TMUL and the tile stores of the next blocks overlap this block's conversion and FMAs (the
+// bound: per activation row and block, a convert, a multiply and one or two FMAs of 16 lanes), and the 16 fp32
+// accumulators stay in registers over all blocks. Per element the same operations in the same block order as
+// tile_avx512, so the sums are the VNNI tiles' bit for bit. `next` (the following weight tile's bytes, or
+// nullptr) is prefetched, `next_bytes` of it spread over the blocks; `stream`: whole 16-column rows of out are
+// written with non-temporal stores (amx_tiles). The pipelining and the store-then-scale per block of 32 follow
+// llama.cpp's ggml/src/ggml-cpu/amx/mmq.cpp (its tinygemm_kernel_amx); the layout and the code are our own.
 template <int R, bool U4, bool MINS>  // R: the rows computed (rows rounded up to 4; the padded rows' scales are 0)
 __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, const Acts& a, int64_t n0, int rows,
                                                              int64_t nblocks, const uint8_t* next,
@@ -646,12 +646,11 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
 #ifdef GLMSERVE_AMX
 // weight tiles [begin, end) on the AMX tiles, groups of 16 activation rows (a group of fewer than AMX_GROUP_MIN_*
 // real rows on the VNNI tiles). u4 weights of up to AMX_UNPACK_ONCE blocks run by more than one group are
-// unpacked once per tile for all its groups (12 KB at most, which leaves L1 room for the activations; 0.88-0.95x
-// the time at 32-63 rows for 576 inputs, and no gain at 1,536 inputs, where a whole tile is 24 KB) instead of
+// unpacked once per tile for all its groups (12 KB at most, which leaves L1 room for the activations; 0.88-0.96x
+// the time at 32-63 rows for 576 inputs, and a loss at 1,536 inputs, where a whole tile is 24 KB) instead of
 // once per group. Outputs of AMX_STREAM_BYTES or more (the lm_head from 43 rows) bypass the caches (non-temporal
 // stores of whole 64-byte rows of a tile): their row stride, a multiple of 4 KB there, maps every batch row's
-// 64 bytes of a tile onto one or two cache sets, and the regular stores' reads for ownership cost up to 45% of the
-// lm_head at 64 rows
+// 64 bytes of a tile onto a few cache sets, and the regular stores cost up to 46% of the lm_head at 64 rows
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
                int64_t end, int64_t nblocks, bool u4, float* o, int64_t out_features) {
   const int64_t tile_bytes = nblocks * (u4 ? U4_BLOCK : I8_BLOCK);
@@ -665,10 +664,10 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
     const int64_t r0 = t * ROWS;
     const int cols = static_cast<int>(std::min<int64_t>(ROWS, out_features - r0));
     const uint8_t* next = t + 1 < end ? w.codes + tile_bytes : nullptr;
-    Weights wu = w;
+    Weights wt = w;  // unpacked once: the int8 B tiles as they are
     if (unpack_once) {
       for (int64_t b = 0; b < nblocks; ++b) amx_unpack_u4(w.codes + b * U4_BLOCK, unpacked + b * I8_BLOCK);
-      wu.codes = unpacked;
+      wt.codes = unpacked;
     }
     for (int64_t n0 = 0; n0 < N; n0 += AMX_ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(AMX_ROWS, N - n0));
@@ -678,12 +677,11 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
       }
       const uint8_t* ahead = n0 == 0 ? next : nullptr;  // the next tile's codes, prefetched during the first group
       float* dst = o + n0 * out_features + r0;
-      if (unpack_once && w.m) tile_amx_rows<false, true>(wu, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (unpack_once) tile_amx_rows<false, false>(wu, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (u4 && w.m) tile_amx_rows<true, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (u4) tile_amx_rows<true, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (w.m) tile_amx_rows<false, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else tile_amx_rows<false, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      const bool nibbles = u4 && !unpack_once;
+      if (nibbles && w.m) tile_amx_rows<true, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (nibbles) tile_amx_rows<true, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (w.m) tile_amx_rows<false, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else tile_amx_rows<false, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
     }
   }
   if (stream) _mm_sfence();
