@@ -7,7 +7,9 @@ prompts: one `--prefill`-token prompt with 1 new token, then `--batch` 128-token
 prefill is left out of the profile, and `--steps` decode steps of that batch. Prints, per phase,
 the wall time, the ops with the most self CPU time and their share of the profiled time, the
 share outside any torch op (Python: batch building, scheduling, sampling glue), and torch's
-build configuration (which BLAS / oneDNN the GEMMs go to).
+build configuration (which BLAS / oneDNN the GEMMs go to). Our C++ kernels (glmserve/kernels, pybind11
+functions the profiler does not see) are wrapped in `record_function("kernels::NAME")`, so each appears as
+an op of its own; their self time excludes the aten ops they call.
 """
 
 from __future__ import annotations
@@ -19,6 +21,33 @@ import time
 import workloads as wl
 
 os.environ.setdefault("OMP_NUM_THREADS", str(wl.THREADS))
+
+
+def profile_kernels() -> None:
+    """Every C++ kernel op the dispatcher hands out from now on runs inside record_function("kernels::NAME")."""
+    import functools
+    import types
+
+    import torch
+
+    from glmserve.kernels import dispatch
+
+    def wrapped(fn, name: str):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(f"kernels::{name}"):
+                return fn(*args, **kwargs)
+        return call
+
+    @functools.cache
+    def load(source: str, isa: str):
+        module = real_load(source, isa)
+        if module is None:
+            return None
+        names = [n for n, s in dispatch.OPS.items() if s == source]
+        return types.SimpleNamespace(**{n: wrapped(getattr(module, n), n) for n in names})
+
+    real_load = dispatch.load
+    dispatch.load = load
 
 
 def report(name: str, prof: object, wall_s: float, top: int) -> None:
@@ -49,6 +78,7 @@ def main() -> None:
     from glmserve import LLM, SamplingParams
 
     torch.set_num_threads(wl.THREADS)
+    profile_kernels()
     llm = LLM(model=None, dtype=args.dtype, num_threads=wl.THREADS)
     engine = llm.engine
     maker = wl.PromptMaker(wl.load_tokenizer(wl.embedded_gguf_path()), wl.SEED + 3)
