@@ -346,21 +346,24 @@ AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
   }
 }
 
-// K rows [Lpad][D] and V^T by key blocks [Lpad / KB][D][KB] of one (row, KV head), zero past its keys
-void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t kl, int64_t lpad, int64_t D,
-             uint16_t* kp, uint16_t* vt) {
+// Key block `blk` of one (row, KV head): its KB rows of K ([KB][D], at kp + blk * KB * D) and its V^T ([D][KB], at
+// vt + blk * KB * D), zero past the row's kl keys
+void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t blk, int64_t kl, int64_t D,
+                uint16_t* kp, uint16_t* vt) {
   const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  for (int64_t t = 0; t < kl; ++t)
-    std::memcpy(kp + t * D, ks + b * k.stride(0) + t * k.stride(1) + h * k.stride(2), D * 2);
-  std::memset(kp + kl * D, 0, (lpad - kl) * D * 2);
-  if (lpad > kl) std::memset(vt + (lpad - KB) * D, 0, KB * D * 2);  // the last block
-  for (int64_t t0 = 0; t0 < kl; t0 += KB) {
-    uint16_t* block = vt + t0 * D;
-    for (int64_t t = t0; t < std::min(kl, t0 + KB); ++t) {
-      const uint16_t* row = vs + b * v.stride(0) + t * v.stride(1) + h * v.stride(2);
-      for (int64_t d = 0; d < D; ++d) block[d * KB + t - t0] = row[d];
-    }
+  const int64_t t0 = blk * KB, n = std::min(kl - t0, KB);
+  uint16_t* krows = kp + t0 * D;
+  uint16_t* block = vt + t0 * D;
+  for (int64_t t = 0; t < n; ++t)
+    std::memcpy(krows + t * D, ks + b * k.stride(0) + (t0 + t) * k.stride(1) + h * k.stride(2), D * 2);
+  if (n < KB) {
+    std::memset(krows + n * D, 0, (KB - n) * D * 2);
+    std::memset(block, 0, KB * D * 2);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* row = vs + b * v.stride(0) + (t0 + t) * v.stride(1) + h * v.stride(2);
+    for (int64_t d = 0; d < D; ++d) block[d * KB + t] = row[d];
   }
 }
 
@@ -373,19 +376,24 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     q_start[b] = tokens, pad_start[b] = keys;
     tokens += ql[b], keys += (kl[b] + KB - 1) / KB * KB;
   }
-  std::vector<uint16_t> kp(keys * Hk * D), vt(keys * Hk * D);
-  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hk, h = i % Hk, lpad = (kl[b] + KB - 1) / KB * KB;
-      const int64_t region = (pad_start[b] * Hk + h * lpad) * D;
-      pack_kv(k, v, b, h, kl[b], lpad, D, kp.data() + region, vt.data() + region);
+  // K and V^T packed by key block, the blocks of every (row, KV head) split over the threads (uninitialized
+  // buffers: every block is written whole)
+  at::Tensor kv_packed = at::empty({2, keys * Hk * D}, q.options());
+  uint16_t* kp = reinterpret_cast<uint16_t*>(kv_packed.data_ptr<at::BFloat16>());
+  uint16_t* vt = kp + keys * Hk * D;
+  at::parallel_for(0, keys / KB * Hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // i: block i / Hk of the packed keys, KV head i % Hk
+      const int64_t at_key = i / Hk * KB, h = i % Hk;
+      const int64_t b = std::upper_bound(pad_start.begin(), pad_start.end(), at_key) - pad_start.begin() - 1;
+      const int64_t lpad = (kl[b] + KB - 1) / KB * KB, region = (pad_start[b] * Hk + h * lpad) * D;
+      pack_block(k, v, b, h, (at_key - pad_start[b]) / KB, kl[b], D, kp + region, vt + region);
     }
   });
   at::Tensor out = at::empty({T, Hq, D}, q.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   Problem p{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0), q.stride(1),
             out_bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr,
             out_bf16 ? nullptr : out.data_ptr<float>(), Hq, Hk, Hq / Hk, D, static_cast<float>(scale),
-            q_start.data(), ql, kl, pad_start.data(), kp.data(), vt.data()};
+            q_start.data(), ql, kl, pad_start.data(), kp, vt};
   std::vector<Item> items;  // cost: key blocks the item visits
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < Hk; ++h)
