@@ -21,7 +21,7 @@
 //     once per call), the B tile is a query tile's Q^T in VNNI pairs ([16 pairs of D][16 queries x 2], packed
 //     once per work item), D / 32 tdpbf16ps into each of four C tiles (16 keys each); one zmm row per key then
 //     holds its 16 queries' scores.
-//   softmax in base 2 (scores times scale * log2 e): max, 2^x (vec_math.h's fast_exp2_16) and sum are lane-wise
+//   softmax in base 2 (scores times scale * log2 e): max, 2^x (vec_math.h's fast_exp2_16_bf16) and sum are lane-wise
 //     over the 64 rows; a block that reaches past a query tile's first position masks the keys after each
 //     query's; blocks wholly after a tile's last query are skipped (causal: half the work).
 //   out^T [D, 16 queries] += V^T [D, 64 keys] x P^T: A tiles are 16 dims x 32 keys of V^T (packed once per call,
@@ -176,9 +176,10 @@ AMX_TARGET inline void store_scores(float* s) {
 }
 
 // online softmax over one block of scores^T s, in base 2 (scores times scale * log2 e, so that the exponential is
-// vec_math.h's fast_exp2_16); P^T into pt as bf16 VNNI pairs (two B tiles: keys 0-31, 32-63); m, l: the head's
-// running max (scaled, base 2) and sum for its 16 queries; returns whether the max grew for some query, with
-// alpha = 2^(m_old - m_new) (the factor of the output so far)
+// vec_math.h's fast_exp2_16_bf16, ~1e-4: P is rounded to bf16 for P x V, and l sums the same values); P^T into pt
+// as bf16 VNNI pairs (two B tiles: keys 0-31, 32-63); m, l: the head's running max (scaled, base 2) and sum for its
+// 16 queries; returns whether the max grew for some query, with alpha = 2^(m_old - m_new) (the factor of the output
+// so far, and of l: its error cancels; computed to ~1e-7 all the same)
 template <bool Masked>
 AMX_TARGET inline bool softmax_block(const Problem& p, int64_t kb, __m512 qpos, const float* s, uint16_t* pt,
                                      float* m, float* l, __m512& alpha) {
@@ -202,8 +203,8 @@ AMX_TARGET inline bool softmax_block(const Problem& p, int64_t kb, __m512 qpos, 
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int k = 0; k < KB; k += 2) {
-    __m512 e0 = glmserve::fast_exp2_16(_mm512_fmsub_ps(_mm512_load_ps(s + k * QB), scale, m_new));
-    __m512 e1 = glmserve::fast_exp2_16(_mm512_fmsub_ps(_mm512_load_ps(s + (k + 1) * QB), scale, m_new));
+    __m512 e0 = glmserve::fast_exp2_16_bf16(_mm512_fmsub_ps(_mm512_load_ps(s + k * QB), scale, m_new));
+    __m512 e1 = glmserve::fast_exp2_16_bf16(_mm512_fmsub_ps(_mm512_load_ps(s + (k + 1) * QB), scale, m_new));
     if constexpr (Masked) {
       e0 = _mm512_maskz_mov_ps(live[k], e0);
       e1 = _mm512_maskz_mov_ps(live[k + 1], e1);

@@ -44,7 +44,9 @@ inline void put(float* p, float x) { *p = x; }
 inline void put(uint16_t* p, float x) { *p = f32_to_bf16(x); }
 
 #if defined(__AVX512F__)
-inline __mmask16 lanes(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1); }
+inline __mmask16 lanes(int64_t n) {  // the first min(n, 16) lanes
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
