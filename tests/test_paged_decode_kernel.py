@@ -57,8 +57,8 @@ def test_peaked_scores_underflow_to_zero_weight(cpu_isa):
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
 def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
     """The fused KV write (kernels `store_kv`) against `store`'s cast + index_copy_, bit for bit: k and v as views of
-    a fused qkv output (strided rows), values at bf16 rounding ties, and a slot outside the cache refused (float16
-    pools take `store`)."""
+    a fused qkv output (strided rows), values at bf16 rounding ties, float32 and bf16 k/v, and a slot outside the
+    cache refused (float16 pools take `store`)."""
     gen = torch.Generator().manual_seed(3)
     t, kv_heads, dim, slots_n = 11, 3, 64, 40
     qkv = torch.randn(t, (9 + 2 * kv_heads) * dim, generator=gen)
@@ -73,6 +73,15 @@ def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
     store(want[1], slots, v)
     bits = torch.int32 if storage == torch.float32 else torch.int16  # bit for bit
     assert torch.equal(got.view(bits), want.view(bits))
+    kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)  # a bf16 prefill's k, v (attention.py `takes_bf16`)
+    got.zero_()
+    want.zero_()
+    kernels.op("store_kv", k.device, torch.bfloat16)(got[0], got[1], slots, kb, vb)
+    store(want[0], slots, kb)
+    store(want[1], slots, vb)
+    assert torch.equal(got.view(bits), want.view(bits))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots, k, vb)
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots + slots_n, k, v)
     half = torch.zeros(2, kv_heads, slots_n, dim, dtype=torch.float16)

@@ -146,8 +146,8 @@ class CpuBlockBackend:
         no canonical copy of the weight is kept (a tied embedding's lookup, weight inspection)."""
         p = prepared
         tile, row = ids // ROWS, ids % ROWS
-        codes = p.codes[tile].reshape(len(ids), p.codes.shape[1], 4 if p.u4 else 8, ROWS, 4)  # [n, blocks, j, row, t]
-        codes = codes[torch.arange(len(ids)), :, :, row]  # [n, blocks, j, t]
+        tiles = p.codes.view(*p.codes.shape[:2], 4 if p.u4 else 8, ROWS, 4)  # [tiles, blocks, j, row, t]
+        codes = tiles[tile, :, :, row]  # [n, blocks, j, t]: only the rows asked for are gathered
         if p.u4:  # byte j*4+t holds input j*4+t (low nibble) and 16 + j*4+t (high nibble)
             c = torch.cat((codes & 15, codes >> 4), dim=-2).to(torch.float32)
         else:
