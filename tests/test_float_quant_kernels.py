@@ -202,7 +202,7 @@ def test_unsupported_formats_are_left_to_other_backends(cpu_isa, spec, act):
 
 def test_registry_picks_the_kernel_on_cpu_and_reference_without_it(cpu_isa, monkeypatch):
     monkeypatch.delenv(registry.BACKEND_ENV, raising=False)
-    for name in ("fp8", "fp8-a16", "fp8-block", "fp8-block-g128", "nvfp4"):
+    for name in ("fp8", "fp8-a16", "fp8-block", "fp8-block-g128", "fp8-g32", "fp8-g16", "nvfp4"):
         s = SCHEMES[name]
         assert registry.select(s.weight, s.activations, CPU).name == "cpu_float_block"
     monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")
