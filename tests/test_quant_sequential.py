@@ -11,9 +11,10 @@ import copy
 import re
 
 import pytest
+import test_quant_scale_search
 import torch
 from test_quant_loading import _engine, _worst_error
-from test_quantize_cli import CALIB, _same_module, fake_quantized_model
+from test_quantize_cli import _same_module, fake_quantized_model
 from transformers import AutoModelForCausalLM
 
 from glmserve.cli import main, run_quantize
@@ -28,18 +29,7 @@ from glmserve.quant.sensitivity import units
 from glmserve.quant.sequential import Served, float_target, quantize_sequential
 
 W4 = scheme("w4a16-asym").weight
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture
-def calib(tmp_path):
-    path = tmp_path / "calib.txt"
-    path.write_text(CALIB)
-    return str(path)
+tiny, calib = test_quant_scale_search.tiny, test_quant_scale_search.calib  # fixtures: the tiny llama, a calib file
 
 
 def _model(tiny):
