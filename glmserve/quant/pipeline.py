@@ -5,7 +5,7 @@ nearest, GPTQ or AWQ, outlier columns kept in float) -> a compressed-tensors saf
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -217,6 +217,7 @@ def _quantize_sequential(model: torch.nn.Module, plan: Plan, calib, schemes: dic
     rescaled: dict[str, torch.Tensor] = {}
     pending: dict[str, torch.Tensor] = {}  # weights already rescaled by a fold, not yet quantized
     done: set[tuple[str, ...]] = set()  # units whose fold was made
+    scales: dict[tuple[str, ...], torch.Tensor] = {}  # the scale s of a unit folded before its statistics were taken
 
     def step(unit: tuple[str, ...], collect: Collect) -> Served:
         acts = {n: scheme_specs(schemes[n])[1] for n in unit}
@@ -224,10 +225,17 @@ def _quantize_sequential(model: torch.nn.Module, plan: Plan, calib, schemes: dic
         names = list(unit) + [n for u in ahead for n in u]
         stats = collect(names, {n: a for n, a in acts.items() if a is not None})
         weights = {n: pending.pop(n) if n in pending else named[n].weight.detach().float().clone() for n in names}
+        s = scales.pop(unit, None)
+        if s is not None and stats[unit[0]].cross is not None:
+            # the served inputs were taken after the fold (x / s), the float model's are not: put those in the
+            # same coordinates (X / s), as the folded weight W s expects
+            fixed = replace(stats[unit[0]], cross=stats[unit[0]].cross / s.to(torch.float64)[None, :])
+            stats.update({n: fixed for n in unit})
         tensors: dict[str, torch.Tensor] = {}
         if search is not None and unit not in done:
-            tensors, _ = _fold_scales(model, schemes, stats, search, weights, [unit] + ahead)
+            tensors, folded = _fold_scales(model, schemes, stats, search, weights, [unit] + ahead)
             done.update([unit] + ahead)
+            scales.update({u: folded[u] for u in ahead if u in folded})
         pending.update({n: weights[n] for u in ahead for n in u})
         rescaled.update(tensors)
         quantized = _quantize_unit(unit, weights, stats, schemes, plan, threshold)
@@ -308,21 +316,21 @@ def _producer(name: str) -> str | None:
 
 def _fold_scales(model: torch.nn.Module, schemes: Mapping[str, str], stats: dict[str, InputStats], search,
                  weights: dict[str, torch.Tensor],
-                 unit_list: Sequence[tuple[str, ...]]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """(the rescaled float tensors, the producers folded into): each unit of `unit_list` whose layers share one
-    scheme and have a known producer gets s = search(its weights, its input stats, spec) (None: left as is); its
-    `weights` (float, updated in place) become W s, the producer computes its output / s (a linear producer's rows
-    in `weights`, a norm's weight returned), and `stats` is updated in place to the statistics of those inputs
-    (GPTQ and outlier detection after SmoothQuant see what the layer will)."""
+                 unit_list: Sequence[tuple[str, ...]]
+                 ) -> tuple[dict[str, torch.Tensor], dict[tuple[str, ...], torch.Tensor]]:
+    """(the rescaled float tensors, unit -> its scale s for the units folded): each unit of `unit_list` whose
+    layers share one scheme and have a known producer gets s = search(its weights, its input stats, spec) (None:
+    left as is); its `weights` (float, updated in place) become W s, the producer computes its output / s (a
+    linear producer's rows in `weights`, a norm's weight returned), and `stats` is updated in place to the
+    statistics of those inputs (GPTQ and outlier detection after SmoothQuant see what the layer will)."""
     named = dict(model.named_modules())
     rescaled: dict[str, torch.Tensor] = {}
-    folded: list[str] = []
+    folded: dict[tuple[str, ...], torch.Tensor] = {}
     for unit in unit_list:
         spec = scheme_specs(schemes[unit[0]])[0]
         target = _producer(unit[0])
-        producer = target.rpartition(".")[2] if target else None
-        if (target is None or len({schemes[n] for n in unit}) > 1
-                or target not in named or (producer == "mlp.up_proj" and target not in weights)):
+        if (target is None or len({schemes[n] for n in unit}) > 1 or target not in named
+                or (isinstance(named[target], torch.nn.Linear) and target not in weights)):
             continue
         s = search([weights[n] for n in unit], stats[unit[0]], spec)
         if s is None:
@@ -335,7 +343,7 @@ def _fold_scales(model: torch.nn.Module, schemes: Mapping[str, str], stats: dict
             weights[target] = weights[target] / s[:, None]
         else:  # a norm: its weight
             rescaled[f"{target}.weight"] = named[target].weight.detach().float() / s
-        folded.append(target)
+        folded[unit] = s
     return rescaled, folded
 
 
