@@ -216,3 +216,37 @@ def test_cli_flags_and_errors(tiny, tmp_path, calib, capsys):
                      sequential=True, asymmetric=True)
     with pytest.raises(InvalidRequestError, match="give --calib"):
         run_quantize(str(tiny), str(tmp_path / "e"), scheme="w4a16", sequential=True)
+
+
+def test_awq_asymmetric_target_is_the_folded_weight_when_nothing_is_lost(tiny, calib, tmp_path, monkeypatch):
+    """AWQ + GPTQ, sequential, asymmetric, with every unit served in float (its folded weight W s, no rounding):
+    the served model computes the float function, so each unit's float-output target must be its folded weight
+    itself, down_proj too, whose scales are folded into up_proj's rows before its statistics are taken (its
+    float inputs must be put in the folded coordinates)."""
+    from glmserve.quant import pipeline
+
+    served, targets = {}, []
+    original_unit, original_target = pipeline._quantize_unit, pipeline.float_target
+
+    def unit(u, weights, *args):
+        out = original_unit(u, weights, *args)
+        served.update({id(out[n]): weights[n].clone() for n in u})
+        return out
+
+    def target(w, stats, damp):
+        v = original_target(w, stats, damp)
+        targets.append((w, v))
+        return v
+
+    monkeypatch.setattr(pipeline, "_quantize_unit", unit)
+    monkeypatch.setattr(pipeline, "float_target", target)
+    monkeypatch.setattr(pipeline, "dense_weight", lambda m: served[id(m)])
+    _, result = run_quantize(str(tiny), str(tmp_path / "q"), scheme="w4a16-asym", method="awq-gptq",
+                             calib=[calib], seq_len=32, sequential=True, asymmetric=True)
+    model = _model(tiny)
+    folded_down = [n for n in result.modules if n.endswith("down_proj")
+                   and not torch.allclose(served[id(result.modules[n])], dict(model.named_modules())[n].weight)]
+    assert folded_down  # AWQ rescaled some down_proj: the case under test is present
+    assert len(targets) == len(result.modules)
+    for w, v in targets:
+        assert torch.allclose(v, w, rtol=1e-3, atol=1e-4 * w.abs().max().item())
