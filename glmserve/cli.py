@@ -211,6 +211,9 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--asymmetric", action="store_true", help="with --sequential and GPTQ: fit each layer to "
                         "the float model's output on the float inputs (GPTAQ), not to its own weights on the "
                         "quantized inputs")
+    parser.add_argument("--asymmetric-damp", type=float, default=None, metavar="F", help="with --asymmetric: the "
+                        "float target's ridge towards the layer's own weights, F times the mean Hessian diagonal "
+                        "(default: --gptq-damp); larger trusts the calibration tokens less")
     parser.add_argument("--smooth", type=float, default=None, metavar="ALPHA", help="SmoothQuant: migrate "
                         "activation outliers into the weights with strength ALPHA in [0, 1] (0.5 typical; for "
                         "w8a8 / fp8; needs --calib)")
@@ -232,7 +235,7 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
                  calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto",
                  sensitivity: str = "measured", smooth: float | None = None, stats=None, gptq_damp: float = 0.01,
                  rotate: str | None = None, scale_search: bool = False, sequential: bool = False,
-                 asymmetric: bool = False):
+                 asymmetric: bool = False, asymmetric_damp: float | None = None):
     """Quantize `model` (a path, 'default', or a loaded models.hf_float.FloatCheckpoint, left unchanged) into a
     compressed-tensors folder `out`; returns (float model, pipeline Result). `stats`: calibration statistics
     already collected on these windows (calibrate.collect_stats), reused instead of collected again. `rotate`
@@ -259,7 +262,7 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
     plan = pipeline.Plan(recipe=load_recipe(recipe) if recipe else uniform(scheme) if scheme else None,
                          bits_budget=bits_budget, method=method, sensitivity=sensitivity, smooth=smooth,
                          gptq_damp=gptq_damp, scale_search=scale_search, sequential=sequential,
-                         asymmetric=asymmetric)
+                         asymmetric=asymmetric, asymmetric_damp=asymmetric_damp)
     if candidates:
         plan.candidates = tuple(c.strip() for c in candidates.split(","))
     if pipeline.needs_calibration(plan) and not calib:
@@ -296,7 +299,8 @@ def cmd_quantize(args: argparse.Namespace) -> None:
                                  calib_tokens=args.calib_tokens, seq_len=args.seq_len, method=args.method,
                                  dtype=args.dtype, sensitivity=args.sensitivity, smooth=args.smooth,
                                  gptq_damp=args.gptq_damp, rotate=args.rotate, scale_search=args.scale_search,
-                                 sequential=args.sequential, asymmetric=args.asymmetric)
+                                 sequential=args.sequential, asymmetric=args.asymmetric,
+                                 asymmetric_damp=args.asymmetric_damp)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     counts: dict[str, int] = {}

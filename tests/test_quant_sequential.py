@@ -250,3 +250,18 @@ def test_awq_asymmetric_target_is_the_folded_weight_when_nothing_is_lost(tiny, c
     assert len(targets) == len(result.modules)
     for w, v in targets:
         assert torch.allclose(v, w, rtol=1e-3, atol=1e-4 * w.abs().max().item())
+
+
+def test_asymmetric_damp_is_the_target_ridge(tiny, calib, tmp_path, monkeypatch):
+    """--asymmetric-damp reaches float_target (GPTQ's own damping unchanged); it needs --asymmetric."""
+    from glmserve.quant import pipeline
+
+    seen = []
+    original = pipeline.float_target
+    monkeypatch.setattr(pipeline, "float_target", lambda w, s, d: seen.append(d) or original(w, s, d))
+    run_quantize(str(tiny), str(tmp_path / "q"), scheme="w4a16-asym", method="gptq", calib=[calib], seq_len=32,
+                 sequential=True, asymmetric=True, asymmetric_damp=0.5)
+    assert seen and set(seen) == {0.5}
+    with pytest.raises(InvalidRequestError, match="give --asymmetric"):
+        run_quantize(str(tiny), str(tmp_path / "e"), scheme="w4a16-asym", method="gptq", calib=[calib],
+                     seq_len=32, sequential=True, asymmetric_damp=0.5)

@@ -70,6 +70,7 @@ class Plan:
     # the float model in one pass; asymmetric: GPTQ's target is the float model's output (GPTAQ)
     sequential: bool = False
     asymmetric: bool = False
+    asymmetric_damp: float | None = None  # the float target's ridge towards W (float_target); None: gptq_damp
 
 
 @dataclass
@@ -141,6 +142,8 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     if plan.asymmetric and not (plan.sequential and plan.method in GPTQ_METHODS):
         raise InvalidRequestError("the asymmetric (float-output) target is GPTQ's under sequential calibration: "
                                   "give --sequential and --method gptq or awq-gptq")
+    if plan.asymmetric_damp is not None and not (plan.asymmetric and plan.asymmetric_damp > 0):
+        raise InvalidRequestError("--asymmetric-damp (> 0) sets the ridge of the asymmetric target: give --asymmetric")
     if plan.sequential and not calib:
         raise InvalidRequestError("sequential calibration runs the calibration text through the model: give --calib")
     progress = tqdm(total=len(schemes), desc="quantize", unit="layer")
@@ -252,7 +255,8 @@ def _quantize_unit(unit: tuple[str, ...], weights: Mapping[str, torch.Tensor], s
                    schemes: Mapping[str, str], plan: Plan,
                    threshold: float | None) -> dict[str, QuantizedModule]:
     """The unit's layers (one shared input) quantized from `weights` and their input statistics."""
-    parts = [_prepare(weights[name], stats.get(name), threshold, plan.gptq_damp) for name in unit]
+    target_damp = plan.gptq_damp if plan.asymmetric_damp is None else plan.asymmetric_damp
+    parts = [_prepare(weights[name], stats.get(name), threshold, target_damp) for name in unit]
     spec, _ = scheme_specs(schemes[unit[0]])
     if spec.strategy == "tensor_group" and len({schemes[n] for n in unit}) == 1:
         # NVFP4's fp32 global scale is one per fused layer (q|k|v, gate|up), as vLLM runs them and as
