@@ -100,11 +100,13 @@ CONFIGS = {
     "seq-gptq-fp8-block-g128-ss": dict(scheme="fp8-block-g128", method="gptq", scale_search=True, sequential=True),
     "seqa-gptq-fp8-block-g128-ss": dict(scheme="fp8-block-g128", method="gptq", scale_search=True, sequential=True,
                                         asymmetric=True),
-    # the float target's ridge at 10x and 100x GPTQ's 1% (--asymmetric-damp)
+    # the float target's ridge at 10x, 100x and 1,000x GPTQ's 1% (--asymmetric-damp)
     "seqa-gptq-fp8-block-g128-ss-t0.1": dict(scheme="fp8-block-g128", method="gptq", scale_search=True,
                                              sequential=True, asymmetric=True, asymmetric_damp=0.1),
     "seqa-gptq-fp8-block-g128-ss-t1": dict(scheme="fp8-block-g128", method="gptq", scale_search=True,
                                            sequential=True, asymmetric=True, asymmetric_damp=1.0),
+    "seqa-awq-gptq-w4a16-asym-ss-t10": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
+                                            sequential=True, asymmetric=True, asymmetric_damp=10.0),
     "seqa-gptq-fp8-g16-ss-t1": dict(scheme="fp8-g16", method="gptq", scale_search=True, sequential=True,
                                     asymmetric=True, asymmetric_damp=1.0),
     "seq-gptq-fp8-g16-ss": dict(scheme="fp8-g16", method="gptq", scale_search=True, sequential=True),
