@@ -50,7 +50,7 @@ from glmserve.quant.compressed_tensors import dense_weight, load_checkpoint
 from glmserve.quant.perplexity import token_windows
 from glmserve.quant.pipeline import bits_per_weight, scheme_specs, weight_bytes
 from glmserve.quant.quantize import quantize
-from glmserve.quant.reference import dequantize, fake_quantize_activations
+from glmserve.quant.reference import dequantize, fake_quantize_inputs
 from glmserve.quant.rotate import KINDS, rotate_model, rotation
 from glmserve.quant.schemes import scheme
 
@@ -89,6 +89,41 @@ CONFIGS = {
     "gptq-w4a16-asym-ss": dict(scheme="w4a16-asym", method="gptq", scale_search=True),
     "gptq-w4a16-asym-ss-d0.1": dict(scheme="w4a16-asym", method="gptq", scale_search=True, gptq_damp=0.1),
     "awq-gptq-w4a16-asym-ss": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True),
+    # sequential calibration (seq-: each decoder layer's statistics from the model quantized below it, sublayer by
+    # sublayer) and its asymmetric target (seqa-: GPTQ fits the float model's output, GPTAQ); quant/sequential.py
+    "seq-gptq-w4a16-asym-ss": dict(scheme="w4a16-asym", method="gptq", scale_search=True, sequential=True),
+    "seq-awq-gptq-w4a16-asym-ss": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True, sequential=True),
+    "seqa-gptq-w4a16-asym-ss": dict(scheme="w4a16-asym", method="gptq", scale_search=True, sequential=True,
+                                    asymmetric=True),
+    "seqa-awq-gptq-w4a16-asym-ss": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True, sequential=True,
+                                        asymmetric=True),
+    "seq-gptq-fp8-block-g128-ss": dict(scheme="fp8-block-g128", method="gptq", scale_search=True, sequential=True),
+    "seqa-gptq-fp8-block-g128-ss": dict(scheme="fp8-block-g128", method="gptq", scale_search=True, sequential=True,
+                                        asymmetric=True),
+    # the float target's ridge at 10x, 100x and 1,000x GPTQ's 1% (--asymmetric-damp)
+    "seqa-gptq-fp8-block-g128-ss-t0.1": dict(scheme="fp8-block-g128", method="gptq", scale_search=True,
+                                             sequential=True, asymmetric=True, asymmetric_damp=0.1),
+    "seqa-gptq-fp8-block-g128-ss-t1": dict(scheme="fp8-block-g128", method="gptq", scale_search=True,
+                                           sequential=True, asymmetric=True, asymmetric_damp=1.0),
+    "seqa-awq-gptq-w4a16-asym-ss-t10": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
+                                            sequential=True, asymmetric=True, asymmetric_damp=10.0),
+    "seqa-gptq-fp8-g16-ss-t1": dict(scheme="fp8-g16", method="gptq", scale_search=True, sequential=True,
+                                    asymmetric=True, asymmetric_damp=1.0),
+    "seq-gptq-fp8-g16-ss": dict(scheme="fp8-g16", method="gptq", scale_search=True, sequential=True),
+    "seqa-awq-gptq-w4a16-asym-ss-t0.1": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
+                                             sequential=True, asymmetric=True, asymmetric_damp=0.1),
+    "seqa-awq-gptq-w4a16-asym-ss-t1": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
+                                           sequential=True, asymmetric=True, asymmetric_damp=1.0),
+    "seqa-gptq-fp8-ss": dict(scheme="fp8", method="gptq", scale_search=True, sequential=True, asymmetric=True),
+    "seqa-gptq-fp8-a16-ss": dict(scheme="fp8-a16", method="gptq", scale_search=True, sequential=True,
+                                 asymmetric=True),
+    # per-channel E4M3 weights, E4M3 activations per 1 x 32 / 1 x 16 tile (schemes fp8-g32, fp8-g16)
+    "gptq-fp8-g32-ss": dict(scheme="fp8-g32", method="gptq", scale_search=True),
+    "gptq-fp8-g16-ss": dict(scheme="fp8-g16", method="gptq", scale_search=True),
+    "seqa-gptq-fp8-g32-ss": dict(scheme="fp8-g32", method="gptq", scale_search=True, sequential=True,
+                                 asymmetric=True),
+    "seqa-gptq-fp8-g16-ss": dict(scheme="fp8-g16", method="gptq", scale_search=True, sequential=True,
+                                 asymmetric=True),
     "nvfp4": dict(scheme="nvfp4"),
     "rtn-w4a16": dict(scheme="w4a16"),
     "rtn-w4a16-asym": dict(scheme="w4a16-asym"),
@@ -150,7 +185,7 @@ class _Applied:
             layers[n].weight.data = w
         self.model.load_state_dict({k: v for k, v in self.float_tensors.items() if k in state}, strict=False)
         self.hooks = [layers[n].register_forward_pre_hook(
-            lambda _m, args, spec=spec, kept=self.kept.get(n): (_round_inputs(args[0], spec, kept),) + args[1:])
+            lambda _m, args, spec=spec, kept=self.kept.get(n): (fake_quantize_inputs(args[0], spec, kept),) + args[1:])
             for n, spec in self.activations.items() if spec is not None]
         return self
 
@@ -161,18 +196,6 @@ class _Applied:
         for n, w in self.saved.items():
             layers[n].weight.data = w
         self.model.load_state_dict(self.saved_float, strict=False)
-
-
-def _round_inputs(x: torch.Tensor, spec, kept: torch.Tensor | None) -> torch.Tensor:
-    """The activations as the layer quantizes them; input channels `kept` in float (the outlier columns, whose
-    weights are float too: LLM.int8()'s decomposition) are left out of the rounding and of its per-token scale."""
-    if kept is None:
-        return fake_quantize_activations(x, spec)
-    rest = torch.ones(x.shape[-1], dtype=torch.bool)
-    rest[kept] = False
-    out = x.clone()
-    out[..., rest] = fake_quantize_activations(x[..., rest], spec)
-    return out
 
 
 def _run(ckpt, options: dict, args, stats: dict, hidden: int):
@@ -186,7 +209,7 @@ def _run(ckpt, options: dict, args, stats: dict, hidden: int):
     options = dict(options)
     if "bits_budget" in options:
         options["bits_budget"] = bits_per_weight(scheme_specs(options["bits_budget"])[0], hidden)
-    if not stats:
+    if not stats and not options.get("sequential"):  # sequential calibration collects its own, layer by layer
         windows = _windows(ckpt.tokenizer, args.calib, args.seq_len, args.calib_tokens)
         names = [n for n in linear_layers(ckpt.model) if n != "lm_head"]
         stats.update(collect_stats(ckpt.model, windows, names))

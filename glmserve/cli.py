@@ -24,8 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto")
     g.add_argument("--quantization", default=None, metavar="SCHEME",
                    help="weights: unset = the checkpoint's own format (GGUF blocks run natively), 'none' = float, "
-                   "or quantize on load: int8[-g64|-g32], w8a8, w4a16[-asym][-g64], fp8[-a16], fp8-block[-g128], "
-                   "nvfp4, q8_0, q4_0, q4_1")
+                   "or quantize on load: int8[-g64|-g32], w8a8, w4a16[-asym][-g64], fp8[-a16|-g32|-g16], "
+                   "fp8-block[-g128], nvfp4, q8_0, q4_0, q4_1")
     g.add_argument("--quantize-embeddings", action="store_true",
                    help="with --quantization SCHEME: quantize embeddings and lm_head too")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -186,7 +186,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="'default' (the embedded SmolLM2 GGUF), a .gguf file or an HF model folder")
     parser.add_argument("--scheme", default=None, help="one scheme for every linear layer but lm_head "
                         "(int8, int8-g64, int8-g32, w8a8, w4a16, w4a16-asym, w4a16-g64, fp8, fp8-a16, fp8-block, "
-                        "fp8-block-g128, nvfp4)")
+                        "fp8-block-g128, fp8-g32, fp8-g16, nvfp4)")
     parser.add_argument("--recipe", default=None, metavar="FILE", help="YAML/JSON recipe: module patterns -> "
                         "schemes, or the seeds' form (examples/quant/seeds_mixed.yaml)")
     parser.add_argument("--bits-budget", type=float, default=None, metavar="B",
@@ -205,6 +205,15 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                         "point) by a search for the smallest rounding error weighted by the calibration inputs' "
                         "mean square (plain squared error without --calib) instead of from the absmax; integer "
                         "and FP8 weights, with rtn, gptq (scales then kept fixed) or awq-gptq")
+    parser.add_argument("--sequential", action="store_true", help="calibrate each decoder layer on the outputs of "
+                        "the layers below it as already quantized (GPTQ's sequential order, sublayer by sublayer), "
+                        "not on the float model's in one pass; needs --calib")
+    parser.add_argument("--asymmetric", action="store_true", help="with --sequential and GPTQ: fit each layer to "
+                        "the float model's output on the float inputs (GPTAQ), not to its own weights on the "
+                        "quantized inputs")
+    parser.add_argument("--asymmetric-damp", type=float, default=None, metavar="F", help="with --asymmetric: the "
+                        "float target's ridge towards the layer's own weights, F times the mean Hessian diagonal "
+                        "(default: --gptq-damp); larger trusts the calibration tokens less")
     parser.add_argument("--smooth", type=float, default=None, metavar="ALPHA", help="SmoothQuant: migrate "
                         "activation outliers into the weights with strength ALPHA in [0, 1] (0.5 typical; for "
                         "w8a8 / fp8; needs --calib)")
@@ -225,7 +234,8 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
                  bits_budget: float | None = None, candidates: str | None = None, calib: list[str] | None = None,
                  calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto",
                  sensitivity: str = "measured", smooth: float | None = None, stats=None, gptq_damp: float = 0.01,
-                 rotate: str | None = None, scale_search: bool = False):
+                 rotate: str | None = None, scale_search: bool = False, sequential: bool = False,
+                 asymmetric: bool = False, asymmetric_damp: float | None = None):
     """Quantize `model` (a path, 'default', or a loaded models.hf_float.FloatCheckpoint, left unchanged) into a
     compressed-tensors folder `out`; returns (float model, pipeline Result). `stats`: calibration statistics
     already collected on these windows (calibrate.collect_stats), reused instead of collected again. `rotate`
@@ -251,7 +261,8 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
         raise InvalidRequestError(f"--gptq-damp must be in (0, 1], not {gptq_damp}")
     plan = pipeline.Plan(recipe=load_recipe(recipe) if recipe else uniform(scheme) if scheme else None,
                          bits_budget=bits_budget, method=method, sensitivity=sensitivity, smooth=smooth,
-                         gptq_damp=gptq_damp, scale_search=scale_search)
+                         gptq_damp=gptq_damp, scale_search=scale_search, sequential=sequential,
+                         asymmetric=asymmetric, asymmetric_damp=asymmetric_damp)
     if candidates:
         plan.candidates = tuple(c.strip() for c in candidates.split(","))
     if pipeline.needs_calibration(plan) and not calib:
@@ -287,7 +298,9 @@ def cmd_quantize(args: argparse.Namespace) -> None:
                                  bits_budget=args.bits_budget, candidates=args.candidates, calib=args.calib,
                                  calib_tokens=args.calib_tokens, seq_len=args.seq_len, method=args.method,
                                  dtype=args.dtype, sensitivity=args.sensitivity, smooth=args.smooth,
-                                 gptq_damp=args.gptq_damp, rotate=args.rotate, scale_search=args.scale_search)
+                                 gptq_damp=args.gptq_damp, rotate=args.rotate, scale_search=args.scale_search,
+                                 sequential=args.sequential, asymmetric=args.asymmetric,
+                                 asymmetric_damp=args.asymmetric_damp)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     counts: dict[str, int] = {}

@@ -44,6 +44,8 @@ FORMATS = {  # name -> (weight spec, activation spec)
     "fp8_block_tokens": (FP8_BLOCK, FP8_TOKENS),
     "fp8_block": (FP8_BLOCK, None),
     "fp8_block_g128": (FP8_BLOCK, FP8_GROUP128),  # activations per 1x128 tile (576: a last tile of 64)
+    "fp8_channel_g32": (SCHEMES["fp8-g32"].weight, SCHEMES["fp8-g32"].activations),  # 1x32 / 1x16 tiles
+    "fp8_channel_g16": (SCHEMES["fp8-g16"].weight, SCHEMES["fp8-g16"].activations),
     "nvfp4": (NVFP4, None),
 }
 SHAPES = [(1536, 576), (576, 1536)]  # (out, in)
@@ -96,6 +98,7 @@ def test_formats_against_reference(cpu_isa, fmt, out, inp, batch):
     ("fp8_channel", 21, 100),  # inputs padded to 16, rows to a tile
     ("fp8_block_tokens", 200, 300),  # a partial block of rows and of inputs
     ("fp8_block_g128", 200, 300),  # and a last activation tile of 44 inputs
+    ("fp8_channel_g32", 21, 100),  # a last activation tile of 4 inputs
     ("nvfp4", 37, 176),
 ])
 @pytest.mark.parametrize("batch", [2, 9])
@@ -202,7 +205,7 @@ def test_unsupported_formats_are_left_to_other_backends(cpu_isa, spec, act):
 
 def test_registry_picks_the_kernel_on_cpu_and_reference_without_it(cpu_isa, monkeypatch):
     monkeypatch.delenv(registry.BACKEND_ENV, raising=False)
-    for name in ("fp8", "fp8-a16", "fp8-block", "fp8-block-g128", "nvfp4"):
+    for name in ("fp8", "fp8-a16", "fp8-block", "fp8-block-g128", "fp8-g32", "fp8-g16", "nvfp4"):
         s = SCHEMES[name]
         assert registry.select(s.weight, s.activations, CPU).name == "cpu_float_block"
     monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")

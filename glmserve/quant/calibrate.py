@@ -37,20 +37,29 @@ from glmserve.quant.weight import QuantizedWeight
 @dataclass
 class InputStats:
     """One layer input's statistics: Gram matrix [in, in] (float64), channel absmax and sum of |x| [in], token
-    count."""
+    count; `cross` (sequential.py's asymmetric target): sum X~^T X of these inputs X~ with the float model's inputs
+    X of the same layer [in, in], float64, else None."""
 
     gram: torch.Tensor
     absmax: torch.Tensor
     abssum: torch.Tensor
     tokens: int = 0
+    cross: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, n: int) -> InputStats:
-        return cls(torch.zeros(n, n, dtype=torch.float64), torch.zeros(n), torch.zeros(n, dtype=torch.float64))
+    def empty(cls, n: int, cross: bool = False) -> InputStats:
+        return cls(torch.zeros(n, n, dtype=torch.float64), torch.zeros(n), torch.zeros(n, dtype=torch.float64),
+                   cross=torch.zeros(n, n, dtype=torch.float64) if cross else None)
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> None:
+        """Accumulate the inputs x [..., in]; `x_float` [tokens, in]: the float model's inputs of the same tokens
+        (needed when the statistics hold `cross`)."""
         x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+        if (self.cross is None) != (x_float is None):
+            raise ValueError("the float inputs go with statistics that hold a cross Gram, and only with them")
         self.gram.addmm_(x.T, x)
+        if self.cross is not None:
+            self.cross.addmm_(x.T, x_float.reshape(x.shape).to(torch.float64))
         self.absmax = torch.maximum(self.absmax, x.abs().amax(dim=0).to(self.absmax.dtype))
         self.abssum += x.abs().sum(dim=0)
         self.tokens += x.shape[0]
@@ -65,10 +74,12 @@ class InputStats:
         return self.gram / max(self.tokens, 1)
 
     def divided(self, s: torch.Tensor) -> InputStats:
-        """The statistics of the inputs x / s (s [in] > 0: an input-channel scale folded into the producer)."""
+        """The statistics of the inputs x / s (s [in] > 0: an input-channel scale folded into the producer; the
+        float model's inputs of `cross` in the same coordinates)."""
         s64 = s.to(torch.float64)
-        return InputStats(self.gram / (s64[:, None] * s64[None, :]), self.absmax / s.to(self.absmax.dtype),
-                          self.abssum / s64, self.tokens)
+        outer = s64[:, None] * s64[None, :]
+        return InputStats(self.gram / outer, self.absmax / s.to(self.absmax.dtype), self.abssum / s64, self.tokens,
+                          None if self.cross is None else self.cross / outer)
 
 
 def linear_layers(model: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, torch.nn.Linear]:

@@ -5,7 +5,7 @@ nearest, GPTQ or AWQ, outlier columns kept in float) -> a compressed-tensors saf
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -14,12 +14,19 @@ from tqdm import tqdm
 from glmserve.errors import InvalidRequestError
 from glmserve.quant import awq, scale_search, smoothquant
 from glmserve.quant.calibrate import InputStats, collect_stats, gptq, gptq_supports, linear_layers
-from glmserve.quant.compressed_tensors import OutlierColumns, QuantizedModule, save_checkpoint, spec_to_args
+from glmserve.quant.compressed_tensors import (
+    OutlierColumns,
+    QuantizedModule,
+    dense_weight,
+    save_checkpoint,
+    spec_to_args,
+)
 from glmserve.quant.perplexity import mean_nll, window_loss
 from glmserve.quant.quantize import quantize
 from glmserve.quant.recipe import NONE, Recipe
 from glmserve.quant.schemes import SCHEMES, scheme
 from glmserve.quant.sensitivity import allocate, bits_per_weight, fisher_deltas, measure, units
+from glmserve.quant.sequential import Collect, Served, float_target, quantize_sequential
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
@@ -59,6 +66,11 @@ class Plan:
     gptq_damp: float = 0.01
     smooth: float | None = None  # SmoothQuant's alpha (smoothquant.py); None: no migration
     scale_search: bool = False  # each (row, group)'s range by weighted-MSE search (scale_search.py), not absmax
+    # statistics of each decoder layer's units from the model quantized below them (sequential.py), not from
+    # the float model in one pass; asymmetric: GPTQ's target is the float model's output (GPTAQ)
+    sequential: bool = False
+    asymmetric: bool = False
+    asymmetric_damp: float | None = None  # the float target's ridge towards W (float_target); None: gptq_damp
 
 
 @dataclass
@@ -71,7 +83,7 @@ class Result:
 
 
 def needs_calibration(plan: Plan) -> bool:
-    return plan.method != "rtn" or plan.bits_budget is not None or plan.smooth is not None or (
+    return plan.method != "rtn" or plan.sequential or plan.bits_budget is not None or plan.smooth is not None or (
         plan.recipe is not None and plan.recipe.activation_threshold is not None)
 
 
@@ -118,7 +130,6 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
                                   "activation_threshold all measure activations")
     notes = list(plan.recipe.notes) if plan.recipe else []
     schemes, deltas = choose_schemes(model, plan, calib)
-    layers = linear_layers(model, schemes)
     threshold = plan.recipe.activation_threshold if plan.recipe else None
     if plan.method in AWQ_METHODS and (threshold is not None or plan.smooth is not None):
         raise InvalidRequestError("AWQ rescales input channels; it does not combine with activation_threshold "
@@ -128,42 +139,18 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     if plan.scale_search and plan.method == "awq":
         raise InvalidRequestError("--scale-search does not combine with --method awq: AWQ's clipping search "
                                   "already chooses the ranges (use rtn, gptq or awq-gptq)")
-    if stats is None and (needs_calibration(plan) or (plan.scale_search and calib)):
-        progress = tqdm(total=len(calib), desc="calibrate", unit="window")
-        stats = collect_stats(model, calib, schemes, progress)
-        progress.close()
-    stats = dict(stats or {})
-    weights = {n: m.weight for n, m in layers.items()}
-    rescaled: dict[str, torch.Tensor] = {}
-    if plan.method in AWQ_METHODS:
-        weights, rescaled, _ = _fold_scales(model, schemes, stats, _awq_search)
-    elif plan.smooth is not None:
-        alpha = plan.smooth
-        weights, rescaled, folded = _fold_scales(
-            model, schemes, stats, lambda ws, st, _spec: smoothquant.smooth_scale(ws, st.absmax, alpha))
-        notes.append(f"SmoothQuant alpha {alpha}: input scales folded into {len(rescaled)} norms and "
-                     f"{len(folded) - len(rescaled)} linear layers' rows")
-    modules = {}
+    if plan.asymmetric and not (plan.sequential and plan.method in GPTQ_METHODS):
+        raise InvalidRequestError("the asymmetric (float-output) target is GPTQ's under sequential calibration: "
+                                  "give --sequential and --method gptq or awq-gptq")
+    if plan.asymmetric_damp is not None and not (plan.asymmetric and plan.asymmetric_damp > 0):
+        raise InvalidRequestError("--asymmetric-damp (> 0) sets the ridge of the asymmetric target: give --asymmetric")
+    if plan.sequential and not calib:
+        raise InvalidRequestError("sequential calibration runs the calibration text through the model: give --calib")
     progress = tqdm(total=len(schemes), desc="quantize", unit="layer")
-    for unit in units(list(schemes)):
-        parts = [_prepare(weights[name], stats.get(name), threshold) for name in unit]
-        spec, act = scheme_specs(schemes[unit[0]])
-        if spec.strategy == "tensor_group" and len({schemes[n] for n in unit}) == 1:
-            # NVFP4's fp32 global scale is one per fused layer (q|k|v, gate|up), as vLLM runs them and as
-            # llm-compressor writes them: quantize the stacked rows (GPTQ: with their one shared input's Hessian),
-            # then split
-            stacked = torch.cat([w for w, _, _ in parts])
-            joint = (gptq(stacked, parts[0][1], spec, damp=plan.gptq_damp) if plan.method in GPTQ_METHODS
-                     else quantize(stacked, spec))
-            quantized = _split_rows(joint, [w.shape[0] for w, _, _ in parts])
-        else:
-            quantized = []
-            for name, (w, hessian, _) in zip(unit, parts, strict=True):
-                spec = scheme_specs(schemes[name])[0]
-                quantized.append(_quantize_layer(name, w, hessian, spec, plan))
-        for name, q, (_, _, outliers) in zip(unit, quantized, parts, strict=True):
-            modules[name] = QuantizedModule(q, scheme_specs(schemes[name])[1], outliers)
-        progress.update(len(unit))
+    if plan.sequential:
+        modules, rescaled = _quantize_sequential(model, plan, calib, schemes, threshold, progress)
+    else:
+        modules, rescaled = _quantize_one_pass(model, plan, calib, stats, schemes, threshold, progress, notes)
     progress.close()
     supported = gptq_supports if plan.method in GPTQ_METHODS else awq.supports
     if plan.method != "rtn" and any(not supported(m.weight.spec) for m in modules.values()):
@@ -178,6 +165,112 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
         notes.append(f"activation_threshold {threshold}: {kept} input columns kept in float across "
                      f"{sum(m.outliers is not None for m in modules.values())} layers")
     return Result(modules, schemes, notes, deltas, rescaled)
+
+
+def _search_for(plan: Plan):
+    """The input-scale search folded before quantizing (AWQ's, SmoothQuant's), or None."""
+    if plan.method in AWQ_METHODS:
+        return _awq_search
+    if plan.smooth is not None:
+        alpha = plan.smooth
+        return lambda ws, st, _spec: smoothquant.smooth_scale(ws, st.absmax, alpha)
+    return None
+
+
+def _quantize_one_pass(model: torch.nn.Module, plan: Plan, calib, stats: Mapping[str, InputStats] | None,
+                       schemes: dict[str, str], threshold: float | None, progress,
+                       notes: list[str]) -> tuple[dict[str, QuantizedModule], dict[str, torch.Tensor]]:
+    """Every layer from the float model's statistics, collected in one pass (or given)."""
+    if stats is None and (needs_calibration(plan) or (plan.scale_search and calib)):
+        bar = tqdm(total=len(calib), desc="calibrate", unit="window")
+        stats = collect_stats(model, calib, schemes, bar)
+        bar.close()
+    stats = dict(stats or {})
+    layers = linear_layers(model, schemes)
+    weights = {n: m.weight.detach().float().clone() for n, m in layers.items()}
+    rescaled: dict[str, torch.Tensor] = {}
+    search = _search_for(plan)
+    if search is not None:
+        rescaled, folded = _fold_scales(model, schemes, stats, search, weights, units(list(schemes)))
+        if plan.smooth is not None:
+            notes.append(f"SmoothQuant alpha {plan.smooth}: input scales folded into {len(rescaled)} norms and "
+                         f"{len(folded) - len(rescaled)} linear layers' rows")
+    modules = {}
+    for unit in units(list(schemes)):
+        modules.update(_quantize_unit(unit, weights, stats, schemes, plan, threshold))
+        progress.update(len(unit))
+    return modules, rescaled
+
+
+def _quantize_sequential(model: torch.nn.Module, plan: Plan, calib, schemes: dict[str, str],
+                         threshold: float | None,
+                         progress) -> tuple[dict[str, QuantizedModule], dict[str, torch.Tensor]]:
+    """Each unit from the statistics of the model quantized below it (sequential.py). A fold whose producer is
+    another unit's linear layer (AWQ / SmoothQuant on down_proj: up_proj's rows) is made when that producer's unit
+    is quantized, from the consumer's statistics at that point; the consumer is quantized later from fresh ones."""
+    named = dict(model.named_modules())
+    search = _search_for(plan)
+    unit_list = units(list(schemes))
+    consumer = {}  # a linear layer -> the unit whose input it produces (where a fold divides its rows)
+    for unit in unit_list:
+        target = _producer(unit[0])
+        if target in schemes:
+            consumer[target] = unit
+    modules: dict[str, QuantizedModule] = {}
+    rescaled: dict[str, torch.Tensor] = {}
+    pending: dict[str, torch.Tensor] = {}  # weights already rescaled by a fold, not yet quantized
+    done: set[tuple[str, ...]] = set()  # units whose fold was made
+    scales: dict[tuple[str, ...], torch.Tensor] = {}  # the scale s of a unit folded before its statistics were taken
+
+    def step(unit: tuple[str, ...], collect: Collect) -> Served:
+        acts = {n: scheme_specs(schemes[n])[1] for n in unit}
+        ahead = [consumer[n] for n in unit if n in consumer and consumer[n] not in done] if search else []
+        names = list(unit) + [n for u in ahead for n in u]
+        stats = collect(names, {n: a for n, a in acts.items() if a is not None})
+        weights = {n: pending.pop(n) if n in pending else named[n].weight.detach().float().clone() for n in names}
+        s = scales.pop(unit, None)
+        if s is not None and stats[unit[0]].cross is not None:
+            # the served inputs were taken after the fold (x / s), the float model's are not: put those in the
+            # same coordinates (X / s), as the folded weight W s expects
+            fixed = replace(stats[unit[0]], cross=stats[unit[0]].cross / s.to(torch.float64)[None, :])
+            stats.update({n: fixed for n in unit})
+        tensors: dict[str, torch.Tensor] = {}
+        if search is not None and unit not in done:
+            tensors, folded = _fold_scales(model, schemes, stats, search, weights, [unit] + ahead)
+            done.update([unit] + ahead)
+            scales.update({u: folded[u] for u in ahead if u in folded})
+        pending.update({n: weights[n] for u in ahead for n in u})
+        rescaled.update(tensors)
+        quantized = _quantize_unit(unit, weights, stats, schemes, plan, threshold)
+        modules.update(quantized)
+        return Served({n: dense_weight(m) for n, m in quantized.items()}, tensors,
+                      {n: (acts[n], None if m.outliers is None else m.outliers.columns)
+                       for n, m in quantized.items() if acts[n] is not None})
+
+    quantize_sequential(model, calib, unit_list, step, plan.asymmetric, progress)
+    return modules, rescaled
+
+
+def _quantize_unit(unit: tuple[str, ...], weights: Mapping[str, torch.Tensor], stats: Mapping[str, InputStats],
+                   schemes: Mapping[str, str], plan: Plan,
+                   threshold: float | None) -> dict[str, QuantizedModule]:
+    """The unit's layers (one shared input) quantized from `weights` and their input statistics."""
+    target_damp = plan.gptq_damp if plan.asymmetric_damp is None else plan.asymmetric_damp
+    parts = [_prepare(weights[name], stats.get(name), threshold, target_damp) for name in unit]
+    spec, _ = scheme_specs(schemes[unit[0]])
+    if spec.strategy == "tensor_group" and len({schemes[n] for n in unit}) == 1:
+        # NVFP4's fp32 global scale is one per fused layer (q|k|v, gate|up), as vLLM runs them and as
+        # llm-compressor writes them: quantize the stacked rows (GPTQ: with their one shared input's Hessian),
+        # then split
+        stacked = torch.cat([w for w, _, _ in parts])
+        joint = (gptq(stacked, parts[0][1], spec, damp=plan.gptq_damp) if plan.method in GPTQ_METHODS
+                 else quantize(stacked, spec))
+        quantized = _split_rows(joint, [w.shape[0] for w, _, _ in parts])
+    else:
+        quantized = [_quantize_layer(name, w, hessian, scheme_specs(schemes[name])[0], plan)
+                     for name, (w, hessian, _) in zip(unit, parts, strict=True)]
+    return {name: QuantizedModule(q, scheme_specs(schemes[name])[1], outliers)
+            for name, q, (_, _, outliers) in zip(unit, quantized, parts, strict=True)}
 
 
 def _searched(w: torch.Tensor, hessian: torch.Tensor | None, spec: QuantSpec, plan: Plan) -> QuantizedWeight | None:
@@ -217,25 +310,31 @@ def _awq_search(weights: list[torch.Tensor], stats: InputStats, spec: QuantSpec)
     return None if bool((s == 1).all()) else s  # round to nearest won the search: nothing to fold
 
 
-def _fold_scales(model: torch.nn.Module, schemes: Mapping[str, str], stats: dict[str, InputStats],
-                 search) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
-    """(weights with input-channel scales s applied, the rescaled float tensors, the producers folded into): each unit
-    whose layers share one scheme and have a known producer gets s = search(its weights, its input stats, spec) (None:
-    left as is); the producer computes its output / s, and `stats` is updated in place to the statistics of those
-    inputs (GPTQ and outlier detection after SmoothQuant see what the layer will)."""
-    layers = linear_layers(model, schemes)
+def _producer(name: str) -> str | None:
+    """The module whose output is the input of the unit led by layer `name` (AWQ_FOLDS), or None."""
+    prefix, _, leaf = name.rpartition(".")
+    prefix, _, sub = prefix.rpartition(".")
+    producer = AWQ_FOLDS.get(f"{sub}.{leaf}")
+    return f"{prefix}.{producer}" if producer else None
+
+
+def _fold_scales(model: torch.nn.Module, schemes: Mapping[str, str], stats: dict[str, InputStats], search,
+                 weights: dict[str, torch.Tensor],
+                 unit_list: Sequence[tuple[str, ...]]
+                 ) -> tuple[dict[str, torch.Tensor], dict[tuple[str, ...], torch.Tensor]]:
+    """(the rescaled float tensors, unit -> its scale s for the units folded): each unit of `unit_list` whose
+    layers share one scheme and have a known producer gets s = search(its weights, its input stats, spec) (None:
+    left as is); its `weights` (float, updated in place) become W s, the producer computes its output / s (a
+    linear producer's rows in `weights`, a norm's weight returned), and `stats` is updated in place to the
+    statistics of those inputs (GPTQ and outlier detection after SmoothQuant see what the layer will)."""
     named = dict(model.named_modules())
-    weights = {n: m.weight.detach().float().clone() for n, m in layers.items()}
     rescaled: dict[str, torch.Tensor] = {}
-    folded: list[str] = []
-    for unit in units(list(schemes)):
-        prefix, _, _ = unit[0].rpartition(".")
-        prefix, _, sub = prefix.rpartition(".")
-        producer = AWQ_FOLDS.get(f"{sub}.{unit[0].rpartition('.')[2]}")
+    folded: dict[tuple[str, ...], torch.Tensor] = {}
+    for unit in unit_list:
         spec = scheme_specs(schemes[unit[0]])[0]
-        target = f"{prefix}.{producer}" if producer else None
-        if (target is None or len({schemes[n] for n in unit}) > 1
-                or target not in named or (producer == "mlp.up_proj" and target not in weights)):
+        target = _producer(unit[0])
+        if (target is None or len({schemes[n] for n in unit}) > 1 or target not in named
+                or (isinstance(named[target], torch.nn.Linear) and target not in weights)):
             continue
         s = search([weights[n] for n in unit], stats[unit[0]], spec)
         if s is None:
@@ -248,14 +347,17 @@ def _fold_scales(model: torch.nn.Module, schemes: Mapping[str, str], stats: dict
             weights[target] = weights[target] / s[:, None]
         else:  # a norm: its weight
             rescaled[f"{target}.weight"] = named[target].weight.detach().float() / s
-        folded.append(target)
-    return weights, rescaled, folded
+        folded[unit] = s
+    return rescaled, folded
 
 
-def _prepare(weight: torch.Tensor, stats: InputStats | None, threshold: float | None):
-    """(weight to quantize, its Hessian or None, outlier columns or None): input columns whose activation
-    absmax exceeds `threshold` are taken out of the weight (zeroed) and kept in float."""
+def _prepare(weight: torch.Tensor, stats: InputStats | None, threshold: float | None, damp: float):
+    """(weight to quantize, its Hessian or None, outlier columns or None): the float-output target when the
+    statistics hold a cross Gram (sequential.float_target); input columns whose activation absmax exceeds
+    `threshold` are taken out of the weight (zeroed) and kept in float."""
     w = weight.detach().float()
+    if stats is not None and stats.cross is not None:
+        w = float_target(w, stats, damp)
     hessian = None if stats is None else stats.hessian.clone()
     outliers = None
     if threshold is not None:

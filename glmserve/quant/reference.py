@@ -111,4 +111,16 @@ def fake_quantize_activations(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return q.reshape(x.shape).to(x.dtype)
 
 
+def fake_quantize_inputs(x: torch.Tensor, spec: QuantSpec, kept: torch.Tensor | None) -> torch.Tensor:
+    """fake_quantize_activations, with the input channels `kept` in float (outlier columns, whose weights are float
+    too: LLM.int8()'s decomposition) left out of the rounding and of its scale."""
+    if kept is None:
+        return fake_quantize_activations(x, spec)
+    rest = torch.ones(x.shape[-1], dtype=torch.bool)
+    rest[kept] = False
+    out = x.clone()
+    out[..., rest] = fake_quantize_activations(x[..., rest], spec)
+    return out
+
+
 register(ReferenceBackend(), priority=0)

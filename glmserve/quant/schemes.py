@@ -48,6 +48,11 @@ FP8_CHANNEL = QuantSpec(num_bits=8, type="float", strategy="channel")
 # divide the inputs: reference.fake_quantize_activations)
 FP8_BLOCK = QuantSpec(num_bits=8, type="float", strategy="block", block_structure=(128, 128))
 FP8_GROUP128 = QuantSpec(num_bits=8, type="float", strategy="group", group_size=128, dynamic=True)
+# finer E4M3 activation tiles (1 x 32: the block of the OCP Microscaling formats' MXFP8, here with float32 scales;
+# 1 x 16): E4M3 rounds each tile's largest value exactly (its scale maps it to 448), and SmolLM2's activation error
+# sits in the largest values, so smaller tiles cut it (bench/RESULTS.md, quantization quality)
+FP8_GROUP32 = QuantSpec(num_bits=8, type="float", strategy="group", group_size=32, dynamic=True)
+FP8_GROUP16 = QuantSpec(num_bits=8, type="float", strategy="group", group_size=16, dynamic=True)
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("none", None),
@@ -66,6 +71,9 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     # 128x128 weight blocks with activations per token, and with DeepSeek-V3's 1x128 activation tiles
     Scheme("fp8-block", FP8_BLOCK, FP8_TOKENS),
     Scheme("fp8-block-g128", FP8_BLOCK, FP8_GROUP128),
+    # per-channel E4M3 weights with E4M3 activations per 1 x 32 / 1 x 16 tile
+    Scheme("fp8-g32", FP8_CHANNEL, FP8_GROUP32),
+    Scheme("fp8-g16", FP8_CHANNEL, FP8_GROUP16),
     # NVFP4 weights (E2M1 values, E4M3 scale per 16, fp32 global scale), activations in the model dtype
     Scheme("nvfp4", QuantSpec(num_bits=4, type="float", strategy="tensor_group", group_size=16)),
     Scheme("q8_0", gguf_spec("Q8_0")),
