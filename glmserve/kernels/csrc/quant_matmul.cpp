@@ -537,53 +537,70 @@ __attribute__((target("avx512bf16"))) void store_bf16(const float* c, int rows, 
 using GemmBlock = void (*)(const uint16_t*, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
                           bool, float*, PanelDequant&, int64_t);
 
-// out [M, out_features] bf16 = a [M, kp] x the packed weight, a: bf16 rows (zero past the inputs); the rows past
-// the last multiple of 16 come from `tail` [16, kp] (zero past M; null where M is a multiple of 16)
-void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
-                   const uint16_t* mp, bool u4, int64_t tiles, int64_t nblocks, int64_t out_features, uint16_t* out) {
+// Output tiles [first, first + count) of out [M, out_features] bf16 = a [M, kp] x the packed weight, on the calling
+// thread, panel by panel (panels of equal size, at most BF16_PANEL_BYTES / 2 of B tiles each); a: bf16 rows (zero
+// past the inputs), the rows past the last multiple of 16 from `tail` [16, kp] (zero past M; null where M is a
+// multiple of 16)
+void amx_bf16_tiles(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
+                    const uint16_t* mp, bool u4, int64_t first, int64_t count, int64_t nblocks, int64_t out_features,
+                    uint16_t* out) {
   const int64_t kp = nblocks * QK, tile_elems = nblocks * B_TILE;
-  const int64_t pt = std::max<int64_t>(2, std::min<int64_t>(PANEL_TILES_MAX, BF16_PANEL_BYTES / (2 * tile_elems)) & ~int64_t(1));
-  const int64_t panels = (tiles + pt - 1) / pt;
+  const int64_t pt_max = std::max<int64_t>(2, std::min<int64_t>(PANEL_TILES_MAX, BF16_PANEL_BYTES / (2 * tile_elems)) & ~int64_t(1));
+  const int64_t even = ((count + (count + pt_max - 1) / pt_max - 1) / ((count + pt_max - 1) / pt_max) + 1) & ~int64_t(1);
+  const int64_t pt = std::min(pt_max, even), panels = (count + pt - 1) / pt;  // the panels alike, of an even size
   const int64_t chunks = (nblocks + K_CHUNK - 1) / K_CHUNK, kc = (nblocks + chunks - 1) / chunks;
   const int64_t m_blocks = (M + 31) / 32;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    uint16_t* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * pt * tile_elems * 2));  // two panels
-    float* cbuf = static_cast<float*>(std::aligned_alloc(64, pt / 2 * 32 * 32 * sizeof(float)));
-    amx_bf16_config();
-    PanelDequant next{cp, dp, mp, u4, nblocks};
-    next.start(begin * pt, std::min(pt, tiles - begin * pt), bufs);
-    next.advance(next.total);
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t t0 = panel * pt, nt = std::min(pt, tiles - t0);
-      const uint16_t* bbuf = next.buf;
-      uint16_t* other = bbuf == bufs ? bufs + pt * tile_elems : bufs;
-      next.start((panel + 1) * pt, panel + 1 < end ? std::min(pt, tiles - (panel + 1) * pt) : 0, other);
-      const int64_t per_call = (next.total + m_blocks * chunks * ((nt + 1) / 2) - 1) / (m_blocks * chunks * ((nt + 1) / 2));
-      for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
-        const uint16_t* a0 = m0 + 16 <= M ? a + m0 * kp : tail;
-        const uint16_t* a1 = m0 + 32 <= M ? a0 + 16 * kp : tail;
-        const GemmBlock two_b = rows > 16 ? gemm_block<2, 2> : gemm_block<1, 2>;
-        const GemmBlock one_b = rows > 16 ? gemm_block<2, 1> : gemm_block<1, 1>;
-        for (int64_t k0 = 0; k0 < nblocks; k0 += kc) {  // K in chunks: the A rows' chunk stays in L1 over the panel
-          const int64_t k1 = std::min(nblocks, k0 + kc);
-          for (int64_t t = 0; t < nt; t += 2) {
-            float* c = cbuf + t / 2 * 32 * 32;
-            (t + 1 < nt ? two_b : one_b)(a0, a1, kp, bbuf + t * tile_elems, tile_elems, k0, k1, k0 == 0, c, next,
-                                         per_call);
-            if (k1 == nblocks) {
-              const int64_t n0 = (t0 + t) * ROWS;
-              store_bf16(c, rows, static_cast<int>(std::min<int64_t>(32, out_features - n0)), out + m0 * out_features + n0,
-                         out_features);
-            }
+  uint16_t* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * pt * tile_elems * 2));  // two panels
+  float* cbuf = static_cast<float*>(std::aligned_alloc(64, pt / 2 * 32 * 32 * sizeof(float)));
+  amx_bf16_config();
+  PanelDequant next{cp, dp, mp, u4, nblocks};
+  next.start(first, std::min(pt, count), bufs);
+  next.advance(next.total);
+  for (int64_t panel = 0; panel < panels; ++panel) {
+    const int64_t t0 = first + panel * pt, nt = std::min(pt, first + count - t0);
+    const uint16_t* bbuf = next.buf;
+    uint16_t* other = bbuf == bufs ? bufs + pt * tile_elems : bufs;
+    next.start(t0 + nt, panel + 1 < panels ? std::min(pt, first + count - t0 - nt) : 0, other);
+    const int64_t per_call = (next.total + m_blocks * chunks * ((nt + 1) / 2) - 1) / (m_blocks * chunks * ((nt + 1) / 2));
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+      const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
+      const uint16_t* a0 = m0 + 16 <= M ? a + m0 * kp : tail;
+      const uint16_t* a1 = m0 + 32 <= M ? a0 + 16 * kp : tail;
+      const GemmBlock two_b = rows > 16 ? gemm_block<2, 2> : gemm_block<1, 2>;
+      const GemmBlock one_b = rows > 16 ? gemm_block<2, 1> : gemm_block<1, 1>;
+      for (int64_t k0 = 0; k0 < nblocks; k0 += kc) {  // K in chunks: the A rows' chunk stays in L1 over the panel
+        const int64_t k1 = std::min(nblocks, k0 + kc);
+        for (int64_t t = 0; t < nt; t += 2) {
+          float* c = cbuf + t / 2 * 32 * 32;
+          (t + 1 < nt ? two_b : one_b)(a0, a1, kp, bbuf + t * tile_elems, tile_elems, k0, k1, k0 == 0, c, next,
+                                       per_call);
+          if (k1 == nblocks) {
+            const int64_t n0 = (t0 + t) * ROWS;
+            store_bf16(c, rows, static_cast<int>(std::min<int64_t>(32, out_features - n0)), out + m0 * out_features + n0,
+                       out_features);
           }
         }
       }
-      next.advance(next.total);
     }
-    amx_release();
-    std::free(cbuf);
-    std::free(bufs);
+    next.advance(next.total);
+  }
+  amx_release();
+  std::free(cbuf);
+  std::free(bufs);
+}
+
+// out [M, out_features] bf16 = a [M, kp] x the packed weight (a, tail as amx_bf16_tiles). Threads: the output tiles
+// split into one contiguous share per thread, equal to a pair of tiles, so that both (all) threads get the same
+// work and each dequantizes only its own tiles (a split over panels left one thread 4 tiles of qkv's 60)
+void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
+                   const uint16_t* mp, bool u4, int64_t tiles, int64_t nblocks, int64_t out_features, uint16_t* out) {
+  const int64_t pairs = (tiles + 1) / 2;
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
+  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t first = 2 * (pairs * s / shares), last = std::min(tiles, 2 * (pairs * (s + 1) / shares));
+      amx_bf16_tiles(a, tail, M, cp, dp, mp, u4, first, last - first, nblocks, out_features, out);
+    }
   });
 }
 #endif
