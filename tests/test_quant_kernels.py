@@ -464,7 +464,8 @@ def test_amx_bf16_gemm_threads_give_the_same_floats(out, inp):
     d = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
     m = (torch.randn(out, blocks, generator=g) * 0.05).half()
     packed = pack(codes.to(torch.int8), d, m, True)
-    w = codes.double() * d.double().repeat_interleave(32, dim=1)[:, :inp] + m.double().repeat_interleave(32, dim=1)[:, :inp]
+    w = codes.double() * d.double().repeat_interleave(32, dim=1)[:, :inp]
+    w = w + m.double().repeat_interleave(32, dim=1)[:, :inp]
     threads = torch.get_num_threads()
     try:
         for batch in (17, 130):
