@@ -613,8 +613,9 @@ void amx_bf16_tiles(const uint16_t* a, const uint16_t* tail, int64_t M, const ui
 }
 
 // out [M, out_features] bf16 = a [M, kp] x the packed weight (a, tail as amx_bf16_tiles). Threads: the output tiles
-// split into one contiguous share per thread, equal to a pair of tiles, so that both (all) threads get the same
-// work and each dequantizes only its own tiles (a split over panels left one thread 4 tiles of qkv's 60)
+// split into one contiguous share per thread, equal to within a pair of tiles, so that every thread gets the same
+// work and dequantizes only its own tiles (a split over panels of up to 28 tiles left one of two threads 4 of
+// qkv's 60)
 void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
                    const uint16_t* mp, bool u4, int64_t tiles, int64_t nblocks, int64_t out_features, uint16_t* out) {
   const int64_t pairs = (tiles + 1) / 2;
