@@ -12,10 +12,11 @@ returned as `token_id:ID`. Reported per configuration and split: perplexity per 
 against the reference, the estimated KL(reference || config) of the next-token distribution (top-N), the share
 of positions with the same most likely token, and pass/fail against the issue's targets (by configuration name,
 or `--target NAME=PCT`). With llama.cpp built (bench/setup_peers.sh llama-server), llama.cpp's own `llama-perplexity`
-on the same GGUF and texts (its windows are ours) is a row too, from the logits it saves: checked to be scored on
-our token ids, with its KL/top-1 against the reference, and the KL/top-1 of each `--vs-llamacpp` configuration
-against llama.cpp printed under the table; the configurations in `--vs-llamacpp` are compared with it
-(target: within 0.5%). Results: a markdown table on stdout and a JSON report (`--json`).
+on the same GGUF and texts is a row too, from the logits it saves; it runs first, and every configuration is then
+scored on its token ids (its tokenizer merges some whitespace runs that ours splits). Its KL/top-1 against the
+reference and the KL/top-1 of each `--vs-llamacpp` configuration against llama.cpp are printed under the table,
+and the perplexities of those configurations are compared with its (target: within 0.5%). Results: a markdown
+table on stdout and a JSON report (`--json`).
 """
 
 from __future__ import annotations
@@ -113,11 +114,14 @@ def score_through_api(base_url: str, work: dict[str, list[Window]], top: int) ->
 
 
 def score_llamacpp(gguf: str, splits: list[str], work: dict[str, list[Window]], ctx: int, top: int, threads: int,
-                   log_dir: Path) -> tuple[dict[str, list[Scored]], list[str]]:
+                   log_dir: Path) -> tuple[dict[str, list[Scored]], dict[str, list[Window]], list[str]]:
     """llama.cpp's own `llama-perplexity` on each text (bench/peer_llamacpp_ppl.py): per `split/lang` the
-    Scored windows decoded from its saved logits, and the checks that it scored what we scored (the same token
-    ids, chunk by chunk) with its printed perplexity."""
+    Scored windows decoded from its saved logits, the windows it scored (its own token ids: llama.cpp's
+    tokenizer merges some whitespace runs that ours, following the HF tokenizer, splits, e.g. "\n\n" before a
+    digit, which shifts every later chunk), and the checks comparing those ids with ours and its printed
+    perplexity. Every configuration is then scored on llama.cpp's windows, so that positions line up."""
     scored: dict[str, list[Scored]] = {}
+    theirs: dict[str, list[Window]] = {}
     checks: list[str] = []
     for split in splits:
         for lang in LANGS:
@@ -125,11 +129,13 @@ def score_llamacpp(gguf: str, splits: list[str], work: dict[str, list[Window]], 
             result = llama_perplexity(llama_server.binary("llama-perplexity"), gguf, DATA / f"{split}_{lang}.txt",
                                       ctx, threads, top, log_dir / f"quality-llama-perplexity-{split}-{lang}.log")
             ours = [w.tokens for w in work[key]]
-            same = "the same token ids" if result.chunks == ours else "DIFFERENT token ids"
-            checks.append(f"{key}: llama-perplexity evaluated {len(result.chunks)} chunks of {ctx} tokens, we "
-                          f"scored {len(ours)} windows: {same}; its printed PPL {result.ppl:.4f} ± {result.stderr:.4f}")
+            same = sum(a == b for a, b in zip(result.chunks, ours))
+            checks.append(f"{key}: llama-perplexity evaluated {len(result.chunks)} chunks of {ctx} tokens, our "
+                          f"tokenizer cuts {len(ours)}, {same} with the same token ids; every row is scored on "
+                          f"llama.cpp's; its printed PPL {result.ppl:.4f} ± {result.stderr:.4f}")
             scored[key] = result.scored
-    return scored, checks
+            theirs[key] = [Window(f"{split}_{lang}", chunk, len(chunk) // 2 + 1) for chunk in result.chunks]
+    return scored, theirs, checks
 
 
 def _text(split: str, lang: str) -> str:
@@ -225,10 +231,27 @@ def main() -> None:
         parser.error(f"--splits takes a comma-separated subset of {','.join(SPLITS)}")
     work = corpus_windows(tokenizer, splits, args.ctx, args.max_windows)
     log_dir = BENCH_DIR / "logs"
+    scored: dict[str, dict[str, list[Scored]]] = {}
+    checks: list[str] = []
+    give_up = time.monotonic() + args.wait_llamacpp  # llama.cpp may still be building (setup_peers.sh)
+    while not args.no_llamacpp and llamacpp_available() and time.monotonic() < give_up:
+        time.sleep(10)
+    llamacpp_note = "skipped (--no-llamacpp)" if args.no_llamacpp else llamacpp_available()
+    if llamacpp_note is None and args.max_windows:
+        llamacpp_note = "skipped: llama-perplexity scores whole texts, --max-windows cuts ours"
+    if llamacpp_note is None:
+        from glmserve.models.gguf_loader import embedded_default_gguf
+
+        own = args.model if args.model and args.model.endswith(".gguf") else None
+        gguf = args.gguf or own or str(embedded_default_gguf())
+        scored[LLAMACPP], work, checks = score_llamacpp(gguf, splits, work, args.ctx, args.top, args.threads,
+                                                        log_dir)
+        llamacpp_note = f"llama-perplexity ({llama_server.version()}) on {Path(gguf).name}"
+    else:
+        print(f"[bench_quality] llama.cpp perplexity skipped: {llamacpp_note}", file=sys.stderr)
     base = ["--max-model-len", str(args.ctx), "--num-threads", str(args.threads)]
     if args.model:
         base += ["--model", args.model]
-    scored: dict[str, dict[str, list[Scored]]] = {}
     failed: dict[str, str] = {}
     seconds: dict[str, float] = {}
     for config in sorted(args.config, key=lambda c: c.name != reference):  # the reference first
@@ -244,28 +267,12 @@ def main() -> None:
     if reference not in scored:
         sys.exit(f"the reference configuration {reference!r} could not run: {failed[reference]}")
     rows = {name: split_summaries(s, None if name == reference else scored[reference], splits)
-            for name, s in scored.items()}
-    checks: list[str] = []
-    give_up = time.monotonic() + args.wait_llamacpp  # llama.cpp may still be building (setup_peers.sh)
-    while not args.no_llamacpp and llamacpp_available() and time.monotonic() < give_up:
-        time.sleep(10)
-    llamacpp_note = "skipped (--no-llamacpp)" if args.no_llamacpp else llamacpp_available()
-    if llamacpp_note is None and args.max_windows:
-        llamacpp_note = "skipped: llama-perplexity scores whole texts, --max-windows cuts ours"
-    if llamacpp_note is None:
-        from glmserve.models.gguf_loader import embedded_default_gguf
-
-        own = args.model if args.model and args.model.endswith(".gguf") else None
-        gguf = args.gguf or own or str(embedded_default_gguf())
-        scored[LLAMACPP], checks = score_llamacpp(gguf, splits, work, args.ctx, args.top, args.threads, log_dir)
-        rows[LLAMACPP] = split_summaries(scored[LLAMACPP], scored[reference], splits)
+            for name, s in sorted(scored.items(), key=lambda item: item[0] == LLAMACPP)}
+    if LLAMACPP in scored:
         for name in sorted(set(args.vs_llamacpp.split(",")) & set(scored) - {LLAMACPP}):
             for split, parts in split_summaries(scored[name], scored[LLAMACPP], splits).items():
                 checks.append(f"{name} against llama.cpp ({split}): KL(llama.cpp || {name}) {parts['all'].kl:.4f} "
                               f"nats, same top-1 token at {100 * parts['all'].top1:.1f}% of positions")
-        llamacpp_note = f"llama-perplexity ({llama_server.version()}) on {Path(gguf).name}"
-    else:
-        print(f"[bench_quality] llama.cpp perplexity skipped: {llamacpp_note}", file=sys.stderr)
     flags = {c.name: " ".join(c.flags) for c in args.config}
     table = markdown(rows, reference, targets, set(args.vs_llamacpp.split(",")), flags, failed)
     print(table)

@@ -4,10 +4,13 @@ the step's batch building (scheduler, block tables, metadata) and the per-token 
 stop checks, outputs).
 
     GLMSERVE_BENCH_THREADS=1 .venv/bin/python bench/profile_decode.py [--batch 32] [--steps 32] [--repeats 3]
+        [--clock wall|cpu]
 
 torch.profiler does not see our C++ kernels (pybind calls, not torch ops: bench/profile_engine.py books them
 as "outside ops"), so each component is timed here with perf_counter around its call (module hooks and method
-wrappers; one thread, so the sums are exclusive where the components do not nest). The batch's prompts
+wrappers; one thread, so the sums are exclusive where the components do not nest); `--clock cpu` reads this
+thread's CPU time instead of the wall clock, which with one thread is the step's compute whatever else the host
+runs (the wait for a preempted core is not counted; memory contention still is). The batch's prompts
 (`DECODE_BATCH_PROMPT_LEN` tokens, bench/workloads.py) are computed before the timed steps. Prints the
 median over `--repeats` windows of `--steps` steps of each component's ms per step and share of the step.
 """
@@ -31,29 +34,33 @@ os.environ.setdefault("OMP_NUM_THREADS", str(wl.THREADS))
 ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
-class Timers:
-    """Seconds per component name, summed over calls."""
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
-    def __init__(self) -> None:
+
+class Timers:
+    """Seconds per component name, summed over calls, on `clock`."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.total: dict[str, float] = collections.defaultdict(float)
         self._start: dict[int, float] = {}
+        self.clock = clock
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total[name] += time.perf_counter() - start
+                self.total[name] += self.clock() - start
         return timed
 
     def hook_module(self, name: str, module) -> None:
         def pre(mod, args):
-            self._start[id(mod)] = time.perf_counter()
+            self._start[id(mod)] = self.clock()
 
         def post(mod, args, out):
-            self.total[name] += time.perf_counter() - self._start.pop(id(mod))
+            self.total[name] += self.clock() - self._start.pop(id(mod))
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
 
@@ -106,6 +113,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write {component: ms per step} here (bench/ab_decode.py reads it)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: this thread's CPU time (one thread: robust to a busy host)")
     args = parser.parse_args()
 
     import torch
@@ -117,7 +126,7 @@ def main() -> None:
     engine = llm.engine
     maker = wl.PromptMaker(wl.load_tokenizer(wl.embedded_gguf_path()), wl.SEED + 5)
     llm.generate([maker.tokens(64)], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
-    timers = Timers()
+    timers = Timers(CLOCKS[args.clock])
     instrument(engine, timers)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
     runs = [window(engine, params, maker.batch(args.batch, wl.DECODE_BATCH_PROMPT_LEN), args.steps, timers, f"w{i}")
@@ -133,7 +142,8 @@ def main() -> None:
                                                "request outputs"))
     median["engine rest (KV block bookkeeping, Python)"] = step - outside
     print(f"decode batch {args.batch}, {args.steps} steps x {args.repeats} windows, {torch.get_num_threads()} "
-          f"thread(s): {step:.2f} ms/step = {args.batch / step * 1e3:.1f} tok/s; load {os.getloadavg()[0]:.2f}")
+          f"thread(s), {args.clock} clock: {step:.2f} ms/step = {args.batch / step * 1e3:.1f} tok/s; "
+          f"load {os.getloadavg()[0]:.2f}")
     print("| component | ms / step | share of step |")
     print("|---|---|---|")
     for k, v in sorted(median.items(), key=lambda kv: -kv[1]):

@@ -49,6 +49,23 @@ def test_torch_path_for_other_devices_dtypes_and_torch_only(cpu_isa, monkeypatch
     assert all(kernels.op(name, CPU, dtypes(name)[0]) is None for name in kernels.OPS)
 
 
+def test_pinned_answers_once_per_op_and_unpins(cpu_isa, monkeypatch):
+    """Inside kernels.pinned() an op's first answer holds (a model step does not read the environment per layer);
+    outside, the environment is read again."""
+    with kernels.pinned():
+        first = kernels.op("paged_decode", CPU, torch.float32)
+        assert first is not None and first.__module__.endswith(cpu_isa)
+        monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")
+        assert kernels.op("paged_decode", CPU, torch.float32) is first
+        assert kernels.op("store_kv", CPU, torch.float32) is None  # first asked after the change
+        with kernels.pinned():  # nested: the outer answers hold
+            assert kernels.op("paged_decode", CPU, torch.float32) is first
+        assert kernels.op("paged_decode", torch.device("meta"), torch.float32) is None
+    assert kernels.op("paged_decode", CPU, torch.float32) is None
+    monkeypatch.delenv("GLMSERVE_TORCH_ONLY")
+    assert kernels.op("paged_decode", CPU, torch.float32) is first
+
+
 @pytest.mark.parametrize("ci", ["true", ""])
 def test_setup_build_fails_under_ci_when_a_kernel_does_not_build(tmp_path, ci):
     """`python -m glmserve.kernels` with no working compiler: exit 1 with CI=true, else 0 (PyTorch path)."""

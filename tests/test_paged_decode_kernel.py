@@ -1,8 +1,8 @@
 """The C++ decode attention (kernels/csrc/paged_decode.cpp) on every instruction-set variant this CPU runs
 (fixture cpu_isa: the avx512 build's 16-lane SIMD path, the avx2 build's 8-lane one, the scalar loop) against
 plain float64 softmax attention over the stored (dequantized) keys and values: every KV format, head sizes that
-take the SIMD path and ones that fall back to the scalar loop, query-head groups of 1, 3 and 4, and context
-lengths around the lane count (the reduction's partial last chunk) and the exp's underflow."""
+take the SIMD path and ones that fall back to the scalar loop, query-head groups of 1, 3, 4 and 8 (two tiles of
+heads), and context lengths around the lane count (the reduction's partial last chunk) and the exp's underflow."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _case(fmt_name: str, heads: int, kv_heads: int, dim: int, lengths: list[int]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 48), (6, 2, 20)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 48), (16, 2, 64), (6, 2, 20)])
 def test_decode_matches_float64_attention(cpu_isa, fmt, heads, kv_heads, dim):
     q, cache, slots, lengths = _case(fmt, heads, kv_heads, dim, [1, 7, 8, 15, 16, 17, 33, 151], seed=dim + heads)
     scale = dim**-0.5
@@ -57,8 +57,8 @@ def test_peaked_scores_underflow_to_zero_weight(cpu_isa):
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
 def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
     """The fused KV write (kernels `store_kv`) against `store`'s cast + index_copy_, bit for bit: k and v as views of
-    a fused qkv output (strided rows), values at bf16 rounding ties, and a slot outside the cache refused (float16
-    pools take `store`)."""
+    a fused qkv output (strided rows), values at bf16 rounding ties, float32 and bf16 k/v, and a slot outside the
+    cache refused (float16 pools take `store`)."""
     gen = torch.Generator().manual_seed(3)
     t, kv_heads, dim, slots_n = 11, 3, 64, 40
     qkv = torch.randn(t, (9 + 2 * kv_heads) * dim, generator=gen)
@@ -73,8 +73,36 @@ def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
     store(want[1], slots, v)
     bits = torch.int32 if storage == torch.float32 else torch.int16  # bit for bit
     assert torch.equal(got.view(bits), want.view(bits))
+    kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)  # a bf16 prefill's k, v (attention.py `takes_bf16`)
+    got.zero_()
+    want.zero_()
+    kernels.op("store_kv", k.device, torch.bfloat16)(got[0], got[1], slots, kb, vb)
+    store(want[0], slots, kb)
+    store(want[1], slots, vb)
+    assert torch.equal(got.view(bits), want.view(bits))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots, k, vb)
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots + slots_n, k, v)
     half = torch.zeros(2, kv_heads, slots_n, dim, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 caches"):
         kernels.op("store_kv", k.device, k.dtype)(half[0], half[1], slots, k, v)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_threads_split_a_mixed_batch_without_changing_it(cpu_isa, threads):
+    """Rows of very different lengths (as in a mixed serving batch) split over threads: the output is the
+    one-thread output bit for bit, also with more threads than the 2 cores here and with empty rows."""
+    q, cache, slots, lengths = _case("bfloat16", 9, 3, 64, [150, 3, 0, 120, 1, 1, 90, 150, 2, 64], seed=11)
+    op = kernels.op("paged_decode_lse", q.device, q.dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = op(q, cache[0], cache[1], slots, lengths, 0.125)
+        torch.set_num_threads(threads)
+        got = op(q, cache[0], cache[1], slots, lengths, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    live = lengths > 0  # a row without keys has no defined output
+    for g, w in zip(got, want):
+        assert torch.equal(g[live], w[live])

@@ -1,6 +1,7 @@
 """The fused layer ops of kernels/csrc/prefill_ops.cpp (add_rms_norm, rope_neox_, silu_and_mul), every
 instruction-set variant against plain PyTorch: exact where the math is (the residual add), within float32
-rounding (norm, rope, SiLU's exp) or one bf16 rounding (2^-8 relative) otherwise; and the model code that
+rounding (norm, rope, SiLU's exp) or one bf16 rounding (2^-8 relative) otherwise, on rows whose width is and is
+not a multiple of the vector width; and the model code that
 calls them (layers/norm.py `add_norm`, layers/rotary.py `apply_`, models/llama.py `silu_and_mul`) equal to
 its PyTorch path."""
 
@@ -31,14 +32,15 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-6)).max().item()
 
 
+@pytest.mark.parametrize("hidden", [576, 83])  # 83: rows that end in a partial vector (the masked tail)
 @pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
-def test_add_rms_norm(cpu_isa, delta_dtype):
+def test_add_rms_norm(cpu_isa, delta_dtype, hidden):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(37, 576, generator=gen) * 3
-    delta = None if delta_dtype is None else torch.randn(37, 576, generator=gen).to(delta_dtype)
-    weight = torch.rand(576, generator=gen) + 0.5
+    x = torch.randn(37, hidden, generator=gen) * 3
+    delta = None if delta_dtype is None else torch.randn(37, hidden, generator=gen).to(delta_dtype)
+    weight = torch.rand(hidden, generator=gen) + 0.5
     summed = x if delta is None else x + delta.float()
-    ref = F.rms_norm(summed, (576,), weight, 1e-5)
+    ref = F.rms_norm(summed, (hidden,), weight, 1e-5)
     for bf16_out in (False, True):
         stream = x.clone()
         out = _op("add_rms_norm")(stream, delta if delta is not None else torch.empty(0), weight, 1e-5, bf16_out)
@@ -75,14 +77,33 @@ def test_rope_neox_in_place(cpu_isa, partial):
         _op("rope_neox_")(qk, cos[:, 0, :3].contiguous(), sin[:, 0, :3].contiguous())
 
 
-def test_silu_and_mul(cpu_isa):
+@pytest.mark.parametrize("dim", [64, 40])  # 40: half-rows of 20 (a partial vector)
+def test_rope_neox_in_place_on_bf16_rows(cpu_isa, dim):
+    """bf16 q/k heads of a fused bf16 qkv output: rotated in float32 and rounded once, as the float32 rotation of the
+    same values rounded to bf16; the v heads untouched."""
+    rotary = RotaryEmbedding(types.SimpleNamespace(rope_theta=10000.0), dim, 4096)
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(33, 15 * dim, generator=gen).to(torch.bfloat16)
+    qk = qkv[:, :12 * dim].view(33, 12, dim)
+    cos, sin = rotary.cos_sin(torch.randint(0, 4096, (33,), generator=gen))
+    ref = rotary.apply(qk.float(), cos, sin)
+    v = qkv[:, 12 * dim:].clone()
+    _op("rope_neox_", torch.bfloat16)(qk, cos[:, 0].contiguous(), sin[:, 0].contiguous())
+    assert qk.dtype == torch.bfloat16
+    assert ((qk.float() - ref).abs() <= ref.abs() * BF16_ROUNDING + 1e-6).all()  # one rounding of the float32 result
+    assert torch.equal(qkv[:, 12 * dim:], v)
+    assert (rotary.apply_(qkv[:, :12 * dim].view(33, 12, dim).clone(), cos, sin).dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("inter", [1536, 45])  # 45: rows that end in a partial vector (the masked tail)
+def test_silu_and_mul(cpu_isa, inter):
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(41, 2 * 1536, generator=gen) * 4
+    x = torch.randn(41, 2 * inter, generator=gen) * 4
     x[0, :8] = torch.tensor([-200.0, -90.0, -20.0, 0.0, 20.0, 90.0, 200.0, 1e-30])  # the exp's clamps
-    ref = F.silu(x[:, :1536]) * x[:, 1536:]
+    ref = F.silu(x[:, :inter]) * x[:, inter:]
     assert _relative(_op("silu_and_mul")(x), ref) < 1e-5
     xb = x.to(torch.bfloat16)
-    ref_b = F.silu(xb[:, :1536].float()) * xb[:, 1536:].float()  # from the same bf16 inputs, in float32
+    ref_b = F.silu(xb[:, :inter].float()) * xb[:, inter:].float()  # from the same bf16 inputs, in float32
     out = _op("silu_and_mul", torch.bfloat16)(xb)
     assert out.dtype == torch.bfloat16 and _relative(out, ref_b) < BF16_ROUNDING
     with pytest.raises(RuntimeError, match="2I"):

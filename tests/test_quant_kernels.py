@@ -177,6 +177,25 @@ def test_activation_quantization_matches_its_formula(cpu_isa, per_token):
     assert torch.allclose(s, d * isum.float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_activation_quantization_is_the_same_on_every_variant(per_token):
+    """The AVX-512 and AVX2 forms of quantize_activations run the scalar form's float operations per element: the
+    same codes, scales and sums bit for bit, on whole blocks, a partial last block (100 inputs) and a zero block."""
+    from glmserve.kernels.build import load
+    from glmserve.kernels.isa import available_isas
+
+    modules = {isa: load("quant_matmul", isa) for isa in available_isas()}
+    if any(m is None for m in modules.values()):
+        pytest.skip(f"C++ kernels unavailable: {[isa for isa, m in modules.items() if m is None]}")
+    for batch, inp in ((33, 576), (5, 100), (2, 1536)):
+        x = activations(batch, inp)
+        x[1, :32] = 0
+        results = {isa: m.quantize_activations(x, per_token) for isa, m in modules.items()}
+        first = next(iter(results.values()))
+        for isa, got in results.items():
+            assert all(torch.equal(a, b) for a, b in zip(got, first)), (isa, batch, inp)
+
+
 def grid() -> list:
     """Every format x shape x batch; by default all batches on the smallest shape and batch 33 (four tiles of
     8 rows and a remainder of 1) on every shape, the rest with -m slow."""
@@ -279,6 +298,12 @@ def test_tiles_split_across_threads_give_the_same_floats(cpu_isa, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_lm_head_shape(cpu_isa, fmt, batch):
     check(fmt, batch, *LM_HEAD)
+
+
+def test_lm_head_batch_past_the_streaming_size(tiles):
+    """44 rows of the lm_head (8.7 MB of logits): on AMX written with non-temporal stores; both tile kinds against
+    the emulation and the reference."""
+    check("gguf_q8_0", 44, *LM_HEAD)
 
 
 def test_odd_shapes_pad_to_blocks_and_tiles(cpu_isa):

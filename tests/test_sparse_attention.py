@@ -297,6 +297,32 @@ def test_block_bounds_are_exact_and_bound_every_key(kernel_backend):
     check_bounds(ix, keys, 2, 2)
 
 
+def test_bf16_bounds_from_float32_or_bf16_keys_are_the_rounded_min_max(kernel_backend):
+    """bf16 bounds (a bf16 pool's indexer): keys given in float32 or already rounded to bf16 (a bf16 prefill) give
+    the same bounds, the exact min/max of the rounded keys; keys as views of a fused qkv output (strided tokens),
+    chunks that cross blocks and end mid-block."""
+    gen = torch.Generator().manual_seed(4)
+    hkv, d, unit, num_blocks = 3, 16, 4, 10
+    table = torch.tensor([6, 1, 8, 3])
+    qkv = torch.randn(14, (hkv + 2) * d, generator=gen) * 3
+    keys = qkv[:, d:(hkv + 1) * d].view(14, hkv, d)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        ix = BlockIndexer(hkv, d, num_blocks, unit, scale=1.0, dtype=torch.bfloat16, device=torch.device("cpu"))
+        fused = qkv.to(dtype)
+        for chunk in (range(0, 6), range(6, 13), range(13, 14)):
+            pos = torch.tensor(list(chunk))
+            k = fused[chunk.start:chunk.stop, d:(hkv + 1) * d].view(len(chunk), hkv, d)
+            ix.on_kv_written(table[pos // unit] * unit + pos % unit, k, torch.empty(0))
+        results.append(ix.bounds[table].clone())
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+    rounded = keys.to(torch.bfloat16)
+    for i in range(4):
+        n = min(unit, 14 - i * unit)
+        assert torch.equal(results[1][i, 0], rounded[i * unit:i * unit + n].amin(0))
+        assert torch.equal(results[1][i, 1], rounded[i * unit:i * unit + n].amax(0))
+
+
 # -- engine (tiny random Llama) ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from glmserve import kernels
 from glmserve.engine.outputs import TokenLogprob
 from glmserve.engine.prompt_logprobs import PromptRows
 from glmserve.engine.sampler import sample
@@ -31,7 +32,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """Runs one step; returns (sequence, sampled token, logprob) for sequences that sample."""
+        """Runs one step; returns (sequence, sampled token, logprob) for sequences that sample. The kernel
+        dispatch is looked up once per op for the step (kernels.pinned), not in every layer."""
+        with kernels.pinned():
+            return self._execute(batch)
+
+    def _execute(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)  # decode group first
         input_ids, step, logits_index = self._prepare(batch)
         sampling = [s.seq for s in batch if s.samples]

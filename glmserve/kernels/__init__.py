@@ -9,7 +9,7 @@ which), GLMSERVE_TORCH_ONLY=1 disables them all. `python -m glmserve.kernels` bu
 time (setup).
 """
 
-from glmserve.kernels.dispatch import OPS, op, torch_only
+from glmserve.kernels.dispatch import OPS, op, pinned, torch_only
 from glmserve.kernels.isa import active_isa, amx_bf16, available_isas
 
-__all__ = ["OPS", "active_isa", "amx_bf16", "available_isas", "op", "torch_only"]
+__all__ = ["OPS", "active_isa", "amx_bf16", "available_isas", "op", "pinned", "torch_only"]

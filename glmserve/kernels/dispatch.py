@@ -6,8 +6,8 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                (cache f32/bf16/f16 with W = D, or int8 / fp8-bits uint8 rows with W = D + 2: glmserve/kv/kv_format.py)
   paged_decode_lse(same arguments) -> [out [B,H,D], lse [B,H]]: also each head's log-sum-exp of scores
   store_kv(k_cache [Hkv,S,D], v_cache, slots [T] i64, k [T,Hkv,D], v) (in place): one layer's KV write into
-               float32 / bf16 caches (k/v float32 rows, any row stride), rounded as torch's cast rounds
-  bounds_update(slots [T] i64, keys [T,Hkv,D], bounds [blocks,2,Hkv,D], block_size) (in place)
+               float32 / bf16 caches (k/v float32 or bf16 rows, any row stride), rounded as torch's cast rounds
+  bounds_update(slots [T] i64, keys [T,Hkv,D] f32 or bf16, bounds [blocks,2,Hkv,D], block_size) (in place)
   block_scores(q [B,H,D], bounds [blocks,2,Hkv,D], tables [B,W] i64, num_units [B] i64, scale) -> [B,W]
   learned_scores(qi [B,Hi,d], w [B,Hi] (times the scale), keys [slots,d] f32 or bf16, tables [B,W] i64,
                  block_size, length, ctx [B] i64, distance_bias [NB], sink_bias [S]) -> [B,length]
@@ -33,18 +33,23 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                the packed weight as a dense matrix, written into the flat buffer `out`
   add_rms_norm(x [T,H] f32 (in place), delta [T,H] f32/bf16 or empty, weight [H] f32, eps, bf16_out) -> [T,H]:
                the residual add and the following RMSNorm in one pass (bf16 or f32 out)
-  rope_neox_(x [T,heads,D] f32, cos [T,R], sin [T,R]) (in place): neox rope with layers/rotary.py's tables
+  rope_neox_(x [T,heads,D] f32 or bf16, cos [T,R], sin [T,R] f32) (in place): neox rope with layers/rotary.py's
+               tables, in float32 (bf16 x: rounded once)
   silu_and_mul(x [T,2I] f32 or bf16) -> [T,I]: SwiGLU's silu(gate) * up, rounded once (also for bf16 tensors)
   prefill_attention(q [T,Hq,D] bf16, k [B,L,Hk,D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64, scale,
                out_bf16) -> [T,Hq,D] bf16 or f32: causal attention of rows of q_lens queries packed in q, each at the
                end of its kv_lens keys, on the AMX bf16 tiles (bf16 tensors only)
   prefill_attention_available() -> bool: whether this variant and CPU run prefill_attention (avx512 with AMX)
+  first_max(x [S,V] f32, contiguous rows) -> [S] i64: each row's index of its maximum, the first of equal maxima
+               (a NaN first): torch.max(x, -1).indices in one vectorized pass per row (sampling's greedy pick)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -72,9 +77,13 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "silu_and_mul": "prefill_ops",
     "prefill_attention": "prefill_attention",
     "prefill_attention_available": "prefill_attention",
+    "first_max": "sampling",
 }
 DTYPES = (torch.float32,)  # every op's query / score dtype, unless OP_DTYPES says otherwise
 OP_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "store_kv": (torch.float32, torch.bfloat16),
+    "bounds_update": (torch.float32, torch.bfloat16),
+    "rope_neox_": (torch.float32, torch.bfloat16),
     "silu_and_mul": (torch.float32, torch.bfloat16),
     "prefill_attention": (torch.bfloat16,),
     "prefill_attention_available": (torch.bfloat16,),
@@ -94,9 +103,38 @@ def dtypes(name: str) -> tuple[torch.dtype, ...]:
 def op(name: str, device: torch.device, dtype: torch.dtype) -> Callable | None:
     """The C++ op `name` (one of OPS) for tensors of `dtype` on `device`, from the active instruction-set
     variant; None where the caller takes its PyTorch path: another device or dtype, GLMSERVE_TORCH_ONLY=1,
-    or a kernel that could not be built."""
+    or a kernel that could not be built. Inside `pinned()` each answer is looked up once."""
+    answers = getattr(_pins, "answers", None)
+    if answers is None:
+        return _lookup(name, device, dtype)
+    key = (name, device.type, dtype)
+    if key not in answers:
+        answers[key] = _lookup(name, device, dtype)
+    return answers[key]
+
+
+def _lookup(name: str, device: torch.device, dtype: torch.dtype) -> Callable | None:
     source = OPS[name]
     if device.type != "cpu" or dtype not in dtypes(name) or torch_only():
         return None
     module = load(source, active_isa())
     return None if module is None else getattr(module, name)
+
+
+_pins = threading.local()  # .answers: this thread's pinned op() answers, while inside pinned()
+
+
+@contextlib.contextmanager
+def pinned() -> Iterator[None]:
+    """Within (in this thread): `op` answers each (name, device type, dtype) once, as the environment
+    (GLMSERVE_CPU_ISA, GLMSERVE_TORCH_ONLY) was at that first lookup, and reuses it. A decode step asks ~200 times
+    (each layer's norms, rope, KV write, attention, linears), ~2 us each for the two environment reads; a model
+    step runs inside one (engine/runner.py). Nested: the outermost one's answers hold."""
+    if getattr(_pins, "answers", None) is not None:
+        yield
+        return
+    _pins.answers = {}
+    try:
+        yield
+    finally:
+        _pins.answers = None

@@ -53,13 +53,17 @@ BF16_MIN_TOKENS = 128  # prefill groups from this size take bf16 SDPA on AMX (qu
 AMX_ATTENTION_ENV = "GLMSERVE_AMX_ATTENTION"  # "0": bf16 prefill attention runs torch's SDPA, not our AMX kernel
 
 
+def bf16_prefill(num_tokens: int) -> bool:
+    """Whether a CPU prefill group of `num_tokens` tokens runs its attention in bf16: at least BF16_MIN_TOKENS
+    tokens on a CPU with AMX (kernels.amx_bf16), unless GLMSERVE_BF16_ATTENTION=0."""
+    return num_tokens >= BF16_MIN_TOKENS and os.environ.get(BF16_ATTENTION_ENV) != "0" and kernels.amx_bf16()
+
+
 def prefill_compute_dtype(q: torch.Tensor, num_tokens: int) -> torch.dtype:
-    """The dtype a prefill group's SDPA runs in: bfloat16 for float32 CPU queries of a group of at least
-    BF16_MIN_TOKENS tokens on a CPU with AMX (kernels.amx_bf16), unless GLMSERVE_BF16_ATTENTION=0; else
+    """The dtype a prefill group's SDPA runs in: bfloat16 for float32 CPU queries where `bf16_prefill`; else
     q's own. Rounding q, k, v to bf16 gives ~3e-3 relative error of the output (tests/test_bf16_attention.py);
     the scores and softmax are accumulated in float32 by torch's CPU flash kernel."""
-    if (q.dtype != torch.float32 or q.device.type != "cpu" or num_tokens < BF16_MIN_TOKENS
-            or os.environ.get(BF16_ATTENTION_ENV) == "0" or not kernels.amx_bf16()):
+    if q.dtype != torch.float32 or q.device.type != "cpu" or not bf16_prefill(num_tokens):
         return q.dtype
     return torch.bfloat16
 
@@ -145,6 +149,17 @@ class PagedAttention:
         dtype = out_dtype or q.dtype
         out = outs[0].to(dtype) if len(outs) == 1 else torch.cat([o.to(dtype) for o in outs], dim=0)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def takes_bf16(self, meta: AttentionMetadata) -> bool:
+        """True where this step's q, k, v may come in bf16 and change nothing: prefill rows only, none with
+        offloaded chunks, attention on our AMX kernel (which rounds q, k, v to bf16 anyway) and a bf16 pool (the
+        KV write rounds k, v to bf16 too). Then a bf16 qkv projection output is never widened to float32: rope
+        (in float32, rounded once), the KV write, the sparse scorers and the kernel read it as it is."""
+        g, cache = meta.prefill, self.kv_cache
+        return (meta.decode is None and g is not None and g.offloaded is None and cache is not None
+                and cache.dtype == torch.bfloat16 and cache.device.type == "cpu" and bf16_prefill(g.num_tokens)
+                and (g.rows is not None or g.fresh_causal or g.query_lens is not None)
+                and amx_prefill_kernel(self.head_dim) is not None)
 
     def select(self, q: torch.Tensor, g: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode queries q [B, H, D] -> (slots [B, L_sel], lengths [B]) each row attends to."""

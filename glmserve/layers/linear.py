@@ -162,14 +162,14 @@ class QuantizedLinear(nn.Module):
 
     # -- running --------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a model's flat batch: as it is
         if len(self._segments) == 1:
             y = self._segments[0].apply(flat, self.bias)
         else:
             y = torch.cat([s.apply(flat, None) for s in self._segments], dim=-1)
             if self.bias is not None:
                 y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
@@ -211,10 +211,11 @@ def bf16_between(x: torch.Tensor, *linears: nn.Module) -> bool:
     """True where float32 activations `x` may enter `linears` in bf16 and stay bf16 between them (an MLP's
     gate-up and down on AMX prefill: two casts of the wide intermediate and the float32 SiLU saved): each is
     a QuantizedLinear that `takes_bf16` x's rows, and GLMSERVE_BF16_ACTIVATIONS is not "0"."""
-    if x.dtype != torch.float32 or os.environ.get(BF16_ACTIVATIONS_ENV) == "0":
+    if x.dtype != torch.float32:
         return False
-    rows = x.numel() // x.shape[-1]
-    return all(isinstance(linear, QuantizedLinear) and linear.takes_bf16(rows) for linear in linears)
+    rows = x.numel() // x.shape[-1]  # the environment read last: decode batches stop at takes_bf16's row count
+    return (all(isinstance(linear, QuantizedLinear) and linear.takes_bf16(rows) for linear in linears)
+            and os.environ.get(BF16_ACTIVATIONS_ENV) != "0")
 
 
 def _same_run(prev: CheckpointTensor, part: CheckpointTensor, scheme: Scheme) -> bool:

@@ -90,8 +90,8 @@ class RotaryEmbedding(RopeTables):
         return x.roll(self.rotary_dim // 2, dims=-1)
 
     def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`apply` in place on x (returned): one C++ pass for neox rope on float32 CPU rows (kernels
-        `rope_neox_`), `apply`'s result copied back otherwise."""
+        """`apply` in place on x (returned): one C++ pass for neox rope on float32 or bf16 CPU rows (kernels
+        `rope_neox_`, in float32), `apply`'s result copied back otherwise."""
         kernel = None if self.interleaved else kernels.op("rope_neox_", x.device, x.dtype)
         if kernel is not None and x.dim() == 3 and x.stride(-1) == 1 and cos.dtype == torch.float32:
             kernel(x, cos.reshape(x.shape[0], -1).contiguous(), sin.reshape(x.shape[0], -1).contiguous())

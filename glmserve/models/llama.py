@@ -53,7 +53,9 @@ class LlamaAttention(nn.Module):
         residual stream's; None: x's), so that x may come narrower (bf16 on AMX prefill, where qkv_proj's GEMM is
         bf16). Returns [T, hidden] in that dtype, or bf16 where o_proj's GEMM is bf16."""
         t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).to(stream_dtype or x.dtype)
+        qkv = self.qkv_proj(x)
+        if qkv.dtype != torch.bfloat16 or self.q_norm is not None or not self.attn.takes_bf16(meta):
+            qkv = qkv.to(stream_dtype or x.dtype)  # else kept bf16: the AMX prefill reads q, k, v in bf16
         v = qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d)
         qk = qkv[:, :(heads + kv_heads) * d].view(t, heads + kv_heads, d)
         if self.q_norm is not None:

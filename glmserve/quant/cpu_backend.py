@@ -122,15 +122,18 @@ class CpuBlockBackend:
         p = prepared
         if x.shape[-1] != p.in_features:
             raise InvalidRequestError(f"input has {x.shape[-1]} features, the weight takes {p.in_features}")
-        rows = x.reshape(-1, p.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, p.in_features)
         if self.bf16_rows(p, rows.shape[0]):  # bf16 in and out: no float32 round trip for bf16 activations
             out = dense_apply(p, rows)
         else:
-            out = p.linear(rows.to(torch.float32).contiguous(), p.per_token, p.codes, p.scales, p.mins, p.u4,
-                           p.out_features)
+            if rows.dtype != torch.float32 or not rows.is_contiguous():  # no no-op calls per linear of a step
+                rows = rows.to(torch.float32).contiguous()
+            out = p.linear(rows, p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
         if bias is not None:
             out = out.to(torch.float32) + bias.to(torch.float32)
-        return out.reshape(*x.shape[:-1], p.out_features).to(x.dtype)
+        if x.dim() != 2:
+            out = out.reshape(*x.shape[:-1], p.out_features)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def bf16_rows(self, prepared: PackedWeight, rows: int) -> bool:
         """True where `apply` runs `rows` rows as the bf16 GEMM (`dense_apply`): AMX CPUs from DENSE_MIN_ROWS
@@ -143,8 +146,8 @@ class CpuBlockBackend:
         no canonical copy of the weight is kept (a tied embedding's lookup, weight inspection)."""
         p = prepared
         tile, row = ids // ROWS, ids % ROWS
-        codes = p.codes[tile].reshape(len(ids), p.codes.shape[1], 4 if p.u4 else 8, ROWS, 4)  # [n, blocks, j, row, t]
-        codes = codes[torch.arange(len(ids)), :, :, row]  # [n, blocks, j, t]
+        tiles = p.codes.view(*p.codes.shape[:2], 4 if p.u4 else 8, ROWS, 4)  # [tiles, blocks, j, row, t]
+        codes = tiles[tile, :, :, row]  # [n, blocks, j, t]: only the rows asked for are gathered
         if p.u4:  # byte j*4+t holds input j*4+t (low nibble) and 16 + j*4+t (high nibble)
             c = torch.cat((codes & 15, codes >> 4), dim=-2).to(torch.float32)
         else:

@@ -65,7 +65,8 @@ class BlockIndexer:
         then every new key is folded in."""
         bounds_update = kernels.op("bounds_update", k.device, k.dtype)
         if bounds_update is not None:  # one sequential pass in C++: a few microseconds per decode token
-            bounds_update(slot_mapping.contiguous(), k.contiguous(), self.bounds, self.unit_size)
+            in_place = k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]  # a token's heads together: no copy
+            bounds_update(slot_mapping.contiguous(), k if in_place else k.contiguous(), self.bounds, self.unit_size)
             return
         blocks = slot_mapping // self.unit_size
         keys = k.to(self.bounds.dtype)

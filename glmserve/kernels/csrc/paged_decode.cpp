@@ -457,29 +457,36 @@ std::vector<at::Tensor> paged_decode_lse(const at::Tensor& q, const at::Tensor& 
   return run(q, k_cache, v_cache, slots, ctx_lens, scale, true);
 }
 
-// Rows x [T, Hkv, D] (float32, contiguous rows) into cache [Hkv, num_slots, D] at slot[t], cast to T_out.
-template <typename T_out>
+// Rows x [T, Hkv, D] (float32 or bf16, contiguous rows) into cache [Hkv, num_slots, D] at slot[t], cast to T_out
+// (bf16 into bf16: copied). Tokens are split over torch's intra-op threads (slots are distinct).
+template <typename T_in, typename T_out>
 void store_rows(const at::Tensor& x, T_out* cache, const int64_t* slot, int64_t num_slots) {
-  const float* data = x.data_ptr<float>();
+  const T_in* data = x.data_ptr<T_in>();
   const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2), st = x.stride(0), sh = x.stride(1);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const float* row = data + t * st + h * sh;
-      T_out* out = cache + (h * num_slots + slot[t]) * D;
-      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T_out>(row[d]);
-    }
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const T_in* row = data + t * st + h * sh;
+        T_out* out = cache + (h * num_slots + slot[t]) * D;
+        if constexpr (std::is_same_v<T_in, T_out>) {
+          std::memcpy(out, row, D * sizeof(T_out));
+        } else {
+          for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T_out>(static_cast<float>(row[d]));
+        }
+      }
+  });
 }
 
-// The KV write of one layer for float32 / bfloat16 pools: k, v [T, Hkv, D] float32 (rows of D contiguous floats,
-// any row and head strides: views of the fused qkv output) into caches [Hkv, slots, D] at slots [T] int64, each
+// The KV write of one layer for float32 / bfloat16 pools: k, v [T, Hkv, D] float32 or bf16 (rows of D contiguous
+// values, any row and head strides: views of the fused qkv output) into caches [Hkv, slots, D] at slots [T] int64, each
 // value rounded as torch's cast rounds it (bf16: to nearest, ties to even, in integer arithmetic). One pass
 // instead of a cast and an index_copy_ per side. Not float16: c10::Half's float conversion relies on float
 // overflow to reach inf, which this build's -ffast-math folds away (NaN bits came out of 131008.f).
 void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
-  TORCH_CHECK(k.dim() == 3 && k.scalar_type() == at::kFloat && k.stride(2) == 1 && v.sizes() == k.sizes() &&
-                  v.scalar_type() == at::kFloat && v.stride(2) == 1,
-              "k, v: [T, Hkv, D] float32 with contiguous rows");
+  TORCH_CHECK(k.dim() == 3 && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) &&
+                  k.stride(2) == 1 && v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type() && v.stride(2) == 1,
+              "k, v: [T, Hkv, D] float32 or bf16 (one dtype) with contiguous rows");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "caches: contiguous [Hkv, slots, D] of one dtype");
@@ -489,13 +496,16 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache's ", num_slots);
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+              "store_kv: float32 or bfloat16 caches, got ", k_cache.scalar_type());
   const auto side = [&](const at::Tensor& x, const at::Tensor& cache) {
+    const bool in_bf16 = x.scalar_type() == at::kBFloat16;
     if (cache.scalar_type() == at::kFloat) {
-      store_rows(x, cache.data_ptr<float>(), slot, num_slots);
+      in_bf16 ? store_rows<c10::BFloat16>(x, cache.data_ptr<float>(), slot, num_slots)
+              : store_rows<float>(x, cache.data_ptr<float>(), slot, num_slots);
     } else {
-      TORCH_CHECK(cache.scalar_type() == at::kBFloat16, "store_kv: float32 or bfloat16 caches, got ",
-                  cache.scalar_type());
-      store_rows(x, cache.data_ptr<c10::BFloat16>(), slot, num_slots);
+      in_bf16 ? store_rows<c10::BFloat16>(x, cache.data_ptr<c10::BFloat16>(), slot, num_slots)
+              : store_rows<float>(x, cache.data_ptr<c10::BFloat16>(), slot, num_slots);
     }
   };
   side(k, k_cache);

@@ -21,7 +21,7 @@
 //     once per call), the B tile is a query tile's Q^T in VNNI pairs ([16 pairs of D][16 queries x 2], packed
 //     once per work item), D / 32 tdpbf16ps into each of four C tiles (16 keys each); one zmm row per key then
 //     holds its 16 queries' scores.
-//   softmax in base 2 (scores times scale * log2 e): max, 2^x (vec_math.h's fast_exp2_16) and sum are lane-wise
+//   softmax in base 2 (scores times scale * log2 e): max, 2^x (vec_math.h's fast_exp2_16_bf16) and sum are lane-wise
 //     over the 64 rows; a block that reaches past a query tile's first position masks the keys after each
 //     query's; blocks wholly after a tile's last query are skipped (causal: half the work).
 //   out^T [D, 16 queries] += V^T [D, 64 keys] x P^T: A tiles are 16 dims x 32 keys of V^T (packed once per call,
@@ -176,9 +176,10 @@ AMX_TARGET inline void store_scores(float* s) {
 }
 
 // online softmax over one block of scores^T s, in base 2 (scores times scale * log2 e, so that the exponential is
-// vec_math.h's fast_exp2_16); P^T into pt as bf16 VNNI pairs (two B tiles: keys 0-31, 32-63); m, l: the head's
-// running max (scaled, base 2) and sum for its 16 queries; returns whether the max grew for some query, with
-// alpha = 2^(m_old - m_new) (the factor of the output so far)
+// vec_math.h's fast_exp2_16_bf16, ~1e-4: P is rounded to bf16 for P x V, and l sums the same values); P^T into pt
+// as bf16 VNNI pairs (two B tiles: keys 0-31, 32-63); m, l: the head's running max (scaled, base 2) and sum for its
+// 16 queries; returns whether the max grew for some query, with alpha = 2^(m_old - m_new) (the factor of the output
+// so far, and of l: its error cancels; computed to ~1e-7 all the same)
 template <bool Masked>
 AMX_TARGET inline bool softmax_block(const Problem& p, int64_t kb, __m512 qpos, const float* s, uint16_t* pt,
                                      float* m, float* l, __m512& alpha) {
@@ -202,8 +203,8 @@ AMX_TARGET inline bool softmax_block(const Problem& p, int64_t kb, __m512 qpos, 
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int k = 0; k < KB; k += 2) {
-    __m512 e0 = glmserve::fast_exp2_16(_mm512_fmsub_ps(_mm512_load_ps(s + k * QB), scale, m_new));
-    __m512 e1 = glmserve::fast_exp2_16(_mm512_fmsub_ps(_mm512_load_ps(s + (k + 1) * QB), scale, m_new));
+    __m512 e0 = glmserve::fast_exp2_16_bf16(_mm512_fmsub_ps(_mm512_load_ps(s + k * QB), scale, m_new));
+    __m512 e1 = glmserve::fast_exp2_16_bf16(_mm512_fmsub_ps(_mm512_load_ps(s + (k + 1) * QB), scale, m_new));
     if constexpr (Masked) {
       e0 = _mm512_maskz_mov_ps(live[k], e0);
       e1 = _mm512_maskz_mov_ps(live[k + 1], e1);
@@ -346,21 +347,24 @@ AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
   }
 }
 
-// K rows [Lpad][D] and V^T by key blocks [Lpad / KB][D][KB] of one (row, KV head), zero past its keys
-void pack_kv(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t kl, int64_t lpad, int64_t D,
-             uint16_t* kp, uint16_t* vt) {
+// Key block `blk` of one (row, KV head): its KB rows of K ([KB][D], at kp + blk * KB * D) and its V^T ([D][KB], at
+// vt + blk * KB * D), zero past the row's kl keys
+void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t blk, int64_t kl, int64_t D,
+                uint16_t* kp, uint16_t* vt) {
   const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  for (int64_t t = 0; t < kl; ++t)
-    std::memcpy(kp + t * D, ks + b * k.stride(0) + t * k.stride(1) + h * k.stride(2), D * 2);
-  std::memset(kp + kl * D, 0, (lpad - kl) * D * 2);
-  if (lpad > kl) std::memset(vt + (lpad - KB) * D, 0, KB * D * 2);  // the last block
-  for (int64_t t0 = 0; t0 < kl; t0 += KB) {
-    uint16_t* block = vt + t0 * D;
-    for (int64_t t = t0; t < std::min(kl, t0 + KB); ++t) {
-      const uint16_t* row = vs + b * v.stride(0) + t * v.stride(1) + h * v.stride(2);
-      for (int64_t d = 0; d < D; ++d) block[d * KB + t - t0] = row[d];
-    }
+  const int64_t t0 = blk * KB, n = std::min(kl - t0, KB);
+  uint16_t* krows = kp + t0 * D;
+  uint16_t* block = vt + t0 * D;
+  for (int64_t t = 0; t < n; ++t)
+    std::memcpy(krows + t * D, ks + b * k.stride(0) + (t0 + t) * k.stride(1) + h * k.stride(2), D * 2);
+  if (n < KB) {
+    std::memset(krows + n * D, 0, (KB - n) * D * 2);
+    std::memset(block, 0, KB * D * 2);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* row = vs + b * v.stride(0) + (t0 + t) * v.stride(1) + h * v.stride(2);
+    for (int64_t d = 0; d < D; ++d) block[d * KB + t] = row[d];
   }
 }
 
@@ -373,19 +377,24 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     q_start[b] = tokens, pad_start[b] = keys;
     tokens += ql[b], keys += (kl[b] + KB - 1) / KB * KB;
   }
-  std::vector<uint16_t> kp(keys * Hk * D), vt(keys * Hk * D);
-  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hk, h = i % Hk, lpad = (kl[b] + KB - 1) / KB * KB;
-      const int64_t region = (pad_start[b] * Hk + h * lpad) * D;
-      pack_kv(k, v, b, h, kl[b], lpad, D, kp.data() + region, vt.data() + region);
+  // K and V^T packed by key block, the blocks of every (row, KV head) split over the threads (uninitialized
+  // buffers: every block is written whole)
+  at::Tensor kv_packed = at::empty({2, keys * Hk * D}, q.options());
+  uint16_t* kp = reinterpret_cast<uint16_t*>(kv_packed.data_ptr<at::BFloat16>());
+  uint16_t* vt = kp + keys * Hk * D;
+  at::parallel_for(0, keys / KB * Hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // i: block i / Hk of the packed keys, KV head i % Hk
+      const int64_t at_key = i / Hk * KB, h = i % Hk;
+      const int64_t b = std::upper_bound(pad_start.begin(), pad_start.end(), at_key) - pad_start.begin() - 1;
+      const int64_t lpad = (kl[b] + KB - 1) / KB * KB, region = (pad_start[b] * Hk + h * lpad) * D;
+      pack_block(k, v, b, h, (at_key - pad_start[b]) / KB, kl[b], D, kp + region, vt + region);
     }
   });
   at::Tensor out = at::empty({T, Hq, D}, q.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   Problem p{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0), q.stride(1),
             out_bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr,
             out_bf16 ? nullptr : out.data_ptr<float>(), Hq, Hk, Hq / Hk, D, static_cast<float>(scale),
-            q_start.data(), ql, kl, pad_start.data(), kp.data(), vt.data()};
+            q_start.data(), ql, kl, pad_start.data(), kp, vt};
   std::vector<Item> items;  // cost: key blocks the item visits
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < Hk; ++h)

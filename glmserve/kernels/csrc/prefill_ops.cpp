@@ -6,11 +6,15 @@
 //
 //   add_rms_norm(x [T, H] f32 (updated in place), delta [T, H] f32 or bf16 (or empty: no add), weight [H] f32,
 //                eps, bf16_out) -> [T, H] in bf16 or f32: x += delta, then rms_norm(x) * weight
-//   rope_neox_(x [T, heads, D] f32 (inner dim contiguous, updated in place), cos [T, R], sin [T, R] f32) with
-//                R <= D even, the tables as layers/rotary.py builds them (halves duplicated; sin's first half
-//                negated): x[:R] = x[:R] * cos + roll(x[:R], R / 2) * sin
+//   rope_neox_(x [T, heads, D] f32 or bf16 (inner dim contiguous, updated in place), cos [T, R], sin [T, R] f32)
+//                with R <= D even, the tables as layers/rotary.py builds them (halves duplicated; sin's first half
+//                negated): x[:R] = x[:R] * cos + roll(x[:R], R / 2) * sin, in float32 (bf16: rounded once)
 //   silu_and_mul(x [T, 2I] f32 or bf16) -> [T, I] the same dtype: silu(x[:, :I]) * x[:, I:], in float32,
 //                rounded once
+//
+// Rows are split over torch's intra-op threads (at::parallel_for). The AVX-512 build runs each row 16 lanes at a
+// time with masked tails (bf16 widened by a shift, narrowed to nearest even as torch rounds, SiLU's exp by
+// vec_math.h's fast_exp2_16); the other builds run the same math as scalar loops for the compiler to vectorize.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -21,14 +25,73 @@
 
 #include "vec_math.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using glmserve::bf16_to_f32;
 using glmserve::f32_to_bf16;
-using glmserve::fast_exp;
 
 void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
+}
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
+inline void put(float* p, float x) { *p = x; }
+inline void put(uint16_t* p, float x) { *p = f32_to_bf16(x); }
+
+#if defined(__AVX512F__)
+inline __mmask16 lanes(int64_t n) {  // the first min(n, 16) lanes
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+inline void store16(uint16_t* p, __m512 x, __mmask16 m) {  // f32_to_bf16 on 16 lanes
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i top = _mm512_srli_epi32(u, 16);
+  const __m512i even = _mm512_and_si512(top, _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), even), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
+// One row of add_rms_norm: row += d (D_t float or bf16 bits; d null: no add), then o = row * rsqrt * w.
+template <typename D_t, typename O_t>
+void norm_row(float* row, const D_t* d, const float* w, O_t* o, int64_t h, float eps) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < h; j += 16) {
+    const __mmask16 m = lanes(h - j);
+    __m512 x = load16(row + j, m);
+    if (d) {
+      x = _mm512_add_ps(x, load16(d + j, m));
+      store16(row + j, x, m);
+    }
+    acc = _mm512_fmadd_ps(x, x, acc);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(h) + eps));
+  for (int64_t j = 0; j < h; j += 16) {
+    const __mmask16 m = lanes(h - j);
+    store16(o + j, _mm512_mul_ps(_mm512_mul_ps(load16(row + j, m), inv), load16(w + j, m)), m);
+  }
+#else
+  if (d) {
+    for (int64_t j = 0; j < h; ++j) row[j] += to_f32(d[j]);
+  }
+  float ss = 0.0f;
+  for (int64_t j = 0; j < h; ++j) ss += row[j] * row[j];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (int64_t j = 0; j < h; ++j) put(o + j, row[j] * inv * w[j]);
+#endif
 }
 
 at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& delta, const at::Tensor& weight, double eps, bool bf16_out) {
@@ -50,58 +113,92 @@ at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& delta, const at::Tensor&
   const bool delta_bf16 = add && delta.scalar_type() == at::kBFloat16;
   const float* df = add && !delta_bf16 ? delta.data_ptr<float>() : nullptr;
   const uint16_t* db = delta_bf16 ? reinterpret_cast<const uint16_t*>(delta.data_ptr<at::BFloat16>()) : nullptr;
-  void* op = out.data_ptr();
+  float* of = bf16_out ? nullptr : out.data_ptr<float>();
+  uint16_t* ob = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  const float e = static_cast<float>(eps);
   at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* row = xp + i * h;
-      if (df) {
-        const float* d = df + i * h;
-        for (int64_t j = 0; j < h; ++j) row[j] += d[j];
-      } else if (db) {
-        const uint16_t* d = db + i * h;
-        for (int64_t j = 0; j < h; ++j) row[j] += bf16_to_f32(d[j]);
-      }
-      float ss = 0.0f;
-      for (int64_t j = 0; j < h; ++j) ss += row[j] * row[j];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
-      if (bf16_out) {
-        uint16_t* o = static_cast<uint16_t*>(op) + i * h;
-        for (int64_t j = 0; j < h; ++j) o[j] = f32_to_bf16(row[j] * inv * wp[j]);
+      if (db) {
+        ob ? norm_row(row, db + i * h, wp, ob + i * h, h, e) : norm_row(row, db + i * h, wp, of + i * h, h, e);
       } else {
-        float* o = static_cast<float*>(op) + i * h;
-        for (int64_t j = 0; j < h; ++j) o[j] = row[j] * inv * wp[j];
+        const float* d = df ? df + i * h : nullptr;
+        ob ? norm_row(row, d, wp, ob + i * h, h, e) : norm_row(row, d, wp, of + i * h, h, e);
       }
     }
   });
   return out;
 }
 
+// One head of rope: v[:half], v[half:2 half] rotated by the row's tables c, s [2 half], in float32.
+template <typename T>
+void rope_head(T* v, const float* c, const float* s, int64_t half) {
+#if defined(__AVX512F__)
+  for (int64_t j = 0; j < half; j += 16) {
+    const __mmask16 m = lanes(half - j);
+    const __m512 a = load16(v + j, m), b = load16(v + half + j, m);
+    store16(v + j, _mm512_fmadd_ps(a, load16(c + j, m), _mm512_mul_ps(b, load16(s + j, m))), m);
+    store16(v + half + j, _mm512_fmadd_ps(b, load16(c + half + j, m), _mm512_mul_ps(a, load16(s + half + j, m))), m);
+  }
+#else
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = to_f32(v[j]), b = to_f32(v[j + half]);
+    put(v + j, a * c[j] + b * s[j]);
+    put(v + j + half, b * c[j + half] + a * s[j + half]);
+  }
+#endif
+}
+
+template <typename T>
+void rope_rows(T* xp, int64_t st, int64_t sh, int64_t t, int64_t heads, int64_t r, const float* cp, const float* sp) {
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t k = 0; k < heads; ++k) rope_head(xp + i * st + k * sh, cp + i * r, sp + i * r, r / 2);
+  });
+}
+
 void rope_neox_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   check_cpu(x, "rope_neox_: x");
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1,
-              "rope_neox_: x must be a float32 [T, heads, D] tensor with contiguous rows");
+  TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.stride(2) == 1,
+              "rope_neox_: x must be a float32 or bf16 [T, heads, D] tensor with contiguous rows");
   const int64_t t = x.size(0), heads = x.size(1), d = x.size(2);
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == t && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
               "rope_neox_: cos and sin must be contiguous float32 [T, R] tensors");
-  const int64_t r = cos.size(1), half = r / 2;
-  TORCH_CHECK(r % 2 == 0 && r <= d && r <= 1024, "rope_neox_: rotary width ", r, " must be even and at most D");
-  float* xp = x.data_ptr<float>();
-  const int64_t st = x.stride(0), sh = x.stride(1);
+  const int64_t r = cos.size(1);
+  TORCH_CHECK(r % 2 == 0 && r <= d, "rope_neox_: rotary width ", r, " must be even and at most D");
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat) {
+    rope_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), t, heads, r, cp, sp);
+  } else {
+    rope_rows(reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), x.stride(1), t, heads, r, cp, sp);
+  }
+}
+
+// One row of silu_and_mul: o = silu(g[:n]) * g[n:2n], in float32.
+template <typename T>
+void silu_row(const T* g, T* o, int64_t n) {
+#if defined(__AVX512F__)
+  const __m512 minus_log2e = _mm512_set1_ps(-1.44269504088896341f), one = _mm512_set1_ps(1.0f);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes(n - j);
+    const __m512 a = load16(g + j, m);
+    const __m512 e = glmserve::fast_exp2_16(_mm512_mul_ps(a, minus_log2e));  // exp(-a); inf for a < -88
+    store16(o + j, _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(one, e)), load16(g + n + j, m)), m);
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) {
+    const float a = to_f32(g[j]);
+    put(o + j, a / (1.0f + glmserve::fast_exp(-a)) * to_f32(g[j + n]));
+  }
+#endif
+}
+
+template <typename T>
+void silu_rows(const T* x, T* out, int64_t t, int64_t n) {
   at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
-    float lo[512];
-    for (int64_t i = begin; i < end; ++i) {
-      const float* c = cp + i * r;
-      const float* s = sp + i * r;
-      for (int64_t k = 0; k < heads; ++k) {
-        float* v = xp + i * st + k * sh;
-        for (int64_t j = 0; j < half; ++j) lo[j] = v[j];
-        for (int64_t j = 0; j < half; ++j) v[j] = v[j] * c[j] + v[j + half] * s[j];
-        for (int64_t j = 0; j < half; ++j) v[j + half] = v[j + half] * c[j + half] + lo[j] * s[j + half];
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) silu_row(x + i * 2 * n, out + i * n, n);
   });
 }
 
@@ -112,23 +209,12 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
               "silu_and_mul: x must be a contiguous float32 or bf16 [T, 2I] tensor");
   const int64_t t = x.size(0), n = x.size(1) / 2;
   auto out = at::empty({t, n}, x.options());
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (bf16) {
-        const uint16_t* g = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + i * 2 * n;
-        uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + i * n;
-        for (int64_t j = 0; j < n; ++j) {
-          const float a = bf16_to_f32(g[j]);
-          o[j] = f32_to_bf16(a / (1.0f + fast_exp(-a)) * bf16_to_f32(g[j + n]));
-        }
-      } else {
-        const float* g = x.data_ptr<float>() + i * 2 * n;
-        float* o = out.data_ptr<float>() + i * n;
-        for (int64_t j = 0; j < n; ++j) o[j] = g[j] / (1.0f + fast_exp(-g[j])) * g[j + n];
-      }
-    }
-  });
+  if (x.scalar_type() == at::kBFloat16) {
+    silu_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+              reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t, n);
+  } else {
+    silu_rows(x.data_ptr<float>(), out.data_ptr<float>(), t, n);
+  }
   return out;
 }
 
@@ -136,6 +222,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place), then RMSNorm(x) * weight in bf16 or f32 (CPU)");
-  m.def("rope_neox_", &rope_neox_, "neox rotary embedding in place on float32 [T, heads, D] (CPU)");
+  m.def("rope_neox_", &rope_neox_, "neox rotary embedding in place on float32 or bf16 [T, heads, D] (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] gate-up output (CPU)");
 }

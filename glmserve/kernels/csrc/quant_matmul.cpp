@@ -250,6 +250,11 @@ constexpr int64_t AMX_ROWS = 16;       // activation rows per A tile (a group)
 // rows, the VNNI tiles cost per row; the break-even measured at about 6 rows for int8 blocks and 9-10 for u4 ones,
 // which pay the nibble unpacking per group too (bench/RESULTS.md, "AMX int8 tiles for decode batches")
 constexpr int64_t AMX_GROUP_MIN_I8 = 6, AMX_GROUP_MIN_U4 = 10;
+constexpr int64_t AMX_UNPACK_ONCE = 24;  // u4 tiles of up to this many blocks: unpacked once for all groups (amx_tiles)
+// outputs of at least this many bytes are written with non-temporal stores (amx_tiles): the lm_head at 64 rows
+// (12.6 MB) 0.65x the time alone, 0.77-0.80x with an argmax or softmax over the logits after it; at 32 rows (6.3 MB)
+// even, at 8-16 rows slower (1.06-1.27x with the reduction after it), hence 8 MB
+constexpr int64_t AMX_STREAM_BYTES = int64_t(8) << 20;
 constexpr int64_t AMX_AHEAD = 4;       // blocks whose tile products run ahead of their scaling: C tiles 0-3
 constexpr int64_t AMX_RING = 2 * AMX_AHEAD;  // int32 result buffers of [16][16], written by tile stores
 
@@ -296,20 +301,20 @@ inline void amx_unpack_u4(const uint8_t* codes, uint8_t* out) {
 }
 
 // out [rows, cols] (row stride ldo) for activation rows n0..n0+rows-1 (rows <= 16; q padded to whole A tiles)
-// and the first cols <= 16 output rows of one weight tile
-// whose blocks are AMX B tiles (`btiles`, [nblocks][512]). The tile products of block b + AMX_AHEAD are issued
-// before block b is scaled, so the TMUL and the tile stores of the next blocks overlap this block's conversion
-// and FMAs (the bound: per activation row and block, a convert, a multiply and one or two FMAs of 16 lanes), and
-// the 16 fp32 accumulators stay in registers over all blocks. Per element the same operations in the same
-// block order as tile_avx512, so the sums are the VNNI tiles' bit for bit. `next` (the following weight tile's
-// bytes, or nullptr) is prefetched, `next_bytes` of it spread over the blocks. The pipelining and the
-// store-then-scale per block of 32 follow llama.cpp's ggml/src/ggml-cpu/amx/mmq.cpp (its tinygemm_kernel_amx);
-// the layout and the code are our own.
+// and the first cols <= 16 output rows of one weight tile whose blocks are AMX B tiles (`btiles`, [nblocks][512]).
+// The tile products of block b + AMX_AHEAD are issued halfway through block b's scaling (up to 9% faster than
+// before it), so the TMUL and the tile stores of the next blocks overlap this block's conversion and FMAs (the
+// bound: per activation row and block, a convert, a multiply and one or two FMAs of 16 lanes), and the 16 fp32
+// accumulators stay in registers over all blocks. Per element the same operations in the same block order as
+// tile_avx512, so the sums are the VNNI tiles' bit for bit. `next` (the following weight tile's bytes, or
+// nullptr) is prefetched, `next_bytes` of it spread over the blocks; `stream`: whole 16-column rows of out are
+// written with non-temporal stores (amx_tiles). The pipelining and the store-then-scale per block of 32 follow
+// llama.cpp's ggml/src/ggml-cpu/amx/mmq.cpp (its tinygemm_kernel_amx); the layout and the code are our own.
 template <int R, bool U4, bool MINS>  // R: the rows computed (rows rounded up to 4; the padded rows' scales are 0)
 __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, const Acts& a, int64_t n0, int rows,
                                                              int64_t nblocks, const uint8_t* next,
                                                              int64_t next_bytes, float* out, int64_t ldo,
-                                                             int cols) {
+                                                             int cols, bool stream) {
   alignas(64) int32_t ring[AMX_RING][AMX_ROWS * ROWS];
   // u4: block b is unpacked AMX_AHEAD blocks before its tile load (a tile load right after the vector stores of
   // its data stalls until they reach L1), into a ring of 2 AMX_RING blocks
@@ -319,7 +324,9 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
   };
   const uint16_t *wd = w.d, *wm = w.m;
   // one named accumulator per row: GCC does not keep an array of 16 zmm (1 KB) in registers
-#define GLMSERVE_EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define GLMSERVE_FIRST_HALF(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#define GLMSERVE_SECOND_HALF(X) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define GLMSERVE_EACH_ROW(X) GLMSERVE_FIRST_HALF(X) GLMSERVE_SECOND_HALF(X)
 #define GLMSERVE_ACC(r) [[maybe_unused]] __m512 acc##r = _mm512_setzero_ps();
   GLMSERVE_EACH_ROW(GLMSERVE_ACC)
   const int8_t* q = a.q + n0 * a.kp;
@@ -342,7 +349,6 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
   for (int64_t b = 0; b < 2 * AMX_AHEAD; ++b) unpack(b);
   for (int64_t b = 0; b < std::min(AMX_AHEAD, nblocks); ++b) issue(b);
   for (int64_t b = 0; b < nblocks; ++b) {
-    if (b + AMX_AHEAD < nblocks) issue(b + AMX_AHEAD);
     unpack(b + 2 * AMX_AHEAD);
     for (int64_t l = b * per_block; l < std::min(lines, (b + 1) * per_block); ++l)
       _mm_prefetch(reinterpret_cast<const char*>(next + l * 64), _MM_HINT_T0);
@@ -356,29 +362,42 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
       acc##r = _mm512_fmadd_ps(x, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b])), acc##r);          \
       if (MINS) acc##r = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * nb + b]), acc##r);                  \
     }
-    GLMSERVE_EACH_ROW(GLMSERVE_SCALE)
+    GLMSERVE_FIRST_HALF(GLMSERVE_SCALE)
+    if (b + AMX_AHEAD < nblocks) issue(b + AMX_AHEAD);
+    GLMSERVE_SECOND_HALF(GLMSERVE_SCALE)
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
 #define GLMSERVE_STORE(r) \
   if constexpr (r < R) {  \
     if (r < rows) _mm512_mask_storeu_ps(out + r * ldo, keep, acc##r); \
   }
-  GLMSERVE_EACH_ROW(GLMSERVE_STORE)
+#define GLMSERVE_STREAM(r) \
+  if constexpr (r < R) {   \
+    if (r < rows) _mm512_stream_ps(out + r * ldo, acc##r); \
+  }
+  if (stream && cols == ROWS) {
+    GLMSERVE_EACH_ROW(GLMSERVE_STREAM)
+  } else {
+    GLMSERVE_EACH_ROW(GLMSERVE_STORE)
+  }
+#undef GLMSERVE_STREAM
 #undef GLMSERVE_STORE
 #undef GLMSERVE_SCALE
 #undef GLMSERVE_ACC
 #undef GLMSERVE_EACH_ROW
+#undef GLMSERVE_FIRST_HALF
+#undef GLMSERVE_SECOND_HALF
 }
 
 // tile_amx for `rows` rows, R = rows rounded up to 4
 template <bool U4, bool MINS>
 void tile_amx_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nblocks, const uint8_t* next,
-                   int64_t next_bytes, float* out, int64_t ldo, int cols) {
+                   int64_t next_bytes, float* out, int64_t ldo, int cols, bool stream) {
   switch ((rows + 3) / 4) {
-    case 1: return tile_amx<4, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
-    case 2: return tile_amx<8, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
-    case 3: return tile_amx<12, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
-    default: return tile_amx<16, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols);
+    case 1: return tile_amx<4, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
+    case 2: return tile_amx<8, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
+    case 3: return tile_amx<12, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
+    default: return tile_amx<16, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
   }
 }
 #undef GLMSERVE_AMX_BLOCK
@@ -667,16 +686,30 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
 
 #ifdef GLMSERVE_AMX
 // weight tiles [begin, end) on the AMX tiles, groups of 16 activation rows (a group of fewer than AMX_GROUP_MIN_*
-// real rows on the VNNI tiles)
+// real rows on the VNNI tiles). u4 weights of up to AMX_UNPACK_ONCE blocks run by more than one group are
+// unpacked once per tile for all its groups (12 KB at most, which leaves L1 room for the activations; 0.88-0.96x
+// the time at 32-63 rows for 576 inputs, and a loss at 1,536 inputs, where a whole tile is 24 KB) instead of
+// once per group. Outputs of AMX_STREAM_BYTES or more (the lm_head from 43 rows) bypass the caches (non-temporal
+// stores of whole 64-byte rows of a tile): their row stride, a multiple of 4 KB there, maps every batch row's
+// 64 bytes of a tile onto a few cache sets, and the regular stores cost up to 46% of the lm_head at 64 rows
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
                int64_t end, int64_t nblocks, bool u4, float* o, int64_t out_features) {
   const int64_t tile_bytes = nblocks * (u4 ? U4_BLOCK : I8_BLOCK);
+  const bool unpack_once = u4 && N > AMX_ROWS && nblocks <= AMX_UNPACK_ONCE;
+  const bool stream = out_features % ROWS == 0 && reinterpret_cast<uintptr_t>(o) % 64 == 0 &&
+                      N * out_features * static_cast<int64_t>(sizeof(float)) >= AMX_STREAM_BYTES;
+  alignas(64) uint8_t unpacked[AMX_UNPACK_ONCE * I8_BLOCK];
   amx_config();
   for (int64_t t = begin; t < end; ++t) {
     const Weights w{cp + t * tile_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
     const int64_t r0 = t * ROWS;
     const int cols = static_cast<int>(std::min<int64_t>(ROWS, out_features - r0));
     const uint8_t* next = t + 1 < end ? w.codes + tile_bytes : nullptr;
+    Weights wt = w;  // unpacked once: the int8 B tiles as they are
+    if (unpack_once) {
+      for (int64_t b = 0; b < nblocks; ++b) amx_unpack_u4(w.codes + b * U4_BLOCK, unpacked + b * I8_BLOCK);
+      wt.codes = unpacked;
+    }
     for (int64_t n0 = 0; n0 < N; n0 += AMX_ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(AMX_ROWS, N - n0));
       if (rows < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8)) {
@@ -685,12 +718,14 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
       }
       const uint8_t* ahead = n0 == 0 ? next : nullptr;  // the next tile's codes, prefetched during the first group
       float* dst = o + n0 * out_features + r0;
-      if (u4 && w.m) tile_amx_rows<true, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
-      else if (u4) tile_amx_rows<true, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
-      else if (w.m) tile_amx_rows<false, true>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
-      else tile_amx_rows<false, false>(w, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols);
+      const bool nibbles = u4 && !unpack_once;
+      if (nibbles && w.m) tile_amx_rows<true, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (nibbles) tile_amx_rows<true, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (w.m) tile_amx_rows<false, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else tile_amx_rows<false, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
     }
   }
+  if (stream) _mm_sfence();
   amx_release();
 }
 #endif
@@ -759,26 +794,86 @@ bool set_amx(bool enable) {
 #endif
 }
 
+// One block of 32 activations (x[0..n), n <= 32; the rest zero) given its scale dx: codes
+// round(x / dx) as x * (1 / dx) rounded to nearest even and clamped to +-127, and their sum. The AVX-512 and
+// AVX2 forms run the same float operations per element as the scalar one (a multiply, a round, two clamps),
+// so every variant gives the same codes (tests/test_quant_kernels.py checks it). 32 rows of 576: 17.6 -> 7.7 us
+// (AVX-512; bench/RESULTS.md, "Decode-batch linears").
+int32_t quantize_block(const float* x, int64_t n, float dx, int8_t* q) {
+  const float id = dx > 0.f ? 1.0f / dx : 0.f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 vid = _mm512_set1_ps(id), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  __m512i sum = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, n - 16 * h));
+    const __mmask16 keep = static_cast<__mmask16>((1u << left) - 1);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, x + 16 * h), vid);
+    const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+    sum = _mm512_add_epi32(sum, c);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(c));
+  }
+  return _mm512_reduce_add_epi32(sum);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vid = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  __m256i sum = _mm256_setzero_si256();
+  alignas(32) float pad[QK] = {0.f};
+  const float* src = x;
+  if (n < QK) {
+    std::memcpy(pad, x, n * sizeof(float));
+    src = pad;
+  }
+  for (int h = 0; h < 4; ++h) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + 8 * h), vid);
+    const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i c = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+    sum = _mm256_add_epi32(sum, c);
+    // 8 int32 in -127..127 -> 8 int8: pack to int16, then int8 (lanes 0-3 and 4-7 sit in the two 128-bit halves)
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 8 * h), _mm_packs_epi16(w16, w16));
+  }
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+#else
+  int32_t sum = 0;
+  for (int64_t i = 0; i < QK; ++i) {
+    const float v = i < n ? std::min(127.f, std::max(-127.f, std::nearbyint(x[i] * id))) : 0.f;
+    q[i] = static_cast<int8_t>(v);
+    sum += static_cast<int32_t>(v);
+  }
+  return sum;
+#endif
+}
+
+// the largest |x| of n floats
+float abs_max(const float* x, int64_t n) {
+  int64_t i = 0;
+  float amax = 0.f;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float v : lanes) amax = std::max(amax, v);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+}
+
 // quantize one row of k floats into kp = ceil(k / 32) * 32 int8 codes (the tail zero)
 void quantize_row(const float* x, int64_t k, int64_t kp, bool per_token, int8_t* q, float* d, float* s, int32_t* isum) {
   const int64_t nb = kp / QK;
-  float row_amax = 0.f;
-  if (per_token)
-    for (int64_t i = 0; i < k; ++i) row_amax = std::max(row_amax, std::fabs(x[i]));
+  const float row_amax = per_token ? abs_max(x, k) : 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t lo = b * QK, hi = std::min(k, lo + QK);
-    float amax = row_amax;
-    if (!per_token)
-      for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float dx = amax * INV127;
-    const float id = dx > 0.f ? 1.0f / dx : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = lo; i < hi; ++i) {
-      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[i] * id)));
-      q[i] = static_cast<int8_t>(v);
-      sum += static_cast<int32_t>(v);
-    }
-    for (int64_t i = hi; i < lo + QK; ++i) q[i] = 0;
+    const int64_t lo = b * QK, n = std::min(k, lo + QK) - lo;
+    const float dx = (per_token ? row_amax : abs_max(x + lo, n)) * INV127;
+    const int32_t sum = quantize_block(x + lo, n, dx, q + lo);
     d[b] = dx;
     isum[b] = sum;
     s[b] = dx * static_cast<float>(sum);

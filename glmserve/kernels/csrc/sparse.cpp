@@ -4,7 +4,9 @@
 // bounds_update: for each written token in order, its block restarts from the key when the token sits at
 // offset 0 of the block (a fresh or reused block is always written from there), else the block's min/max
 // take the key in. Tokens of one block arrive in ascending offsets within a step (a sequence's chunk is
-// contiguous), so one sequential pass is exact; a few microseconds per decode token and layer.
+// contiguous), so one sequential pass is exact; a few microseconds per decode token and layer. Keys float32 or
+// bf16 (a bf16 prefill's k, layers/attention.py `takes_bf16`), read in place from a fused qkv output (any token
+// stride).
 //
 // learned_scores: the token-level scores of the learned indexer (glmserve/sparse/learned.py) for each decode
 // row b and key position j < context_lens[b] (slot tables[b, j / bs] * bs + j % bs):
@@ -188,20 +190,34 @@ void learned_kernel(const float* qi, const float* w, const key_t* keys, const in
   });
 }
 
-template <typename bound_t>
-void update_kernel(const int64_t* slots, const float* keys, bound_t* bounds, int64_t T, int64_t HD, int64_t block_size) {
-  for (int64_t t = 0; t < T; ++t) {
-    bound_t* lo = bounds + (slots[t] / block_size) * 2 * HD;
-    bound_t* hi = lo + HD;
-    const float* k = keys + t * HD;
-    if (slots[t] % block_size == 0) {
-      for (int64_t i = 0; i < HD; ++i) lo[i] = hi[i] = static_cast<bound_t>(k[i]);
-    } else {
+// Tokens come in runs (consecutive slots of one block: a row's tokens in that block): each run's min and max are
+// taken in float32 over its keys (and the block's stored bounds, unless the run starts the block at offset 0),
+// then rounded to bound_t once. Rounding is monotonic, so this equals folding in each rounded key in turn.
+template <typename key_t, typename bound_t>
+void update_kernel(const int64_t* slots, const key_t* keys, int64_t key_stride, bound_t* bounds, int64_t T, int64_t HD,
+                   int64_t block_size) {
+  std::vector<float> lo(HD), hi(HD);
+  for (int64_t t = 0, end = 0; t < T; t = end) {
+    const int64_t block = slots[t] / block_size;
+    for (end = t + 1; end < T && slots[end] == slots[end - 1] + 1 && slots[end] / block_size == block;) ++end;
+    bound_t* blo = bounds + block * 2 * HD;
+    bound_t* bhi = blo + HD;
+    const bool restart = slots[t] % block_size == 0;
+    for (int64_t i = 0; i < HD; ++i) {
+      lo[i] = restart ? to_float(keys[t * key_stride + i]) : to_float(blo[i]);
+      hi[i] = restart ? to_float(keys[t * key_stride + i]) : to_float(bhi[i]);
+    }
+    for (int64_t s = t; s < end; ++s) {
+      const key_t* k = keys + s * key_stride;
       for (int64_t i = 0; i < HD; ++i) {
-        const bound_t v = static_cast<bound_t>(k[i]);
-        if (to_float(v) < to_float(lo[i])) lo[i] = v;
-        if (to_float(v) > to_float(hi[i])) hi[i] = v;
+        const float v = to_float(k[i]);
+        lo[i] = v < lo[i] ? v : lo[i];
+        hi[i] = v > hi[i] ? v : hi[i];
       }
+    }
+    for (int64_t i = 0; i < HD; ++i) {
+      blo[i] = static_cast<bound_t>(lo[i]);
+      bhi[i] = static_cast<bound_t>(hi[i]);
     }
   }
 }
@@ -412,13 +428,20 @@ std::vector<at::Tensor> select_slots(const at::Tensor& scores, int64_t unit_size
 
 void bounds_update(const at::Tensor& slots, const at::Tensor& keys, at::Tensor& bounds, int64_t block_size) {
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1, "slots: [T] int64");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && keys.dim() == 3, "keys: [T, Hkv, D] f32");
+  TORCH_CHECK((keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16) && keys.dim() == 3 &&
+                  keys.stride(2) == 1 && keys.stride(1) == keys.size(2),
+              "keys: [T, Hkv, D] f32 or bf16, each token's heads contiguous (any token stride)");
   TORCH_CHECK(bounds.dim() == 4 && bounds.size(1) == 2 && bounds.is_contiguous(), "bounds: [blocks, 2, Hkv, D]");
   const int64_t T = keys.size(0), HD = keys.size(1) * keys.size(2);
   TORCH_CHECK(slots.size(0) == T && bounds.size(2) * bounds.size(3) == HD, "shapes do not match");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bounds.scalar_type(), "bounds_update", [&] {
-    update_kernel<scalar_t>(slots.data_ptr<int64_t>(), keys.data_ptr<float>(), bounds.data_ptr<scalar_t>(), T, HD,
-                            block_size);
+    if (keys.scalar_type() == at::kBFloat16) {
+      update_kernel(slots.data_ptr<int64_t>(), keys.data_ptr<c10::BFloat16>(), keys.stride(0),
+                    bounds.data_ptr<scalar_t>(), T, HD, block_size);
+    } else {
+      update_kernel(slots.data_ptr<int64_t>(), keys.data_ptr<float>(), keys.stride(0), bounds.data_ptr<scalar_t>(), T,
+                    HD, block_size);
+    }
   });
 }
 
