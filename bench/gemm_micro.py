@@ -18,23 +18,33 @@ and prints GFLOP/s with each variant's ratio to `linear`.
 compares instead the paths of a Q4_1 weight (the embedded model's format) at prefill-sized batches, bf16
 activations in and bf16 out, on AMX CPUs (DENSE_COLUMNS), with each variant's ratio to `per_call`:
   per_call    the weight dequantized per call into a bf16 scratch, then F.linear (oneDNN reorders it per call)
+  bf16        F.linear on a dense bf16 copy of the same weight, made once (torch's bf16 matmul: oneDNN, AMX)
   prepacked   oneDNN's prepacked bf16 weight (torch.ops.mkldnn._linear_pointwise), made once and kept
   amx         our AMX bf16 GEMM reading the packed weight (kernel amx_bf16_linear)
+  amx_a       with --a-source FILE: amx_bf16_linear of another quant_matmul.cpp (e.g. main's), built under a name
+              of its own (bench/ab_quant_kernels.py build_a), for an A/B of the kernel in one process
   int8        our int8 kernel (quant_linear: AMX int8 tiles from 16 rows, float32 activations)
+Threads: GLMSERVE_BENCH_THREADS (1 by default); with more than one, use the wall clock (--clock cpu sums the
+threads' CPU time). AMX's peak is 1,024 bf16 FLOP per cycle and core (one 16x16x32 tdpbf16ps per 16 cycles):
+bench/amx_peak.cpp measures what this machine's tile loop reaches.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 import torch.utils.mkldnn
 import workloads as wl
+from ab_quant_kernels import build_a
 
 from glmserve import kernels
 from glmserve.quant.cpu_backend import CpuBlockBackend, PackedWeight
@@ -43,7 +53,7 @@ from glmserve.quant.spec import QuantSpec
 
 Q4_1 = QuantSpec(4, symmetric=False, strategy="group", group_size=32, gguf_type="Q4_1")
 COLUMNS = ("wt", "mkldnn", "bf16", "q4_int8", "q4_dense")
-DENSE_COLUMNS = ("prepacked", "amx", "int8")
+DENSE_COLUMNS = ("bf16", "prepacked", "amx", "amx_a", "int8")
 
 HIDDEN = 576
 SHAPES = {"qkv": (HIDDEN, 960), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 3072), "down": (1536, HIDDEN),
@@ -90,20 +100,26 @@ def per_call_dense(p: PackedWeight, xb: torch.Tensor) -> Callable[[], torch.Tens
                             [:, :p.in_features])
 
 
-def dense_variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The Q4_1 weight's paths for prefill-sized batches (the module docstring's --dense columns)."""
+def dense_variants(x: torch.Tensor, w: torch.Tensor,
+                   a_module: ModuleType | None = None) -> dict[str, Callable[[], object]]:
+    """The Q4_1 weight's paths for prefill-sized batches (the module docstring's --dense columns); amx_a where
+    `a_module` (another build of quant_matmul) is given."""
     cpu = torch.device("cpu")
     p = CpuBlockBackend().prepare(quantize(w, Q4_1), None, cpu)
     xb = x.bfloat16()
     w16 = CpuBlockBackend().dequantize_rows(p, torch.arange(p.out_features), torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(w16, 512)
     amx = kernels.op("amx_bf16_linear", cpu, torch.float32)
-    return {
+    out = {
         "per_call": per_call_dense(p, xb),
+        "bf16": lambda: F.linear(xb, w16),
         "prepacked": lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], ""),
         "amx": lambda: amx(xb, p.codes, p.scales, p.mins, p.u4, p.out_features),
         "int8": lambda: p.linear(x, False, p.codes, p.scales, p.mins, True, p.out_features),
     }
+    if a_module is not None:
+        out["amx_a"] = lambda: a_module.amx_bf16_linear(xb, p.codes, p.scales, p.mins, p.u4, p.out_features)
+    return out
 
 
 def main() -> None:
@@ -115,10 +131,15 @@ def main() -> None:
                         help="wall: time.perf_counter; cpu: time.process_time (this process's CPU time: on a shared "
                              "machine, time slices lost to other processes do not count)")
     parser.add_argument("--dense", action="store_true", help="Q4_1 prefill paths on AMX (DENSE_COLUMNS)")
+    parser.add_argument("--a-source", type=Path, help="with --dense: column amx_a, this quant_matmul.cpp's kernel")
     args = parser.parse_args()
     if args.dense and not kernels.amx_bf16():
         parser.error("--dense needs a CPU with AMX-BF16 and the avx512 kernels")
-    make, base, columns = (dense_variants, "per_call", DENSE_COLUMNS) if args.dense else (variants, "linear", COLUMNS)
+    if args.a_source and not args.dense:
+        parser.error("--a-source goes with --dense")
+    a_module = build_a(args.a_source) if args.a_source else None
+    make, base, columns = ((functools.partial(dense_variants, a_module=a_module), "per_call", DENSE_COLUMNS)
+                           if args.dense else (variants, "linear", COLUMNS))
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(wl.THREADS)
     torch.manual_seed(0)

@@ -474,6 +474,39 @@ def test_amx_bf16_gemm_against_the_reference(u4, with_mins, inp):
         op(torch.randn(3, blocks * 32 + 32), *packed, u4, out)
 
 
+@pytest.mark.parametrize("out, inp", [(600, 1536), (600, 576), (40, 576), (16, 100)])
+def test_amx_bf16_gemm_threads_give_the_same_floats(out, inp):
+    """The AMX bf16 GEMM's split over threads (one contiguous share of output tile pairs per thread, each share in
+    panels of its own): 2, 3 and 5 threads give one thread's outputs bit for bit, whether the tiles split evenly or
+    not (600 outputs: 38 tiles; 1,536 inputs: several panels per share), fewer tile pairs than threads (40: 3
+    tiles; 16: one) or a last tile past the outputs; and the one-thread outputs match the float64 reference."""
+    op = kernels.op("amx_bf16_linear", CPU, torch.float32)
+    if not kernels.amx_bf16() or op is None:
+        pytest.skip("no AMX-BF16 tiles here (or not the avx512 build)")
+    blocks = -(-inp // 32)
+    g = torch.Generator().manual_seed(out + inp)
+    codes = torch.randint(0, 16, (out, inp), generator=g)
+    d = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
+    m = (torch.randn(out, blocks, generator=g) * 0.05).half()
+    packed = pack(codes.to(torch.int8), d, m, True)
+    w = codes.double() * d.double().repeat_interleave(32, dim=1)[:, :inp]
+    w = w + m.double().repeat_interleave(32, dim=1)[:, :inp]
+    threads = torch.get_num_threads()
+    try:
+        for batch in (17, 130):
+            x = torch.randn(batch, inp, generator=g).bfloat16()
+            torch.set_num_threads(1)
+            one = op(x, *packed, True, out)
+            ref = x.double() @ w.T
+            bound = 2 ** -8 * (x.double().abs() @ w.abs().T) + 2 ** -8 * ref.abs() + 1e-6
+            assert ((one.double() - ref).abs() <= bound).all(), batch
+            for n in (2, 3, 5):
+                torch.set_num_threads(n)
+                assert torch.equal(op(x, *packed, True, out), one), (batch, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_amx_bf16_gemm_is_an_error_without_amx(cpu_isa):
     """Where the dense path is not taken (no AMX, or the avx2 / scalar build) the op is a clear error, never a
     silent wrong result."""

@@ -478,15 +478,32 @@ __attribute__((target("avx512bf16"))) void dequantize_b_tile(const uint8_t* c, c
   }
 }
 
-// A panel of output tiles t0..t0+nt-1 dequantized into buf ([nt][nblocks] B tiles), one B tile at a time
-// (`advance`), so that the next panel's dequantization runs on the vector units between the current panel's
-// AMX tile products
-struct PanelDequant {
+// rows x cols of c (row stride 32) rounded to bf16 into out (row stride ldo)
+__attribute__((target("avx512bf16"))) void store_bf16(const float* c, int rows, int cols, uint16_t* out, int64_t ldo) {
+  const __mmask16 lo = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+  const __mmask16 hi = static_cast<__mmask16>(cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (1u << (cols - 16)) - 1);
+  for (int r = 0; r < rows; ++r) {
+    const float* cr = c + r * 32;
+    uint16_t* o = out + r * ldo;
+    _mm256_mask_storeu_epi16(o, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cr)));
+    if (hi) _mm256_mask_storeu_epi16(o + 16, hi, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cr + 16)));
+  }
+}
+
+// The vector work that runs between the AMX tile products (gemm_block): the next panel of output tiles t0..t0+nt-1
+// dequantized into buf ([nt][nblocks] B tiles), one B tile at a time (`advance`), and the previous block's fp32
+// sums rounded into the output (`defer_store`, done by the next block's `flush_store` once its first tile
+// products are issued), so that neither waits for the tiles nor keeps them waiting
+struct VectorWork {
   const uint8_t* cp;
   const uint16_t *dp, *mp;
   bool u4;
   int64_t nblocks, t0 = 0, total = 0, done = 0;
   uint16_t* buf = nullptr;
+  const float* c = nullptr;  // a deferred store_bf16 (none while c is null)
+  int rows = 0, cols = 0;
+  uint16_t* out = nullptr;
+  int64_t ldo = 0;
 
   void start(int64_t first_tile, int64_t tiles, uint16_t* into) { t0 = first_tile, total = tiles * nblocks, done = 0, buf = into; }
   void advance(int64_t n) {
@@ -497,15 +514,25 @@ struct PanelDequant {
       else dequantize_b_tile<false>(cp + at * I8_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
     }
   }
+  void defer_store(const float* from, int r, int n, uint16_t* to, int64_t ld) {
+    flush_store();
+    c = from, rows = r, cols = n, out = to, ldo = ld;
+  }
+  void flush_store() {
+    if (c) store_bf16(c, rows, cols, out, ldo);
+    c = nullptr;
+  }
 };
 
 // C [MA * 16 act rows][NB * 16 out rows] fp32 (row stride 32 floats, in c) += A rows (a0: rows 0-15, a1: 16-31,
 // lda elements apart) x B tiles k0..k1-1 of NB out tiles (b: [NB][bstride]); C starts at zero where `first`, else
-// from c. `units` B tiles of `work` are dequantized in between, before the stores that wait for the products.
+// from c. `work`'s deferred store is done after the first tile products, and `units` of its B tiles are dequantized
+// in between, before the stores that wait for the products (a c loaded at the start must not be the deferred
+// store's buffer).
 template <int MA, int NB>
 __attribute__((target("amx-tile,amx-bf16"))) void gemm_block(const uint16_t* a0, const uint16_t* a1, int64_t lda,
                                                              const uint16_t* b, int64_t bstride, int64_t k0,
-                                                             int64_t k1, bool first, float* c, PanelDequant& work,
+                                                             int64_t k1, bool first, float* c, VectorWork& work,
                                                              int64_t units) {
   const int64_t per_step = (units + (k1 - k0) - 1) / (k1 - k0);
   if (first) {
@@ -533,7 +560,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_block(const uint16_t* a0,
       _tile_dpbf16ps(2, 5, 6);
       if (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
-    work.advance(per_step);  // vector work while the tile products run
+    if (k == k0) work.flush_store();  // vector work while the tile products run
+    work.advance(per_step);
   }
   _tile_stored(0, c, 128);
   if (NB > 1) _tile_stored(1, c + 16, 128);
@@ -541,68 +569,81 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_block(const uint16_t* a0,
   if (MA > 1 && NB > 1) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-// rows x cols of c (row stride 32) rounded to bf16 into out (row stride ldo)
-__attribute__((target("avx512bf16"))) void store_bf16(const float* c, int rows, int cols, uint16_t* out, int64_t ldo) {
-  const __mmask16 lo = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-  const __mmask16 hi = static_cast<__mmask16>(cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (1u << (cols - 16)) - 1);
-  for (int r = 0; r < rows; ++r) {
-    const float* cr = c + r * 32;
-    uint16_t* o = out + r * ldo;
-    _mm256_mask_storeu_epi16(o, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cr)));
-    if (hi) _mm256_mask_storeu_epi16(o + 16, hi, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(cr + 16)));
-  }
-}
-
 using GemmBlock = void (*)(const uint16_t*, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
-                          bool, float*, PanelDequant&, int64_t);
+                          bool, float*, VectorWork&, int64_t);
 
-// out [M, out_features] bf16 = a [M, kp] x the packed weight, a: bf16 rows (zero past the inputs); the rows past
-// the last multiple of 16 come from `tail` [16, kp] (zero past M; null where M is a multiple of 16)
-void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
-                   const uint16_t* mp, bool u4, int64_t tiles, int64_t nblocks, int64_t out_features, uint16_t* out) {
+// Output tiles [first, first + count) of out [M, out_features] bf16 = a [M, kp] x the packed weight, on the calling
+// thread, panel by panel: a lead panel of about a quarter of the others (its dequantization is the only one that
+// no tile products hide: per B tile the products of 512 rows take ~4x its dequantization), then panels of equal
+// size, at most BF16_PANEL_BYTES / 2 of B tiles each; a: bf16 rows (zero past the inputs), the rows past the last
+// multiple of 16 from `tail` [16, kp] (zero past M; null where M is a multiple of 16)
+void amx_bf16_tiles(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
+                    const uint16_t* mp, bool u4, int64_t first, int64_t count, int64_t nblocks, int64_t out_features,
+                    uint16_t* out) {
   const int64_t kp = nblocks * QK, tile_elems = nblocks * B_TILE;
-  const int64_t pt = std::max<int64_t>(2, std::min<int64_t>(PANEL_TILES_MAX, BF16_PANEL_BYTES / (2 * tile_elems)) & ~int64_t(1));
-  const int64_t panels = (tiles + pt - 1) / pt;
+  const int64_t pt_max = std::max<int64_t>(2, std::min<int64_t>(PANEL_TILES_MAX, BF16_PANEL_BYTES / (2 * tile_elems)) & ~int64_t(1));
+  const int64_t lead = std::min(count, std::max<int64_t>(2, (std::min(pt_max, count) / 4 + 1) & ~int64_t(1)));
+  const int64_t rest = count - lead, rest_panels = (rest + pt_max - 1) / pt_max;
+  // the other panels alike, of an even size
+  const int64_t pt = rest ? std::min(pt_max, ((rest + rest_panels - 1) / rest_panels + 1) & ~int64_t(1)) : lead;
+  const int64_t panels = 1 + (rest + pt - 1) / pt, most = std::max(lead, pt);
+  const auto panel_start = [&](int64_t i) { return i == 0 ? first : first + lead + (i - 1) * pt; };
+  const auto panel_tiles = [&](int64_t i) { return i == 0 ? lead : std::min(pt, first + count - panel_start(i)); };
   const int64_t chunks = (nblocks + K_CHUNK - 1) / K_CHUNK, kc = (nblocks + chunks - 1) / chunks;
   const int64_t m_blocks = (M + 31) / 32;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    uint16_t* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * pt * tile_elems * 2));  // two panels
-    float* cbuf = static_cast<float*>(std::aligned_alloc(64, pt / 2 * 32 * 32 * sizeof(float)));
-    amx_bf16_config();
-    PanelDequant next{cp, dp, mp, u4, nblocks};
-    next.start(begin * pt, std::min(pt, tiles - begin * pt), bufs);
-    next.advance(next.total);
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t t0 = panel * pt, nt = std::min(pt, tiles - t0);
-      const uint16_t* bbuf = next.buf;
-      uint16_t* other = bbuf == bufs ? bufs + pt * tile_elems : bufs;
-      next.start((panel + 1) * pt, panel + 1 < end ? std::min(pt, tiles - (panel + 1) * pt) : 0, other);
-      const int64_t per_call = (next.total + m_blocks * chunks * ((nt + 1) / 2) - 1) / (m_blocks * chunks * ((nt + 1) / 2));
-      for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
-        const uint16_t* a0 = m0 + 16 <= M ? a + m0 * kp : tail;
-        const uint16_t* a1 = m0 + 32 <= M ? a0 + 16 * kp : tail;
-        const GemmBlock two_b = rows > 16 ? gemm_block<2, 2> : gemm_block<1, 2>;
-        const GemmBlock one_b = rows > 16 ? gemm_block<2, 1> : gemm_block<1, 1>;
-        for (int64_t k0 = 0; k0 < nblocks; k0 += kc) {  // K in chunks: the A rows' chunk stays in L1 over the panel
-          const int64_t k1 = std::min(nblocks, k0 + kc);
-          for (int64_t t = 0; t < nt; t += 2) {
-            float* c = cbuf + t / 2 * 32 * 32;
-            (t + 1 < nt ? two_b : one_b)(a0, a1, kp, bbuf + t * tile_elems, tile_elems, k0, k1, k0 == 0, c, next,
-                                         per_call);
-            if (k1 == nblocks) {
-              const int64_t n0 = (t0 + t) * ROWS;
-              store_bf16(c, rows, static_cast<int>(std::min<int64_t>(32, out_features - n0)), out + m0 * out_features + n0,
-                         out_features);
-            }
+  uint16_t* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * most * tile_elems * 2));  // two panels
+  float* cbuf = static_cast<float*>(std::aligned_alloc(64, (most + 1) / 2 * 32 * 32 * sizeof(float)));
+  amx_bf16_config();
+  VectorWork next{cp, dp, mp, u4, nblocks};
+  next.start(first, lead, bufs);
+  next.advance(next.total);
+  for (int64_t panel = 0; panel < panels; ++panel) {
+    const int64_t t0 = panel_start(panel), nt = panel_tiles(panel);
+    const uint16_t* bbuf = next.buf;
+    uint16_t* other = bbuf == bufs ? bufs + most * tile_elems : bufs;
+    next.start(t0 + nt, panel + 1 < panels ? panel_tiles(panel + 1) : 0, other);
+    const int64_t per_call = (next.total + m_blocks * chunks * ((nt + 1) / 2) - 1) / (m_blocks * chunks * ((nt + 1) / 2));
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+      const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
+      const uint16_t* a0 = m0 + 16 <= M ? a + m0 * kp : tail;
+      const uint16_t* a1 = m0 + 32 <= M ? a0 + 16 * kp : tail;
+      const GemmBlock two_b = rows > 16 ? gemm_block<2, 2> : gemm_block<1, 2>;
+      const GemmBlock one_b = rows > 16 ? gemm_block<2, 1> : gemm_block<1, 1>;
+      for (int64_t k0 = 0; k0 < nblocks; k0 += kc) {  // K in chunks: the A rows' chunk stays in L1 over the panel
+        const int64_t k1 = std::min(nblocks, k0 + kc);
+        for (int64_t t = 0; t < nt; t += 2) {
+          float* c = cbuf + t / 2 * 32 * 32;
+          (t + 1 < nt ? two_b : one_b)(a0, a1, kp, bbuf + t * tile_elems, tile_elems, k0, k1, k0 == 0, c, next,
+                                       per_call);
+          if (k1 == nblocks) {
+            const int64_t n0 = (t0 + t) * ROWS;
+            next.defer_store(c, rows, static_cast<int>(std::min<int64_t>(32, out_features - n0)),
+                             out + m0 * out_features + n0, out_features);
           }
         }
       }
-      next.advance(next.total);
     }
-    amx_release();
-    std::free(cbuf);
-    std::free(bufs);
+    next.advance(next.total);
+  }
+  next.flush_store();
+  amx_release();
+  std::free(cbuf);
+  std::free(bufs);
+}
+
+// out [M, out_features] bf16 = a [M, kp] x the packed weight (a, tail as amx_bf16_tiles). Threads: the output tiles
+// split into one contiguous share per thread, equal to within a pair of tiles, so that every thread gets the same
+// work and dequantizes only its own tiles (a split over panels of up to 28 tiles left one of two threads 4 of
+// qkv's 60)
+void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
+                   const uint16_t* mp, bool u4, int64_t tiles, int64_t nblocks, int64_t out_features, uint16_t* out) {
+  const int64_t pairs = (tiles + 1) / 2;
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
+  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t first = 2 * (pairs * s / shares), last = std::min(tiles, 2 * (pairs * (s + 1) / shares));
+      amx_bf16_tiles(a, tail, M, cp, dp, mp, u4, first, last - first, nblocks, out_features, out);
+    }
   });
 }
 #endif
