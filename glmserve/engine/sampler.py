@@ -83,7 +83,8 @@ def apply_truncation(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
 def first_max(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first of equal maxima, as torch.max documents it): on CPU float32 rows the kernels'
     `first_max` (one vectorized pass per row, 3x faster than torch.max on a [32, 49152] batch of logits:
-    bench/RESULTS.md, "Decode step around the linears"), else torch.max over the last dim (3x faster than argmax on CPU)."""
+    bench/RESULTS.md, "Decode step around the linears"), else torch.max over the last dim (3x faster than argmax
+    on CPU)."""
     kernel = kernels.op("first_max", x.device, x.dtype)
     if kernel is not None and x.dim() == 2 and x.shape[1] > 0 and x.stride(-1) == 1:
         return kernel(x)
