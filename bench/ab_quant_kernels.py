@@ -55,9 +55,9 @@ def build_a(source: Path):
                 build_directory=str(directory))
 
 
-def cpu_and_wall(fn, *args) -> tuple[float, float]:
-    """Seconds per call of fn(*args) in a loop of ~5 ms: (the calling thread's CPU time, wall time)."""
-    calls = max(1, int(0.005 / seconds_per_call(fn, *args, repeats=1)))
+def cpu_and_wall(fn, *args, seconds: float = 0.005) -> tuple[float, float]:
+    """Seconds per call of fn(*args) in a loop of about `seconds`: (the calling thread's CPU time, wall time)."""
+    calls = max(1, int(seconds / seconds_per_call(fn, *args, repeats=1)))
     start, cpu = time.perf_counter(), time.thread_time()
     for _ in range(calls):
         fn(*args)

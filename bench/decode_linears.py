@@ -18,32 +18,24 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from ab_quant_kernels import CPU, FORMATS, cpu_and_wall
 from bench_quant_kernels import SHAPES
 
 from glmserve.engine.sampler import first_max
 from glmserve.kernels.build import load
 from glmserve.quant.cpu_backend import CpuBlockBackend
 from glmserve.quant.quantize import quantize
-from glmserve.quant.spec import QuantSpec
 
-CPU = torch.device("cpu")
-Q4_1 = QuantSpec(4, symmetric=False, strategy="group", group_size=32)
-Q8_0 = QuantSpec(8, strategy="group", group_size=32)
+Q4_1, Q8_0 = FORMATS["Q4_1-like"], FORMATS["Q8_0-like"]
 
 
 def cpu_us(fn: Callable[[], object]) -> float:
     """Microseconds of the calling thread's CPU time per call of fn, over a loop of ~30 ms."""
-    fn()
-    start, cpu, calls = time.perf_counter(), time.thread_time(), 0
-    while time.perf_counter() - start < 0.03:
-        fn()
-        calls += 1
-    return (time.thread_time() - cpu) / calls * 1e6
+    return cpu_and_wall(fn, seconds=0.03)[0] * 1e6
 
 
 def calls(kernel, backend: CpuBlockBackend, p, x: torch.Tensor, lm_head: bool) -> dict[str, Callable[[], object]]:
