@@ -10,6 +10,6 @@ time (setup).
 """
 
 from glmserve.kernels.dispatch import OPS, op, pinned, torch_only
-from glmserve.kernels.isa import active_isa, amx_bf16, available_isas
+from glmserve.kernels.isa import active_isa, amx_bf16, available_isas, avx512_bf16
 
-__all__ = ["OPS", "active_isa", "amx_bf16", "available_isas", "op", "pinned", "torch_only"]
+__all__ = ["OPS", "active_isa", "amx_bf16", "available_isas", "avx512_bf16", "op", "pinned", "torch_only"]

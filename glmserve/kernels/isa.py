@@ -65,6 +65,13 @@ def amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags() and active_isa() == "avx512"
 
 
+def avx512_bf16() -> bool:
+    """True on a CPU with AVX512-BF16 (vdpbf16ps: bf16 pairs dotted into float32 lanes) while the avx512 variant is
+    active: AMD Zen 4 and later, Intel Cooper Lake and Sapphire Rapids on. Kernels that use it compile those
+    functions with a target attribute (the avx512 variant's flags do not include it) and check this at run time."""
+    return "avx512_bf16" in cpu_flags() and active_isa() == "avx512"
+
+
 @functools.cache
 def _checked(name: str) -> str:
     if name not in BY_NAME:
