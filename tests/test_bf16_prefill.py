@@ -22,7 +22,7 @@ from glmserve.layers.attention import (
 from glmserve.layers.linear import BF16_ACTIVATIONS_ENV, QuantizedLinear, bf16_between
 from glmserve.layers.param_loading import Shard
 from glmserve.models.llama import GatedMLP
-from glmserve.quant.cpu_backend import DENSE_MIN_ROWS
+from glmserve.quant.cpu_backend import AMX_GEMM_ENV, DENSE_MIN_ROWS
 from glmserve.quant.schemes import scheme
 
 HEADS, KV_HEADS, DIM, NULL = 9, 3, 64, 16  # SmolLM2-135M's attention; slots below NULL are never written
@@ -120,6 +120,8 @@ def quantized_mlp(hidden: int, inter: int, gen: torch.Generator) -> GatedMLP:
 def test_mlp_keeps_bf16_between_its_gemms_only_where_both_run_bf16(amx, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     amx(True)  # read when the weights are prepared (quant/cpu_backend.py dense_path_for)
+    if not kernels.isa.amx_bf16():  # the real CPU: without AMX tiles the dense path runs oneDNN's bf16 F.linear
+        monkeypatch.setenv(AMX_GEMM_ENV, "0")
     mlp = quantized_mlp(128, 320, gen)
     x = torch.randn(DENSE_MIN_ROWS + 5, 128, generator=gen)
     assert bf16_between(x, mlp.gate_up_proj, mlp.down_proj)
