@@ -2,8 +2,10 @@
 // CPU has AMX-BF16 (Intel Sapphire Rapids on), else with AVX512-BF16's vdpbf16ps (AMD Zen 4 on, Intel Cooper Lake).
 //
 //   prefill_attention(q [T, Hq, D] bf16, k [B, L, Hk, D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64,
-//                     scale, out_bf16) -> out [T, Hq, D] bf16 (out_bf16) or float32
+//                     scale, out_bf16, engine = "") -> out [T, Hq, D] bf16 (out_bf16) or float32
 //   prefill_attention_available() -> bool: this build and CPU run it (AMX tiles granted by Linux, or AVX512-BF16)
+//   prefill_attention_engines() -> [str]: the engines they run it on, best first ("amx", "avx512_bf16"); `engine`
+//     picks one ("": the best)
 //
 // Rows b = 0..B-1 hold q_lens[b] queries each, one after the other in q; row b's keys are the first kv_lens[b]
 // of k[b] / v[b] (q_lens[b] <= kv_lens[b] <= L), and its query i sits at position kv_lens[b] - q_lens[b] + i and
@@ -49,6 +51,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "amx.h"
@@ -462,7 +465,7 @@ void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, 
 }
 
 at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* ql, const int64_t* kl,
-               double scale, bool out_bf16) {
+               double scale, bool out_bf16, bool tiles) {
   const int64_t B = k.size(0), Hk = k.size(2), D = q.size(2), Hq = q.size(1), T = q.size(0);
   std::vector<int64_t> q_start(B), pad_start(B);
   int64_t tokens = 0, keys = 0;
@@ -502,7 +505,6 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     order.push_back(items[lo++]);
     if (lo < hi) order.push_back(items[--hi]);
   }
-  const bool tiles = glmserve::amx_bf16_permitted();
   at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w(p);
     if (tiles)
@@ -514,21 +516,30 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 }
 #endif
 
-bool prefill_attention_available() {
+// The engines this build and CPU run, best first: "amx" (tiles granted by Linux), "avx512_bf16"
+std::vector<std::string> prefill_attention_engines() {
+  std::vector<std::string> engines;
 #ifdef GLMSERVE_HAS_AMX
-  return glmserve::amx_bf16_permitted() || avx512_bf16_present();
-#else
-  return false;
+  if (glmserve::amx_bf16_permitted()) engines.emplace_back("amx");
+  if (avx512_bf16_present()) engines.emplace_back("avx512_bf16");
 #endif
+  return engines;
 }
 
+bool prefill_attention_available() { return !prefill_attention_engines().empty(); }
+
+// engine: "" for the best one, else one of prefill_attention_engines() (tests run each)
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_lens,
-                             const at::Tensor& kv_lens, double scale, bool out_bf16) {
+                             const at::Tensor& kv_lens, double scale, bool out_bf16, const std::string& engine) {
   check_inputs(q, k, v, q_lens, kv_lens);
-  TORCH_CHECK(prefill_attention_available(),
+  const std::vector<std::string> engines = prefill_attention_engines();
+  TORCH_CHECK(!engines.empty(),
               "prefill_attention: needs the avx512 build on a CPU with AVX512-BF16 (or AMX-BF16 tiles granted by Linux)");
+  const std::string chosen = engine.empty() ? engines[0] : engine;
+  TORCH_CHECK(std::find(engines.begin(), engines.end(), chosen) != engines.end(), "prefill_attention: engine '",
+              chosen, "' does not run here");
 #ifdef GLMSERVE_HAS_AMX
-  return run(q, k, v, q_lens.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), scale, out_bf16);
+  return run(q, k, v, q_lens.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), scale, out_bf16, chosen == "amx");
 #else
   return at::Tensor();
 #endif
@@ -538,7 +549,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention,
-        "causal prefill attention in bf16 on the AMX tiles or with AVX512-BF16 (CPU)");
+        "causal prefill attention in bf16 on the AMX tiles or with AVX512-BF16 (CPU)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"), py::arg("out_bf16"),
+        py::arg("engine") = "");
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether this build and CPU run prefill_attention");
+  m.def("prefill_attention_engines", &prefill_attention_engines,
+        "the engines this build and CPU run prefill_attention on, best first: amx, avx512_bf16");
 }
