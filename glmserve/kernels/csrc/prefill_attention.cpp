@@ -333,17 +333,24 @@ struct VectorBf16 {
   static void end() {}
   void start_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* q) { k = kp + kb * p.D, qt = q; }
 
-  // scores^T row r = sum over pairs c of (Q^T pair row c: 16 queries x 2 dims) . (key r's dims 2c, 2c + 1), 16 keys
-  // at a time in 16 accumulators
   BF16_TARGET void finish_scores(const Problem& p, float* s) const {
-    const int64_t pairs = p.D / 2;
+    if (p.D == 64)
+      scores<64>(s);
+    else
+      scores<128>(s);
+  }
+
+  // scores^T row r = sum over pairs c of (Q^T pair row c: 16 queries x 2 dims) . (key r's dims 2c, 2c + 1), 16 keys
+  // at a time in 16 accumulators (D a constant: the 16 keys' rows are one pointer and fixed offsets)
+  template <int D>
+  BF16_TARGET void scores(float* s) const {
     for (int64_t r0 = 0; r0 < KB; r0 += 16) {
       __m512 acc[16];
       for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-      const uint16_t* rows = k + r0 * p.D;
-      for (int64_t c = 0; c < pairs; ++c) {
+      const uint16_t* rows = k + r0 * D;
+      for (int c = 0; c < D / 2; ++c) {
         const __m512bh q = (__m512bh)_mm512_loadu_si512(qt + c * 2 * QB);
-        for (int r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], q, pair_everywhere(rows + r * p.D + 2 * c));
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], q, pair_everywhere(rows + r * D + 2 * c));
       }
       for (int r = 0; r < 16; ++r) _mm512_store_ps(s + (r0 + r) * QB, acc[r]);
     }
