@@ -318,8 +318,7 @@ struct AmxTiles {
   }
 };
 
-// 32 bits (a pair of bf16) at `at`, in every lane: vdpbf16ps's broadcast operand (the compiler folds it into
-// the instruction's {1to16} memory form)
+// 32 bits (a pair of bf16) at `at`, in every lane: vdpbf16ps's broadcast operand (one vpbroadcastd load, no ALU work)
 BF16_TARGET inline __m512bh pair_everywhere(const uint16_t* at) {
   int32_t bits;
   std::memcpy(&bits, at, 4);
