@@ -1,8 +1,9 @@
 """Prefill in bf16 on AMX CPUs: attention (layers/attention.py `prefill_compute_dtype`: which groups take it,
 its error against the float32 SDPA on the fresh causal and the gathered-context paths) and the MLP's
 activations between two bf16 GEMMs (layers/linear.py `bf16_between`, models/llama.py GatedMLP). The AMX
-check is monkeypatched, so these run on any CPU (bf16 SDPA and GEMMs run everywhere, only slower without
-AMX; the kernels' `dequantize_packed` is in every build)."""
+check is monkeypatched (and the AVX512-BF16 one set to False with it, but in the test of that rule), so these run
+on any CPU (bf16 SDPA and GEMMs run everywhere, only slower without AMX; the kernels' `dequantize_packed` is in
+every build)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from glmserve import kernels
+from glmserve.layers import attention
 from glmserve.layers.attention import (
     BF16_ATTENTION_ENV,
     BF16_MIN_TOKENS,
@@ -30,9 +32,10 @@ HEADS, KV_HEADS, DIM, NULL = 9, 3, 64, 16  # SmolLM2-135M's attention; slots bel
 
 @pytest.fixture
 def amx(monkeypatch):
-    """Sets whether the CPU counts as having AMX: returns a setter."""
+    """Sets whether the CPU counts as having AMX (and no AVX512-BF16 without it): returns a setter."""
     def set_amx(value: bool) -> None:
         monkeypatch.setattr(kernels, "amx_bf16", lambda: value)
+        monkeypatch.setattr(kernels, "avx512_bf16", lambda: False)
     return set_amx
 
 
@@ -46,6 +49,23 @@ def test_bf16_only_for_large_float32_cpu_groups_on_amx(amx, monkeypatch):
     assert prefill_compute_dtype(q, 4096) == torch.float32
     monkeypatch.delenv(BF16_ATTENTION_ENV)
     amx(False)  # AVX2-only or non-AMX CPUs keep float32
+    assert prefill_compute_dtype(q, 4096) == torch.float32
+
+
+def test_bf16_without_amx_only_where_our_kernel_runs(monkeypatch):
+    """On an AVX512-BF16 CPU without AMX torch's bf16 SDPA is no faster than float32
+    (bench/bench_prefill_attention.py), so a group takes bf16 only where our kernel runs its head dim."""
+    monkeypatch.setattr(kernels, "amx_bf16", lambda: False)
+    monkeypatch.setattr(kernels, "avx512_bf16", lambda: True)
+    monkeypatch.setattr(attention, "bf16_prefill_kernel", lambda head_dim: print if head_dim == DIM else None)
+    q = torch.zeros(4, HEADS, DIM)
+    assert prefill_compute_dtype(q, BF16_MIN_TOKENS) == torch.bfloat16
+    assert prefill_compute_dtype(q, BF16_MIN_TOKENS - 1) == torch.float32
+    assert prefill_compute_dtype(torch.zeros(4, HEADS, 96), 4096) == torch.float32  # a head dim it does not take
+    monkeypatch.setenv(BF16_ATTENTION_ENV, "0")
+    assert prefill_compute_dtype(q, 4096) == torch.float32
+    monkeypatch.delenv(BF16_ATTENTION_ENV)
+    monkeypatch.setattr(attention, "bf16_prefill_kernel", lambda head_dim: None)  # GLMSERVE_AMX_ATTENTION=0
     assert prefill_compute_dtype(q, 4096) == torch.float32
 
 

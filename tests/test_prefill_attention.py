@@ -1,8 +1,9 @@
-"""Our causal prefill attention on AMX bf16 tiles (kernels op `prefill_attention`, csrc/prefill_attention.cpp)
-against a float32 SDPA with an explicit causal mask at the queries' offset, on the same bf16-rounded inputs; the
-layer's use of it (layers/attention.py) against torch's bf16 SDPA, which it replaces; and the variants without
-AMX (avx2, scalar), which report it unavailable so that the layer keeps SDPA. The kernel tests skip on CPUs
-without AMX-BF16."""
+"""Our causal prefill attention in bf16 (kernels op `prefill_attention`, csrc/prefill_attention.cpp), on each
+engine this CPU runs (AMX tiles, AVX512-BF16's vdpbf16ps), against a float32 SDPA with an explicit causal mask at
+the queries' offset, on the same bf16-rounded inputs; the layer's use of it (layers/attention.py) against torch's
+bf16 SDPA, which it replaces; and the variants without AVX-512 (avx2, scalar), which report it unavailable so that
+the layer keeps SDPA. The kernel tests skip on CPUs with neither AMX-BF16 nor AVX512-BF16, each engine's where the
+CPU lacks it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from glmserve.layers.attention import (
     AttentionMetadata,
     GroupMetadata,
     PagedAttention,
-    amx_prefill_kernel,
+    bf16_prefill_kernel,
 )
 
 CPU = torch.device("cpu")
@@ -29,7 +30,19 @@ def available() -> bool:
     return probe is not None and probe()
 
 
-needs_amx = pytest.mark.skipif(not available(), reason="no AMX-BF16 tiles (or no avx512 build) on this CPU")
+def engines() -> list[str]:
+    probe = kernels.op("prefill_attention_engines", CPU, torch.bfloat16)
+    return [] if probe is None else probe()
+
+
+needs_kernel = pytest.mark.skipif(not available(), reason="neither AMX-BF16 nor AVX512-BF16 (or no avx512 build)")
+ENGINES = ["amx", "avx512_bf16"]
+
+
+def engine_or_skip(engine: str) -> str:
+    if engine not in engines():
+        pytest.skip(f"this CPU (or build) does not run the {engine} engine")
+    return engine
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -54,19 +67,20 @@ def relative(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-@needs_amx
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["gqa-9-3", "mha-4-4"])
 @pytest.mark.parametrize("t", [1, 15, 16, 17, 100, 512])
 @pytest.mark.parametrize("cached", [0, 37, 300])
 @pytest.mark.parametrize("d", [64, 128])
-def test_kernel_matches_float32_reference(heads, t, cached, d):
+def test_kernel_matches_float32_reference(engine, heads, t, cached, d):
+    engine_or_skip(engine)
     hq, hk = heads
     q, k, v = inputs(t, t + cached, hq, hk, d)
     kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
     lens, keys = torch.tensor([t]), torch.tensor([t + cached])
     ref = reference(q, k, v)
-    out32 = kernel(q, k[None], v[None], lens, keys, d**-0.5, False)
-    out16 = kernel(q, k[None], v[None], lens, keys, d**-0.5, True)
+    out32 = kernel(q, k[None], v[None], lens, keys, d**-0.5, False, engine)
+    out16 = kernel(q, k[None], v[None], lens, keys, d**-0.5, True, engine)
     assert out32.dtype == torch.float32 and out16.dtype == torch.bfloat16 and out32.shape == ref.shape
     # inputs are exact in bf16 on both sides; the kernel rounds the softmax weights P to bf16 for P x V (2^-9
     # relative each, ~1e-3 on the output, as torch's bf16 flash kernel does), and out16 the output once more
@@ -75,10 +89,11 @@ def test_kernel_matches_float32_reference(heads, t, cached, d):
     assert (out32 - ref).abs().max().item() < 2e-2
 
 
-@needs_amx
-def test_rows_of_one_batch_match_each_row_alone():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rows_of_one_batch_match_each_row_alone(engine):
     """Two rows (a fresh prompt and a chunk over cached keys) in one call, keys padded to a common length in
     strided (head-major, as the layer gathers them) tensors: each row as the reference for it alone."""
+    engine_or_skip(engine)
     kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
     rows = [(70, 70), (33, 140)]  # (queries, keys)
     parts = [inputs(t, s, 9, 3, 64, seed=i) for i, (t, s) in enumerate(rows)]
@@ -90,29 +105,30 @@ def test_rows_of_one_batch_match_each_row_alone():
         v[:, b, :vb.shape[0]] = vb.transpose(0, 1)
     q = torch.cat([p[0] for p in parts])
     out = kernel(q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), torch.tensor([t for t, _ in rows]),
-                 torch.tensor([s for _, s in rows]), 0.125, False)
+                 torch.tensor([s for _, s in rows]), 0.125, False, engine)
     assert relative(out[:70], reference(*parts[0])) < 3e-3
     assert relative(out[70:], reference(*parts[1])) < 3e-3
 
 
-@needs_amx
-def test_threads_split_the_work_without_changing_the_result():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_threads_split_the_work_without_changing_the_result(engine):
     """Work items (KV head, 32 queries) go to at::parallel_for's threads; each is computed alone, so any split
     gives the same bits."""
+    engine_or_skip(engine)
     kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
     q, k, v = inputs(300, 300, 9, 3, 64)
     lens = torch.tensor([300])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel(q, k[None], v[None], lens, lens, 0.125, False)
+        one = kernel(q, k[None], v[None], lens, lens, 0.125, False, engine)
         torch.set_num_threads(3)
-        assert torch.equal(kernel(q, k[None], v[None], lens, lens, 0.125, False), one)
+        assert torch.equal(kernel(q, k[None], v[None], lens, lens, 0.125, False, engine), one)
     finally:
         torch.set_num_threads(threads)
 
 
-@needs_amx
+@needs_kernel
 def test_bad_input_is_a_clear_error():
     kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
     q, k, v = inputs(8, 8, 9, 3, 64)
@@ -130,32 +146,43 @@ def test_bad_input_is_a_clear_error():
             kernel(q_d, k_d[None], v_d[None], lens, lens, 0.125, False)
     with pytest.raises(RuntimeError, match="not a multiple"):
         kernel(q[:, :8], k[None], v[None], lens, lens, 0.125, False)
+    with pytest.raises(RuntimeError, match="engine 'tpu' does not run here"):
+        kernel(q, k[None], v[None], lens, lens, 0.125, False, "tpu")
+
+
+def test_engines_follow_the_cpu():
+    """AMX only where Linux grants the tiles (the CPU has AMX-BF16), the vector engine wherever AVX512-BF16 is in the
+    avx512 build's CPU (every AMX CPU has it too)."""
+    found = engines()
+    assert ("avx512_bf16" in found) == kernels.avx512_bf16()
+    assert set(found) <= {"amx", "avx512_bf16"} and (found == ["amx", "avx512_bf16"] or "amx" not in found)
+    assert available() == bool(found)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
 def test_variants_without_amx_report_it_unavailable(isa):
     """The layer asks `prefill_attention_available` and keeps SDPA where it says no: the avx2 and scalar builds
-    (AMD EPYC, GLMSERVE_CPU_ISA=avx2) always do, and their op refuses to run."""
+    (AMD EPYC without AVX-512, GLMSERVE_CPU_ISA=avx2) always do, and their op refuses to run."""
     if isa not in kernels.available_isas():
         pytest.skip(f"this CPU does not run the {isa} variant")
     module = build.load("prefill_attention", isa)
     if module is None:
         pytest.skip(f"the {isa} variant could not be built here")
-    assert module.prefill_attention_available() is False
+    assert module.prefill_attention_available() is False and module.prefill_attention_engines() == []
     q, k, v = inputs(4, 4, 2, 2, 64)
     with pytest.raises(RuntimeError, match="AMX"):
         module.prefill_attention(q, k[None], v[None], torch.tensor([4]), torch.tensor([4]), 0.125, False)
 
 
 def test_the_layer_takes_the_kernel_only_where_it_runs(monkeypatch):
-    assert all(amx_prefill_kernel(d) is None for d in (32, 48, 96, 192))
+    assert all(bf16_prefill_kernel(d) is None for d in (32, 48, 96, 192))
     monkeypatch.setenv(AMX_ATTENTION_ENV, "0")
-    assert amx_prefill_kernel(64) is None
+    assert bf16_prefill_kernel(64) is None
     monkeypatch.delenv(AMX_ATTENTION_ENV)
-    assert (amx_prefill_kernel(64) is not None) == available()
+    assert (bf16_prefill_kernel(64) is not None) == available()
     monkeypatch.setenv("GLMSERVE_CPU_ISA", "avx2")  # as on a CPU without AVX-512
     if "avx2" in kernels.available_isas() and build.load("prefill_attention", "avx2") is not None:
-        assert amx_prefill_kernel(64) is None
+        assert bf16_prefill_kernel(64) is None
 
 
 HEADS, KV_HEADS, DIM, NULL = 9, 3, 64, 16
@@ -184,7 +211,7 @@ def layer_output(monkeypatch, kernel_on: bool, context: int, t: int) -> torch.Te
     return attn(q, k, v, meta)
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize("context", [0, 300], ids=["fresh-causal", "cached-context"])
 def test_layer_on_the_kernel_matches_bf16_sdpa(monkeypatch, context):
     monkeypatch.setattr(kernels, "amx_bf16", lambda: True)
@@ -213,7 +240,7 @@ def bf16_stream_step(t: int, pool_dtype: torch.dtype, inputs_dtype: torch.dtype)
     return takes, attn(q, k, v, meta, torch.bfloat16), attn.kv_cache, attn.indexers["block"].bounds
 
 
-@needs_amx
+@needs_kernel
 def test_bf16_qkv_stream_changes_nothing_where_the_layer_takes_it(monkeypatch):
     """`takes_bf16` (models/llama.py keeps the qkv projection's bf16 output): on a bf16 pool with our kernel, q, k,
     v in bf16 give bit for bit the output, pool and block bounds that the same values in float32 give; it says no

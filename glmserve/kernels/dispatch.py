@@ -37,9 +37,11 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                tables, in float32 (bf16 x: rounded once)
   silu_and_mul(x [T,2I] f32 or bf16) -> [T,I]: SwiGLU's silu(gate) * up, rounded once (also for bf16 tensors)
   prefill_attention(q [T,Hq,D] bf16, k [B,L,Hk,D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64, scale,
-               out_bf16) -> [T,Hq,D] bf16 or f32: causal attention of rows of q_lens queries packed in q, each at the
-               end of its kv_lens keys, on the AMX bf16 tiles (bf16 tensors only)
-  prefill_attention_available() -> bool: whether this variant and CPU run prefill_attention (avx512 with AMX)
+               out_bf16, engine="") -> [T,Hq,D] bf16 or f32: causal attention of rows of q_lens queries packed in q,
+               each at the end of its kv_lens keys, on the AMX bf16 tiles or with AVX512-BF16 (bf16 tensors only)
+  prefill_attention_available() -> bool: whether this variant and CPU run prefill_attention (avx512 with AMX or
+               AVX512-BF16)
+  prefill_attention_engines() -> [str]: the engines they run it on, best first ("amx", "avx512_bf16")
   first_max(x [S,V] f32, contiguous rows) -> [S] i64: each row's index of its maximum, the first of equal maxima
                (a NaN first): torch.max(x, -1).indices in one vectorized pass per row (sampling's greedy pick)
 """
@@ -77,6 +79,7 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "silu_and_mul": "prefill_ops",
     "prefill_attention": "prefill_attention",
     "prefill_attention_available": "prefill_attention",
+    "prefill_attention_engines": "prefill_attention",
     "first_max": "sampling",
 }
 DTYPES = (torch.float32,)  # every op's query / score dtype, unless OP_DTYPES says otherwise
@@ -87,6 +90,7 @@ OP_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "silu_and_mul": (torch.float32, torch.bfloat16),
     "prefill_attention": (torch.bfloat16,),
     "prefill_attention_available": (torch.bfloat16,),
+    "prefill_attention_engines": (torch.bfloat16,),
 }
 
 

@@ -13,13 +13,15 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    read the stored rows); a chunk after cached context attends to
    its gathered context under a mask; several rows run one attention each (`GroupMetadata.rows`: padding
    them to one grid would multiply the work by their length spread; each reads its K/V as stored, fresh
-   rows too), padded only where rows have offloaded KV. On AMX CPUs a float32 prefill group of
-   `BF16_MIN_TOKENS` tokens or more runs on bf16 q/k/v with float32 accumulation inside the kernel (as
-   vLLM-CPU's bf16 attention does); the stored K/V stay in the pool's format and the output returns in
-   float32, or bf16 where the caller asks (`prefill_compute_dtype`; GLMSERVE_BF16_ATTENTION=0 turns it off).
-   There the causal prefill of a row (fresh, or a chunk over cached context with no offloaded keys) runs our
-   AMX kernel (csrc/prefill_attention.cpp) instead of torch's SDPA, reading the gathered keys in place of a
-   mask (GLMSERVE_AMX_ATTENTION=0: SDPA).
+   rows too), padded only where rows have offloaded KV. On AMX CPUs, and on AVX512-BF16 CPUs
+   without AMX where our kernel runs, a float32 prefill group of `BF16_MIN_TOKENS` tokens or more runs on bf16
+   q/k/v with float32 accumulation inside the kernel (as vLLM-CPU's bf16 attention does); the stored K/V stay in
+   the pool's format and the output returns in float32, or bf16 where the caller asks (`prefill_compute_dtype`;
+   GLMSERVE_BF16_ATTENTION=0 turns it off). There the causal prefill of a row (fresh, or a chunk over cached
+   context with no offloaded keys) runs our bf16 kernel (csrc/prefill_attention.cpp: AMX tiles, or vdpbf16ps
+   without them) instead of torch's SDPA, reading the gathered keys in place of a mask (GLMSERVE_AMX_ATTENTION=0:
+   SDPA; on CPUs without AMX then float32 SDPA, as torch's bf16 SDPA is no faster there:
+   bench/bench_prefill_attention.py).
 
 Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
@@ -49,28 +51,33 @@ from glmserve.sparse.pinning import QuestionObservation
 from glmserve.sparse.selection import SparseRows, select_slots
 
 BF16_ATTENTION_ENV = "GLMSERVE_BF16_ATTENTION"  # "0": prefill attention stays float32 on AMX CPUs too
-BF16_MIN_TOKENS = 128  # prefill groups from this size take bf16 SDPA on AMX (quant/cpu_backend.py DENSE_MIN_ROWS)
-AMX_ATTENTION_ENV = "GLMSERVE_AMX_ATTENTION"  # "0": bf16 prefill attention runs torch's SDPA, not our AMX kernel
+BF16_MIN_TOKENS = 128  # prefill groups from this size take bf16 attention (quant/cpu_backend.py DENSE_MIN_ROWS)
+AMX_ATTENTION_ENV = "GLMSERVE_AMX_ATTENTION"  # "0": bf16 prefill attention runs torch's SDPA, not our bf16 kernel
 
 
-def bf16_prefill(num_tokens: int) -> bool:
+def bf16_prefill(num_tokens: int, head_dim: int) -> bool:
     """Whether a CPU prefill group of `num_tokens` tokens runs its attention in bf16: at least BF16_MIN_TOKENS
-    tokens on a CPU with AMX (kernels.amx_bf16), unless GLMSERVE_BF16_ATTENTION=0."""
-    return num_tokens >= BF16_MIN_TOKENS and os.environ.get(BF16_ATTENTION_ENV) != "0" and kernels.amx_bf16()
+    tokens on a CPU with AMX (kernels.amx_bf16), or with AVX512-BF16 (kernels.avx512_bf16) where our kernel takes
+    `head_dim` (without it torch's bf16 SDPA is no faster than float32 there), unless GLMSERVE_BF16_ATTENTION=0."""
+    if num_tokens < BF16_MIN_TOKENS or os.environ.get(BF16_ATTENTION_ENV) == "0":
+        return False
+    return kernels.amx_bf16() or (kernels.avx512_bf16() and bf16_prefill_kernel(head_dim) is not None)
 
 
 def prefill_compute_dtype(q: torch.Tensor, num_tokens: int) -> torch.dtype:
-    """The dtype a prefill group's SDPA runs in: bfloat16 for float32 CPU queries where `bf16_prefill`; else
-    q's own. Rounding q, k, v to bf16 gives ~3e-3 relative error of the output (tests/test_bf16_attention.py);
-    the scores and softmax are accumulated in float32 by torch's CPU flash kernel."""
-    if q.dtype != torch.float32 or q.device.type != "cpu" or not bf16_prefill(num_tokens):
+    """The dtype a prefill group's attention runs in: bfloat16 for float32 CPU queries q [T, H, D] where
+    `bf16_prefill`; else q's own. Rounding q, k, v to bf16 gives ~3e-3 relative error of the output
+    (tests/test_bf16_prefill.py); the scores and softmax are accumulated in float32 by our kernel and by torch's
+    CPU flash kernel."""
+    if q.dtype != torch.float32 or q.device.type != "cpu" or not bf16_prefill(num_tokens, q.shape[-1]):
         return q.dtype
     return torch.bfloat16
 
 
-def amx_prefill_kernel(head_dim: int) -> Callable | None:
-    """Our causal prefill attention on AMX bf16 tiles (kernels op `prefill_attention`) where this CPU and build
-    run it and the head dim is 64 or 128, unless GLMSERVE_AMX_ATTENTION=0; else None."""
+def bf16_prefill_kernel(head_dim: int) -> Callable | None:
+    """Our causal prefill attention in bf16 (kernels op `prefill_attention`: AMX tiles, or AVX512-BF16's
+    vdpbf16ps) where this CPU and build run it and the head dim is 64 or 128, unless GLMSERVE_AMX_ATTENTION=0;
+    else None."""
     if os.environ.get(AMX_ATTENTION_ENV) == "0" or head_dim not in (64, 128):
         return None
     cpu = torch.device("cpu")
@@ -152,14 +159,15 @@ class PagedAttention:
 
     def takes_bf16(self, meta: AttentionMetadata) -> bool:
         """True where this step's q, k, v may come in bf16 and change nothing: prefill rows only, none with
-        offloaded chunks, attention on our AMX kernel (which rounds q, k, v to bf16 anyway) and a bf16 pool (the
+        offloaded chunks, attention on our bf16 kernel (which rounds q, k, v to bf16 anyway) and a bf16 pool (the
         KV write rounds k, v to bf16 too). Then a bf16 qkv projection output is never widened to float32: rope
         (in float32, rounded once), the KV write, the sparse scorers and the kernel read it as it is."""
         g, cache = meta.prefill, self.kv_cache
         return (meta.decode is None and g is not None and g.offloaded is None and cache is not None
-                and cache.dtype == torch.bfloat16 and cache.device.type == "cpu" and bf16_prefill(g.num_tokens)
+                and cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
+                and bf16_prefill(g.num_tokens, self.head_dim)
                 and (g.rows is not None or g.fresh_causal or g.query_lens is not None)
-                and amx_prefill_kernel(self.head_dim) is not None)
+                and bf16_prefill_kernel(self.head_dim) is not None)
 
     def select(self, q: torch.Tensor, g: GroupMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode queries q [B, H, D] -> (slots [B, L_sel], lengths [B]) each row attends to."""
@@ -203,13 +211,13 @@ class PagedAttention:
 
     def _prefill_rows(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, g: GroupMetadata,
                       dtype: torch.dtype) -> torch.Tensor:
-        """The attention of a group whose rows are padded to one [B, Q] grid (one row: no padding), or on AMX
+        """The attention of a group whose rows are padded to one [B, Q] grid (one row: no padding), or in bf16
         our kernel over the rows' own lengths; the new K/V `k`, `v` are read only by a fresh row
         (`fresh_causal`), the others gather theirs from the pool."""
         if dtype == torch.bfloat16 and (g.fresh_causal or g.query_lens is not None):
-            kernel = amx_prefill_kernel(self.head_dim)
+            kernel = bf16_prefill_kernel(self.head_dim)
             if kernel is not None:
-                return self._prefill_amx(kernel, q, k, v, g)
+                return self._prefill_bf16(kernel, q, k, v, g)
         if g.fresh_causal:
             fmt = format_of(self.kv_cache)
             if not fmt.quantized:  # the K/V values as stored, as every later read (decode, prefix hits) sees them
@@ -233,9 +241,9 @@ class PagedAttention:
         out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)
         return out[g.valid_index]
 
-    def _prefill_amx(self, kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     g: GroupMetadata) -> torch.Tensor:
-        """The prefill group on our AMX kernel: q, k, v rounded to bf16 as for SDPA -> [T, H, D] bf16."""
+    def _prefill_bf16(self, kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      g: GroupMetadata) -> torch.Tensor:
+        """The prefill group on our bf16 kernel: q, k, v rounded to bf16 as for SDPA -> [T, H, D] bf16."""
         q = q.to(torch.bfloat16)
         if g.fresh_causal:
             lens = torch.tensor([q.shape[0]])

@@ -1,8 +1,11 @@
-// Causal prefill attention on the AMX bf16 tiles (CPU, avx512 build on CPUs with AMX-BF16).
+// Causal prefill attention in bf16 with float32 accumulation (CPU, avx512 build): on the AMX bf16 tiles where the
+// CPU has AMX-BF16 (Intel Sapphire Rapids on), else with AVX512-BF16's vdpbf16ps (AMD Zen 4 on, Intel Cooper Lake).
 //
 //   prefill_attention(q [T, Hq, D] bf16, k [B, L, Hk, D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64,
-//                     scale, out_bf16) -> out [T, Hq, D] bf16 (out_bf16) or float32
-//   prefill_attention_available() -> bool: this build and CPU run it (AMX tiles granted by Linux)
+//                     scale, out_bf16, engine = "") -> out [T, Hq, D] bf16 (out_bf16) or float32
+//   prefill_attention_available() -> bool: this build and CPU run it (AMX tiles granted by Linux, or AVX512-BF16)
+//   prefill_attention_engines() -> [str]: the engines they run it on, best first ("amx", "avx512_bf16"); `engine`
+//     picks one ("": the best)
 //
 // Rows b = 0..B-1 hold q_lens[b] queries each, one after the other in q; row b's keys are the first kv_lens[b]
 // of k[b] / v[b] (q_lens[b] <= kv_lens[b] <= L), and its query i sits at position kv_lens[b] - q_lens[b] + i and
@@ -30,6 +33,12 @@
 //     multiplied lane-wise by 2^(m_old - m_new) first when a max grew.
 //   The scores of the next step are computed on the tiles while the vector units run this step's softmax, and
 //     stored after it (vector loads issued after a tile store wait for it).
+// Without AMX (VectorBf16 below) the same layouts feed vdpbf16ps (_mm512_dpbf16_ps: 16 float32 lanes, each adding the
+// dot product of a pair of bf16), one zmm of 16 queries (a Q^T or P^T VNNI row) against a pair of K's or V^T's
+// elements broadcast to every lane: scores^T row k (16 queries) = sum over the D / 2 pairs of Q^T's pair rows times
+// key k's pair, 16 keys' rows accumulated side by side (independent chains); out^T row d (16 queries) += sum over
+// the 32 key pairs of P^T's pair rows times V^T's pair (row d, keys 2j, 2j + 1), 16 dims' rows side by side. The
+// softmax, the item order and the output pass are the AMX path's own (`attend`, templated on the engine).
 // One work item is (row, KV head, two tiles of 16 queries) with the Hq / Hk query heads of that KV head; its
 // steps run key block by key block, each block against every head and tile, so each K and V block is read into
 // L1 once for all of them. Items are spread over threads with at::parallel_for, heavy and light (long and short
@@ -42,6 +51,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "amx.h"
@@ -81,8 +91,20 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(total == q.size(0), "prefill_attention: q_lens sum to ", total, ", q has ", q.size(0), " tokens");
 }
 
-#ifdef GLMSERVE_HAS_AMX
+#ifdef GLMSERVE_HAS_AMX  // the avx512 build on x86-64 Linux (amx.h): both engines are compiled there
+// The shared code (attend, the softmax) and the AMX engine: the compiler never emits AMX instructions of its own, so
+// the shared code runs on CPUs without AMX too (the vector engine's functions need only avx512bf16).
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+#define BF16_TARGET __attribute__((target("avx512bf16")))
+
+// AVX512-BF16 (CPUID leaf 7 subleaf 1 EAX bit 5): vdpbf16ps, vcvtne2ps2bf16
+inline bool avx512_bf16_present() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);
+  }();
+  return ok;
+}
 
 constexpr int64_t QB = 16;  // queries per tile: the columns of the B tiles
 constexpr int64_t QT = 2;   // query tiles per work item (each K and V block, once in L1, serves both)
@@ -147,8 +169,8 @@ void pack_queries(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t nq
 }
 
 // scores^T [64 keys][16 queries] for keys kb..kb+63 and one head's Q^T (qt) into C tiles 0-3 (16 keys each); they
-// stay there until store_scores
-AMX_TARGET inline void scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* qt) {
+// stay there until amx_store_scores
+AMX_TARGET inline void amx_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* qt) {
   const int64_t stride = p.D * 2;
   const uint16_t* k = kp + kb * p.D;
   _tile_zero(0);
@@ -168,7 +190,7 @@ AMX_TARGET inline void scores(const Problem& p, const uint16_t* kp, int64_t kb, 
   }
 }
 
-AMX_TARGET inline void store_scores(float* s) {
+AMX_TARGET inline void amx_store_scores(float* s) {
   _tile_stored(0, s, 64);
   _tile_stored(1, s + 16 * QB, 64);
   _tile_stored(2, s + 32 * QB, 64);
@@ -246,7 +268,8 @@ inline void transpose16(const float* src, __m512* r) {
 }
 
 // out^T [D][16] += V^T [D][keys kb..kb+63] x P^T, four C tiles of 16 dims at a time
-AMX_TARGET inline void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o) {
+AMX_TARGET inline void amx_accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt,
+                                      float* o) {
   constexpr int64_t stride = KB * 2;  // bytes per row of a key block's V^T
   _tile_loadd(6, pt, 64);
   _tile_loadd(7, pt + 32 * QB, 64);
@@ -279,6 +302,77 @@ AMX_TARGET inline void accumulate(const Problem& p, const uint16_t* vt, int64_t 
   }
 }
 
+// The two engines `attend` runs on. start_scores(p, kp, kb, qt) begins scores^T of key block kb against one head's
+// query tile and finish_scores(s) leaves them in s ([KB][QB] floats): the AMX engine computes on the tiles in the
+// first (the vector units run the previous block's softmax meanwhile) and stores in the second; the vector engine
+// does all of it in the second. accumulate(p, vt, kb, pt, o): out^T o [D][QB] += V^T (block kb) x P^T (pt).
+struct AmxTiles {
+  AMX_TARGET static void begin() { tile_config(); }
+  AMX_TARGET static void end() { tile_release(); }
+  AMX_TARGET void start_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* qt) {
+    amx_scores(p, kp, kb, qt);
+  }
+  AMX_TARGET void finish_scores(const Problem&, float* s) { amx_store_scores(s); }
+  AMX_TARGET static void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o) {
+    amx_accumulate(p, vt, kb, pt, o);
+  }
+};
+
+// 32 bits (a pair of bf16) at `at`, in every lane: vdpbf16ps's broadcast operand (one vpbroadcastd load, no ALU work)
+BF16_TARGET inline __m512bh pair_everywhere(const uint16_t* at) {
+  int32_t bits;
+  std::memcpy(&bits, at, 4);
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+struct VectorBf16 {
+  const uint16_t* k = nullptr;  // the pending block's first key row (packed K: [KB][D])
+  const uint16_t* qt = nullptr;
+  static void begin() {}
+  static void end() {}
+  void start_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* q) { k = kp + kb * p.D, qt = q; }
+
+  BF16_TARGET void finish_scores(const Problem& p, float* s) const {
+    if (p.D == 64)
+      scores<64>(s);
+    else
+      scores<128>(s);
+  }
+
+  // scores^T row r = sum over pairs c of (Q^T pair row c: 16 queries x 2 dims) . (key r's dims 2c, 2c + 1), 16 keys
+  // at a time in 16 accumulators (D a constant: the 16 keys' rows are one pointer and fixed offsets)
+  template <int D>
+  BF16_TARGET void scores(float* s) const {
+    for (int64_t r0 = 0; r0 < KB; r0 += 16) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      const uint16_t* rows = k + r0 * D;
+      for (int c = 0; c < D / 2; ++c) {
+        const __m512bh q = (__m512bh)_mm512_loadu_si512(qt + c * 2 * QB);
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], q, pair_everywhere(rows + r * D + 2 * c));
+      }
+      for (int r = 0; r < 16; ++r) _mm512_store_ps(s + (r0 + r) * QB, acc[r]);
+    }
+  }
+
+  // out^T row d += sum over key pairs j of (P^T pair row j: 16 queries x keys 2j, 2j + 1) . (V^T row d's keys 2j,
+  // 2j + 1), 16 dims at a time in 16 accumulators
+  BF16_TARGET static void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o) {
+    const uint16_t* block = vt + kb * p.D;
+    for (int64_t d0 = 0; d0 < p.D; d0 += 16) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_loadu_ps(o + (d0 + r) * QB);
+      for (int64_t j = 0; j < KB / 2; ++j) {
+        const __m512bh pj = (__m512bh)_mm512_load_si512(pt + j * 2 * QB);
+        for (int r = 0; r < 16; ++r)
+          acc[r] = _mm512_dpbf16_ps(acc[r], pj, pair_everywhere(block + (d0 + r) * KB + 2 * j));
+      }
+      for (int r = 0; r < 16; ++r) _mm512_storeu_ps(o + (d0 + r) * QB, acc[r]);
+    }
+  }
+};
+
+template <class Engine>
 AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
   const int64_t ql = p.q_len[it.b], kl = p.kv_len[it.b], lpad = (kl + KB - 1) / KB * KB;
   const int64_t i0 = it.block * QB * QT, tiles = std::min(QT, (ql - i0 + QB - 1) / QB);
@@ -309,10 +403,11 @@ AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
   // and stored after it: the softmax's loads do not wait behind tile stores issued before them
   const int64_t units = static_cast<int64_t>(w.units.size());
   auto q_of = [&](const Unit& x) { return w.qt.data() + x.state * p.D * QB; };
-  scores(p, kp, 0, q_of(w.units[0]));
-  store_scores(w.s[0]);
+  Engine e;
+  e.start_scores(p, kp, 0, q_of(w.units[0]));
+  e.finish_scores(p, w.s[0]);
   for (int64_t u = 0; u < units; ++u) {
-    if (u + 1 < units) scores(p, kp, w.units[u + 1].kb, q_of(w.units[u + 1]));
+    if (u + 1 < units) e.start_scores(p, kp, w.units[u + 1].kb, q_of(w.units[u + 1]));
     const Unit x = w.units[u];
     float* o = w.o.data() + x.state * p.D * QB;
     float* m = &w.m[x.state * QB];
@@ -323,8 +418,8 @@ AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
                           : softmax_block<false>(p, x.kb, qpos[x.tile], w.s[u & 1], w.pt, m, l, alpha);
     if (grew && x.kb > 0)  // (the first block finds the output still zero)
       for (int64_t d = 0; d < p.D; ++d) _mm512_storeu_ps(o + d * QB, _mm512_mul_ps(_mm512_loadu_ps(o + d * QB), alpha));
-    if (u + 1 < units) store_scores(w.s[(u + 1) & 1]);
-    accumulate(p, vt, x.kb, w.pt, o);
+    if (u + 1 < units) e.finish_scores(p, w.s[(u + 1) & 1]);
+    Engine::accumulate(p, vt, x.kb, w.pt, o);
   }
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t j = 0; j < p.g; ++j) {  // out = out^T transposed, divided by l
@@ -345,6 +440,13 @@ AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
       }
     }
   }
+}
+
+template <class Engine>
+void attend_items(const Problem& p, const std::vector<Item>& order, int64_t begin, int64_t end, Scratch& w) {
+  Engine::begin();
+  for (int64_t i = begin; i < end; ++i) attend<Engine>(p, order[i], w);
+  Engine::end();
 }
 
 // Key block `blk` of one (row, KV head): its KB rows of K ([KB][D], at kp + blk * KB * D) and its V^T ([D][KB], at
@@ -369,7 +471,7 @@ void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, 
 }
 
 at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* ql, const int64_t* kl,
-               double scale, bool out_bf16) {
+               double scale, bool out_bf16, bool tiles) {
   const int64_t B = k.size(0), Hk = k.size(2), D = q.size(2), Hq = q.size(1), T = q.size(0);
   std::vector<int64_t> q_start(B), pad_start(B);
   int64_t tokens = 0, keys = 0;
@@ -411,29 +513,39 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   }
   at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w(p);
-    tile_config();
-    for (int64_t i = begin; i < end; ++i) attend(p, order[i], w);
-    tile_release();
+    if (tiles)
+      attend_items<AmxTiles>(p, order, begin, end, w);
+    else
+      attend_items<VectorBf16>(p, order, begin, end, w);
   });
   return out;
 }
 #endif
 
-bool prefill_attention_available() {
+// The engines this build and CPU run, best first: "amx" (tiles granted by Linux), "avx512_bf16"
+std::vector<std::string> prefill_attention_engines() {
+  std::vector<std::string> engines;
 #ifdef GLMSERVE_HAS_AMX
-  return glmserve::amx_bf16_permitted();
-#else
-  return false;
+  if (glmserve::amx_bf16_permitted()) engines.emplace_back("amx");
+  if (avx512_bf16_present()) engines.emplace_back("avx512_bf16");
 #endif
+  return engines;
 }
 
+bool prefill_attention_available() { return !prefill_attention_engines().empty(); }
+
+// engine: "" for the best one, else one of prefill_attention_engines() (tests run each)
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_lens,
-                             const at::Tensor& kv_lens, double scale, bool out_bf16) {
+                             const at::Tensor& kv_lens, double scale, bool out_bf16, const std::string& engine) {
   check_inputs(q, k, v, q_lens, kv_lens);
-  TORCH_CHECK(prefill_attention_available(),
-              "prefill_attention: needs the avx512 build on a CPU with AMX-BF16 tiles granted by Linux");
+  const std::vector<std::string> engines = prefill_attention_engines();
+  TORCH_CHECK(!engines.empty(),
+              "prefill_attention: needs the avx512 build on a CPU with AVX512-BF16 (or AMX-BF16 tiles granted by Linux)");
+  const std::string chosen = engine.empty() ? engines[0] : engine;
+  TORCH_CHECK(std::find(engines.begin(), engines.end(), chosen) != engines.end(), "prefill_attention: engine '",
+              chosen, "' does not run here");
 #ifdef GLMSERVE_HAS_AMX
-  return run(q, k, v, q_lens.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), scale, out_bf16);
+  return run(q, k, v, q_lens.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), scale, out_bf16, chosen == "amx");
 #else
   return at::Tensor();
 #endif
@@ -442,7 +554,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention on the AMX bf16 tiles (CPU)");
+  m.def("prefill_attention", &prefill_attention,
+        "causal prefill attention in bf16 on the AMX tiles or with AVX512-BF16 (CPU)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"), py::arg("out_bf16"),
+        py::arg("engine") = "");
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether this build and CPU run prefill_attention");
+  m.def("prefill_attention_engines", &prefill_attention_engines,
+        "the engines this build and CPU run prefill_attention on, best first: amx, avx512_bf16");
 }
