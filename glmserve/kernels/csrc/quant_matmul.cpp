@@ -730,6 +730,11 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
 }
 #endif
 
+// prefill-sized batches on the SIMD tiles run in chunks of rows of about this many bytes of int8 activations, each
+// chunk swept by all of a thread's weight tiles: the whole batch's activations once per tile fell out of L2 (2,048
+// rows of 576 inputs: 1.2 MB per tile; bench/RESULTS.md, "Prefill on AVX512-BF16 without AMX")
+constexpr int64_t SIMD_CHUNK_BYTES = 256 * 1024;
+
 bool use_amx(int64_t N, bool u4) {
 #ifdef GLMSERVE_AMX
   return N >= (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) && amx_wanted.load() && glmserve::amx_int8_permitted();
@@ -773,10 +778,14 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
     return out;
   }
 #endif
+  // rows in chunks whose int8 activations stay in L2 while a thread's tiles sweep them (SIMD_CHUNK_BYTES)
+  const int64_t chunk = std::max<int64_t>(MAX_NB, SIMD_CHUNK_BYTES / a.kp / MAX_NB * MAX_NB);
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const Weights w{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
-      simd_rows(w, a, 0, N, nblocks, u4, o, out_features, t * ROWS);
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+      for (int64_t t = begin; t < end; ++t) {
+        const Weights w{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
+        simd_rows(w, a, n0, std::min(chunk, N - n0), nblocks, u4, o, out_features, t * ROWS);
+      }
     }
   });
   return out;
