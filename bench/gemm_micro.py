@@ -53,7 +53,7 @@ from glmserve.quant.spec import QuantSpec
 
 Q4_1 = QuantSpec(4, symmetric=False, strategy="group", group_size=32, gguf_type="Q4_1")
 COLUMNS = ("wt", "mkldnn", "bf16", "q4_int8", "q4_dense")
-DENSE_COLUMNS = ("bf16", "prepacked", "amx", "amx_a", "int8")
+DENSE_COLUMNS = ("f32", "bf16", "prepacked", "amx", "amx_a", "avx512bf16", "int8")
 
 HIDDEN = 576
 SHAPES = {"qkv": (HIDDEN, 960), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 3072), "down": (1536, HIDDEN),
@@ -109,14 +109,20 @@ def dense_variants(x: torch.Tensor, w: torch.Tensor,
     xb = x.bfloat16()
     w16 = CpuBlockBackend().dequantize_rows(p, torch.arange(p.out_features), torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(w16, 512)
-    amx = kernels.op("amx_bf16_linear", cpu, torch.float32)
+    w32 = w16.float()
     out = {
         "per_call": per_call_dense(p, xb),
+        "f32": lambda: F.linear(x, w32),
         "bf16": lambda: F.linear(xb, w16),
         "prepacked": lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], ""),
-        "amx": lambda: amx(xb, p.codes, p.scales, p.mins, p.u4, p.out_features),
         "int8": lambda: p.linear(x, False, p.codes, p.scales, p.mins, True, p.out_features),
     }
+    if kernels.amx_bf16():
+        amx = kernels.op("amx_bf16_linear", cpu, torch.float32)
+        out["amx"] = lambda: amx(xb, p.codes, p.scales, p.mins, p.u4, p.out_features)
+    if kernels.avx512_bf16():
+        ours = kernels.op("avx512_bf16_linear", cpu, torch.float32)
+        out["avx512bf16"] = lambda: ours(xb, p.codes, p.scales, p.mins, p.u4, p.out_features)
     if a_module is not None:
         out["amx_a"] = lambda: a_module.amx_bf16_linear(xb, p.codes, p.scales, p.mins, p.u4, p.out_features)
     return out
@@ -133,8 +139,8 @@ def main() -> None:
     parser.add_argument("--dense", action="store_true", help="Q4_1 prefill paths on AMX (DENSE_COLUMNS)")
     parser.add_argument("--a-source", type=Path, help="with --dense: column amx_a, this quant_matmul.cpp's kernel")
     args = parser.parse_args()
-    if args.dense and not kernels.amx_bf16():
-        parser.error("--dense needs a CPU with AMX-BF16 and the avx512 kernels")
+    if args.dense and not (kernels.amx_bf16() or kernels.avx512_bf16()):
+        parser.error("--dense needs a CPU with AMX-BF16 or AVX512-BF16 and the avx512 kernels")
     if args.a_source and not args.dense:
         parser.error("--a-source goes with --dense")
     a_module = build_a(args.a_source) if args.a_source else None
