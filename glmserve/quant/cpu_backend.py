@@ -41,9 +41,10 @@ GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # bits of each GGUF block format
 DENSE_MIN_ROWS = 64  # rows from which the bf16 GEMM path beats the int8 tiles 1.7-2x (AMX; bench/gemm_micro.py --dense)
 # On CPUs with AVX512-BF16 but no AMX (AMD Zen 4): "N" runs batches from N rows on our vdpbf16ps GEMM on the
 # packed weight (kernel avx512_bf16_linear, bf16 activations between the MLP's GEMMs as on AMX); unset (the
-# default): the int8 tiles run every batch. There vpdpbusd does twice vdpbf16ps's products per cycle and the int8
-# tiles measured 1.1-1.4x our bf16 GEMM (and oneDNN's, which it matches) at 64-2,048 rows and 1.0-1.15x end to end
-# (bench/RESULTS.md, "Prefill on AVX512-BF16 without AMX"); the bf16 path is more accurate (no int8 activations)
+# default): the int8 tiles run every batch. There vpdpbusd does twice vdpbf16ps's products per cycle: the int8
+# tiles measured 1.07-1.4x our bf16 GEMM (and oneDNN's, which it matches) at 64-2,048 rows, a whole prefill of 512 or
+# 2,048 tokens 1.06-1.18x faster than with the bf16 GEMM from 64 or 512 rows (bench/RESULTS.md, "Prefill on
+# AVX512-BF16 without AMX"); the bf16 path is the more accurate (bf16 activations instead of int8 ones)
 AVX512_BF16_ROWS_ENV = "GLMSERVE_AVX512_BF16_ROWS"
 # "1": the dense path keeps oneDNN-prepacked bf16 copies of the weights (+2 bytes per weight: 10-30% faster than
 # our AMX GEMM at 128-512 rows, bench/RESULTS.md "AMX bf16 GEMM on the packed weights"); otherwise (the default,
