@@ -16,14 +16,18 @@ and prints GFLOP/s with each variant's ratio to `linear`.
     PYTHONPATH=$PWD .venv/bin/python bench/gemm_micro.py --dense [--tokens 16,32,64,128,512,2048] [--layers ...]
 
 compares instead the paths of a Q4_1 weight (the embedded model's format) at prefill-sized batches, bf16
-activations in and bf16 out, on AMX CPUs (DENSE_COLUMNS), with each variant's ratio to `per_call`:
+activations in and bf16 out, on CPUs with AMX or AVX512-BF16 (DENSE_COLUMNS), with each variant's ratio to
+`per_call`:
   per_call    the weight dequantized per call into a bf16 scratch, then F.linear (oneDNN reorders it per call)
+  f32         F.linear in float32 on the dequantized weight (float32 activations; MKL / oneDNN sgemm)
   bf16        F.linear on a dense bf16 copy of the same weight, made once (torch's bf16 matmul: oneDNN, AMX)
   prepacked   oneDNN's prepacked bf16 weight (torch.ops.mkldnn._linear_pointwise), made once and kept
-  amx         our AMX bf16 GEMM reading the packed weight (kernel amx_bf16_linear)
+  amx         our AMX bf16 GEMM reading the packed weight (kernel amx_bf16_linear; AMX CPUs)
   amx_a       with --a-source FILE: amx_bf16_linear of another quant_matmul.cpp (e.g. main's), built under a name
               of its own (bench/ab_quant_kernels.py build_a), for an A/B of the kernel in one process
-  int8        our int8 kernel (quant_linear: AMX int8 tiles from 16 rows, float32 activations)
+  avx512bf16  our vdpbf16ps GEMM reading the packed weight (kernel avx512_bf16_linear; CPUs with AVX512-BF16)
+  int8        our int8 kernel (quant_linear: AMX int8 tiles from 16 rows, else VNNI; float32 activations,
+              quantized per call)
 Threads: GLMSERVE_BENCH_THREADS (1 by default); with more than one, use the wall clock (--clock cpu sums the
 threads' CPU time). AMX's peak is 1,024 bf16 FLOP per cycle and core (one 16x16x32 tdpbf16ps per 16 cycles):
 bench/amx_peak.cpp measures what this machine's tile loop reaches.
@@ -53,7 +57,7 @@ from glmserve.quant.spec import QuantSpec
 
 Q4_1 = QuantSpec(4, symmetric=False, strategy="group", group_size=32, gguf_type="Q4_1")
 COLUMNS = ("wt", "mkldnn", "bf16", "q4_int8", "q4_dense")
-DENSE_COLUMNS = ("bf16", "prepacked", "amx", "amx_a", "int8")
+DENSE_COLUMNS = ("f32", "bf16", "prepacked", "amx", "amx_a", "avx512bf16", "int8")
 
 HIDDEN = 576
 SHAPES = {"qkv": (HIDDEN, 960), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 3072), "down": (1536, HIDDEN),
@@ -109,14 +113,20 @@ def dense_variants(x: torch.Tensor, w: torch.Tensor,
     xb = x.bfloat16()
     w16 = CpuBlockBackend().dequantize_rows(p, torch.arange(p.out_features), torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(w16, 512)
-    amx = kernels.op("amx_bf16_linear", cpu, torch.float32)
+    w32 = w16.float()
     out = {
         "per_call": per_call_dense(p, xb),
+        "f32": lambda: F.linear(x, w32),
         "bf16": lambda: F.linear(xb, w16),
         "prepacked": lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], ""),
-        "amx": lambda: amx(xb, p.codes, p.scales, p.mins, p.u4, p.out_features),
         "int8": lambda: p.linear(x, False, p.codes, p.scales, p.mins, True, p.out_features),
     }
+    if kernels.amx_bf16():
+        amx = kernels.op("amx_bf16_linear", cpu, torch.float32)
+        out["amx"] = lambda: amx(xb, p.codes, p.scales, p.mins, p.u4, p.out_features)
+    if kernels.avx512_bf16():
+        ours = kernels.op("avx512_bf16_linear", cpu, torch.float32)
+        out["avx512bf16"] = lambda: ours(xb, p.codes, p.scales, p.mins, p.u4, p.out_features)
     if a_module is not None:
         out["amx_a"] = lambda: a_module.amx_bf16_linear(xb, p.codes, p.scales, p.mins, p.u4, p.out_features)
     return out
@@ -130,11 +140,11 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: time.perf_counter; cpu: time.process_time (this process's CPU time: on a shared "
                              "machine, time slices lost to other processes do not count)")
-    parser.add_argument("--dense", action="store_true", help="Q4_1 prefill paths on AMX (DENSE_COLUMNS)")
+    parser.add_argument("--dense", action="store_true", help="Q4_1 prefill paths on AMX / AVX512-BF16 (DENSE_COLUMNS)")
     parser.add_argument("--a-source", type=Path, help="with --dense: column amx_a, this quant_matmul.cpp's kernel")
     args = parser.parse_args()
-    if args.dense and not kernels.amx_bf16():
-        parser.error("--dense needs a CPU with AMX-BF16 and the avx512 kernels")
+    if args.dense and not (kernels.amx_bf16() or kernels.avx512_bf16()):
+        parser.error("--dense needs a CPU with AMX-BF16 or AVX512-BF16 and the avx512 kernels")
     if args.a_source and not args.dense:
         parser.error("--a-source goes with --dense")
     a_module = build_a(args.a_source) if args.a_source else None

@@ -23,6 +23,7 @@ Two checks per case:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from glmserve.layers.param_loading import WHOLE
 from glmserve.quant import backend as registry
 from glmserve.quant.cpu_backend import (
     AMX_GEMM_ENV,
+    AVX512_BF16_ROWS_ENV,
     DENSE_MIN_ROWS,
     PREPACK_ENV,
     CpuBlockBackend,
@@ -294,6 +296,26 @@ def test_tiles_split_across_threads_give_the_same_floats(cpu_isa, fmt):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1"])
+def test_long_batches_in_row_chunks_give_the_same_floats(cpu_isa, fmt):
+    """Prefill-sized batches on the SIMD tiles run in chunks of rows (about 256 KB of int8 activations: 168 rows of
+    1,536 inputs), each swept by all of a thread's weight tiles: every row the same floats as the row alone, for a
+    batch of several chunks and a partial last one, on one and two threads."""
+    backend = CpuBlockBackend()
+    prepared = backend.prepare(weight(fmt, 72, 1536), None, CPU)
+    x = activations(400, 1536)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = backend.apply(prepared, x, None)
+        torch.set_num_threads(2)
+        assert torch.equal(backend.apply(prepared, x, None), whole)
+    finally:
+        torch.set_num_threads(threads)
+    for rows in (slice(0, 1), slice(167, 169), slice(336, 337), slice(399, 400)):
+        assert torch.equal(backend.apply(prepared, x[rows], None), whole[rows]), rows
+
+
 @pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_lm_head_shape(cpu_isa, fmt, batch):
@@ -396,17 +418,19 @@ def p_weight_abs(p) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group64_asym"])
-def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt, monkeypatch):
-    """From DENSE_MIN_ROWS rows (prefill) on AMX: bfloat16 activations, weights and outputs with float32
+def test_large_batches_take_the_bf16_gemm(cpu_isa, fmt, monkeypatch):
+    """From DENSE_MIN_ROWS rows (prefill) on AMX, and on CPUs with AVX512-BF16 but no AMX from the rows
+    GLMSERVE_AVX512_BF16_ROWS gives (here DENSE_MIN_ROWS): bfloat16 activations, weights and outputs with float32
     sums, so each output is within 2^-8 of sum |x w| (two roundings of 2^-9 per product) plus 2^-8 of itself
-    (the output's rounding) of `reference`. Our AMX GEMM by default; oneDNN on the prepacked weight
-    (GLMSERVE_BF16_PREPACK=1) and on the weight dequantized per call (GLMSERVE_AMX_GEMM=0) as options, each
+    (the output's rounding) of `reference`. Our GEMM (AMX or AVX512-BF16) by default; oneDNN on the prepacked
+    weight (GLMSERVE_BF16_PREPACK=1) and on the weight dequantized per call (GLMSERVE_AMX_GEMM=0) as options, each
     within one bf16 step of it. Other CPUs and builds keep the int8 path (checked above)."""
     backend = CpuBlockBackend()
+    monkeypatch.setenv(AVX512_BF16_ROWS_ENV, str(DENSE_MIN_ROWS))  # read by CPUs without AMX only
     p = backend.prepare(weight(fmt, 192, 576), None, CPU)
     if dense_path_for(CPU) is None:
         assert p.dequantize is None and p.gemm is None
-        pytest.skip(f"no bf16 GEMM path on {cpu_isa} here (needs AMX and the avx512 build)")
+        pytest.skip(f"no bf16 GEMM path on {cpu_isa} here (needs AMX or AVX512-BF16 and the avx512 build)")
     x = activations(DENSE_MIN_ROWS + 3, 576)
     y = backend.apply(p, x, None)
     assert y.dtype == torch.float32 and torch.equal(y, dense_apply(p, x).float())
@@ -436,18 +460,31 @@ def test_large_batches_take_the_bf16_gemm_on_amx(cpu_isa, fmt, monkeypatch):
     assert w8a8.dequantize is None and w8a8.gemm is None  # int8 activations are W8A8's spec: never the bf16 path
 
 
+# our bf16 GEMMs on the packed weight, one contract: op -> the kernels.isa check of the CPU and build that run it
+BF16_GEMMS = {"amx_bf16_linear": "amx_bf16", "avx512_bf16_linear": "avx512_bf16"}
+
+
+@pytest.fixture(params=list(BF16_GEMMS))
+def bf16_gemm(request) -> Callable:
+    """Each bf16 GEMM op (AMX tiles; vdpbf16ps without AMX: csrc/bf16_gemm.cpp) this CPU and build run (skips the
+    others)."""
+    op = kernels.op(request.param, CPU, torch.float32)
+    if not getattr(kernels, BF16_GEMMS[request.param])() or op is None:
+        pytest.skip(f"{request.param}: not on this CPU (or not the avx512 build)")
+    return op
+
+
 @pytest.mark.parametrize("inp", [576, 1536, 100])
 @pytest.mark.parametrize("u4, with_mins", [(False, False), (False, True), (True, False), (True, True)])
-def test_amx_bf16_gemm_against_the_reference(u4, with_mins, inp):
-    """Our AMX bf16 GEMM (amx_bf16_linear) on random packed weights (`pack` of codes, d and m drawn directly:
-    int8 codes or nibbles, with and without mins), 600 outputs (38 tiles, the last padded: several panels),
-    odd batches, inputs padded to 32 (100: the padded inputs' weight is m, the kernel must zero their
-    activations). Each output is within 2^-8 of sum |x w| (the weight's bf16 rounding, 2^-9 each) plus 2^-8 of
-    itself (its own rounding) of the float64 product of the bf16 activations and w = d c + m; float32
-    activations are rounded to bf16 first (the same result)."""
-    op = kernels.op("amx_bf16_linear", CPU, torch.float32)
-    if not kernels.amx_bf16() or op is None:
-        pytest.skip("no AMX-BF16 tiles here (or not the avx512 build)")
+def test_bf16_gemm_against_the_reference(bf16_gemm, u4, with_mins, inp):
+    """Our bf16 GEMMs (amx_bf16_linear, avx512_bf16_linear) on random packed weights (`pack` of codes, d and m
+    drawn directly: int8 codes or nibbles, with and without mins), 600 outputs (38 tiles, the last padded: several
+    panels; tiles not a multiple of the register block's 3), odd batches (1, and rows past multiples of 8 and 16),
+    inputs padded to 32 (100: the padded inputs' weight is m, the kernel must zero their activations). Each output
+    is within 2^-8 of sum |x w| (the weight's bf16 rounding, 2^-9 each) plus 2^-8 of itself (its own rounding) of
+    the float64 product of the bf16 activations and w = d c + m; float32 activations are rounded to bf16 first
+    (the same result)."""
+    op = bf16_gemm
     out, blocks = 600, -(-inp // 32)
     g = torch.Generator().manual_seed(inp + 2 * u4 + with_mins)
     codes = torch.randint(0, 16, (out, inp), generator=g) if u4 else torch.randint(-128, 128, (out, inp), generator=g)
@@ -457,7 +494,7 @@ def test_amx_bf16_gemm_against_the_reference(u4, with_mins, inp):
     w = codes.double() * d.double().repeat_interleave(32, dim=1)[:, :inp]
     if m is not None:
         w = w + m.double().repeat_interleave(32, dim=1)[:, :inp]
-    for batch in (1, 15, 17, 130):
+    for batch in (1, 7, 15, 17, 130):
         x = torch.randn(batch, inp, generator=g)
         y = op(x.bfloat16(), *packed, u4, out)
         assert y.dtype == torch.bfloat16 and y.shape == (batch, out)
@@ -475,14 +512,13 @@ def test_amx_bf16_gemm_against_the_reference(u4, with_mins, inp):
 
 
 @pytest.mark.parametrize("out, inp", [(600, 1536), (600, 576), (40, 576), (16, 100)])
-def test_amx_bf16_gemm_threads_give_the_same_floats(out, inp):
-    """The AMX bf16 GEMM's split over threads (one contiguous share of output tile pairs per thread, each share in
-    panels of its own): 2, 3 and 5 threads give one thread's outputs bit for bit, whether the tiles split evenly or
-    not (600 outputs: 38 tiles; 1,536 inputs: several panels per share), fewer tile pairs than threads (40: 3
-    tiles; 16: one) or a last tile past the outputs; and the one-thread outputs match the float64 reference."""
-    op = kernels.op("amx_bf16_linear", CPU, torch.float32)
-    if not kernels.amx_bf16() or op is None:
-        pytest.skip("no AMX-BF16 tiles here (or not the avx512 build)")
+def test_bf16_gemm_threads_give_the_same_floats(bf16_gemm, out, inp):
+    """The bf16 GEMMs' split over threads (one contiguous share of output tile pairs, or groups of 3 tiles, per
+    thread, each share in panels of its own): 2, 3 and 5 threads give one thread's outputs bit for bit, whether the
+    tiles split evenly or not (600 outputs: 38 tiles; 1,536 inputs: several panels per share), fewer tile groups
+    than threads (40: 3 tiles; 16: one) or a last tile past the outputs; and the one-thread outputs match the
+    float64 reference."""
+    op = bf16_gemm
     blocks = -(-inp // 32)
     g = torch.Generator().manual_seed(out + inp)
     codes = torch.randint(0, 16, (out, inp), generator=g)
@@ -507,16 +543,31 @@ def test_amx_bf16_gemm_threads_give_the_same_floats(out, inp):
         torch.set_num_threads(threads)
 
 
-def test_amx_bf16_gemm_is_an_error_without_amx(cpu_isa):
-    """Where the dense path is not taken (no AMX, or the avx2 / scalar build) the op is a clear error, never a
-    silent wrong result."""
-    if kernels.amx_bf16():
-        pytest.skip(f"{cpu_isa} has the AMX bf16 GEMM here")
-    op = kernels.op("amx_bf16_linear", CPU, torch.float32)
+@pytest.mark.parametrize("name", list(BF16_GEMMS))
+def test_bf16_gemm_is_an_error_where_the_cpu_lacks_it(cpu_isa, name):
+    """Where a bf16 GEMM cannot run (no AMX, no AVX512-BF16, or the avx2 / scalar build) its op is a clear error,
+    never a silent wrong result."""
+    if getattr(kernels, BF16_GEMMS[name])():
+        pytest.skip(f"{cpu_isa} runs {name} here")
+    op = kernels.op(name, CPU, torch.float32)
     packed = pack(torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1).half(), None, False)
     if op is not None:
-        with pytest.raises(RuntimeError, match="AMX|avx512"):
+        with pytest.raises(RuntimeError, match="AMX|AVX512-BF16|avx512"):
             op(torch.randn(2, 32), *packed, False, 16)
+
+
+def test_avx512_bf16_rows_must_be_a_positive_count(cpu_isa, monkeypatch):
+    """GLMSERVE_AVX512_BF16_ROWS (the rows from which CPUs with AVX512-BF16 but no AMX take the bf16 GEMM) is
+    refused unless a positive number; unset, such CPUs keep the int8 tiles for every batch."""
+    if kernels.amx_bf16() or not kernels.avx512_bf16():
+        pytest.skip(f"the variable is read on CPUs with AVX512-BF16 and no AMX ({cpu_isa} here)")
+    assert dense_path_for(CPU) is None
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv(AVX512_BF16_ROWS_ENV, bad)
+        with pytest.raises(InvalidRequestError, match=AVX512_BF16_ROWS_ENV):
+            dense_path_for(CPU)
+    monkeypatch.setenv(AVX512_BF16_ROWS_ENV, "512")
+    assert dense_path_for(CPU).min_rows == 512
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -29,6 +29,10 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   amx_bf16_linear(x [T,in] bf16 or f32, codes, scales, mins, u4, out_features) -> [T,out] bf16: x times the
                packed weight on the AMX bf16 tiles, dequantized panel by panel in the kernel (float32 sums); the
                avx512 build on CPUs with AMX-BF16 only (kernels.amx_bf16()), an error elsewhere
+  avx512_bf16_linear(x [T,in] bf16 or f32, codes, scales, mins, u4, out_features) -> [T,out] bf16: amx_bf16_linear's
+               contract on AVX512-BF16 (vdpbf16ps; csrc/bf16_gemm.cpp), for CPUs without AMX; the avx512 build on
+               CPUs with AVX512-BF16 only (kernels.avx512_bf16()), an error elsewhere
+  avx512_bf16_available() -> bool: whether this variant and CPU run avx512_bf16_linear
   dequantize_packed(codes, scales, mins, u4, out_features, bf16, out) -> [out_features, in32] bf16 or f32:
                the packed weight as a dense matrix, written into the flat buffer `out`
   add_rms_norm(x [T,H] f32 (in place), delta [T,H] f32/bf16 or empty, weight [H] f32, eps, bf16_out) -> [T,H]:
@@ -74,6 +78,8 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "dequantize_packed": "quant_matmul",
     "amx_bf16_linear": "quant_matmul",
     "set_amx": "quant_matmul",
+    "avx512_bf16_linear": "bf16_gemm",
+    "avx512_bf16_available": "bf16_gemm",
     "add_rms_norm": "prefill_ops",
     "rope_neox_": "prefill_ops",
     "silu_and_mul": "prefill_ops",

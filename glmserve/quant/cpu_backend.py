@@ -38,7 +38,14 @@ from glmserve.quant.weight import QuantizedWeight
 QK = 32  # inputs per block (the kernel's)
 ROWS = 16  # output rows per tile (the kernel's)
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # bits of each GGUF block format this backend runs
-DENSE_MIN_ROWS = 64  # rows from which the bf16 GEMM path beats the int8 tiles 1.7-2x (bench/gemm_micro.py --dense)
+DENSE_MIN_ROWS = 64  # rows from which the bf16 GEMM path beats the int8 tiles 1.7-2x (AMX; bench/gemm_micro.py --dense)
+# On CPUs with AVX512-BF16 but no AMX (AMD Zen 4): "N" runs batches from N rows on our vdpbf16ps GEMM on the
+# packed weight (kernel avx512_bf16_linear, bf16 activations between the MLP's GEMMs as on AMX); unset (the
+# default): the int8 tiles run every batch. There vpdpbusd does twice vdpbf16ps's products per cycle: the int8
+# tiles measured 1.07-1.4x our bf16 GEMM (and oneDNN's, which it matches) at 64-2,048 rows, a whole prefill of 512 or
+# 2,048 tokens 1.06-1.18x faster than with the bf16 GEMM from 64 or 512 rows (bench/RESULTS.md, "Prefill on
+# AVX512-BF16 without AMX"); the bf16 path is the more accurate (bf16 activations instead of int8 ones)
+AVX512_BF16_ROWS_ENV = "GLMSERVE_AVX512_BF16_ROWS"
 # "1": the dense path keeps oneDNN-prepacked bf16 copies of the weights (+2 bytes per weight: 10-30% faster than
 # our AMX GEMM at 128-512 rows, bench/RESULTS.md "AMX bf16 GEMM on the packed weights"); otherwise (the default,
 # for the memory of quantized serving) our AMX GEMM reads the packed weight (kernel amx_bf16_linear)
@@ -62,7 +69,8 @@ class PackedWeight:
     per_token: bool
     linear: Callable
     dequantize: Callable | None  # into bf16 for the dense path; None where it is not taken (dense_path_for)
-    gemm: Callable | None = None  # the kernel's amx_bf16_linear where the dense path is taken
+    gemm: Callable | None = None  # amx_bf16_linear or avx512_bf16_linear where the dense path is taken
+    dense_min_rows: int = DENSE_MIN_ROWS  # batches from this many rows take the dense path (where it is taken)
     dense: torch.Tensor | None = None  # the bf16 weight in oneDNN's blocked layout, made at its first dense call
 
     @property
@@ -112,11 +120,12 @@ class CpuBlockBackend:
         out_features, in_features = weight.shape
         u4 = weight.spec.num_bits == 4
         per_token = bool(_activations_per_token(activations))
-        dequantize = None if per_token else dense_path_for(device)
+        dense = None if per_token else dense_path_for(device)
         return PackedWeight(*pack(codes, scales, mins, u4), u4=u4, in_features=in_features,
                             out_features=out_features, per_token=per_token,
-                            linear=kernels.op("quant_linear", device, torch.float32), dequantize=dequantize,
-                            gemm=kernels.op("amx_bf16_linear", device, torch.float32) if dequantize else None)
+                            linear=kernels.op("quant_linear", device, torch.float32),
+                            dequantize=dense.dequantize if dense else None, gemm=dense.gemm if dense else None,
+                            dense_min_rows=dense.min_rows if dense else DENSE_MIN_ROWS)
 
     def apply(self, prepared: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         p = prepared
@@ -137,9 +146,10 @@ class CpuBlockBackend:
 
     def bf16_rows(self, prepared: PackedWeight, rows: int) -> bool:
         """True where `apply` runs `rows` rows as the bf16 GEMM (`dense_apply`): AMX CPUs from DENSE_MIN_ROWS
-        rows. There bf16 activations go in and come back in bf16 with no float32 round trip (layers/linear.py
-        `bf16_between` keeps the MLP's activations in bf16)."""
-        return prepared.dequantize is not None and rows >= DENSE_MIN_ROWS
+        rows, CPUs with AVX512-BF16 but no AMX from GLMSERVE_AVX512_BF16_ROWS rows where it is set. There bf16
+        activations go in and come back in bf16 with no float32 round trip (layers/linear.py `bf16_between` keeps
+        the MLP's activations in bf16)."""
+        return prepared.dequantize is not None and rows >= prepared.dense_min_rows
 
     def dequantize_rows(self, prepared: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of w = d * c + m read back from the tile layout (`pack`'s inverse for those rows), so that
@@ -158,12 +168,34 @@ class CpuBlockBackend:
         return w.flatten(1)[:, :p.in_features].to(dtype)
 
 
-def dense_path_for(device: torch.device) -> Callable | None:
-    """The kernel's `dequantize_packed` where large batches take the bf16 GEMM path (`dense_apply`): a CPU with
-    AMX and the avx512 build active (GLMSERVE_CPU_ISA=avx2 or scalar stands for a CPU without AMX)."""
-    if not kernels.amx_bf16():
+@dataclass(frozen=True)
+class DensePath:
+    """How large batches run as a bf16 GEMM (`dense_apply`) on this CPU: `gemm` our kernel on the packed weight,
+    `dequantize` the kernel's dequantize_packed (the oneDNN options), from `min_rows` rows."""
+
+    gemm: Callable
+    dequantize: Callable
+    min_rows: int
+
+
+def dense_path_for(device: torch.device) -> DensePath | None:
+    """The bf16 GEMM path of large batches on `device`, or None where they stay on the int8 tiles: with the avx512
+    build active (GLMSERVE_CPU_ISA=avx2 or scalar stands for a CPU without either), a CPU with AMX takes our AMX
+    GEMM from DENSE_MIN_ROWS rows; one with AVX512-BF16 and no AMX our vdpbf16ps GEMM where GLMSERVE_AVX512_BF16_ROWS
+    gives the rows it starts at."""
+    if kernels.amx_bf16():
+        gemm, min_rows = kernels.op("amx_bf16_linear", device, torch.float32), DENSE_MIN_ROWS
+    elif kernels.avx512_bf16() and os.environ.get(AVX512_BF16_ROWS_ENV):
+        rows = os.environ[AVX512_BF16_ROWS_ENV]
+        if not rows.isdigit() or int(rows) < 1:
+            raise InvalidRequestError(f"{AVX512_BF16_ROWS_ENV}={rows!r}: must be a positive number of rows")
+        gemm, min_rows = kernels.op("avx512_bf16_linear", device, torch.float32), int(rows)
+    else:
         return None
-    return kernels.op("dequantize_packed", device, torch.float32)
+    dequantize = kernels.op("dequantize_packed", device, torch.float32)
+    if gemm is None or dequantize is None:
+        return None
+    return DensePath(gemm, dequantize, min_rows)
 
 
 _scratch: dict[str, torch.Tensor] = {}  # one bf16 buffer for every layer's dequantized weight (grows)
@@ -191,9 +223,9 @@ def prepacked(p: PackedWeight) -> torch.Tensor:
 
 def dense_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """rows [T, in] (float32 or bf16) x the bf16 weight -> [T, out] bf16 (sums in float32, rounded once): our AMX
-    GEMM on the packed weight (dequantized panel by panel inside the kernel, nothing kept), or with
-    GLMSERVE_BF16_PREPACK=1 oneDNN on the prepacked weight, or with GLMSERVE_AMX_GEMM=0 the weight dequantized
-    whole at this call and oneDNN."""
+    (or, without AMX, AVX512-BF16) GEMM on the packed weight (dequantized panel by panel inside the kernel, nothing
+    kept), or with GLMSERVE_BF16_PREPACK=1 oneDNN on the prepacked weight, or with GLMSERVE_AMX_GEMM=0 the weight
+    dequantized whole at this call and oneDNN."""
     if os.environ.get(PREPACK_ENV) == "1":
         x = rows.to(torch.bfloat16).contiguous()
         return torch.ops.mkldnn._linear_pointwise(x, prepacked(p), None, "none", [], "")

@@ -55,6 +55,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__x86_64__) && \
     defined(__linux__)
 #include "amx.h"  // the tile permission checks and TileConfig
+#include "bf16_pairs.h"  // a tile and block of the packed weight as one bf16 B tile (dequantize_bf16_pairs)
 #define GLMSERVE_AMX 1
 #endif
 
@@ -432,52 +433,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_bf16_config() {
   _tile_loadconfig(&cfg);
 }
 
-// Two B tile rows from 64 code bytes [16 out rows][4 inputs 4J..4J+3] (signed i8 codes or u4 nibbles):
-// row 2J = inputs 4J, 4J+1 of each out row, row 2J+1 = 4J+2, 4J+3. ds[g], ms[g]: the rows' d and m for out
-// rows 4g..4g+3, each repeated over its 4 lanes.
-// NIBBLE: 0 = the bytes are signed int8 codes; 1 / 2: the low / high nibbles of the bytes
-template <int NIBBLE>
-__attribute__((target("avx512bf16"))) inline void vnni_rows(const uint8_t* bytes, const __m512* ds, const __m512* ms,
-                                                            uint16_t* out) {
-  __m512 f[4];
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int g = 0; g < 4; ++g) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * g));
-    const __m512i w = NIBBLE == 0 ? _mm512_cvtepi8_epi32(v)
-                    : _mm512_cvtepu8_epi32(_mm_and_si128(NIBBLE == 1 ? v : _mm_srli_epi16(v, 4), low4));
-    f[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w), ds[g], ms[g]);
-  }
-  // [out rows 0-7][4 inputs] and [8-15][4] in bf16: each 32-bit lane one pair of inputs of one out row
-  const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
-  const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
-  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  _mm512_storeu_si512(out, _mm512_permutex2var_epi32(lo, even, hi));
-  _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi32(lo, odd, hi));
-}
-
-// one block of one tile of the packed weight (codes, and its 16 d and m) -> one B tile [16][32] bf16
-template <bool U4>
-__attribute__((target("avx512bf16"))) void dequantize_b_tile(const uint8_t* c, const uint16_t* d, const uint16_t* m,
-                                                             uint16_t* o) {
-  const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
-  const __m512 mv = m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m))) : _mm512_setzero_ps();
-  __m512 ds[4], ms[4];
-  for (int g = 0; g < 4; ++g) {  // lane l of group g: out row 4g + l / 4
-    const __m512i spread = _mm512_add_epi32(_mm512_set1_epi32(4 * g),
-                                            _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
-    ds[g] = _mm512_permutexvar_ps(spread, dv), ms[g] = _mm512_permutexvar_ps(spread, mv);
-  }
-  if (U4) {
-    for (int j = 0; j < 4; ++j) {  // low nibbles: inputs 4j.., high nibbles: 16 + 4j..
-      vnni_rows<1>(c + j * 64, ds, ms, o + 2 * j * 32);
-      vnni_rows<2>(c + j * 64, ds, ms, o + 2 * (4 + j) * 32);
-    }
-  } else {
-    for (int j = 0; j < 8; ++j) vnni_rows<0>(c + j * 64, ds, ms, o + 2 * j * 32);
-  }
-}
-
 // rows x cols of c (row stride 32) rounded to bf16 into out (row stride ldo)
 __attribute__((target("avx512bf16"))) void store_bf16(const float* c, int rows, int cols, uint16_t* out, int64_t ldo) {
   const __mmask16 lo = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
@@ -510,8 +465,8 @@ struct VectorWork {
     for (const int64_t stop = std::min(total, done + n); done < stop; ++done) {
       const int64_t t = t0 + done / nblocks, b = done % nblocks, at = t * nblocks + b;
       const uint16_t* m = mp ? mp + at * ROWS : nullptr;
-      if (u4) dequantize_b_tile<true>(cp + at * U4_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
-      else dequantize_b_tile<false>(cp + at * I8_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
+      if (u4) glmserve::dequantize_bf16_pairs<true>(cp + at * U4_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
+      else glmserve::dequantize_bf16_pairs<false>(cp + at * I8_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
     }
   }
   void defer_store(const float* from, int r, int n, uint16_t* to, int64_t ld) {
@@ -730,6 +685,11 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
 }
 #endif
 
+// prefill-sized batches on the SIMD tiles run in chunks of rows of about this many bytes of int8 activations, each
+// chunk swept by all of a thread's weight tiles: the whole batch's activations once per tile fell out of L2 (2,048
+// rows of 576 inputs: 1.2 MB per tile; bench/RESULTS.md, "Prefill on AVX512-BF16 without AMX")
+constexpr int64_t SIMD_CHUNK_BYTES = 256 * 1024;
+
 bool use_amx(int64_t N, bool u4) {
 #ifdef GLMSERVE_AMX
   return N >= (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) && amx_wanted.load() && glmserve::amx_int8_permitted();
@@ -773,10 +733,14 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
     return out;
   }
 #endif
+  // rows in chunks whose int8 activations stay in L2 while a thread's tiles sweep them (SIMD_CHUNK_BYTES)
+  const int64_t chunk = std::max<int64_t>(MAX_NB, SIMD_CHUNK_BYTES / a.kp / MAX_NB * MAX_NB);
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const Weights w{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
-      simd_rows(w, a, 0, N, nblocks, u4, o, out_features, t * ROWS);
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+      for (int64_t t = begin; t < end; ++t) {
+        const Weights w{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
+        simd_rows(w, a, n0, std::min(chunk, N - n0), nblocks, u4, o, out_features, t * ROWS);
+      }
     }
   });
   return out;

@@ -1,0 +1,77 @@
+// The packed quantized weight (quant/cpu_backend.py, csrc/quant_matmul.cpp's header) dequantized into bf16 input
+// pairs: one tile (16 output rows) and block (32 inputs) becomes [16 input pairs][16 output rows][2] bf16, the
+// operand layout of both AMX's tdpbf16ps (a B tile) and AVX512-BF16's vdpbf16ps (one zmm per input pair: 16 output
+// lanes of 2 bf16). w = d * c + m in float32, rounded to nearest even bf16. Callers compile these into the
+// avx512 build and call them only on CPUs with AVX512-BF16 (cpuid leaf 7 subleaf 1 EAX bit 5).
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+#define GLMSERVE_BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+
+namespace glmserve {
+
+constexpr int64_t PAIR_TILE = 16 * 32;  // bf16 elements of one dequantized tile and block: 16 pairs x 16 rows x 2
+
+// AVX512-BF16 (CPUID leaf 7 subleaf 1 EAX bit 5: vcvtne2ps2bf16, vdpbf16ps)
+inline bool avx512_bf16_present() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);
+  }();
+  return ok;
+}
+
+// Two rows of input pairs from 64 code bytes [16 out rows][4 inputs 4J..4J+3] (signed i8 codes or u4 nibbles):
+// row 2J = inputs 4J, 4J+1 of each out row, row 2J+1 = 4J+2, 4J+3. ds[g], ms[g]: the rows' d and m for out
+// rows 4g..4g+3, each repeated over its 4 lanes.
+// NIBBLE: 0 = the bytes are signed int8 codes; 1 / 2: the low / high nibbles of the bytes
+template <int NIBBLE>
+GLMSERVE_BF16_TARGET inline void bf16_pair_rows(const uint8_t* bytes, const __m512* ds, const __m512* ms,
+                                                uint16_t* out) {
+  __m512 f[4];
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int g = 0; g < 4; ++g) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * g));
+    const __m512i w = NIBBLE == 0 ? _mm512_cvtepi8_epi32(v)
+                    : _mm512_cvtepu8_epi32(_mm_and_si128(NIBBLE == 1 ? v : _mm_srli_epi16(v, 4), low4));
+    f[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w), ds[g], ms[g]);
+  }
+  // [out rows 0-7][4 inputs] and [8-15][4] in bf16: each 32-bit lane one pair of inputs of one out row
+  const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+  const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi32(lo, even, hi));
+  _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi32(lo, odd, hi));
+}
+
+// one block of one tile of the packed weight (its code bytes c, its 16 d and m fp16 bits; m null: zero) ->
+// PAIR_TILE bf16 at o
+template <bool U4>
+GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const uint16_t* d, const uint16_t* m,
+                                                       uint16_t* o) {
+  const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+  const __m512 mv = m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m))) : _mm512_setzero_ps();
+  __m512 ds[4], ms[4];
+  for (int g = 0; g < 4; ++g) {  // lane l of group g: out row 4g + l / 4
+    const __m512i spread = _mm512_add_epi32(_mm512_set1_epi32(4 * g),
+                                            _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
+    ds[g] = _mm512_permutexvar_ps(spread, dv), ms[g] = _mm512_permutexvar_ps(spread, mv);
+  }
+  if (U4) {
+    for (int j = 0; j < 4; ++j) {  // low nibbles: inputs 4j.., high nibbles: 16 + 4j..
+      bf16_pair_rows<1>(c + j * 64, ds, ms, o + 2 * j * 32);
+      bf16_pair_rows<2>(c + j * 64, ds, ms, o + 2 * (4 + j) * 32);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j) bf16_pair_rows<0>(c + j * 64, ds, ms, o + 2 * j * 32);
+  }
+}
+
+}  // namespace glmserve
+#endif
