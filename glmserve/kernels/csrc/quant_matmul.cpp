@@ -75,6 +75,9 @@ constexpr int64_t ROWS = 16;   // output rows per tile
 constexpr int64_t I8_BLOCK = ROWS * QK;      // bytes per tile and block
 constexpr int64_t U4_BLOCK = ROWS * QK / 2;
 constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
+constexpr int VNNI_NB = 8;                  // activation rows per AVX-512 VNNI tile
+
+struct GroupBlock;  // the VNNI tiles' regrouped activations (AVX-512 VNNI builds)
 
 struct Acts {  // quantized activations
   const int8_t* q;       // [N, kp]
@@ -82,6 +85,8 @@ struct Acts {  // quantized activations
   const float* s;        // [N, nb] d * sum(q) per block
   const int32_t* isum;   // [N, nb] sum(q) per block
   int64_t kp, nb;
+  const GroupBlock* groups = nullptr;  // VNNI builds: rows from group0 * VNNI_NB regrouped (pack_groups)
+  int64_t group0 = 0;
 };
 
 struct Weights {  // one tile
@@ -199,43 +204,69 @@ void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, flo
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // ---------------------------------------------------------------------------------------------- AVX-512 VNNI
-template <int NB, bool U4>
-void tile_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
+// The activations regrouped for the VNNI tiles (pack_groups, once per call): per group of VNNI_NB rows and block,
+// the 4-byte pieces of the rows' codes side by side, and the rows' dx, s and -128 sum(q), so that every broadcast
+// of a tile's block is at a fixed offset from one pointer (with one pointer per row, GCC ran out of general
+// registers at 8 rows and parked the int8 path's 128 * sum(q) in mask registers: 105 GMAC/s against 130 for u4).
+struct GroupBlock {
+  int32_t q[8][VNNI_NB];  // q[j][n]: row n's codes 4j..4j+3 of the block
+  float d[VNNI_NB];       // dx
+  float s[VNNI_NB];       // dx * sum(q)
+  int32_t bias[VNNI_NB];  // -128 * sum(q): the i8 codes' flip to c + 128, the starting value of the integer sum
+};
+
+// rows [first, N) of the activations (first a multiple of VNNI_NB) into groups ([groups][nb]; zero past N)
+std::vector<GroupBlock> pack_groups(const Acts& a, int64_t first, int64_t N) {
+  const int64_t groups = (N - first + VNNI_NB - 1) / VNNI_NB;
+  std::vector<GroupBlock> out(groups * a.nb, GroupBlock{});
+  for (int64_t n = first; n < N; ++n) {
+    GroupBlock* g = out.data() + (n - first) / VNNI_NB * a.nb;
+    const int r = static_cast<int>((n - first) % VNNI_NB);
+    for (int64_t b = 0; b < a.nb; ++b) {
+      for (int j = 0; j < 8; ++j) g[b].q[j][r] = load_i32(a.q + n * a.kp + b * QK + 4 * j);
+      g[b].d[r] = a.d[n * a.nb + b];
+      g[b].s[r] = a.s[n * a.nb + b];
+      g[b].bias[r] = -128 * a.isum[n * a.nb + b];
+    }
+  }
+  return out;
+}
+
+// NB <= VNNI_NB rows of one group (g: its blocks) x one weight tile. Per block the same integer sums (u4: nibble
+// x code; i8: (c + 128) x code from -128 sum(q)) and the same fp32 operations in the same order as before the
+// regrouping, the scalar and AVX2 tiles and the AMX tiles: the floats are unchanged. The activations are
+// broadcast straight from memory (vpbroadcastd loads; the 4-byte pieces of 8 rows are one 256-byte row per j).
+template <int NB, bool U4, bool MINS>
+void tile_avx512(const Weights& w, const GroupBlock* g, int64_t nblocks, float* out) {
   __m512 acc[NB];
   for (int n = 0; n < NB; ++n) acc[n] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* c = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
+    const GroupBlock& x = g[b];
     __m512i isum[NB];
-    for (int n = 0; n < NB; ++n) isum[n] = _mm512_setzero_si512();
+    for (int n = 0; n < NB; ++n) isum[n] = U4 ? _mm512_setzero_si512() : _mm512_set1_epi32(x.bias[n]);
     if (U4) {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(c + j * 64);
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int n = 0; n < NB; ++n) {
-          const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
-          isum[n] = _mm512_dpbusd_epi32(isum[n], lo, _mm512_set1_epi32(load_i32(qb + 4 * j)));
-          isum[n] = _mm512_dpbusd_epi32(isum[n], hi, _mm512_set1_epi32(load_i32(qb + 16 + 4 * j)));
+          isum[n] = _mm512_dpbusd_epi32(isum[n], lo, _mm512_set1_epi32(x.q[j][n]));
+          isum[n] = _mm512_dpbusd_epi32(isum[n], hi, _mm512_set1_epi32(x.q[4 + j][n]));
         }
       }
     } else {
       for (int j = 0; j < 8; ++j) {
         const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(c + j * 64), flip);  // c + 128, unsigned
-        for (int n = 0; n < NB; ++n) {
-          const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
-          isum[n] = _mm512_dpbusd_epi32(isum[n], v, _mm512_set1_epi32(load_i32(qb + 4 * j)));
-        }
+        for (int n = 0; n < NB; ++n) isum[n] = _mm512_dpbusd_epi32(isum[n], v, _mm512_set1_epi32(x.q[j][n]));
       }
-      for (int n = 0; n < NB; ++n)
-        isum[n] = _mm512_sub_epi32(isum[n], _mm512_set1_epi32(128 * a.isum[(n0 + n) * a.nb + b]));
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
-    const __m512 mw = w.m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + b * ROWS)))
-                          : _mm512_setzero_ps();
+    const __m512 mw = MINS ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + b * ROWS)))
+                           : _mm512_setzero_ps();
     for (int n = 0; n < NB; ++n) {
-      const int64_t i = (n0 + n) * a.nb + b;
-      acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[n]), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[n]);
-      if (w.m) acc[n] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[n]);
+      acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[n]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[n])), acc[n]);
+      if (MINS) acc[n] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[n]), acc[n]);
     }
   }
   for (int n = 0; n < NB; ++n) _mm512_storeu_ps(out + n * ROWS, acc[n]);
@@ -650,9 +681,14 @@ void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uin
 
 // ---------------------------------------------------------------------------------------------- dispatch
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr int MAX_NB = 8;
+constexpr int MAX_NB = VNNI_NB;
+// rows n0.. (n0 a multiple of VNNI_NB, within the rows a.groups holds)
 template <int NB, bool U4>
-void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) { tile_avx512<NB, U4>(w, a, n0, nblocks, out); }
+void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
+  const GroupBlock* g = a.groups + (n0 / VNNI_NB - a.group0) * a.nb;
+  if (w.m) tile_avx512<NB, U4, true>(w, g, nblocks, out);
+  else tile_avx512<NB, U4, false>(w, g, nblocks, out);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int MAX_NB = 2;
 template <int NB, bool U4>
@@ -752,6 +788,19 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
   const uint16_t* mp = wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr;
   const int64_t block_bytes = codes.size(2);
   Acts a = a_in;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  // the rows the VNNI tiles run, regrouped: all of them, or on the AMX tiles only a last group of 16 too small for
+  // them (amx_tiles)
+  int64_t first = 0;
+#ifdef GLMSERVE_AMX
+  if (use_amx(N, u4)) {
+    const int64_t tail = N % AMX_ROWS;
+    first = tail > 0 && tail < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) ? N - tail : N;
+  }
+#endif
+  const std::vector<GroupBlock> groups = pack_groups(a_in, first, N);
+  a.groups = groups.data(), a.group0 = first / VNNI_NB;
+#endif
 #ifdef GLMSERVE_AMX
   if (use_amx(N, u4)) {
     // the activations padded with zero rows (codes and scales) to whole A tiles of 16 rows
