@@ -232,6 +232,13 @@ std::vector<GroupBlock> pack_groups(const Acts& a, int64_t first, int64_t N) {
   return out;
 }
 
+// acc + the 4-byte products of w's lanes and the int32 at x broadcast to all lanes, with the broadcast embedded in
+// vpdpbusd's memory operand (GCC emits a separate vpbroadcastd load for _mm512_set1_epi32 of memory)
+inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
 // NB <= VNNI_NB rows of one group (g: its blocks) x one weight tile. Per block the same integer sums (u4: nibble
 // x code; i8: (c + 128) x code from -128 sum(q)) and the same fp32 operations in the same order as before the
 // regrouping, the scalar and AVX2 tiles and the AMX tiles: the floats are unchanged. The activations are
@@ -251,14 +258,14 @@ void tile_avx512(const Weights& w, const GroupBlock* g, int64_t nblocks, float* 
         const __m512i v = _mm512_loadu_si512(c + j * 64);
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int n = 0; n < NB; ++n) {
-          isum[n] = _mm512_dpbusd_epi32(isum[n], lo, _mm512_set1_epi32(x.q[j][n]));
-          isum[n] = _mm512_dpbusd_epi32(isum[n], hi, _mm512_set1_epi32(x.q[4 + j][n]));
+          isum[n] = dpbusd_broadcast(isum[n], lo, &x.q[j][n]);
+          isum[n] = dpbusd_broadcast(isum[n], hi, &x.q[4 + j][n]);
         }
       }
     } else {
       for (int j = 0; j < 8; ++j) {
         const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(c + j * 64), flip);  // c + 128, unsigned
-        for (int n = 0; n < NB; ++n) isum[n] = _mm512_dpbusd_epi32(isum[n], v, _mm512_set1_epi32(x.q[j][n]));
+        for (int n = 0; n < NB; ++n) isum[n] = dpbusd_broadcast(isum[n], v, &x.q[j][n]);
       }
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
