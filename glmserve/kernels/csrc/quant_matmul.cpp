@@ -85,8 +85,8 @@ struct Acts {  // quantized activations
   const float* s;        // [N, nb] d * sum(q) per block
   const int32_t* isum;   // [N, nb] sum(q) per block
   int64_t kp, nb;
-  const GroupBlock* groups = nullptr;  // VNNI builds: rows from group0 * VNNI_NB regrouped (pack_groups)
-  int64_t group0 = 0;
+  const GroupBlock* groups = nullptr;  // VNNI builds: the rows from row0 on regrouped (pack_groups)
+  int64_t row0 = 0;
 };
 
 struct Weights {  // one tile
@@ -215,7 +215,7 @@ struct GroupBlock {
   int32_t bias[VNNI_NB];  // -128 * sum(q): the i8 codes' flip to c + 128, the starting value of the integer sum
 };
 
-// rows [first, N) of the activations (first a multiple of VNNI_NB) into groups ([groups][nb]; zero past N)
+// rows [first, N) of the activations into groups of VNNI_NB from `first` on ([groups][nb]; zero past N)
 std::vector<GroupBlock> pack_groups(const Acts& a, int64_t first, int64_t N) {
   const int64_t groups = (N - first + VNNI_NB - 1) / VNNI_NB;
   std::vector<GroupBlock> out(groups * a.nb, GroupBlock{});
@@ -689,10 +689,10 @@ void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uin
 // ---------------------------------------------------------------------------------------------- dispatch
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr int MAX_NB = VNNI_NB;
-// rows n0.. (n0 a multiple of VNNI_NB, within the rows a.groups holds)
+// rows n0.. (n0 = a.row0 + a multiple of VNNI_NB: the first row of one of a.groups)
 template <int NB, bool U4>
 void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
-  const GroupBlock* g = a.groups + (n0 / VNNI_NB - a.group0) * a.nb;
+  const GroupBlock* g = a.groups + (n0 - a.row0) / VNNI_NB * a.nb;
   if (w.m) tile_avx512<NB, U4, true>(w, g, nblocks, out);
   else tile_avx512<NB, U4, false>(w, g, nblocks, out);
 }
@@ -806,7 +806,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
   }
 #endif
   const std::vector<GroupBlock> groups = pack_groups(a_in, first, N);
-  a.groups = groups.data(), a.group0 = first / VNNI_NB;
+  a.groups = groups.data(), a.row0 = first;
 #endif
 #ifdef GLMSERVE_AMX
   if (use_amx(N, u4)) {
