@@ -21,8 +21,9 @@
 // Integer dot products (the ideas of llama.cpp's ggml/src/ggml-cpu/ggml-cpu-quants.c, vec_dot_q8_0_q8_0 and
 // vec_dot_q4_1_q8_1: maddubs on |w| with x signed by w for signed int8, and the block sum for mins; the code
 // here is our own):
-//   AVX-512 VNNI: vpdpbusd (u8 x s8, 4 products per 32-bit lane). i8 codes are flipped to unsigned c + 128
-//     (xor 0x80) and 128 * sum(q) is subtracted per block.
+//   AVX-512 VNNI: vpdpbusd (u8 x s8, 4 products per 32-bit lane), the activations' 4 bytes broadcast from its
+//     memory operand. i8 codes are flipped to unsigned c + 128 (xor 0x80) and a block's sum starts from
+//     -128 * sum(q).
 //   AVX2: vpmaddubsw + vpmaddwd. u4: nibble x int8 pairs (at most 2 * 15 * 127) add up in int16 over the
 //     whole block (8 steps: at most 30,480), one vpmaddwd per block. i8: |c| x sign(q, c) per step.
 //   scalar: the same sums in plain C++ (any CPU).
@@ -42,7 +43,8 @@
 //   floats bit for bit. set_amx(false) turns it off (tests, benchmarks), as does GLMSERVE_CPU_AMX=0 at load.
 // Batch: each tile computes NB activation rows at once (8 on AVX-512, 2 on AVX2, 1 scalar) so that its
 // weights are loaded (and nibbles unpacked) once per NB rows; a tile's weights (16 x in bytes or half of it)
-// stay in L1/L2 across the batch. Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles
+// stay in L1/L2 across the batch. The AVX-512 tiles read the activations regrouped once per call (GroupBlock:
+// per 8 rows and block, their codes, scales and sums side by side), so that one pointer addresses them all. Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles
 // (at::parallel_for).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
