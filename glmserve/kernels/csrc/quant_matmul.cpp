@@ -217,21 +217,25 @@ struct GroupBlock {
   int32_t bias[VNNI_NB];  // -128 * sum(q): the i8 codes' flip to c + 128, the starting value of the integer sum
 };
 
-// rows [first, N) of the activations into groups of VNNI_NB from `first` on ([groups][nb]; zero past N)
-std::vector<GroupBlock> pack_groups(const Acts& a, int64_t first, int64_t N) {
-  const int64_t groups = (N - first + VNNI_NB - 1) / VNNI_NB;
-  std::vector<GroupBlock> out(groups * a.nb, GroupBlock{});
+// rows [first, N) of the activations into groups of VNNI_NB from `first` on ([groups][nb]), in this thread's buffer
+// (reused: no allocation per call). A last group's missing rows are left as they are: tile_rows runs it with as
+// many rows as it has, and a tile of NB rows reads the first NB only.
+const GroupBlock* pack_groups(const Acts& a, int64_t first, int64_t N) {
+  thread_local std::vector<GroupBlock> buffer;
+  const size_t size = static_cast<size_t>((N - first + VNNI_NB - 1) / VNNI_NB * a.nb);
+  if (buffer.size() < size) buffer.resize(size);
   for (int64_t n = first; n < N; ++n) {
-    GroupBlock* g = out.data() + (n - first) / VNNI_NB * a.nb;
+    GroupBlock* g = buffer.data() + (n - first) / VNNI_NB * a.nb;
     const int r = static_cast<int>((n - first) % VNNI_NB);
+    const int8_t* q = a.q + n * a.kp;
     for (int64_t b = 0; b < a.nb; ++b) {
-      for (int j = 0; j < 8; ++j) g[b].q[j][r] = load_i32(a.q + n * a.kp + b * QK + 4 * j);
+      for (int j = 0; j < 8; ++j) g[b].q[j][r] = load_i32(q + b * QK + 4 * j);
       g[b].d[r] = a.d[n * a.nb + b];
       g[b].s[r] = a.s[n * a.nb + b];
       g[b].bias[r] = -128 * a.isum[n * a.nb + b];
     }
   }
-  return out;
+  return buffer.data();
 }
 
 // acc + the 4-byte products of w's lanes and the int32 at x broadcast to all lanes, with the broadcast embedded in
@@ -807,8 +811,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
     first = tail > 0 && tail < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) ? N - tail : N;
   }
 #endif
-  const std::vector<GroupBlock> groups = pack_groups(a_in, first, N);
-  a.groups = groups.data(), a.row0 = first;
+  a.groups = pack_groups(a_in, first, N), a.row0 = first;
 #endif
 #ifdef GLMSERVE_AMX
   if (use_amx(N, u4)) {
