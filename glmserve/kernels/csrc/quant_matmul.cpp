@@ -43,7 +43,7 @@
 //   floats bit for bit. set_amx(false) turns it off (tests, benchmarks), as does GLMSERVE_CPU_AMX=0 at load.
 // Batch: each tile computes NB activation rows at once (8 on AVX-512, 2 on AVX2, 1 scalar) so that its
 // weights are loaded (and nibbles unpacked) once per NB rows; a tile's weights (16 x in bytes or half of it)
-// stay in L1/L2 across the batch. The AVX-512 tiles read the activations regrouped once per call (GroupBlock:
+// stay in L1/L2 across the batch. The AVX-512 tiles read the activations regrouped once per call (pack_groups:
 // per 8 rows and block, their codes, scales and sums side by side), so that one pointer addresses them all. Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles
 // (at::parallel_for).
 #include <ATen/ATen.h>
@@ -79,7 +79,7 @@ constexpr int64_t U4_BLOCK = ROWS * QK / 2;
 constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
 constexpr int VNNI_NB = 8;                  // activation rows per AVX-512 VNNI tile
 
-struct GroupBlock;  // the VNNI tiles' regrouped activations (AVX-512 VNNI builds)
+union GroupWord;  // the VNNI tiles' regrouped activations (AVX-512 VNNI builds)
 
 struct Acts {  // quantized activations
   const int8_t* q;       // [N, kp]
@@ -87,7 +87,7 @@ struct Acts {  // quantized activations
   const float* s;        // [N, nb] d * sum(q) per block
   const int32_t* isum;   // [N, nb] sum(q) per block
   int64_t kp, nb;
-  const GroupBlock* groups = nullptr;  // VNNI builds: the rows from row0 on regrouped (pack_groups)
+  const GroupWord* groups = nullptr;  // VNNI builds: the rows from row0 on regrouped (pack_groups)
   int64_t row0 = 0;
 };
 
@@ -206,33 +206,35 @@ void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, flo
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // ---------------------------------------------------------------------------------------------- AVX-512 VNNI
-// The activations regrouped for the VNNI tiles (pack_groups, once per call): per group of VNNI_NB rows and block,
-// the 4-byte pieces of the rows' codes side by side, and the rows' dx, s and -128 sum(q), so that every broadcast
-// of a tile's block is at a fixed offset from one pointer (with one pointer per row, GCC ran out of general
-// registers at 8 rows and parked the int8 path's 128 * sum(q) in mask registers: 105 GMAC/s against 130 for u4).
-struct GroupBlock {
-  int32_t q[8][VNNI_NB];  // q[j][n]: row n's codes 4j..4j+3 of the block
-  float d[VNNI_NB];       // dx
-  float s[VNNI_NB];       // dx * sum(q)
-  int32_t bias[VNNI_NB];  // -128 * sum(q): the i8 codes' flip to c + 128, the starting value of the integer sum
+// The activations regrouped for the VNNI tiles (pack_groups, once per call): per group of G rows (VNNI_NB, the last
+// one the rows left) and block, GROUP_WORDS * G 32-bit words: q[8][G] (q[j][n]: row n's codes 4j..4j+3), dx[G],
+// s[G] (dx * sum(q)) and bias[G] (-128 * sum(q): the i8 codes' flip to c + 128, the start of the integer sum), so
+// that every broadcast of a tile's block is at a fixed offset from one pointer (with one pointer per row, GCC ran out
+// of general registers at 8 rows and parked the int8 path's 128 * sum(q) in mask registers: 105 GMAC/s against 130
+// for u4), and a batch of one row reads 44 bytes per block.
+union GroupWord {
+  int32_t i;
+  float f;
 };
+constexpr int GROUP_WORDS = 11;
 
-// rows [first, N) of the activations into groups of VNNI_NB from `first` on ([groups][nb]), in this thread's buffer
-// (reused: no allocation per call). A last group's missing rows are left as they are: tile_rows runs it with as
-// many rows as it has, and a tile of NB rows reads the first NB only.
-const GroupBlock* pack_groups(const Acts& a, int64_t first, int64_t N) {
-  thread_local std::vector<GroupBlock> buffer;
-  const size_t size = static_cast<size_t>((N - first + VNNI_NB - 1) / VNNI_NB * a.nb);
+// rows [first, N) of the activations in groups of VNNI_NB from `first` on, into this thread's buffer (reused: no
+// allocation per call)
+const GroupWord* pack_groups(const Acts& a, int64_t first, int64_t N) {
+  thread_local std::vector<GroupWord> buffer;
+  const size_t size = static_cast<size_t>((N - first) * a.nb * GROUP_WORDS);
   if (buffer.size() < size) buffer.resize(size);
   for (int64_t n = first; n < N; ++n) {
-    GroupBlock* g = buffer.data() + (n - first) / VNNI_NB * a.nb;
-    const int r = static_cast<int>((n - first) % VNNI_NB);
+    const int64_t g0 = first + (n - first) / VNNI_NB * VNNI_NB;  // the group's first row
+    const int64_t rows = std::min<int64_t>(VNNI_NB, N - g0), r = n - g0;
+    GroupWord* g = buffer.data() + (g0 - first) * a.nb * GROUP_WORDS;
     const int8_t* q = a.q + n * a.kp;
     for (int64_t b = 0; b < a.nb; ++b) {
-      for (int j = 0; j < 8; ++j) g[b].q[j][r] = load_i32(q + b * QK + 4 * j);
-      g[b].d[r] = a.d[n * a.nb + b];
-      g[b].s[r] = a.s[n * a.nb + b];
-      g[b].bias[r] = -128 * a.isum[n * a.nb + b];
+      GroupWord* x = g + b * GROUP_WORDS * rows;
+      for (int j = 0; j < 8; ++j) x[j * rows + r].i = load_i32(q + b * QK + 4 * j);
+      x[8 * rows + r].f = a.d[n * a.nb + b];
+      x[9 * rows + r].f = a.s[n * a.nb + b];
+      x[10 * rows + r].i = -128 * a.isum[n * a.nb + b];
     }
   }
   return buffer.data();
@@ -245,41 +247,42 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
   return acc;
 }
 
-// NB <= VNNI_NB rows of one group (g: its blocks) x one weight tile. Per block the same integer sums (u4: nibble
+// One group of NB <= VNNI_NB rows (g: its blocks) x one weight tile. Per block the same integer sums (u4: nibble
 // x code; i8: (c + 128) x code from -128 sum(q)) and the same fp32 operations in the same order as before the
 // regrouping, the scalar and AVX2 tiles and the AMX tiles: the floats are unchanged. The activations are
 // broadcast straight from memory (vpbroadcastd loads; the 4-byte pieces of 8 rows are one 256-byte row per j).
 template <int NB, bool U4, bool MINS>
-void tile_avx512(const Weights& w, const GroupBlock* g, int64_t nblocks, float* out) {
+void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* out) {
   __m512 acc[NB];
   for (int n = 0; n < NB; ++n) acc[n] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* c = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
-    const GroupBlock& x = g[b];
+    const GroupWord* x = g + b * GROUP_WORDS * NB;
+    const GroupWord *dx = x + 8 * NB, *sx = x + 9 * NB, *bias = x + 10 * NB;
     __m512i isum[NB];
-    for (int n = 0; n < NB; ++n) isum[n] = U4 ? _mm512_setzero_si512() : _mm512_set1_epi32(x.bias[n]);
+    for (int n = 0; n < NB; ++n) isum[n] = U4 ? _mm512_setzero_si512() : _mm512_set1_epi32(bias[n].i);
     if (U4) {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(c + j * 64);
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int n = 0; n < NB; ++n) {
-          isum[n] = dpbusd_broadcast(isum[n], lo, &x.q[j][n]);
-          isum[n] = dpbusd_broadcast(isum[n], hi, &x.q[4 + j][n]);
+          isum[n] = dpbusd_broadcast(isum[n], lo, &x[j * NB + n].i);
+          isum[n] = dpbusd_broadcast(isum[n], hi, &x[(4 + j) * NB + n].i);
         }
       }
     } else {
       for (int j = 0; j < 8; ++j) {
         const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(c + j * 64), flip);  // c + 128, unsigned
-        for (int n = 0; n < NB; ++n) isum[n] = dpbusd_broadcast(isum[n], v, &x.q[j][n]);
+        for (int n = 0; n < NB; ++n) isum[n] = dpbusd_broadcast(isum[n], v, &x[j * NB + n].i);
       }
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
     const __m512 mw = MINS ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + b * ROWS)))
                            : _mm512_setzero_ps();
     for (int n = 0; n < NB; ++n) {
-      acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[n]), _mm512_mul_ps(dw, _mm512_set1_ps(x.d[n])), acc[n]);
-      if (MINS) acc[n] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[n]), acc[n]);
+      acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[n]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[n].f)), acc[n]);
+      if (MINS) acc[n] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[n].f), acc[n]);
     }
   }
   for (int n = 0; n < NB; ++n) _mm512_storeu_ps(out + n * ROWS, acc[n]);
@@ -695,10 +698,10 @@ void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uin
 // ---------------------------------------------------------------------------------------------- dispatch
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr int MAX_NB = VNNI_NB;
-// rows n0.. (n0 = a.row0 + a multiple of VNNI_NB: the first row of one of a.groups)
+// rows n0..n0+NB-1: one of the groups of a.groups (n0 = a.row0 + a multiple of VNNI_NB; NB its rows)
 template <int NB, bool U4>
 void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
-  const GroupBlock* g = a.groups + (n0 - a.row0) / VNNI_NB * a.nb;
+  const GroupWord* g = a.groups + (n0 - a.row0) * a.nb * GROUP_WORDS;
   if (w.m) tile_avx512<NB, U4, true>(w, g, nblocks, out);
   else tile_avx512<NB, U4, false>(w, g, nblocks, out);
 }
