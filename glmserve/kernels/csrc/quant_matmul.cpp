@@ -44,8 +44,8 @@
 // Batch: each tile computes NB activation rows at once (8 on AVX-512, 2 on AVX2, 1 scalar) so that its
 // weights are loaded (and nibbles unpacked) once per NB rows; a tile's weights (16 x in bytes or half of it)
 // stay in L1/L2 across the batch. The AVX-512 tiles read the activations regrouped once per call (pack_groups:
-// per 8 rows and block, their codes, scales and sums side by side), so that one pointer addresses them all. Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles
-// (at::parallel_for).
+// per 8 rows and block, their codes, scales and sums side by side), so that one pointer addresses them all.
+// Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles (at::parallel_for).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -249,8 +249,8 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
 
 // One group of NB <= VNNI_NB rows (g: its blocks) x one weight tile. Per block the same integer sums (u4: nibble
 // x code; i8: (c + 128) x code from -128 sum(q)) and the same fp32 operations in the same order as before the
-// regrouping, the scalar and AVX2 tiles and the AMX tiles: the floats are unchanged. The activations are
-// broadcast straight from memory (vpbroadcastd loads; the 4-byte pieces of 8 rows are one 256-byte row per j).
+// regrouping, the scalar and AVX2 tiles and the AMX tiles: the floats are unchanged. Each 4-byte piece of the
+// activations is broadcast by vpdpbusd from memory (the pieces j of the group's rows: NB words side by side).
 template <int NB, bool U4, bool MINS>
 void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* out) {
   __m512 acc[NB];
