@@ -218,26 +218,29 @@ union GroupWord {
 };
 constexpr int GROUP_WORDS = 11;
 
-// rows [first, N) of the activations in groups of VNNI_NB from `first` on, into this thread's buffer (reused: no
-// allocation per call)
+// rows [first, N) of the activations in groups of VNNI_NB from `first` on, into the calling thread's buffer (reused:
+// no allocation per call; rows split over the intra-op threads for large batches)
 const GroupWord* pack_groups(const Acts& a, int64_t first, int64_t N) {
   thread_local std::vector<GroupWord> buffer;
   const size_t size = static_cast<size_t>((N - first) * a.nb * GROUP_WORDS);
   if (buffer.size() < size) buffer.resize(size);
-  for (int64_t n = first; n < N; ++n) {
-    const int64_t g0 = first + (n - first) / VNNI_NB * VNNI_NB;  // the group's first row
-    const int64_t rows = std::min<int64_t>(VNNI_NB, N - g0), r = n - g0;
-    GroupWord* g = buffer.data() + (g0 - first) * a.nb * GROUP_WORDS;
-    const int8_t* q = a.q + n * a.kp;
-    for (int64_t b = 0; b < a.nb; ++b) {
-      GroupWord* x = g + b * GROUP_WORDS * rows;
-      for (int j = 0; j < 8; ++j) x[j * rows + r].i = load_i32(q + b * QK + 4 * j);
-      x[8 * rows + r].f = a.d[n * a.nb + b];
-      x[9 * rows + r].f = a.s[n * a.nb + b];
-      x[10 * rows + r].i = -128 * a.isum[n * a.nb + b];
+  GroupWord* data = buffer.data();
+  at::parallel_for(first, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t g0 = first + (n - first) / VNNI_NB * VNNI_NB;  // the group's first row
+      const int64_t rows = std::min<int64_t>(VNNI_NB, N - g0), r = n - g0;
+      GroupWord* g = data + (g0 - first) * a.nb * GROUP_WORDS;
+      const int8_t* q = a.q + n * a.kp;
+      for (int64_t b = 0; b < a.nb; ++b) {
+        GroupWord* x = g + b * GROUP_WORDS * rows;
+        for (int j = 0; j < 8; ++j) x[j * rows + r].i = load_i32(q + b * QK + 4 * j);
+        x[8 * rows + r].f = a.d[n * a.nb + b];
+        x[9 * rows + r].f = a.s[n * a.nb + b];
+        x[10 * rows + r].i = -128 * a.isum[n * a.nb + b];
+      }
     }
-  }
-  return buffer.data();
+  });
+  return data;
 }
 
 // acc + the 4-byte products of w's lanes and the int32 at x broadcast to all lanes, with the broadcast embedded in
