@@ -1,11 +1,11 @@
 """A/B of two versions of the int8 block kernel (kernels/csrc/quant_matmul.cpp): `quant_matmul` on SmolLM2-135M's
 linear shapes and its lm_head at decode batch sizes, both builds loaded in one process and timed interleaved
-(A, B and B's VNNI tiles in turn, the order rotating per repeat; on a CPU without AMX, A and B, B's tiles being its
-VNNI ones) on the same packed weights and the same quantized
-activations. Checks first that every output of both builds, AMX and VNNI tiles, is the same floats.
+(A, B and, on AMX CPUs, B's VNNI tiles in turn, the order rotating per repeat) on the same packed weights and the
+same quantized activations. Checks first that every output of both builds, AMX and VNNI tiles, is the same floats.
 
-    git show main:glmserve/kernels/csrc/quant_matmul.cpp > /tmp/qm_main.cpp
-    .venv/bin/python bench/ab_quant_kernels.py /tmp/qm_main.cpp [--batches 8 16 32 64] [--threads 1] [--repeats 9]
+    mkdir -p /tmp/qm && git show main:glmserve/kernels/csrc/quant_matmul.cpp > /tmp/qm/qm_main.cpp
+    git show main:glmserve/kernels/csrc/amx.h > /tmp/qm/amx.h   # the header it includes, beside it
+    .venv/bin/python bench/ab_quant_kernels.py /tmp/qm/qm_main.cpp [--batches 8 16 32 64] [--threads 1] [--repeats 9]
 
 A is compiled from the given source (avx512 variant, the kernels' own flags) under its own module name, in a build
 directory named by its hash; B is this checkout's avx512 build. Weights: random, round-to-nearest int4 group 32
@@ -75,11 +75,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     a, b = build_a(args.a_source), load("quant_matmul", "avx512")
-    amx = a.set_amx(True) and b.set_amx(True)  # without AMX (or a build without it) A and B run the SIMD tiles
+    amx = a.set_amx(True) and b.set_amx(True)  # without AMX both run their VNNI (or AVX2) tiles: A and B only
     quantize_acts = kernels.op("quantize_activations", CPU, torch.float32)
     backend = CpuBlockBackend()
     print("loadavg before:", Path("/proc/loadavg").read_text().strip())
-    print(f"threads {args.threads}, medians of {args.repeats}; us: CPU time of the calling thread (wall)")
+    print(f"AMX int8 tiles: {amx}; threads {args.threads}, medians of {args.repeats}; "
+          "us: CPU time of the calling thread (wall)")
     print("| shape | format | M | A us | B us | B VNNI us | A GMAC/s | B GMAC/s | B VNNI GMAC/s | B / A time |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for shape, fmt in itertools.product(args.shapes, args.formats):
@@ -99,9 +100,7 @@ def main() -> None:
                 finally:
                     b.set_amx(True)
 
-            calls = {"A": a.quant_matmul, "B": b.quant_matmul, "B VNNI": vnni}
-            if not amx:  # B's tiles are its VNNI tiles
-                del calls["B VNNI"]
+            calls = {"A": a.quant_matmul, "B": b.quant_matmul, **({"B VNNI": vnni} if amx else {})}
             outs = {k: f(*acts, *weights) for k, f in calls.items()}
             a.set_amx(False)
             outs["A VNNI"] = a.quant_matmul(*acts, *weights)
@@ -118,10 +117,9 @@ def main() -> None:
             us = {k: statistics.median(v) * 1e6 for k, v in cpu.items()}
             us_wall = {k: statistics.median(v) * 1e6 for k, v in wall.items()}
             gmacs = {k: m * out * inp / t / 1e3 for k, t in us.items()}
-            if not amx:
-                us["B VNNI"], us_wall["B VNNI"], gmacs["B VNNI"] = us["B"], us_wall["B"], gmacs["B"]
-            cells = " | ".join(f"{us[k]:.0f} ({us_wall[k]:.0f})" for k in ("A", "B", "B VNNI"))
-            print(f"| {shape} | {fmt} | {m} | {cells} | {gmacs['A']:.0f} | {gmacs['B']:.0f} | {gmacs['B VNNI']:.0f} | "
+            cells = " | ".join(f"{us[k]:.0f} ({us_wall[k]:.0f})" if k in us else "–" for k in ("A", "B", "B VNNI"))
+            vnni_gmacs = f"{gmacs['B VNNI']:.0f}" if amx else "–"
+            print(f"| {shape} | {fmt} | {m} | {cells} | {gmacs['A']:.0f} | {gmacs['B']:.0f} | {vnni_gmacs} | "
                   f"{us['B'] / us['A']:.2f} |", flush=True)
     print("loadavg after:", Path("/proc/loadavg").read_text().strip())
 

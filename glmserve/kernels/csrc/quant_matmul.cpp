@@ -21,8 +21,9 @@
 // Integer dot products (the ideas of llama.cpp's ggml/src/ggml-cpu/ggml-cpu-quants.c, vec_dot_q8_0_q8_0 and
 // vec_dot_q4_1_q8_1: maddubs on |w| with x signed by w for signed int8, and the block sum for mins; the code
 // here is our own):
-//   AVX-512 VNNI: vpdpbusd (u8 x s8, 4 products per 32-bit lane). i8 codes are flipped to unsigned c + 128
-//     (xor 0x80) and 128 * sum(q) is subtracted per block.
+//   AVX-512 VNNI: vpdpbusd (u8 x s8, 4 products per 32-bit lane), the activations' 4 bytes broadcast from its
+//     memory operand. i8 codes are flipped to unsigned c + 128 (xor 0x80) and a block's sum starts from
+//     -128 * sum(q).
 //   AVX2: vpmaddubsw + vpmaddwd. u4: nibble x int8 pairs (at most 2 * 15 * 127) add up in int16 over the
 //     whole block (8 steps: at most 30,480), one vpmaddwd per block. i8: |c| x sign(q, c) per step.
 //   scalar: the same sums in plain C++ (any CPU).
@@ -42,8 +43,9 @@
 //   floats bit for bit. set_amx(false) turns it off (tests, benchmarks), as does GLMSERVE_CPU_AMX=0 at load.
 // Batch: each tile computes NB activation rows at once (8 on AVX-512, 2 on AVX2, 1 scalar) so that its
 // weights are loaded (and nibbles unpacked) once per NB rows; a tile's weights (16 x in bytes or half of it)
-// stay in L1/L2 across the batch. Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles
-// (at::parallel_for).
+// stay in L1/L2 across the batch. The AVX-512 tiles read the activations regrouped once per call (pack_groups:
+// per 8 rows and block, their codes, scales and sums side by side), so that one pointer addresses them all.
+// Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles (at::parallel_for).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -76,6 +78,9 @@ constexpr int64_t ROWS = 16;   // output rows per tile
 constexpr int64_t I8_BLOCK = ROWS * QK;      // bytes per tile and block
 constexpr int64_t U4_BLOCK = ROWS * QK / 2;
 constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
+constexpr int VNNI_NB = 8;                  // activation rows per AVX-512 VNNI tile
+
+union GroupWord;  // the VNNI tiles' regrouped activations (AVX-512 VNNI builds)
 
 struct Acts {  // quantized activations
   const int8_t* q;       // [N, kp]
@@ -83,6 +88,8 @@ struct Acts {  // quantized activations
   const float* s;        // [N, nb] d * sum(q) per block
   const int32_t* isum;   // [N, nb] sum(q) per block
   int64_t kp, nb;
+  const GroupWord* groups = nullptr;  // VNNI builds: the rows from row0 on regrouped (pack_groups)
+  int64_t row0 = 0;
 };
 
 struct Weights {  // one tile
@@ -200,43 +207,86 @@ void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, flo
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // ---------------------------------------------------------------------------------------------- AVX-512 VNNI
-template <int NB, bool U4>
-void tile_avx512(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
+// The activations regrouped for the VNNI tiles (pack_groups, once per call): per group of G rows (VNNI_NB, the last
+// one the rows left) and block, GROUP_WORDS * G 32-bit words: q[8][G] (q[j][n]: row n's codes 4j..4j+3), dx[G],
+// s[G] (dx * sum(q)) and bias[G] (-128 * sum(q): the i8 codes' flip to c + 128, the start of the integer sum), so
+// that every broadcast of a tile's block is at a fixed offset from one pointer (with one pointer per row, GCC ran out
+// of general registers at 8 rows and parked the int8 path's 128 * sum(q) in mask registers: 105 GMAC/s against 130
+// for u4), and a batch of one row reads 44 bytes per block.
+union GroupWord {
+  int32_t i;
+  float f;
+};
+constexpr int GROUP_WORDS = 11;
+
+// rows [first, N) of the activations in groups of VNNI_NB from `first` on, into the calling thread's buffer (reused:
+// no allocation per call; rows split over the intra-op threads for large batches)
+const GroupWord* pack_groups(const Acts& a, int64_t first, int64_t N) {
+  thread_local std::vector<GroupWord> buffer;
+  const size_t size = static_cast<size_t>((N - first) * a.nb * GROUP_WORDS);
+  if (buffer.size() < size) buffer.resize(size);
+  GroupWord* data = buffer.data();
+  at::parallel_for(first, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t g0 = first + (n - first) / VNNI_NB * VNNI_NB;  // the group's first row
+      const int64_t rows = std::min<int64_t>(VNNI_NB, N - g0), r = n - g0;
+      GroupWord* g = data + (g0 - first) * a.nb * GROUP_WORDS;
+      const int8_t* q = a.q + n * a.kp;
+      for (int64_t b = 0; b < a.nb; ++b) {
+        GroupWord* x = g + b * GROUP_WORDS * rows;
+        for (int j = 0; j < 8; ++j) x[j * rows + r].i = load_i32(q + b * QK + 4 * j);
+        x[8 * rows + r].f = a.d[n * a.nb + b];
+        x[9 * rows + r].f = a.s[n * a.nb + b];
+        x[10 * rows + r].i = -128 * a.isum[n * a.nb + b];
+      }
+    }
+  });
+  return data;
+}
+
+// acc + the 4-byte products of w's lanes and the int32 at x broadcast to all lanes, with the broadcast embedded in
+// vpdpbusd's memory operand (GCC emits a separate vpbroadcastd load for _mm512_set1_epi32 of memory)
+inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+// One group of NB <= VNNI_NB rows (g: its blocks) x one weight tile. Per block the same integer sums (u4: nibble
+// x code; i8: (c + 128) x code from -128 sum(q)) and the same fp32 operations in the same order as before the
+// regrouping, the scalar and AVX2 tiles and the AMX tiles: the floats are unchanged. Each 4-byte piece of the
+// activations is broadcast by vpdpbusd from memory (the pieces j of the group's rows: NB words side by side).
+template <int NB, bool U4, bool MINS>
+void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* out) {
   __m512 acc[NB];
   for (int n = 0; n < NB; ++n) acc[n] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* c = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
+    const GroupWord* x = g + b * GROUP_WORDS * NB;
+    const GroupWord *dx = x + 8 * NB, *sx = x + 9 * NB, *bias = x + 10 * NB;
     __m512i isum[NB];
-    for (int n = 0; n < NB; ++n) isum[n] = _mm512_setzero_si512();
+    for (int n = 0; n < NB; ++n) isum[n] = U4 ? _mm512_setzero_si512() : _mm512_set1_epi32(bias[n].i);
     if (U4) {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(c + j * 64);
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int n = 0; n < NB; ++n) {
-          const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
-          isum[n] = _mm512_dpbusd_epi32(isum[n], lo, _mm512_set1_epi32(load_i32(qb + 4 * j)));
-          isum[n] = _mm512_dpbusd_epi32(isum[n], hi, _mm512_set1_epi32(load_i32(qb + 16 + 4 * j)));
+          isum[n] = dpbusd_broadcast(isum[n], lo, &x[j * NB + n].i);
+          isum[n] = dpbusd_broadcast(isum[n], hi, &x[(4 + j) * NB + n].i);
         }
       }
     } else {
       for (int j = 0; j < 8; ++j) {
         const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(c + j * 64), flip);  // c + 128, unsigned
-        for (int n = 0; n < NB; ++n) {
-          const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
-          isum[n] = _mm512_dpbusd_epi32(isum[n], v, _mm512_set1_epi32(load_i32(qb + 4 * j)));
-        }
+        for (int n = 0; n < NB; ++n) isum[n] = dpbusd_broadcast(isum[n], v, &x[j * NB + n].i);
       }
-      for (int n = 0; n < NB; ++n)
-        isum[n] = _mm512_sub_epi32(isum[n], _mm512_set1_epi32(128 * a.isum[(n0 + n) * a.nb + b]));
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
-    const __m512 mw = w.m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + b * ROWS)))
-                          : _mm512_setzero_ps();
+    const __m512 mw = MINS ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + b * ROWS)))
+                           : _mm512_setzero_ps();
     for (int n = 0; n < NB; ++n) {
-      const int64_t i = (n0 + n) * a.nb + b;
-      acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[n]), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[n]);
-      if (w.m) acc[n] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[n]);
+      acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[n]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[n].f)), acc[n]);
+      if (MINS) acc[n] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[n].f), acc[n]);
     }
   }
   for (int n = 0; n < NB; ++n) _mm512_storeu_ps(out + n * ROWS, acc[n]);
@@ -605,9 +655,14 @@ void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uin
 
 // ---------------------------------------------------------------------------------------------- dispatch
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr int MAX_NB = 8;
+constexpr int MAX_NB = VNNI_NB;
+// rows n0..n0+NB-1: one of the groups of a.groups (n0 = a.row0 + a multiple of VNNI_NB; NB its rows)
 template <int NB, bool U4>
-void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) { tile_avx512<NB, U4>(w, a, n0, nblocks, out); }
+void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
+  const GroupWord* g = a.groups + (n0 - a.row0) * a.nb * GROUP_WORDS;
+  if (w.m) tile_avx512<NB, U4, true>(w, g, nblocks, out);
+  else tile_avx512<NB, U4, false>(w, g, nblocks, out);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int MAX_NB = 2;
 template <int NB, bool U4>
@@ -712,6 +767,18 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
   const uint16_t* mp = wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr;
   const int64_t block_bytes = codes.size(2);
   Acts a = a_in;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  // the rows the VNNI tiles run, regrouped: all of them, or on the AMX tiles only a last group of 16 too small for
+  // them (amx_tiles)
+  int64_t first = 0;
+#ifdef GLMSERVE_AMX
+  if (use_amx(N, u4)) {
+    const int64_t tail = N % AMX_ROWS;
+    first = tail > 0 && tail < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) ? N - tail : N;
+  }
+#endif
+  a.groups = pack_groups(a_in, first, N), a.row0 = first;
+#endif
 #ifdef GLMSERVE_AMX
   if (use_amx(N, u4)) {
     // the activations padded with zero rows (codes and scales) to whole A tiles of 16 rows
