@@ -116,6 +116,11 @@ CONFIGS = {
     "seqa-gptq-fp8-g16-ss-t1": dict(scheme="fp8-g16", method="gptq", scale_search=True, sequential=True,
                                     asymmetric=True, asymmetric_damp=1.0),
     "seq-gptq-fp8-g16-ss": dict(scheme="fp8-g16", method="gptq", scale_search=True, sequential=True),
+    # a finer sweep of the float target's ridge: F = 3 and 30 (beside 0.1, 1 and 10 above)
+    "seqa-awq-gptq-w4a16-asym-ss-t3": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
+                                           sequential=True, asymmetric=True, asymmetric_damp=3.0),
+    "seqa-awq-gptq-w4a16-asym-ss-t30": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
+                                            sequential=True, asymmetric=True, asymmetric_damp=30.0),
     "seqa-awq-gptq-w4a16-asym-ss-t0.1": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
                                              sequential=True, asymmetric=True, asymmetric_damp=0.1),
     "seqa-awq-gptq-w4a16-asym-ss-t1": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
