@@ -20,6 +20,12 @@ untied, QuaRot's R1): the rotated float model is then the reference of every row
 perplexity and KL against the unrotated float, equal to float rounding), and the rows quantize the rotated weights,
 which no longer lie on the GGUF's Q4_1 grid. "below bf16" stays against the shipped (tied) model in bf16.
 
+`--perturb SIGMA` adds seeded Gaussian noise of SIGMA times each 32-block's Q4_1 step ((max - min) / 15) to every
+linear weight but lm_head, so that its weights lie on no 4-bit grid (tied embeddings are untouched): that perturbed
+float model is then the reference of every row (its own row reports its perplexity and KL against the embedded
+model), like the rotated one. Unlike --rotate it changes the function; unlike it, it keeps the weights' layout (no
+folded norms, no Hadamard-mixed inputs), so round to nearest meets the model's own outlier structure.
+
 `--online-down-rotation` (with --rotate) adds QuaRot's R4 as an evaluation only: every down_proj's input x becomes
 x Q4 (a randomized Hadamard of the intermediate size, in a forward pre-hook: an online rotation, here a dense matmul
 where an engine would run a fast Hadamard transform) and its weight W Q4, so the float model computes the same
@@ -110,6 +116,11 @@ CONFIGS = {
     "seqa-gptq-fp8-g16-ss-t1": dict(scheme="fp8-g16", method="gptq", scale_search=True, sequential=True,
                                     asymmetric=True, asymmetric_damp=1.0),
     "seq-gptq-fp8-g16-ss": dict(scheme="fp8-g16", method="gptq", scale_search=True, sequential=True),
+    # a finer sweep of the float target's ridge: F = 3 and 30 (beside 0.1, 1 and 10 above)
+    "seqa-awq-gptq-w4a16-asym-ss-t3": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
+                                           sequential=True, asymmetric=True, asymmetric_damp=3.0),
+    "seqa-awq-gptq-w4a16-asym-ss-t30": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
+                                            sequential=True, asymmetric=True, asymmetric_damp=30.0),
     "seqa-awq-gptq-w4a16-asym-ss-t0.1": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
                                              sequential=True, asymmetric=True, asymmetric_damp=0.1),
     "seqa-awq-gptq-w4a16-asym-ss-t1": dict(scheme="w4a16-asym", method="awq-gptq", scale_search=True,
@@ -124,6 +135,15 @@ CONFIGS = {
                                  asymmetric=True),
     "seqa-gptq-fp8-g16-ss": dict(scheme="fp8-g16", method="gptq", scale_search=True, sequential=True,
                                  asymmetric=True),
+    # W4 g32 with a float16 minimum per group (w4a16-fmin: w = s * q + m, GGUF Q4_1's form) beside the integer zero
+    # point's rows: on the unrotated model (every linear weight Q4_1 dequantized) round to nearest reproduces the
+    # source grid, so only the rotated (--rotate) or perturbed (--perturb) model measures a genuine 4-bit rounding
+    "rtn-w4a16-fmin": dict(scheme="w4a16-fmin"),
+    "rtn-w4a16-fmin-ss": dict(scheme="w4a16-fmin", scale_search=True),
+    "gptq-w4a16-fmin-ss": dict(scheme="w4a16-fmin", method="gptq", scale_search=True),
+    "awq-gptq-w4a16-fmin-ss": dict(scheme="w4a16-fmin", method="awq-gptq", scale_search=True),
+    "seqa-awq-gptq-w4a16-fmin-ss-t10": dict(scheme="w4a16-fmin", method="awq-gptq", scale_search=True,
+                                            sequential=True, asymmetric=True, asymmetric_damp=10.0),
     "nvfp4": dict(scheme="nvfp4"),
     "rtn-w4a16": dict(scheme="w4a16"),
     "rtn-w4a16-asym": dict(scheme="w4a16-asym"),
@@ -234,6 +254,21 @@ def _online_down_rotation(model: torch.nn.Module, seed: int = 1) -> None:
             m.register_forward_pre_hook(lambda _m, args, q4=q4: (args[0] @ q4,) + args[1:])
 
 
+@torch.no_grad()
+def _perturb(model: torch.nn.Module, sigma: float, seed: int = 0) -> None:
+    """Every linear layer but lm_head moved off its 4-bit source grid: w += sigma * d * N(0, 1), d = (max - min)
+    / 15 of each row's block of 32 inputs (the Q4_1 step it was stored with), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    for name, m in linear_layers(model).items():
+        if name == "lm_head":
+            continue
+        w = m.weight.data
+        blocks = w.float().reshape(w.shape[0], -1, 32)
+        step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 15
+        noise = torch.randn(blocks.shape, generator=g) * step * sigma
+        m.weight.data = (blocks + noise).reshape(w.shape).to(w.dtype)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
@@ -250,6 +285,9 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--rotate", default=None, choices=KINDS, help="rotate the residual stream first; the rotated "
                    "float model is the reference")
+    p.add_argument("--perturb", type=float, default=None, metavar="SIGMA", help="add Gaussian noise of SIGMA "
+                   "Q4_1 steps to every linear weight but lm_head (after --rotate, if given); the perturbed float "
+                   "model is the reference (see the docstring)")
     p.add_argument("--online-down-rotation", action="store_true", help="with --rotate: also QuaRot's R4, an online "
                    "Hadamard on every down_proj input (evaluation only; see the docstring)")
     args = p.parse_args()
@@ -267,22 +305,27 @@ def main() -> None:
     rows = [{"config": "float32", "ppl": base, "increase": {k: 0.0 for k in base}, "kl": {k: 0.0 for k in base},
              "weights_mib": bf16 / 2**20, "vs_bf16": 0.0, "seconds": time.time() - t0}]
     print(f"float32: ppl {base} ({ {k: sum(w.shape[1] for w in ws) for k, ws in evals.items()} } tokens)", flush=True)
-    if args.rotate:
+    if args.rotate or args.perturb:
         t0 = time.time()
-        rotate_model(ckpt.model, args.rotate)
-        if args.online_down_rotation:
-            _online_down_rotation(ckpt.model)
-        rotated, kl, logprobs = {}, {}, {}
+        label = []
+        if args.rotate:
+            rotate_model(ckpt.model, args.rotate)
+            label.append(f"rotated-{args.rotate}" + ("-r4" if args.online_down_rotation else ""))
+            if args.online_down_rotation:
+                _online_down_rotation(ckpt.model)
+        if args.perturb:
+            _perturb(ckpt.model, args.perturb)
+            label.append(f"perturbed-{args.perturb:g}")
+        changed, kl, logprobs = {}, {}, {}
         for k, ws in evals.items():
-            rotated[k], kl[k], logprobs[k] = _evaluate(ckpt.model, ws, reference[k], keep=True)
+            changed[k], kl[k], logprobs[k] = _evaluate(ckpt.model, ws, reference[k], keep=True)
         served, _ = weight_bytes(ckpt.model, None)
-        rows.append({"config": f"float32-rotated-{args.rotate}" + ("-r4" if args.online_down_rotation else ""),
-                     "ppl": rotated,
-                     "increase": {k: rotated[k] / base[k] - 1 for k in base}, "kl": kl, "weights_mib": served / 2**20,
+        rows.append({"config": "float32-" + "-".join(label), "ppl": changed,
+                     "increase": {k: changed[k] / base[k] - 1 for k in base}, "kl": kl, "weights_mib": served / 2**20,
                      "vs_bf16": 1 - served / bf16, "seconds": time.time() - t0})
-        print(f"float32 rotated ({args.rotate}): ppl {rotated}, vs unrotated "
-              f"{ {k: f'{rotated[k] / base[k] - 1:+.2e}' for k in base} }, KL {kl}", flush=True)
-        base, reference = rotated, logprobs  # every row below is measured against the rotated float model
+        print(f"float32 {' '.join(label)}: ppl {changed}, vs the embedded model "
+              f"{ {k: f'{changed[k] / base[k] - 1:+.2e}' for k in base} }, KL {kl}", flush=True)
+        base, reference = changed, logprobs  # every row below is measured against this float model
     hidden = ckpt.model.config.hidden_size
     stats: dict = {}
     for name in args.configs.split(","):

@@ -13,6 +13,7 @@ SCHEMES: dict[str, tuple[QuantSpec, QuantSpec | None]] = {
     "w8a8": (QuantSpec(8, "int", True, "channel"), INT8_TOKEN),
     "w4a16": (QuantSpec(4, "int", True, "group", group_size=32), None),
     "w4a16-asym": (QuantSpec(4, "int", False, "group", group_size=32), None),
+    "w4a16-fmin": (QuantSpec(4, "int", False, "group", group_size=32, zero_point="float"), None),
     "w4a16-channel": (QuantSpec(4, "int", True, "channel"), None),
     "int8-asym-w8a8": (QuantSpec(8, "int", False, "channel"), INT8_TOKEN),
     "int8-tensor": (QuantSpec(8, "int", True, "tensor"), INT8_TOKEN),

@@ -30,7 +30,7 @@ def _module(scheme: str, seed: int = 0) -> QuantizedModule:
 
 def _same(a: QuantizedModule, b: QuantizedModule) -> None:
     assert a.weight.spec == b.weight.spec and a.input_activations == b.input_activations
-    for field in ("codes", "scales", "zeros", "global_scale"):
+    for field in ("codes", "scales", "zeros", "mins", "global_scale"):
         x, y = getattr(a.weight, field), getattr(b.weight, field)
         assert (x is None) == (y is None), field
         if x is not None:
@@ -74,6 +74,9 @@ def test_compressed_tensors_decompresses_what_we_wrote(tmp_path, scheme):
     from safetensors.torch import load_file
 
     module = _module(scheme)
+    if module.weight.spec.float_min:
+        pytest.skip("compressed-tensors' pack-quantized compressor packs integer zero points only: "
+                    "test_float_zero_point_dequantizes_by_their_formula checks this format")
     save_checkpoint(tmp_path, {"layer": module}, {}, {}, ignore=[])
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     QuantizationConfig.model_validate(qc)  # their schema accepts our config
@@ -88,3 +91,26 @@ def test_compressed_tensors_decompresses_what_we_wrote(tmp_path, scheme):
     # their NVFP4 decompression computes in bfloat16 (unpack_fp4_from_uint8's default dtype): its rounding only
     rtol = 2 ** -8 if fmt == "nvfp4-pack-quantized" else 1e-6
     torch.testing.assert_close(theirs, ours, rtol=rtol, atol=1e-7)
+
+
+def test_float_zero_point_dequantizes_by_their_formula(tmp_path):
+    """A float minimum is written as a float32 zero point (zp_dtype): their schema reads the config back to the
+    same args, and their dequantize formula (q - z) * s on the file's signed codes and zero points gives our
+    weight."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+    from safetensors.torch import load_file
+
+    from glmserve.quant.compressed_tensors import _unpack_int32
+
+    module = _module("w4a16-fmin")
+    save_checkpoint(tmp_path, {"layer": module}, {}, {}, ignore=[])
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    QuantizationConfig.model_validate(qc)
+    args = QuantizationArgs.model_validate(next(iter(qc["config_groups"].values()))["weights"])
+    assert args.zp_dtype == torch.float32 and not args.symmetric
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert state["layer.weight_zero_point"].dtype == torch.float32
+    signed = _unpack_int32(state["layer.weight_packed"], 4, SHAPE[1]).float()
+    theirs = ct_dequantize(signed, state["layer.weight_scale"].float(), state["layer.weight_zero_point"], args)
+    torch.testing.assert_close(theirs, dequantize(module.weight), rtol=1e-6, atol=1e-7)

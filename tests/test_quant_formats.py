@@ -18,7 +18,7 @@ from glmserve.quant.schemes import SCHEMES, gguf_spec, scheme
 
 # relative Frobenius error of quantize -> dequantize on N(0, 1) weights (each bound ~2x what RTN gives)
 REL_ERROR = {"int8": 0.01, "int8-g64": 0.008, "int8-g32": 0.008, "w8a8": 0.01, "w4a16": 0.12, "w4a16-asym": 0.1,
-             "w4a16-g64": 0.13,
+             "w4a16-fmin": 0.1, "w4a16-g64": 0.13,
              "w4a16-asym-g64": 0.11, "fp8": 0.06, "fp8-a16": 0.06, "fp8-block": 0.06, "fp8-block-g128": 0.06,
              "fp8-g32": 0.06, "fp8-g16": 0.06, "nvfp4": 0.2, "q8_0": 0.008,
              "q4_0": 0.13, "q4_1": 0.1}

@@ -65,6 +65,7 @@ FORMATS = {
     "int4_group32_asym": (QuantSpec(4, symmetric=False, strategy="group", group_size=32), None),
     "int4_group64": (QuantSpec(4, strategy="group", group_size=64), None),
     "int4_group64_asym": (QuantSpec(4, symmetric=False, strategy="group", group_size=64), None),
+    "int4_group32_fmin": (QuantSpec(4, symmetric=False, strategy="group", group_size=32, zero_point="float"), None),
     "w8a8": (QuantSpec(8, strategy="channel"), TOKEN),
     "gguf_q8_0": (QuantSpec(8, strategy="group", group_size=32, gguf_type="Q8_0"), None),
     "gguf_q4_0": (QuantSpec(4, strategy="group", group_size=32, gguf_type="Q4_0"), None),

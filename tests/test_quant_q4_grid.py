@@ -74,3 +74,65 @@ def test_fp8_tiles_equal_tile_by_tile_rounding_on_576_inputs():
     for t0 in range(0, 576, 128):  # 4 tiles of 128, then 64
         part = x[:, t0:t0 + 128]
         assert torch.equal(got[:, t0:t0 + 128], fake_quantize_activations(part, FP8_TOKENS))
+
+
+def _q4_1_weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    """A weight exactly on GGUF Q4_1 grids, as the embedded model's dequantized tensors are: per 32 inputs a float16
+    step d and minimum m (m < 0 < m + 15 d) and codes 0..15, each block using both 0 and 15 (as llama.cpp's
+    min/max rounding makes it), w = d * q + m in float32."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = inp // 32
+    d = (torch.rand(out, blocks, 1, generator=g) * 0.01 + 1e-3).half().float()
+    m = (-d * (1 + 13 * torch.rand(out, blocks, 1, generator=g))).half().float()
+    q = torch.randint(0, 16, (out, blocks, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).reshape(out, inp)
+
+
+def test_rtn_float_min_reproduces_a_q4_1_grid_exactly():
+    """Round to nearest with a float minimum (w4a16-fmin) recovers every block's d, m and codes bit for bit, and the
+    weight; the integer zero point cannot (its zero point rounds -m / d, shifting whole blocks)."""
+    w = _q4_1_weight(48, 96)
+    q = quantize(w, scheme("w4a16-fmin").weight)
+    blocks = w.reshape(48, 3, 32)
+    assert q.scales.dtype == q.mins.dtype == torch.float16 and q.zeros is None
+    assert torch.equal(q.mins.float(), blocks.amin(-1))
+    assert torch.equal(dequantize(q), w)
+    asym = dequantize(quantize(w, scheme("w4a16-asym").weight))
+    assert (asym - w).abs().amax() > 1e-4
+
+
+def test_rtn_float_min_on_an_off_grid_weight_is_within_half_a_step_and_no_worse_than_llama_cpp():
+    """On a continuous weight, w4a16-fmin rounds each value to within half its block's step (its codes rounded
+    against the stored float16 d and m), and its squared error is not above llama.cpp's Q4_1 (which rounds against
+    the float32 d and m before storing them in float16)."""
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * 0.05
+    ours = quantize(w, scheme("w4a16-fmin").weight)
+    err = (dequantize(ours) - w).reshape(16, 2, 32).abs()
+    assert (err <= ours.scales.float().unsqueeze(-1) * (0.5 + 2 ** -10)).all()
+    q41 = dequantize(quantize(w, scheme("q4_1").weight))
+    assert (dequantize(ours) - w).square().sum() <= (q41 - w).square().sum()
+
+
+def test_gptq_with_an_identity_hessian_is_round_to_nearest_for_the_float_min():
+    """GPTQ with H = I has no correlations to spread errors over: its codes are round to nearest's, and it keeps
+    the float minimums (also without act order, where it sets each group's grid itself)."""
+    from glmserve.quant.calibrate import gptq
+
+    w = _q4_1_weight(8, 64, seed=1)
+    spec = scheme("w4a16-fmin").weight
+    for act_order in (True, False):
+        q = gptq(w, torch.eye(64), spec, act_order=act_order)
+        assert q.mins is not None and q.zeros is None and q.mins.dtype == torch.float16
+        assert torch.equal(dequantize(q), w)
+
+
+def test_compressed_tensors_round_trip_keeps_the_float_minimum():
+    """The float minimum travels as a float32 zero point -m / d - 8 and comes back as the same float16 m."""
+    w = _q4_1_weight(16, 64, seed=2)
+    q = quantize(w, scheme("w4a16-fmin").weight)
+    tensors = encode(QuantizedModule(q))
+    assert tensors["weight_zero_point"].dtype == torch.float32
+    back = decode(tensors, q.spec, None).weight
+    assert torch.equal(back.mins, q.mins) and torch.equal(back.scales, q.scales) and back.zeros is None
+    assert torch.equal(dequantize(back), w)

@@ -12,7 +12,9 @@ quantize columns in blocks of 128, spreading each column's error over the not-ye
 act order with static groups (the reference's --act-order with static_groups=True): SmolLM2's inputs have a few
 channels whose activations are 100x the rest, and quantizing those columns last leaves no columns to absorb their
 error. Without act order, group scales (and zero points) are set from the error-updated weights when a group's
-first column is reached. Either way the result is an ordinary group-wise QuantizedWeight that every backend runs.
+first column is reached. Asymmetric weights with a float minimum per group (spec.float_min) run the loop with
+the float zero point -m / s and keep their float16 minimums. Either way the result is an ordinary group-wise
+QuantizedWeight that every backend runs.
 FP8 E4M3 weights (per channel, group or 128x128 block) go through the same loop, each column rounded onto the E4M3
 grid under fixed scales; a block's scale (set from the weights before any update) serves each of its rows, and the
 block columns are the groups (the last one shorter where 128 does not divide the inputs). NVFP4 likewise: its fp32
@@ -189,7 +191,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
              "block": spec.block_structure[1] if spec.block_structure else None}.get(spec.strategy, in_f)
     if in_f % group and block_scales is None:
         raise ValueError(f"in_features {in_f} is not a multiple of the group size {group}")
-    group_spec = QuantSpec(spec.num_bits, spec.type, spec.symmetric, "channel")
+    group_spec = QuantSpec(spec.num_bits, spec.type, spec.symmetric, "channel", zero_point=spec.zero_point)
     # scales set before any update (else per group from the error-updated weights as the loop reaches it)
     fixed = act_order or initial is not None or block_scales is not None
     if act_order:
@@ -202,15 +204,21 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
 
     codes = torch.empty(out_f, in_f)
     scales = torch.empty(out_f, -(-in_f // group))
-    zeros = None if spec.symmetric else torch.empty(out_f, in_f // group)
+    # asymmetric: the zero point z per group; a float minimum m runs as the float zero point z = -m / s, and the
+    # minimums themselves are kept for the result (`mins`)
+    zeros = None if spec.symmetric else torch.empty(out_f, in_f // group, dtype=torch.float64)
+    mins = torch.empty(out_f, in_f // group, dtype=torch.float16) if spec.float_min else None
     if nvfp4:
         scales[:] = block_scales.float() / rtn.global_scale
     elif block_scales is not None:
         scales[:] = block_scales.float().repeat_interleave(spec.block_structure[0], dim=0)[:out_f]
     elif fixed:  # each group's scales from the weights before any update (the reference's static groups)
         scales[:] = rtn.scales.float().reshape(out_f, -1)
-        if zeros is not None:
-            zeros[:] = rtn.zeros.float().reshape(out_f, -1)
+        if mins is not None:
+            mins[:] = rtn.mins.reshape(out_f, -1)
+            zeros[:] = -rtn.mins.double().reshape(out_f, -1) / rtn.scales.double().reshape(out_f, -1)
+        elif zeros is not None:
+            zeros[:] = rtn.zeros.double().reshape(out_f, -1)
     scale = zero = None
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)
@@ -227,9 +235,12 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
                 q = quantize(cols.float(), group_spec)
                 scale = q.scales.to(torch.float64)
                 zero = None if q.zeros is None else q.zeros.to(torch.float64)
+                if q.mins is not None:
+                    zero = -q.mins.to(torch.float64) / scale
+                    mins[:, col // group] = q.mins.squeeze(1)
                 scales[:, col // group] = q.scales.squeeze(1)
                 if zeros is not None:
-                    zeros[:, col // group] = q.zeros.squeeze(1).float()
+                    zeros[:, col // group] = zero.squeeze(1)
             c = _codes_for(W1[:, i:i + 1], scale, zero, spec)
             codes[:, int(perm[col])] = c.squeeze(1).float()
             err = (W1[:, i:i + 1] - _value(c, scale, zero)) / Hinv1[i, i]
@@ -243,5 +254,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, damp: float = 
                                global_scale=rtn.global_scale)
     if block_scales is not None:
         scales = block_scales
+    if mins is not None:
+        return QuantizedWeight(spec, codes.to(rtn.codes.dtype), scales.to(rtn.scales.dtype), mins=mins)
     return QuantizedWeight(spec, codes.to(rtn.codes.dtype), scales.to(rtn.scales.dtype),
                            zeros=None if zeros is None else zeros.to(rtn.zeros.dtype))

@@ -9,6 +9,13 @@ quant_config) and vLLM's compressed_tensors.py scheme detection. Per format:
   pack-quantized (int4 / int8 weight-only, vLLM's WNA16): `weight_packed` int32 [out, ceil(in * b / 32)] holding
     code + 2^(b-1) little-endian (element i at bit b * i), `weight_shape` [out, in], `weight_scale`, and for
     asymmetric weights `weight_zero_point` packed the same way along the output dim: [ceil(out * b / 32), groups].
+    A float minimum per group (spec.float_min, w = s * q + m) is a float zero point in compressed-tensors' terms
+    (QuantizationArgs.zp_dtype, its quantize/dequantize: (q - z) * s with z not rounded): args `zp_dtype`
+    "torch.float32", `weight_zero_point` float32 [out, groups] holding z = -m / s in the signed code range, not
+    packed (compressed-tensors 0.20's pack-quantized compressor packs integer zero points only, and vLLM's WNA16
+    reads them packed: **vLLM does not load this variant**; we do). Read back, m = -z * s rounds to the float16
+    minimum it came from: float32 z keeps 24 bits, the float16 m 11, so the round trip is exact wherever
+    8 s < 2^12 |m| (a group's minimum not within 1/512 of a scale step from 0; an exact 0 stays 0).
   float-quantized (fp8 E4M3 by channel, tensor or 128x128 block): `weight` float8_e4m3fn, `weight_scale`.
   nvfp4-pack-quantized: `weight_packed` uint8 [out, in / 2] (E2M1 codes, low nibble first), `weight_scale`
     float8_e4m3fn [out, in / 16], `weight_global_scale` fp32 [1].
@@ -42,6 +49,7 @@ from glmserve.quant.weight import QuantizedWeight
 QUANT_METHOD = "compressed-tensors"
 INT_QUANTIZED, PACK_QUANTIZED = "int-quantized", "pack-quantized"
 FLOAT_QUANTIZED, NVFP4_PACKED, MIXED = "float-quantized", "nvfp4-pack-quantized", "mixed-precision"
+FLOAT_ZERO_POINT = "torch.float32"  # the zp_dtype of a float minimum's zero point (see the module docstring)
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -82,7 +90,20 @@ def spec_to_args(spec: QuantSpec) -> dict:
             "group_size": spec.group_size, "strategy": spec.strategy, "dynamic": spec.dynamic}
     if spec.block_structure is not None:
         args["block_structure"] = list(spec.block_structure)
+    if spec.float_min:
+        args["zp_dtype"] = FLOAT_ZERO_POINT
     return args
+
+
+def _float_zero_point(args: Mapping) -> bool:
+    """Whether asymmetric int args carry a float zero point (a `zp_dtype` such as "torch.float32")."""
+    zp = args.get("zp_dtype")
+    if zp is None or args.get("symmetric", True) or args.get("type", "int") != "int":
+        return False
+    dtype = getattr(torch, str(zp).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedModelError(f"unknown zp_dtype {zp!r}")
+    return dtype.is_floating_point
 
 
 def args_to_spec(args: Mapping) -> QuantSpec:
@@ -94,7 +115,8 @@ def args_to_spec(args: Mapping) -> QuantSpec:
     return QuantSpec(num_bits=int(args["num_bits"]), type=args.get("type", "int"),
                      symmetric=bool(args.get("symmetric", True)), strategy=strategy,
                      group_size=args.get("group_size"), block_structure=tuple(block) if block else None,
-                     dynamic=dynamic if isinstance(dynamic, bool) else dynamic == "local")
+                     dynamic=dynamic if isinstance(dynamic, bool) else dynamic == "local",
+                     zero_point="float" if _float_zero_point(args) else "int")
 
 
 def format_of(weight: QuantSpec, activations: QuantSpec | None) -> str:
@@ -141,12 +163,22 @@ def _store_scale(scales: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return scales.reshape(1) if spec.strategy == "tensor" else scales
 
 
+def _zero_point_of_min(mins: torch.Tensor, scales: torch.Tensor, offset: int) -> torch.Tensor:
+    """The float32 zero point z (signed code range) of w = s * q + m: s * (q - offset - z) = s * q + m."""
+    return (-mins.double() / scales.double() - offset).to(torch.float32)
+
+
+def _min_of_zero_point(zero: torch.Tensor, scales: torch.Tensor, offset: int) -> torch.Tensor:
+    """The inverse of `_zero_point_of_min`: the float16 minimum m = -s * (z + offset)."""
+    return (-(zero.double() + offset) * scales.double()).reshape(scales.shape).to(torch.float16)
+
+
 def encode(module: QuantizedModule) -> dict[str, torch.Tensor]:
     """The module's tensors by suffix (`weight_packed`, `weight_scale`, ...) as compressed-tensors stores them."""
     w, spec = module.weight, module.weight.spec
     fmt = format_of(spec, module.input_activations)
     out: dict[str, torch.Tensor] = {"weight_scale": _store_scale(w.scales, spec)}
-    if w.mins is not None:
+    if w.mins is not None and not spec.float_min:
         raise InvalidRequestError("a weight with per-block minimums (GGUF Q4_1) has no compressed-tensors form")
     if fmt == NVFP4_PACKED:
         codes = w.codes.to(torch.uint8)
@@ -158,6 +190,8 @@ def encode(module: QuantizedModule) -> dict[str, torch.Tensor]:
         off = _offset(spec)
         codes = (w.codes.to(torch.int16) - off).to(torch.int8)
         zeros = None if w.zeros is None else (w.zeros.to(torch.int16) - off).to(torch.int8)
+        if spec.float_min:
+            out["weight_zero_point"] = _store_scale(_zero_point_of_min(w.mins, w.scales, off), spec)
         if fmt == PACK_QUANTIZED:
             out["weight_packed"] = _pack_int32(codes, spec.num_bits)
             out["weight_shape"] = torch.tensor(w.shape, dtype=torch.int64)
@@ -177,7 +211,7 @@ def decode(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, activations: Qu
     """The inverse of `encode`: one module's tensors (by suffix) under its config group's specs."""
     fmt = format_of(spec, activations)
     scales = tensors["weight_scale"]
-    zeros = global_scale = None
+    zeros = global_scale = mins = None
     if fmt == NVFP4_PACKED:
         packed = tensors["weight_packed"]
         codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
@@ -191,21 +225,26 @@ def decode(tensors: Mapping[str, torch.Tensor], spec: QuantSpec, activations: Qu
         if fmt == PACK_QUANTIZED:
             out_features, in_features = (int(v) for v in tensors["weight_shape"])
             signed = _unpack_int32(tensors["weight_packed"], spec.num_bits, in_features)
-            if "weight_zero_point" in tensors:
+            if spec.float_min:
+                mins = _min_of_zero_point(tensors["weight_zero_point"], scales, off)
+            elif "weight_zero_point" in tensors:
                 zp = _unpack_int32(tensors["weight_zero_point"].T, spec.num_bits, out_features).T
                 zeros = (zp.to(torch.int16) + off).to(zero_dtype)
         else:
             signed = tensors["weight"]
-            if "weight_zero_point" in tensors:
+            if spec.float_min:
+                mins = _min_of_zero_point(tensors["weight_zero_point"], scales, off)
+            elif "weight_zero_point" in tensors:
                 zeros = (tensors["weight_zero_point"].to(torch.int16) + off).to(zero_dtype).reshape(scales.shape[0], -1)
         codes = (signed.to(torch.int16) + off).to(code_dtype)
     if spec.strategy == "tensor":
         scales = scales.reshape(1, 1)
         zeros = None if zeros is None else zeros.reshape(1, 1)
+        mins = None if mins is None else mins.reshape(1, 1)
     outliers = None
     if "outlier_columns" in tensors:
         outliers = OutlierColumns(tensors["outlier_columns"], tensors["outlier_weight"])
-    weight = QuantizedWeight(spec, codes.contiguous(), scales, zeros=zeros, global_scale=global_scale)
+    weight = QuantizedWeight(spec, codes.contiguous(), scales, zeros=zeros, mins=mins, global_scale=global_scale)
     return QuantizedModule(weight, activations, outliers)
 
 

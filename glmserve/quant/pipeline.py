@@ -377,8 +377,8 @@ def _split_rows(q: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
         return [None] * len(rows) if t is None else list(torch.split(t, rows, dim=0))
 
     return [QuantizedWeight(q.spec, c.clone(), s.clone(), zeros=None if z is None else z.clone(),
-                            global_scale=q.global_scale)
-            for c, s, z in zip(cut(q.codes), cut(q.scales), cut(q.zeros), strict=True)]
+                            mins=None if m is None else m.clone(), global_scale=q.global_scale)
+            for c, s, z, m in zip(cut(q.codes), cut(q.scales), cut(q.zeros), cut(q.mins), strict=True)]
 
 
 def float_tensors(model: torch.nn.Module, modules: Mapping[str, QuantizedModule], dtype: torch.dtype | None) -> dict:

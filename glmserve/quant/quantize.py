@@ -3,8 +3,11 @@ compressed-tensors format we run (int8/int4 by tensor, channel, group or block, 
 points; float8 E4M3; NVFP4). Scales follow compressed-tensors' calculate_qparams
 (compressed_tensors/quantization/utils/helpers.py): symmetric int: amax / qmax; asymmetric: (max - min) /
 (2^bits - 1) with an integer zero point; float8: amax / 448; NVFP4: a global scale 448 * 6 / amax and a
-float8 scale per 16 inputs. Calibrated methods (GPTQ, AWQ, the scale search) build on the same functions; `shrink`
-scales each group's range (int: min and max; float8: amax) by a factor before the scale is set (scale_search.py)."""
+float8 scale per 16 inputs. Asymmetric int weights with a float minimum (spec.float_min: w = s * q + m, float16
+s and m, GGUF Q4_1's form) take s = (max - min) / (2^bits - 1) and m = min, as llama.cpp's quantize_row_q4_1_ref
+does (ggml-quants.c), without the integer zero point's constraint that 0 be on the grid. Calibrated methods
+(GPTQ, AWQ, the scale search) build on the same functions; `shrink` scales each group's range (int: min and max;
+float8: amax) by a factor before the scale is set (scale_search.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from glmserve.quant.weight import QuantizedWeight
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 FP4_MAX = 6.0
+FP16_TINY = 2.0 ** -24  # the smallest positive float16
 
 
 def grouped(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -71,6 +75,8 @@ def _squeeze(t: torch.Tensor) -> torch.Tensor:
 
 def _quantize_int(w: torch.Tensor, spec: QuantSpec, shrink: torch.Tensor | float) -> QuantizedWeight:
     g = grouped(w, spec)
+    if spec.float_min:
+        return _quantize_float_min(w, g, spec, shrink)
     if spec.symmetric:
         qmax = 2 ** (spec.num_bits - 1) - 1
         scale = (g.abs().amax(dim=-1, keepdim=True) * shrink / qmax).clamp_min(1e-12)
@@ -87,6 +93,25 @@ def _quantize_int(w: torch.Tensor, spec: QuantSpec, shrink: torch.Tensor | float
     return QuantizedWeight(spec, ungrouped(codes, spec, w.shape).to(torch.int8 if spec.symmetric or spec.num_bits < 8
                                                                       else torch.uint8),
                            _squeeze(scale), zeros=zeros)
+
+
+def _quantize_float_min(w: torch.Tensor, g: torch.Tensor, spec: QuantSpec,
+                        shrink: torch.Tensor | float) -> QuantizedWeight:
+    """w = s * q + m per group, q in [0, 2^bits - 1], float16 s = (max - min) / (2^bits - 1) and m = min of the
+    range scaled by `shrink` (as the integer zero point's: both ends towards 0, GPTQ's quant.py find_params).
+    A weight already on such a grid (a GGUF Q4_1 tensor dequantized) is reproduced exactly."""
+    levels = 2 ** spec.num_bits - 1
+    lo = (g.amin(dim=-1, keepdim=True) * shrink).to(torch.float16)
+    hi = g.amax(dim=-1, keepdim=True) * shrink
+    scale = ((hi - lo.float()) / levels).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, FP16_TINY))  # a constant group: any scale
+    codes = min_codes(g, scale.float(), lo.float(), levels)
+    return QuantizedWeight(spec, ungrouped(codes, spec, w.shape).to(torch.int8), _squeeze(scale), mins=_squeeze(lo))
+
+
+def min_codes(w: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, levels: int) -> torch.Tensor:
+    """The nearest codes q in [0, levels] of w = scale * q + minimum (float codes, broadcast shapes)."""
+    return torch.round((w - minimum) / scale).clamp(0, levels)
 
 
 def _quantize_fp8(w: torch.Tensor, spec: QuantSpec, shrink: torch.Tensor | float) -> QuantizedWeight:

@@ -22,10 +22,10 @@ class Scheme:
     activations: QuantSpec | None = None
 
 
-def _int(bits: int, group: int | None = None, symmetric: bool = True) -> QuantSpec:
+def _int(bits: int, group: int | None = None, symmetric: bool = True, zero_point: str = "int") -> QuantSpec:
     if group is None:
-        return QuantSpec(num_bits=bits, symmetric=symmetric, strategy="channel")
-    return QuantSpec(num_bits=bits, symmetric=symmetric, strategy="group", group_size=group)
+        return QuantSpec(num_bits=bits, symmetric=symmetric, strategy="channel", zero_point=zero_point)
+    return QuantSpec(num_bits=bits, symmetric=symmetric, strategy="group", group_size=group, zero_point=zero_point)
 
 
 def gguf_spec(gguf_type: str) -> QuantSpec:
@@ -64,6 +64,9 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("w8a8", _int(8), INT8_TOKENS),
     Scheme("w4a16", _int(4, 32)),
     Scheme("w4a16-asym", _int(4, 32, symmetric=False)),
+    # a float16 minimum per group instead of the integer zero point (w = s * q + m: GGUF Q4_1's form, here as a
+    # compressed-tensors folder with a float32 zero point that vLLM does not read; spec.py, compressed_tensors.py)
+    Scheme("w4a16-fmin", _int(4, 32, symmetric=False, zero_point="float")),
     Scheme("w4a16-g64", _int(4, 64)),
     Scheme("w4a16-asym-g64", _int(4, 64, symmetric=False)),
     Scheme("fp8", FP8_CHANNEL, FP8_TOKENS),

@@ -42,7 +42,7 @@ def bits_per_weight(spec: QuantSpec | None, in_features: int, out_features: int 
                  "tensor": in_features * out_features}.get(spec.strategy)
     if spec.strategy == "block":
         per_scale = spec.block_structure[0] * spec.block_structure[1]
-    extra = SCALE_BITS + (0 if spec.symmetric else spec.num_bits)
+    extra = SCALE_BITS + (0 if spec.symmetric else SCALE_BITS if spec.float_min else spec.num_bits)
     return spec.num_bits + extra / per_scale
 
 

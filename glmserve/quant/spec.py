@@ -12,6 +12,7 @@ from typing import Literal
 
 Strategy = Literal["tensor", "channel", "group", "block", "token", "tensor_group"]
 NumberType = Literal["int", "float"]
+ZeroPoint = Literal["int", "float"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,11 @@ class QuantSpec:
     strategy: tensor (one scale), channel (one per output row), group (`group_size` inputs per scale,
     per row), block (`block_structure` [rows, cols] tiles, FP8 128x128), token (activations: one scale per
     row of the input), tensor_group (NVFP4: a float8 scale per `group_size` (16) plus one fp32 global).
-    symmetric: no zero point. dynamic: scales computed at run time (activations)."""
+    symmetric: no zero point. dynamic: scales computed at run time (activations).
+    zero_point (asymmetric int weights): "int", compressed-tensors' integer zero point z, w = s * (q - z); or
+    "float", a float16 minimum m per group, w = s * q + m with float16 s (GGUF Q4_1's and HQQ's form, which an
+    integer z can only approximate: -m / s is rarely an integer). A checkpoint stores the float form as a float32
+    zero point (compressed-tensors' `zp_dtype`), see compressed_tensors.py."""
 
     num_bits: int
     type: NumberType = "int"
@@ -30,3 +35,13 @@ class QuantSpec:
     block_structure: tuple[int, int] | None = None
     dynamic: bool = False
     gguf_type: str | None = None  # "Q8_0", "Q4_0", "Q4_1", ...: the tensor's GGUF block format, if any
+    zero_point: ZeroPoint = "int"
+
+    def __post_init__(self) -> None:
+        if self.zero_point == "float" and (self.symmetric or self.type != "int" or self.gguf_type is not None):
+            raise ValueError("a float minimum (zero_point 'float') goes with asymmetric int weights")
+
+    @property
+    def float_min(self) -> bool:
+        """Whether the weight carries a float minimum per group (w = s * q + m) instead of an integer zero point."""
+        return self.zero_point == "float"
