@@ -240,10 +240,11 @@ def test_embedded_native_agrees_greedily_with_the_float_path(smollm2_native, smo
 
 
 def test_embedded_model_on_cpu_block_follows_the_float_path(smollm2, monkeypatch):
-    """The default path (Q4_1 / Q8_0 blocks on our kernels, A16 activations rounded to int8 per block of 32 as
-    llama.cpp's q8 activations are) scores real English and Chinese text as the float path does: perplexity
-    within 1.5% (measured: +0.5%) and the same next token at almost every position. A kernel bug on the real
-    shapes (576, 1536, the 49,152-row tied head) moves these by far more."""
+    """The default path (Q4_1 / Q8_0 blocks on our kernels) scores real English and Chinese text as the float path
+    does: the same next token at almost every position, and perplexity within 1.5% where the 256-token prompts'
+    linears run as bf16 GEMMs (AMX CPUs; measured +0.5%), within 3% where their A16 activations are rounded to
+    int8 per block of 32 as llama.cpp's q8 activations are (CPUs without AMX; measured +2.1% on English on an AMD
+    Zen 4). A kernel bug on the real shapes (576, 1536, the 49,152-row tied head) moves these by far more."""
     monkeypatch.delenv("GLMSERVE_QUANT_BACKEND")  # the default backend, not this module's oracle
     native = LLM(model=None, dtype="float32", max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512,
                  kv_cache_memory_bytes=32 << 20)
@@ -253,10 +254,12 @@ def test_embedded_model_on_cpu_block_follows_the_float_path(smollm2, monkeypatch
     prompts = [tokenizer((root / f"heldout_{lang}.txt").read_text(), add_special_tokens=False)["input_ids"][:256]
                for lang in ("en", "zh")]
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    qkv = native.engine.runner.model.layers[0].self_attn.qkv_proj  # the prompts run as bf16 GEMMs, or int8 tiles
+    bound = 1.015 if qkv.takes_bf16(min(map(len, prompts))) else 1.03
     for got, want in zip(native.generate(prompts, params), smollm2.generate(prompts, params)):
         ours, ref = got.prompt_logprobs[1:], want.prompt_logprobs[1:]
         nll = torch.tensor([[-a.logprob, -b.logprob] for a, b in zip(ours, ref)]).mean(0)
-        assert math.exp(nll[0]) / math.exp(nll[1]) < 1.015, nll
+        assert math.exp(nll[0]) / math.exp(nll[1]) < bound, nll
         same_top = sum(a.top[0][0] == b.top[0][0] for a, b in zip(ours, ref)) / len(ref)
         assert same_top > 0.9, same_top
 
