@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "bf16_linear_args.h"
 #include "bf16_pairs.h"
 
 #include <algorithm>
@@ -124,31 +125,14 @@ void bf16_tiles(const uint16_t* a, int64_t M, const uint8_t* cp, const uint16_t*
 // contiguous share per thread, equal to within NC tiles (each thread dequantizes only its own tiles).
 at::Tensor avx512_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& wd,
                               const at::Tensor& wm, bool u4, int64_t out_features) {
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "avx512_bf16_linear: codes [tiles, blocks, bytes] uint8");
+  glmserve::check_bf16_linear_args("avx512_bf16_linear", x, codes, wd, wm, u4, out_features);
   const int64_t tiles = codes.size(0), nblocks = codes.size(1), kp = nblocks * QK;
-  TORCH_CHECK(wd.scalar_type() == at::kHalf && wd.is_contiguous() && wd.numel() == tiles * nblocks * ROWS,
-              "avx512_bf16_linear: scales [tiles, blocks, 16] float16");
-  TORCH_CHECK(wm.numel() == 0 || (wm.scalar_type() == at::kHalf && wm.is_contiguous() && wm.numel() == wd.numel()),
-              "avx512_bf16_linear: mins [tiles, blocks, 16] float16, or empty");
-  TORCH_CHECK(tiles * ROWS >= out_features, "avx512_bf16_linear: ", tiles, " tiles of 16 rows hold fewer than ",
-              out_features);
-  TORCH_CHECK(codes.size(2) == (u4 ? U4_BLOCK : I8_BLOCK), "avx512_bf16_linear: block bytes ", codes.size(2));
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "avx512_bf16_linear: x must be a 2-D bfloat16 or float32 CPU tensor");
-  TORCH_CHECK(x.size(1) <= kp && x.size(1) > kp - QK, "avx512_bf16_linear: x has ", x.size(1),
-              " features, the weight ", kp, " (padded to 32)");
 #ifdef GLMSERVE_BF16_TARGET
   TORCH_CHECK(glmserve::avx512_bf16_present(), "avx512_bf16_linear: this CPU has no AVX512-BF16");
   const int64_t M = x.size(0);
   auto out = at::empty({M, out_features}, at::kBFloat16);
   if (M == 0) return out;
-  // the rows as they are where they already are contiguous bf16 rows of kp inputs; else a converted, zero-padded copy
-  at::Tensor a = x;
-  if (x.scalar_type() != at::kBFloat16 || x.size(1) != kp || !x.is_contiguous()) {
-    a = at::zeros({M, kp}, at::kBFloat16);
-    a.narrow(1, 0, x.size(1)).copy_(x);
-  }
+  const at::Tensor a = glmserve::bf16_rows(x, kp);
   const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(wd.data_ptr<at::Half>());

@@ -50,6 +50,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "bf16_linear_args.h"  // amx_bf16_linear's argument checks and activation rows (shared with bf16_gemm.cpp)
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -1035,25 +1037,14 @@ at::Tensor dequantize_packed(const at::Tensor& codes, const at::Tensor& wd, cons
 // tiles (amx_bf16_gemm above); only in the avx512 build on a CPU with AMX-BF16 (an error elsewhere)
 at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm,
                            bool u4, int64_t out_features) {
-  check_weights(codes, wd, wm);
+  glmserve::check_bf16_linear_args("amx_bf16_linear", x, codes, wd, wm, u4, out_features);
   const int64_t tiles = codes.size(0), nblocks = codes.size(1), kp = nblocks * QK;
-  TORCH_CHECK(tiles * ROWS >= out_features, "amx_bf16_linear: ", tiles, " tiles of 16 rows hold fewer than ", out_features);
-  TORCH_CHECK(codes.size(2) == (u4 ? U4_BLOCK : I8_BLOCK), "amx_bf16_linear: block bytes ", codes.size(2));
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "amx_bf16_linear: x must be a 2-D bfloat16 or float32 CPU tensor");
-  TORCH_CHECK(x.size(1) <= kp && x.size(1) > kp - QK, "amx_bf16_linear: x has ", x.size(1), " features, the weight ",
-              kp, " (padded to 32)");
 #ifdef GLMSERVE_AMX
   TORCH_CHECK(glmserve::amx_bf16_permitted(), "amx_bf16_linear: this CPU (or kernel) has no AMX-BF16 tiles");
   const int64_t M = x.size(0);
   auto out = at::empty({M, out_features}, at::kBFloat16);
   if (M == 0) return out;
-  // the rows as they are where they already are bf16 rows of kp inputs; else a converted, zero-padded copy
-  at::Tensor a = x;
-  if (x.scalar_type() != at::kBFloat16 || x.size(1) != kp || !x.is_contiguous()) {
-    a = at::zeros({M, kp}, at::kBFloat16);
-    a.narrow(1, 0, x.size(1)).copy_(x);
-  }
+  const at::Tensor a = glmserve::bf16_rows(x, kp);
   at::Tensor tail;  // the last M % 16 rows, zero-padded to one A tile (none where M is a multiple of 16)
   const int64_t full = M / 16 * 16;
   if (full < M) {
