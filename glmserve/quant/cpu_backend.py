@@ -68,10 +68,18 @@ class PackedWeight:
     out_features: int
     per_token: bool
     linear: Callable
-    dequantize: Callable | None  # into bf16 for the dense path; None where it is not taken (dense_path_for)
-    gemm: Callable | None = None  # amx_bf16_linear or avx512_bf16_linear where the dense path is taken
-    dense_min_rows: int = DENSE_MIN_ROWS  # batches from this many rows take the dense path (where it is taken)
+    dense_path: DensePath | None  # how large batches run as a bf16 GEMM; None where they do not (dense_path_for)
     dense: torch.Tensor | None = None  # the bf16 weight in oneDNN's blocked layout, made at its first dense call
+
+    @property
+    def gemm(self) -> Callable | None:
+        """amx_bf16_linear or avx512_bf16_linear where the dense path is taken."""
+        return self.dense_path.gemm if self.dense_path else None
+
+    @property
+    def dequantize(self) -> Callable | None:
+        """The kernel's dequantize_packed (into bf16) where the dense path is taken."""
+        return self.dense_path.dequantize if self.dense_path else None
 
     @property
     def nbytes(self) -> int:
@@ -120,12 +128,10 @@ class CpuBlockBackend:
         out_features, in_features = weight.shape
         u4 = weight.spec.num_bits == 4
         per_token = bool(_activations_per_token(activations))
-        dense = None if per_token else dense_path_for(device)
         return PackedWeight(*pack(codes, scales, mins, u4), u4=u4, in_features=in_features,
                             out_features=out_features, per_token=per_token,
                             linear=kernels.op("quant_linear", device, torch.float32),
-                            dequantize=dense.dequantize if dense else None, gemm=dense.gemm if dense else None,
-                            dense_min_rows=dense.min_rows if dense else DENSE_MIN_ROWS)
+                            dense_path=None if per_token else dense_path_for(device))
 
     def apply(self, prepared: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         p = prepared
@@ -149,7 +155,7 @@ class CpuBlockBackend:
         rows, CPUs with AVX512-BF16 but no AMX from GLMSERVE_AVX512_BF16_ROWS rows where it is set. There bf16
         activations go in and come back in bf16 with no float32 round trip (layers/linear.py `bf16_between` keeps
         the MLP's activations in bf16)."""
-        return prepared.dequantize is not None and rows >= prepared.dense_min_rows
+        return prepared.dense_path is not None and rows >= prepared.dense_path.min_rows
 
     def dequantize_rows(self, prepared: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of w = d * c + m read back from the tile layout (`pack`'s inverse for those rows), so that
