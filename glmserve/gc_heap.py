@@ -7,8 +7,8 @@ of decode steps and proxied requests. `gc.freeze()` moves them to the permanent 
 The idea of vLLM's `freeze_gc_heap` (vllm/utils/gc_utils.py), which its server calls after init and warm-up.
 
 Until then the collector need not run at all: a server start allocates that heap (torch's and fastapi's modules,
-the tokenizer's vocabulary, the model's modules) and keeps nearly all of it, so the generation-0 collections its
-allocations trigger walk live objects for nothing: 0.3-0.5 s of CPU of `glmserve serve`'s imports and load
+the tokenizer's vocabulary, the model's modules) and keeps nearly all of it, so the collections its allocations
+trigger (full ones among them) walk objects that stay alive: 0.3-0.5 s of CPU of `glmserve serve`'s imports and load
 (bench/RESULTS.md "Startup on the Xeon without AMX"). `pause_startup_collection` turns it off at the start;
 `freeze_startup_heap` collects once and turns it back on.
 """

@@ -327,8 +327,8 @@ class AsyncEngine:
     def _warm_up(self, engine: LLMEngine) -> None:
         """One tiny greedy generation, so the first real request does not pay for lazy init. On one torch thread
         (`one_thread`, as the load): its few-token steps gain nothing from more, and on a shared host each of their
-        ~100 OpenMP barriers waits for a thread the OS has not scheduled (0.05 s on one thread, 0.2-3.7 s on two at
-        load ~3 on 2 cores, bench/RESULTS.md "Startup on the Xeon without AMX")."""
+        ~100 OpenMP barriers waits for a thread the OS has not scheduled (0.05 s on one thread, 0.1-3.7 s on two at
+        load 3-5 on 2 cores, bench/RESULTS.md "Startup on the Xeon without AMX")."""
         with one_thread():
             engine.add_request(WARMUP_REQUEST_ID, "Hello", SamplingParams(max_tokens=2, temperature=0.0))
             while engine.has_unfinished_requests() and self._state is not EngineState.STOPPED:
