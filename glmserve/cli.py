@@ -4,6 +4,7 @@ no --model, the embedded SmolLM2 runs."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from glmserve.config import KV_CACHE_DTYPES, EngineConfig
@@ -140,6 +141,9 @@ def _read_lines(interactive: bool):
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from glmserve.gc_heap import pause_startup_collection
+
+    pause_startup_collection()  # until the engine is ready (glmserve/gc_heap.py); before torch's import
     from glmserve.server.launch import run_server
 
     sys.exit(run_server(engine_config_from_args(args), server_config_from_args(args)))
@@ -377,7 +381,18 @@ def cmd_compress(args: argparse.Namespace) -> None:
               f"{len(result.spans)} spans]", file=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# subcommands whose parsers live in their packages ("module:function" adding them): importing those packages costs
+# ~0.5 s of CPU (glmserve.compress, numpy), so a command line naming another subcommand does not build them
+PACKAGE_COMMANDS = {
+    "data": "glmserve.data.cli:add_data_parser",
+    "draft": "glmserve.compress.drafting.cli:add_draft_parser",
+    "rag": "glmserve.compress.rag.cli:add_rag_parser",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's parser; with `command` (the subcommand a command line names) the PACKAGE_COMMANDS other
+    than it are left out (an unknown `command` keeps them all, so that argparse lists every choice)."""
     parser = argparse.ArgumentParser(prog="glmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts (arguments, or one per stdin line)")
@@ -426,18 +441,21 @@ def build_parser() -> argparse.ArgumentParser:
                       "embedded SmolLM2's)")
     comp.add_argument("--json", action="store_true", help="the text, token counts and trace map as JSON")
     comp.set_defaults(handler=cmd_compress)
-    from glmserve.compress.drafting.cli import add_draft_parser
-    from glmserve.compress.rag.cli import add_rag_parser
-    from glmserve.data.cli import add_data_parser
-
-    add_data_parser(sub)
-    add_draft_parser(sub)
-    add_rag_parser(sub)
+    for name, adder in PACKAGE_COMMANDS.items():
+        if command in (None, name) or command not in {*sub.choices, *PACKAGE_COMMANDS}:
+            module, _, function = adder.partition(":")
+            getattr(importlib.import_module(module), function)(sub)
     return parser
 
 
+def _command(argv: list[str] | None) -> str | None:
+    """The subcommand the command line names (its first word, unless that is an option such as --help)."""
+    words = sys.argv[1:] if argv is None else argv
+    return words[0] if words and not words[0].startswith("-") else None
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = build_parser(_command(argv)).parse_args(argv)
     try:
         args.handler(args)
     except GlmServeError as e:

@@ -13,7 +13,7 @@ import pytest
 
 from glmserve.config import EngineConfig
 from glmserve.engine.async_engine import AsyncEngine, EngineState
-from glmserve.gc_heap import freeze_startup_heap
+from glmserve.gc_heap import freeze_startup_heap, pause_startup_collection
 
 
 class _Node:
@@ -37,6 +37,17 @@ def test_freezing_collects_cycles_first_and_freezes_what_lives(unfrozen: None) -
     assert gone() is None  # collected before the freeze, not kept for good
     assert not any(obj is alive for gen in range(3) for obj in gc.get_objects(gen))  # frozen: no generation
     assert gc.collect() >= 0 and alive.me is alive
+
+
+def test_a_paused_collector_runs_again_once_the_heap_is_frozen(unfrozen: None) -> None:
+    """`glmserve serve` pauses automatic collection at its start; freezing the ready heap turns it back on."""
+    try:
+        pause_startup_collection()
+        assert not gc.isenabled()
+        freeze_startup_heap()
+        assert gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def _ready(engine: AsyncEngine, deadline: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,7 +119,8 @@ def test_the_build_compiles_a_copy_of_the_source_inside_its_directory(tmp_path):
 def test_a_built_kernel_imports_without_torch_cpp_extension_or_ninja(tmp_path):
     """Server start: the library a finished build left in its (source-hashed) directory is imported directly;
     torch's load() would hash the sources and run ninja again. Only the .so is copied to a fresh root and ninja
-    is off the PATH, so the load succeeds only by importing it."""
+    is off the PATH, so the load succeeds only by importing it; torch.utils.cpp_extension (and setuptools, ~0.2 s)
+    is never imported."""
     name = build.extension_name("sparse", "scalar")
     built = build.build_directory("sparse", "scalar") / f"{name}.so"
     if not built.exists() and not build.in_ci():
@@ -129,11 +131,21 @@ def test_a_built_kernel_imports_without_torch_cpp_extension_or_ninja(tmp_path):
     probe = ("from glmserve.kernels import build\n"
              "module = build.load('sparse', 'scalar')\n"
              "assert module is not None and hasattr(module, 'block_scores')\n"
-             "assert not (build.build_directory('sparse', 'scalar') / 'build.ninja').exists()")
+             "assert not (build.build_directory('sparse', 'scalar') / 'build.ninja').exists()\n"
+             "import sys\nassert 'torch.utils.cpp_extension' not in sys.modules")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "PATH": "/nonexistent", "GLMSERVE_TORCH_ONLY": "0",
            "CI": "true"}  # CI: a failed build raises instead of falling back to None
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_default_build_root_is_torchs(monkeypatch):
+    """Without TORCH_EXTENSIONS_DIR the kernels are where torch's cpp_extension builds them by default (computed
+    without importing it)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert build.extensions_root().parent == Path(get_default_build_root())
 
 
 def test_parallel_loops_use_torchs_intra_op_threads(cpu_isa):

@@ -34,6 +34,7 @@ from glmserve.engine.outputs import EngineStats, RequestOutput, StorageStats
 from glmserve.engine.sampling import SamplingParams
 from glmserve.errors import EngineOverloadedError, GlmServeError
 from glmserve.gc_heap import freeze_startup_heap
+from glmserve.models.loader import one_thread
 from glmserve.models.quantized import HoldsWeights
 from glmserve.models.quantized import weight_bytes as model_weight_bytes
 from glmserve.sparse_settings import SparseAttentionParams
@@ -324,10 +325,14 @@ class AsyncEngine:
             self._state = state
 
     def _warm_up(self, engine: LLMEngine) -> None:
-        """One tiny greedy generation, so the first real request does not pay for lazy init."""
-        engine.add_request(WARMUP_REQUEST_ID, "Hello", SamplingParams(max_tokens=2, temperature=0.0))
-        while engine.has_unfinished_requests() and self._state is not EngineState.STOPPED:
-            engine.step()
+        """One tiny greedy generation, so the first real request does not pay for lazy init. On one torch thread
+        (`one_thread`, as the load): its few-token steps gain nothing from more, and on a shared host each of their
+        ~100 OpenMP barriers waits for a thread the OS has not scheduled (0.05 s on one thread, 0.1-3.7 s on two at
+        load 3-5 on 2 cores, bench/RESULTS.md "Startup on the Xeon without AMX")."""
+        with one_thread():
+            engine.add_request(WARMUP_REQUEST_ID, "Hello", SamplingParams(max_tokens=2, temperature=0.0))
+            while engine.has_unfinished_requests() and self._state is not EngineState.STOPPED:
+                engine.step()
 
     def _loop(self, engine: LLMEngine) -> None:
         while True:

@@ -90,10 +90,18 @@ def extensions_root() -> Path:
     override = os.environ.get("TORCH_EXTENSIONS_DIR")
     if override:
         return Path(override)
-    from torch.utils.cpp_extension import get_default_build_root
-
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{python}_cpu"
+    return _default_build_root() / f"{python}_cpu"
+
+
+def _default_build_root() -> Path:
+    """torch.utils.cpp_extension.get_default_build_root()'s directory, computed as it computes it (torch 2.13:
+    realpath of torch._appdirs' user cache dir for "torch_extensions") without importing cpp_extension, which
+    imports setuptools: ~0.2 s of every server start that only imports built kernels. tests/test_kernels.py
+    checks both agree."""
+    from torch import _appdirs
+
+    return Path(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")))
 
 
 @contextlib.contextmanager
@@ -144,19 +152,25 @@ def _import_built(directory: Path, name: str) -> ModuleType | None:
     return module
 
 
+def _build(source: str, isa: str, directory: Path) -> ModuleType:
+    """Compiles and imports the extension with torch's cpp_extension (imported here: a start that finds every
+    kernel built never imports it)."""
+    from torch.utils.cpp_extension import load as build_extension
+
+    return build_extension(name=extension_name(source, isa), sources=[str(_staged_source(directory, source))],
+                           extra_cflags=[*BASE_CFLAGS, *BY_NAME[isa].cflags], build_directory=str(directory),
+                           verbose=False)
+
+
 @functools.cache
 def load(source: str, isa: str) -> ModuleType | None:
     """The extension built from csrc/`source`.cpp for variant `isa`, or None when it cannot be built
     (KernelBuildError instead with CI=true)."""
     name = extension_name(source, isa)
     try:
-        from torch.utils.cpp_extension import load as build_extension
-
         directory = build_directory(source, isa)
         with _exclusive_build(directory):
-            module = _import_built(directory, name) or build_extension(
-                name=name, sources=[str(_staged_source(directory, source))],
-                extra_cflags=[*BASE_CFLAGS, *BY_NAME[isa].cflags], build_directory=str(directory), verbose=False)
+            module = _import_built(directory, name) or _build(source, isa, directory)
     except Exception as e:
         if in_ci():
             raise KernelBuildError(f"C++ CPU kernel {name} failed to build: {e}") from e

@@ -123,11 +123,12 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     """torch's CPU ops on one thread, then the caller's count again. A load is many small memory-bound ops
     (unpacking, repacking, concatenating); on two threads each op's OpenMP barrier waits for a thread the OS has
     not scheduled when other processes share the cores: building the embedded model took 8.1-8.8 s (2.7 s of CPU)
-    on one thread against 18-42 s (7-12 s of CPU) on two, at load average ~12 on 2 cores (bench/RESULTS.md)."""
+    on one thread against 18-42 s (7-12 s of CPU) on two, at load average ~12 on 2 cores (bench/RESULTS.md). The
+    server's warm-up generation runs under it too (engine/async_engine.py), for the same reason."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -141,8 +142,8 @@ def load_model(path: str | None, tokenizer_path: str | None, device: torch.devic
     """path None loads the embedded default model (SmolLM2-135M-Instruct GGUF). quantization: None runs the
     checkpoint's own format (GGUF blocks natively), "none" float, a scheme name quantizes on load
     (glmserve/quant/plan.py); quantize_embeddings quantizes embeddings and lm_head too. The load runs on one
-    thread (`_one_thread`)."""
-    with _one_thread():
+    thread (`one_thread`)."""
+    with one_thread():
         return _load(path, tokenizer_path, device, dtype, quantization, quantize_embeddings)
 
 

@@ -41,14 +41,20 @@ def _blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> np.ndarr
     return raw.reshape(out, inp // BLOCK, BLOCK_BYTES[gguf_type])
 
 
-def _fp16(raw: np.ndarray) -> torch.Tensor:
-    """[..., 2] bytes -> [...] float16."""
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].copy())
+def _fp16(b: np.ndarray, offset: int) -> torch.Tensor:
+    """The float16 field at byte `offset` (even) of every block of b [..., block bytes] -> [...] float16: one
+    strided copy of 2-byte words (copying the 2-byte slices as bytes first took 1.5x as long; the fields of a
+    loaded model are 20% of its from_blocks time)."""
+    return torch.from_numpy(np.ascontiguousarray(b.view(np.uint16)[..., offset // 2]).view(np.float16))
 
 
 def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
-    """[..., 16] bytes -> [..., 32] values 0..15 (low halves first, then high halves)."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    """[..., 16] bytes -> [..., 32] uint8 values 0..15 (low halves first, then high halves), each half written in
+    place (a concatenation of the two halves, then a cast, copied every code twice more)."""
+    q = np.empty((*qs.shape[:-1], BLOCK), dtype=np.uint8)
+    np.bitwise_and(qs, 0x0F, out=q[..., :BLOCK // 2])
+    np.right_shift(qs, 4, out=q[..., BLOCK // 2:])
+    return q
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -61,15 +67,16 @@ def from_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Quan
     canonical QuantizedWeight."""
     b = _blocks(raw, gguf_type, shape)
     spec = gguf_spec(gguf_type)
-    scales = _fp16(b[..., 0:2])
+    scales = _fp16(b, 0)
     if gguf_type == "Q8_0":
         codes = b[..., 2:].view(np.int8)
         return QuantizedWeight(spec, torch.from_numpy(codes.reshape(shape).copy()), scales)
     if gguf_type == "Q4_0":
-        codes = _unpack_nibbles(b[..., 2:]).astype(np.int8) - 8
+        codes = _unpack_nibbles(b[..., 2:]).view(np.int8)
+        codes -= 8
         return QuantizedWeight(spec, torch.from_numpy(codes.reshape(shape)), scales)
-    codes = _unpack_nibbles(b[..., 4:]).astype(np.int8)
-    return QuantizedWeight(spec, torch.from_numpy(codes.reshape(shape)), scales, mins=_fp16(b[..., 2:4]))
+    codes = _unpack_nibbles(b[..., 4:]).view(np.int8)
+    return QuantizedWeight(spec, torch.from_numpy(codes.reshape(shape)), scales, mins=_fp16(b, 2))
 
 
 def to_blocks(weight: QuantizedWeight) -> np.ndarray:

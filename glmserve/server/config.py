@@ -2,6 +2,10 @@
 
 Engine options (model, max_model_len, max_num_seqs, max_waiting_requests, ...) live in
 `glmserve.config.EngineConfig`; this dataclass only holds what the HTTP layer needs.
+
+The command line imports this module to parse `glmserve serve`'s options, so it imports no web framework, pydantic
+or protocol models (fastapi and our protocol are ~0.5 s of CPU; imported after torch they overlap the model's
+load instead of delaying its start: glmserve/server/launch.py). tests/test_startup_imports.py checks it.
 """
 
 from __future__ import annotations
@@ -10,9 +14,33 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from glmserve.gateway.settings import GatewaySettings, add_gateway_options
-from glmserve.server.limits import RequestLimits, flag
 from glmserve.server.reasoning import REASONING_PARSERS
 from glmserve.server.tool_parsers import TOOL_CALL_PARSERS
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The server's per-request limits; None: no limit beyond the schema's and the context's
+    (glmserve/server/limits.py enforces them)."""
+
+    max_body_bytes: int = 8 << 20
+    max_messages: int = 2048
+    max_prompt_tokens: int | None = None  # the context length limits prompts anyway
+    max_n: int = 16
+    max_logprobs: int = 20  # OpenAI's top_logprobs maximum
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters per stop string
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value < (0 if f.name == "max_logprobs" else 1):
+                raise ValueError(f"{f.name} must be >= {0 if f.name == 'max_logprobs' else 1}, got {value}")
+
+
+def flag(name: str) -> str:
+    """The `glmserve serve` flag of a RequestLimits field."""
+    return "--" + name.replace("_", "-")
 
 
 @dataclass

@@ -1,19 +1,20 @@
 """What one request may cost: body size, messages, prompt tokens, `n`, logprobs, stop strings.
 
-`RequestLimits` holds the server's limits (each set by a `glmserve serve` flag, named in every refusal so that
-a client knows what to ask its operator for). `BodySizeLimit` is an ASGI middleware that refuses a body over
-`--max-body-bytes` with OpenAI's error format and 413 before any JSON is parsed (it reads a chunked body only up
-to the limit); `check_request` and `check_prompt_tokens` refuse the rest with a 400 once the body is parsed.
+`RequestLimits` (glmserve/server/config.py, with the other options) holds the server's limits (each set by a
+`glmserve serve` flag, named in every refusal so that a client knows what to ask its operator for).
+`BodySizeLimit` is an ASGI middleware that refuses a body over `--max-body-bytes` with OpenAI's error format and
+413 before any JSON is parsed (it reads a chunked body only up to the limit); `check_request` and
+`check_prompt_tokens` refuse the rest with a 400 once the body is parsed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glmserve.gateway.openai_errors import error_body, send_json
+from glmserve.server.config import RequestLimits, flag
 from glmserve.server.errors import APIError
 from glmserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -22,30 +23,6 @@ class RequestTooLargeError(APIError):
     """A request over one of the server's limits (400); the message names the limit and its flag."""
 
     default_code = "request_limit_exceeded"
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """The server's per-request limits; None: no limit beyond the schema's and the context's."""
-
-    max_body_bytes: int = 8 << 20
-    max_messages: int = 2048
-    max_prompt_tokens: int | None = None  # the context length limits prompts anyway
-    max_n: int = 16
-    max_logprobs: int = 20  # OpenAI's top_logprobs maximum
-    max_stop_strings: int = 16
-    max_stop_length: int = 256  # characters per stop string
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None and value < (0 if f.name == "max_logprobs" else 1):
-                raise ValueError(f"{f.name} must be >= {0 if f.name == 'max_logprobs' else 1}, got {value}")
-
-
-def flag(name: str) -> str:
-    """The `glmserve serve` flag of a RequestLimits field."""
-    return "--" + name.replace("_", "-")
 
 
 def _refuse(what: str, value: int, name: str, limit: int, param: str) -> RequestTooLargeError:

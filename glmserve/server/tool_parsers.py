@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from glmserve.server.protocol import ToolDefinition
+if TYPE_CHECKING:  # annotations only: the command line imports TOOL_CALL_PARSERS (server/config.py)
+    from glmserve.server.protocol import ToolDefinition
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "glm45")
