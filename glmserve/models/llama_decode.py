@@ -4,19 +4,21 @@ At batch 1 a small model's decode layer spends more time in Python than in arith
 its ~12 small ops crosses an nn.Module call, a kernel lookup, shape and dtype checks and a few views (SmolLM2-135M:
 "model rest" 3.6 ms of a 11-14 ms step on Zen 4, the same at 1 and 2 threads; bench/RESULTS.md). `DecodeLayer`
 resolves a layer's calls once (each linear's bound kernel call, layers/linear.py `small_batch_matmul`; the norm
-weights; the KV pool's halves and format), and `run_decode` runs a step's layers through them with the inputs every
+weights; the KV pool's halves), and `run_decode` runs a step's layers through them with the inputs every
 layer shares made once (the rope tables at the step's positions, the slot mapping, the decode group's slots and
 lengths). Sparse scorers attached to a layer (glmserve/sparse: the default engine keeps block bounds) see every key
 written, as layers/attention.py hands them over.
 
 The calls and their inputs are those of the module path (models/llama.py: the same kernels on the same tensors), so
-the result is the same bit for bit; two differences of form only: a layer's MLP output is added into the residual
-stream by the next layer's fused add + norm (add_rms_norm's add is the float32 add `x.add_` makes), and rope reads
-the step's [T, R] tables made once instead of reshaping them in every layer. A step or model that does not qualify
-runs the module path: prefill rows, sparse or offloaded decode rows, a KV pool that is not float32 or bf16, per-head
-q/k norms (Qwen3), interleaved rope, a residual stream that is not float32 on CPU, a linear without a bound call or a
-batch from the rows where one takes another path (the bf16 GEMM), a kernel that is not available, or
-GLMSERVE_FUSED_DECODE=0.
+the result is the same bit for bit; differences of form only: a layer's MLP output is added into the residual stream
+by the next layer's fused add + norm (add_rms_norm's add is the float32 add `x.add_` makes), rope of q and k and the
+KV write are one call (kernels `rope_store_kv`: the math of rope_neox_ and store_kv, and the keys read back as
+kv_format's `roundtrip` gives them), which reads the step's [T, R] rope tables made once.
+
+A step or model that does not qualify runs the module path: prefill rows, sparse or offloaded decode rows, a KV pool
+that is not float32 or bf16, per-head q/k norms (Qwen3), interleaved rope, a residual stream that is not float32 on
+CPU, a linear without a bound call or a batch from the rows where one takes another path (the bf16 GEMM), a kernel
+that is not available, or GLMSERVE_FUSED_DECODE=0.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from glmserve import kernels
-from glmserve.kv.kv_format import format_of
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.linear import small_batch_matmul
 
@@ -46,8 +47,7 @@ class DecodeKernels:
     """The C++ ops of a decode layer (kernels/dispatch.py), looked up once per step."""
 
     add_rms_norm: Callable
-    rope_neox_: Callable
-    store_kv: Callable
+    rope_store_kv: Callable
     paged_decode: Callable
     silu_and_mul: Callable
 
@@ -93,15 +93,12 @@ class DecodeLayer:
     def __init__(self, layer: LlamaDecoderLayer, matmuls: list[tuple[Matmul, int]]):
         attn = layer.self_attn
         self.attn: PagedAttention = attn.attn
-        self.head_dim = attn.head_dim
-        self.sizes = (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads)
-        self.qk_heads = attn.num_heads + attn.num_kv_heads
+        self.heads = attn.num_heads
         self.norm_in, self.norm_post = layer.input_layernorm, layer.post_attention_layernorm
         (self.qkv, _), (self.o_proj, _), (self.gate_up, _), (self.down, _) = matmuls
         self.max_rows = min(limit for _, limit in matmuls)  # batches from here: a linear's forward differs
         self._pool: torch.Tensor | None = None
         self._halves: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._roundtrip: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> DecodeLayer | None:
@@ -119,13 +116,13 @@ class DecodeLayer:
         return None if any(m is None for m in matmuls) else cls(layer, matmuls)
 
     def ready(self, rows: int) -> bool:
-        """Whether this step's `rows` rows run here: a float32 or bf16 pool (its halves and format kept while it stays
-        bound), fewer rows than where a linear takes another path."""
+        """Whether this step's `rows` rows run here: a float32 or bf16 pool (its halves kept while it stays bound),
+        fewer rows than where a linear takes another path."""
         pool = self.attn.kv_cache
         if pool is None or pool.dtype not in (torch.float32, torch.bfloat16) or rows >= self.max_rows:
             return False
         if pool is not self._pool:
-            self._pool, self._halves, self._roundtrip = pool, (pool[0], pool[1]), format_of(pool).roundtrip
+            self._pool, self._halves = pool, (pool[0], pool[1])
         return True
 
     def __call__(self, x: torch.Tensor, delta: torch.Tensor, step: DecodeStep) -> torch.Tensor:
@@ -133,16 +130,11 @@ class DecodeLayer:
         place; returns this layer's MLP output (not yet added)."""
         k, t = step.kernels, x.shape[0]
         h = k.add_rms_norm(x, delta, self.norm_in.weight, self.norm_in.eps, False)
-        qkv = self.qkv(h).view(t, -1, self.head_dim)
-        k.rope_neox_(qkv[:, :self.qk_heads], step.cos, step.sin)  # q and k heads, one rotation
-        q, key, value = qkv.split(self.sizes, dim=1)
         k_cache, v_cache = self._halves
-        k.store_kv(k_cache, v_cache, step.slot_mapping, key, value)
-        if self.attn.indexers:  # the keys as attention reads them back, as PagedAttention hands them over
-            seen = self._roundtrip(key)
-            for indexer in self.attn.indexers.values():
-                indexer.on_kv_written(step.slot_mapping, seen, self._pool)
-        out = k.paged_decode(q.contiguous(), k_cache, v_cache, step.kv_slots, step.context_lens, self.attn.scale)
+        q, key = k.rope_store_kv(self.qkv(h), self.heads, step.cos, step.sin, k_cache, v_cache, step.slot_mapping)
+        for indexer in self.attn.indexers.values():  # the keys as the pool holds them, as PagedAttention shows them
+            indexer.on_kv_written(step.slot_mapping, key, self._pool)
+        out = k.paged_decode(q, k_cache, v_cache, step.kv_slots, step.context_lens, self.attn.scale)
         h = k.add_rms_norm(x, self.o_proj(out.view(t, -1)), self.norm_post.weight, self.norm_post.eps, False)
         return self.down(k.silu_and_mul(self.gate_up(h)))
 
