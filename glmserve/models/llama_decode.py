@@ -16,9 +16,9 @@ KV write are one call (kernels `rope_store_kv`: the math of rope_neox_ and store
 kv_format's `roundtrip` gives them), which reads the step's [T, R] rope tables made once.
 
 A step or model that does not qualify runs the module path: prefill rows, sparse or offloaded decode rows, a KV pool
-that is not float32 or bf16, per-head q/k norms (Qwen3), interleaved rope, a residual stream that is not float32 on
-CPU, a linear without a bound call or a batch from the rows where one takes another path (the bf16 GEMM), a kernel
-that is not available, or GLMSERVE_FUSED_DECODE=0.
+that is not float32 or bf16, per-head q/k norms (Qwen3), interleaved rope, a residual stream that is not float32 and
+contiguous on CPU, a linear without a bound call or a batch from the rows where one takes another path (the bf16
+GEMM), a kernel that is not available, or GLMSERVE_FUSED_DECODE=0.
 """
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ class DecodeStep:
 
 def decode_step(model: DecoderOnlyLM, x: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> DecodeStep | None:
-    """The step's shared inputs where the step qualifies (decode rows only, dense and resident; float32 CPU rows;
-    neox rope in float32; the kernels available; GLMSERVE_FUSED_DECODE is not "0"), else None."""
+    """The step's shared inputs where the step qualifies (decode rows only, dense and resident; float32 contiguous
+    CPU rows; neox rope in float32; the kernels available; GLMSERVE_FUSED_DECODE is not "0"), else None."""
     g, rope = meta.decode, model.rotary
     if (meta.prefill is not None or g is None or g.sparse is not None or g.offloaded is not None
-            or x.dtype != torch.float32 or x.device.type != "cpu" or rope.interleaved
+            or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or rope.interleaved
             or rope.cos_table.dtype != torch.float32 or os.environ.get(FUSED_DECODE_ENV) == "0"):
         return None
     found = DecodeKernels.resolve()
