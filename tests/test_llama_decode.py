@@ -75,8 +75,8 @@ def test_embedded_gguf_fused_decode_equals_module_path(cpu_isa, monkeypatch):
 
 
 def test_step_conditions(tiny_model_dir):
-    """Prefill rows and GLMSERVE_FUSED_DECODE=0 leave the step to the module path; too many rows for a linear's
-    bound call (its forward takes the bf16 GEMM there) leave the layer to it."""
+    """Too many rows for a linear's bound call (its forward takes the bf16 GEMM there) leave the step to the module
+    path, as does a forward without attention metadata (the learned indexer's teacher runs)."""
     llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, max_num_batched_tokens=32,
               kv_cache_memory_bytes=4 << 20, quantization="int8")
     model = llm.engine.runner.model
@@ -87,3 +87,4 @@ def test_step_conditions(tiny_model_dir):
     assert not layers[0].ready(1)
     x = torch.zeros(1, model.config.hidden_size)
     assert not llama_decode.run_decode(model, x, None) and torch.equal(x, torch.zeros_like(x))
+    assert llama_decode.decode_step(model, x, torch.zeros(1, dtype=torch.long), None) is None  # no paged attention

@@ -72,9 +72,12 @@ class DecodeStep:
 
 
 def decode_step(model: DecoderOnlyLM, x: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> DecodeStep | None:
+                meta: AttentionMetadata | None) -> DecodeStep | None:
     """The step's shared inputs where the step qualifies (decode rows only, dense and resident; float32 contiguous
-    CPU rows; neox rope in float32; the kernels available; GLMSERVE_FUSED_DECODE is not "0"), else None."""
+    CPU rows; neox rope in float32; the kernels available; GLMSERVE_FUSED_DECODE is not "0"), else None. `meta` None:
+    a forward without paged attention (the learned indexer's teacher runs, glmserve/training)."""
+    if meta is None:
+        return None
     g, rope = meta.decode, model.rotary
     if (meta.prefill is not None or g is None or g.sparse is not None or g.offloaded is not None
             or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or rope.interleaved
