@@ -1,4 +1,4 @@
-"""The fused layer ops of kernels/csrc/prefill_ops.cpp (add_rms_norm, rope_neox_, silu_and_mul), every
+"""The fused layer ops of kernels/csrc/prefill_ops.cpp (add_rms_norm, rope_neox_, rope_store_kv, silu_and_mul), every
 instruction-set variant against plain PyTorch: exact where the math is (the residual add), within float32
 rounding (norm, rope, SiLU's exp) or one bf16 rounding (2^-8 relative) otherwise, on rows whose width is and is
 not a multiple of the vector width; and the model code that
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from glmserve import kernels
+from glmserve.kv.kv_format import format_of
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.rotary import RotaryEmbedding
 from glmserve.models.llama import silu_and_mul
@@ -93,6 +94,36 @@ def test_rope_neox_in_place_on_bf16_rows(cpu_isa, dim):
     assert ((qk.float() - ref).abs() <= ref.abs() * BF16_ROUNDING + 1e-6).all()  # one rounding of the float32 result
     assert torch.equal(qkv[:, 12 * dim:], v)
     assert (rotary.apply_(qkv[:, :12 * dim].view(33, 12, dim).clone(), cos, sin).dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dim", "partial"), [(64, 1.0), (40, 0.5)])  # 40 / 0.5: a partial vector, partial rope
+def test_rope_store_kv_equals_rope_then_store(cpu_isa, cache_dtype, dim, partial):
+    """The decode step's rope + KV write in one pass: bit for bit rope_neox_ on the fused qkv rows, then store_kv,
+    with q returned contiguous and k as the cache holds it (kv_format's roundtrip); qkv itself unchanged."""
+    heads, kv_heads, t, num_slots = 6, 2, 5, 64
+    rotary = RotaryEmbedding(types.SimpleNamespace(rope_theta=10000.0, partial_rotary_factor=partial), dim, 4096)
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=gen) * 3
+    cos, sin = rotary.cos_sin(torch.randint(0, 4096, (t,), generator=gen))
+    cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+    slots = torch.randperm(num_slots, generator=gen)[:t]
+    ref_cache = torch.randn(2, kv_heads, num_slots, dim, generator=gen).to(cache_dtype)
+    cache = ref_cache.clone()
+    ref = qkv.clone().view(t, -1, dim)
+    _op("rope_neox_")(ref[:, :heads + kv_heads], cos, sin)
+    q_ref, k_ref, v_ref = ref.split((heads, kv_heads, kv_heads), dim=1)
+    _op("store_kv")(ref_cache[0], ref_cache[1], slots, k_ref, v_ref)
+    before = qkv.clone()
+    q, k = _op("rope_store_kv")(qkv, heads, cos, sin, cache[0], cache[1], slots)
+    assert torch.equal(qkv, before)
+    assert q.is_contiguous() and torch.equal(q, q_ref)
+    assert torch.equal(k, format_of(ref_cache).roundtrip(k_ref))
+    assert torch.equal(cache, ref_cache)
+    with pytest.raises(RuntimeError, match="outside"):
+        _op("rope_store_kv")(qkv, heads, cos, sin, cache[0], cache[1], slots + num_slots)
+    with pytest.raises(RuntimeError, match="qkv"):
+        _op("rope_store_kv")(qkv[:, 1:], heads, cos, sin, cache[0], cache[1], slots)
 
 
 @pytest.mark.parametrize("inter", [1536, 45])  # 45: rows that end in a partial vector (the masked tail)

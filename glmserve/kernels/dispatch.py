@@ -40,6 +40,9 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   rope_neox_(x [T,heads,D] f32 or bf16, cos [T,R], sin [T,R] f32) (in place): neox rope with layers/rotary.py's
                tables, in float32 (bf16 x: rounded once)
   silu_and_mul(x [T,2I] f32 or bf16) -> [T,I]: SwiGLU's silu(gate) * up, rounded once (also for bf16 tensors)
+  rope_store_kv(qkv [T,(H+2Hkv)D] f32, H, cos [T,R], sin [T,R] f32, k_cache, v_cache [Hkv,slots,D] f32 or bf16,
+               slots [T] i64) -> (q [T,H,D], k [T,Hkv,D]) f32: a decode step's rope of q and k and KV write in one
+               pass, k as the cache holds it
   prefill_attention(q [T,Hq,D] bf16, k [B,L,Hk,D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64, scale,
                out_bf16, engine="") -> [T,Hq,D] bf16 or f32: causal attention of rows of q_lens queries packed in q,
                each at the end of its kv_lens keys, on the AMX bf16 tiles or with AVX512-BF16 (bf16 tensors only)
@@ -83,6 +86,7 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "add_rms_norm": "prefill_ops",
     "rope_neox_": "prefill_ops",
     "silu_and_mul": "prefill_ops",
+    "rope_store_kv": "prefill_ops",
     "prefill_attention": "prefill_attention",
     "prefill_attention_available": "prefill_attention",
     "prefill_attention_engines": "prefill_attention",

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +176,18 @@ class QuantizedLinear(nn.Module):
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.output_sizes, dim=-1)
 
+    def small_batch(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """`forward` of float32 contiguous [T, in] rows as one bound call, bias added in place (the float32 add
+        `apply` makes), and the row count from which `forward` takes another path; None where the weight runs as
+        several segments, a float bias is not float32 or the backend has no `small_batch` (quant/cpu_backend.py)."""
+        if len(self._segments) != 1 or not hasattr(self._segments[0].backend, "small_batch"):
+            return None
+        segment, bias = self._segments[0], self.bias
+        if bias is not None and bias.dtype != torch.float32:
+            return None
+        matmul, limit = segment.backend.small_batch(segment.prepared)
+        return (matmul if bias is None else lambda x: matmul(x).add_(bias)), limit
+
     def takes_bf16(self, rows: int) -> bool:
         """True where every segment runs `rows` rows as a bf16 GEMM (its backend's `bf16_rows`, without bias):
         bf16 inputs then come back in bf16 with no float32 round trip."""
@@ -216,6 +230,18 @@ def bf16_between(x: torch.Tensor, *linears: nn.Module) -> bool:
     rows = x.numel() // x.shape[-1]  # the environment read last: decode batches stop at takes_bf16's row count
     return (all(isinstance(linear, QuantizedLinear) and linear.takes_bf16(rows) for linear in linears)
             and os.environ.get(BF16_ACTIVATIONS_ENV) != "0")
+
+
+def small_batch_matmul(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+    """y = linear(x) for float32 contiguous CPU rows x [T, in] as one bound call, and the row count from which it
+    does not stand for the module's forward (which takes another path there): a QuantizedLinear's `small_batch`, or
+    F.linear for a float32 nn.Linear / MergedLinear; None otherwise (the caller runs the module)."""
+    if isinstance(linear, QuantizedLinear):
+        return linear.small_batch()
+    if type(linear) in (nn.Linear, MergedLinear) and linear.weight.dtype == torch.float32:
+        weight, bias = linear.weight, linear.bias
+        return (lambda x: F.linear(x, weight, bias)), sys.maxsize
+    return None
 
 
 def _same_run(prev: CheckpointTensor, part: CheckpointTensor, scheme: Scheme) -> bool:

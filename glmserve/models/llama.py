@@ -21,6 +21,7 @@ from glmserve.layers.linear import MergedLinear, bf16_between
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.paged_metadata import StepRows, paged_metadata
 from glmserve.layers.rotary import RotaryEmbedding
+from glmserve.models.llama_decode import decode_step, run_decode
 from glmserve.models.weights import CheckpointLayout, LoadsCheckpoint
 from glmserve.sparse.indexer import attached_modes
 
@@ -178,9 +179,11 @@ class DecoderOnlyLM(LoadsCheckpoint, nn.Module):
                 logits_index: torch.Tensor) -> torch.Tensor:
         """Flat batch in, logits of the rows in `logits_index` out ([S, vocab], float32)."""
         x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions)
-        for layer in self.layers:
-            x = layer(x, cos_sin, meta)
+        step = decode_step(self, x, positions, meta)  # decode rows only: the layers' straight-line C++ calls
+        if step is None or not run_decode(self, x, step):
+            cos_sin = self.rotary.cos_sin(positions)
+            for layer in self.layers:
+                x = layer(x, cos_sin, meta)
         x = self.norm(x[logits_index])
         return self.lm_head(x).float()
 

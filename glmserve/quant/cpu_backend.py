@@ -23,6 +23,7 @@ fp16 d, m, the integer math is exact: only the fp32 sum of the block results rou
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -149,6 +150,14 @@ class CpuBlockBackend:
         if x.dim() != 2:
             out = out.reshape(*x.shape[:-1], p.out_features)
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def small_batch(self, prepared: PackedWeight) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+        """`apply` of float32 contiguous [T, in] rows without bias as one bound kernel call (no checks: a decode
+        step's straight line of calls, models/llama_decode.py), and the row count from which `apply` takes
+        another path (the bf16 GEMM, `bf16_rows`) that this call does not."""
+        p = prepared
+        linear, args = p.linear, (p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
+        return (lambda x: linear(x, *args)), (p.dense_path.min_rows if p.dense_path else sys.maxsize)
 
     def bf16_rows(self, prepared: PackedWeight, rows: int) -> bool:
         """True where `apply` runs `rows` rows as the bf16 GEMM (`dense_apply`): AMX CPUs from DENSE_MIN_ROWS

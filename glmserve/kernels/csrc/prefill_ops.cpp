@@ -1,5 +1,6 @@
 // Fused elementwise ops of a decoder layer (CPU), one pass over memory each where PyTorch takes several ops
-// and temporaries: the residual add with the following RMSNorm, rope in place, and SwiGLU's silu(gate) * up.
+// and temporaries: the residual add with the following RMSNorm, rope in place (or with the decode step's KV write),
+// and SwiGLU's silu(gate) * up.
 // Plain loops written for the compiler to vectorize with each variant's flags (AVX-512, AVX2, scalar), the
 // same source for all. They follow what vLLM's CPU ops do (csrc/cpu/layernorm.cpp fused_add_rms_norm,
 // csrc/cpu/pos_encoding.cpp, csrc/cpu/activation.cpp silu_and_mul), written on our own.
@@ -11,6 +12,13 @@
 //                negated): x[:R] = x[:R] * cos + roll(x[:R], R / 2) * sin, in float32 (bf16: rounded once)
 //   silu_and_mul(x [T, 2I] f32 or bf16) -> [T, I] the same dtype: silu(x[:, :I]) * x[:, I:], in float32,
 //                rounded once
+//   rope_store_kv(qkv [T, (H + 2 Hkv) D] f32 contiguous, H, cos [T, R], sin [T, R] f32, k_cache, v_cache [Hkv, slots,
+//                D] f32 or bf16 (one dtype), slots [T] int64) -> (q [T, H, D], k [T, Hkv, D]) f32: a decode step's
+//                attention inputs in one pass (models/llama_decode.py): the q and k heads rotated as rope_neox_ rotates
+//                them, k and v written into the caches at `slots` as paged_decode.cpp's store_kv writes them (bf16:
+//                rounded to nearest even), q returned contiguous (paged_decode's input) and k as the cache holds it
+//                (read back: what the sparse scorers are shown, glmserve/kv/kv_format.py `roundtrip`); qkv is not
+//                changed
 //
 // Rows are split over torch's intra-op threads (at::parallel_for). The AVX-512 build runs each row 16 lanes at a
 // time with masked tails (bf16 widened by a shift, narrowed to nearest even as torch rounds, SiLU's exp by
@@ -22,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -176,6 +185,78 @@ void rope_neox_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   }
 }
 
+// One head's D values into a cache row: copied (float32), or rounded to bf16 with `back` (non-null) the rounded
+// values widened again
+inline void store_head(const float* x, float* row, float*, int64_t d) { std::memcpy(row, x, d * sizeof(float)); }
+inline void store_head(const float* x, uint16_t* row, float* back, int64_t d) {
+  for (int64_t j = 0; j < d; ++j) {
+    row[j] = f32_to_bf16(x[j]);
+    if (back) back[j] = bf16_to_f32(row[j]);
+  }
+}
+
+template <typename C>
+void rope_store_rows(const float* qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t r,
+                     const float* cp, const float* sp, C* kc, C* vc, int64_t num_slots, const int64_t* slot, float* q,
+                     float* k) {
+  const int64_t width = (heads + 2 * kv_heads) * d;
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = qkv + i * width;
+      float* qi = q + i * heads * d;
+      float* ki = k + i * kv_heads * d;
+      std::memcpy(qi, row, heads * d * sizeof(float));
+      std::memcpy(ki, row + heads * d, kv_heads * d * sizeof(float));
+      for (int64_t h = 0; h < heads; ++h) rope_head(qi + h * d, cp + i * r, sp + i * r, r / 2);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        float* kh = ki + h * d;
+        rope_head(kh, cp + i * r, sp + i * r, r / 2);
+        const int64_t at = (h * num_slots + slot[i]) * d;
+        store_head(kh, kc + at, kh, d);
+        store_head(row + (heads + kv_heads + h) * d, vc + at, nullptr, d);
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> rope_store_kv(const at::Tensor& qkv, int64_t heads, const at::Tensor& cos,
+                                      const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                      const at::Tensor& slots) {
+  check_cpu(qkv, "rope_store_kv: qkv");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              "rope_store_kv: caches must be contiguous float32 or bf16 [Hkv, slots, D] tensors of one dtype");
+  const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1), d = k_cache.size(2);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && heads > 0 &&
+                  qkv.size(1) == (heads + 2 * kv_heads) * d,
+              "rope_store_kv: qkv must be a contiguous float32 [T, (H + 2 Hkv) D] tensor");
+  const int64_t t = qkv.size(0);
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == t && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "rope_store_kv: cos and sin must be contiguous float32 [T, R] tensors");
+  const int64_t r = cos.size(1);
+  TORCH_CHECK(r % 2 == 0 && r <= d, "rope_store_kv: rotary width ", r, " must be even and at most D");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1 && slots.size(0) == t,
+              "rope_store_kv: slots must be a contiguous int64 [T] tensor");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "rope_store_kv: slot ", slot[i], " outside the cache's ",
+                num_slots);
+  auto q = at::empty({t, heads, d}, qkv.options());
+  auto k = at::empty({t, kv_heads, d}, qkv.options());
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>(), *xp = qkv.data_ptr<float>();
+  if (k_cache.scalar_type() == at::kFloat) {
+    rope_store_rows(xp, t, heads, kv_heads, d, r, cp, sp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                    num_slots, slot, q.data_ptr<float>(), k.data_ptr<float>());
+  } else {
+    rope_store_rows(xp, t, heads, kv_heads, d, r, cp, sp, reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), num_slots, slot, q.data_ptr<float>(),
+                    k.data_ptr<float>());
+  }
+  return {q, k};
+}
+
 // One row of silu_and_mul: o = silu(g[:n]) * g[n:2n], in float32.
 template <typename T>
 void silu_row(const T* g, T* o, int64_t n) {
@@ -223,5 +304,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place), then RMSNorm(x) * weight in bf16 or f32 (CPU)");
   m.def("rope_neox_", &rope_neox_, "neox rotary embedding in place on float32 or bf16 [T, heads, D] (CPU)");
+  m.def("rope_store_kv", &rope_store_kv, "a decode step's rope of q and k and KV write in one pass (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused [T, 2I] gate-up output (CPU)");
 }

@@ -1,0 +1,165 @@
+"""The decode step of Llama-family layers as a straight line of C++ calls (CPU, float32 residual stream).
+
+At batch 1 a small model's decode layer spends more time in Python than in arithmetic outside its linears: each of
+its ~12 small ops crosses an nn.Module call, a kernel lookup, shape and dtype checks and a few views (SmolLM2-135M:
+"model rest" 3.6 ms of a 11-14 ms step on Zen 4, the same at 1 and 2 threads; bench/RESULTS.md). `DecodeLayer`
+resolves a layer's calls once (each linear's bound kernel call, layers/linear.py `small_batch_matmul`; the norm
+weights; the KV pool's halves), and `run_decode` runs a step's layers through them with the inputs every
+layer shares made once (the rope tables at the step's positions, the slot mapping, the decode group's slots and
+lengths). Sparse scorers attached to a layer (glmserve/sparse: the default engine keeps block bounds) see every key
+written, as layers/attention.py hands them over.
+
+The calls and their inputs are those of the module path (models/llama.py: the same kernels on the same tensors), so
+the result is the same bit for bit; differences of form only: a layer's MLP output is added into the residual stream
+by the next layer's fused add + norm (add_rms_norm's add is the float32 add `x.add_` makes), rope of q and k and the
+KV write are one call (kernels `rope_store_kv`: the math of rope_neox_ and store_kv, and the keys read back as
+kv_format's `roundtrip` gives them), which reads the step's [T, R] rope tables made once.
+
+A step or model that does not qualify runs the module path: prefill rows, sparse or offloaded decode rows, a KV pool
+that is not float32 or bf16, per-head q/k norms (Qwen3), interleaved rope, a residual stream that is not float32 and
+contiguous on CPU, a linear without a bound call or a batch from the rows where one takes another path (the bf16
+GEMM), a kernel that is not available, or GLMSERVE_FUSED_DECODE=0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import torch
+
+from glmserve import kernels
+from glmserve.layers.attention import AttentionMetadata, PagedAttention
+from glmserve.layers.linear import small_batch_matmul
+
+if TYPE_CHECKING:
+    from glmserve.models.llama import DecoderOnlyLM, LlamaDecoderLayer
+
+FUSED_DECODE_ENV = "GLMSERVE_FUSED_DECODE"  # "0": decode steps run the module path
+_NO_DELTA = torch.empty(0)
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecodeKernels:
+    """The C++ ops of a decode layer (kernels/dispatch.py), looked up once per step."""
+
+    add_rms_norm: Callable
+    rope_store_kv: Callable
+    paged_decode: Callable
+    silu_and_mul: Callable
+
+    @classmethod
+    def resolve(cls) -> DecodeKernels | None:
+        cpu = torch.device("cpu")
+        found = {f.name: kernels.op(f.name, cpu, torch.float32) for f in fields(cls)}
+        return None if any(k is None for k in found.values()) else cls(**found)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """What every layer of one decode-only step reads: kernels, rope tables [T, R] at the positions, the KV write's
+    slots [T] and the decode group's key slots [T, L] and lengths [T]."""
+
+    kernels: DecodeKernels
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    kv_slots: torch.Tensor
+    context_lens: torch.Tensor
+
+
+def decode_step(model: DecoderOnlyLM, x: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata | None) -> DecodeStep | None:
+    """The step's shared inputs where the step qualifies (decode rows only, dense and resident; float32 contiguous
+    CPU rows; neox rope in float32; the kernels available; GLMSERVE_FUSED_DECODE is not "0"), else None. `meta` None:
+    a forward without paged attention (the learned indexer's teacher runs, glmserve/training)."""
+    if meta is None:
+        return None
+    g, rope = meta.decode, model.rotary
+    if (meta.prefill is not None or g is None or g.sparse is not None or g.offloaded is not None
+            or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or rope.interleaved
+            or rope.cos_table.dtype != torch.float32 or os.environ.get(FUSED_DECODE_ENV) == "0"):
+        return None
+    found = DecodeKernels.resolve()
+    if found is None:
+        return None
+    return DecodeStep(found, rope.cos_table[positions], rope.sin_table[positions], meta.slot_mapping, g.kv_slots,
+                      g.context_lens)
+
+
+class DecodeLayer:
+    """One LlamaDecoderLayer's decode calls, resolved once (`of`)."""
+
+    def __init__(self, layer: LlamaDecoderLayer, matmuls: list[tuple[Matmul, int]]):
+        attn = layer.self_attn
+        self.attn: PagedAttention = attn.attn
+        self.heads = attn.num_heads
+        self.norm_in, self.norm_post = layer.input_layernorm, layer.post_attention_layernorm
+        (self.qkv, _), (self.o_proj, _), (self.gate_up, _), (self.down, _) = matmuls
+        self.max_rows = min(limit for _, limit in matmuls)  # batches from here: a linear's forward differs
+        self._pool: torch.Tensor | None = None
+        self._halves: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> DecodeLayer | None:
+        """The layer's decode calls, or None where it has another structure (not a LlamaDecoderLayer, q/k norms)
+        or a linear without a bound call."""
+        from glmserve.models.llama import LlamaDecoderLayer
+
+        if type(layer) is not LlamaDecoderLayer or layer.self_attn.q_norm is not None:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != torch.float32 for w in norms):
+            return None
+        matmuls = [small_batch_matmul(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        return None if any(m is None for m in matmuls) else cls(layer, matmuls)
+
+    def ready(self, rows: int) -> bool:
+        """Whether this step's `rows` rows run here: a float32 or bf16 pool (its halves kept while it stays bound),
+        fewer rows than where a linear takes another path."""
+        pool = self.attn.kv_cache
+        if pool is None or pool.dtype not in (torch.float32, torch.bfloat16) or rows >= self.max_rows:
+            return False
+        if pool is not self._pool:
+            self._pool, self._halves = pool, (pool[0], pool[1])
+        return True
+
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """x: the residual stream [T, hidden] (float32), += delta (the previous layer's MLP output, or empty) in
+        place; returns this layer's MLP output (not yet added)."""
+        k, t = step.kernels, x.shape[0]
+        h = k.add_rms_norm(x, delta, self.norm_in.weight, self.norm_in.eps, False)
+        k_cache, v_cache = self._halves
+        q, key = k.rope_store_kv(self.qkv(h), self.heads, step.cos, step.sin, k_cache, v_cache, step.slot_mapping)
+        for indexer in self.attn.indexers.values():  # the keys as the pool holds them, as PagedAttention shows them
+            indexer.on_kv_written(step.slot_mapping, key, self._pool)
+        out = k.paged_decode(q, k_cache, v_cache, step.kv_slots, step.context_lens, self.attn.scale)
+        h = k.add_rms_norm(x, self.o_proj(out.view(t, -1)), self.norm_post.weight, self.norm_post.eps, False)
+        return self.down(k.silu_and_mul(self.gate_up(h)))
+
+
+def decode_layers(model: DecoderOnlyLM) -> list[DecodeLayer] | None:
+    """The model's layers' decode calls, resolved at the first decode step and kept (None: some layer has none)."""
+    if not hasattr(model, "_decode_layers"):
+        layers = [DecodeLayer.of(layer) for layer in model.layers]
+        model._decode_layers = None if any(layer is None for layer in layers) else layers
+    return model._decode_layers
+
+
+def run_decode(model: DecoderOnlyLM, x: torch.Tensor, step: DecodeStep) -> bool:
+    """Runs the model's layers on x [T, hidden] in place through their decode calls; False (x untouched) where some
+    layer does not take this step (the caller runs the module path)."""
+    layers = decode_layers(model)
+    rows = x.shape[0]
+    if layers is None or not all(layer.ready(rows) for layer in layers):
+        return False
+    delta = _NO_DELTA
+    for layer in layers:
+        delta = layer(x, delta, step)
+    x.add_(delta)
+    return True
+
