@@ -13,6 +13,11 @@ thread's CPU time instead of the wall clock, which with one thread is the step's
 runs (the wait for a preempted core is not counted; memory contention still is). The batch's prompts
 (`DECODE_BATCH_PROMPT_LEN` tokens, bench/workloads.py) are computed before the timed steps. Prints the
 median over `--repeats` windows of `--steps` steps of each component's ms per step and share of the step.
+
+Decode steps that qualify run the fused decode path (glmserve/models/llama_decode.py: no module calls inside the
+layers), where the linear and attention hooks never fire and the whole forward lands in "model rest"; profile the
+module path component by component with GLMSERVE_FUSED_DECODE=0. `--no-components` leaves out the hooks inside the
+model (whose cost only the module path pays) for a fair A/B of the two (bench/ab_decode.py passes it through).
 """
 
 from __future__ import annotations
@@ -65,24 +70,26 @@ class Timers:
         module.register_forward_hook(post)
 
 
-def instrument(engine, timers: Timers) -> None:
+def instrument(engine, timers: Timers, components: bool = True) -> None:
+    """Wraps the engine's parts in `timers`; `components`: also the model's linears, embedding and attention (hooks
+    that cost the module path time the fused decode path never pays)."""
     from glmserve.engine import runner as runner_module
+    from glmserve.layers import attention as attention_module
     from glmserve.layers.attention import PagedAttention
 
     model = engine.runner.model
-    for name, module in model.named_modules():
-        role = name.rsplit(".", 1)[-1]
-        if role in ROLES:
-            timers.hook_module(role, module)
-    timers.hook_module("embedding", model.embed_tokens)
     timers.hook_module("model forward (all)", model)
-    from glmserve.layers import attention as attention_module
-
-    PagedAttention.__call__ = timers.wrap("attention (all)", PagedAttention.__call__)
-    PagedAttention._decode = timers.wrap("attention: decode kernel", PagedAttention._decode)
-    for write in ("store", "store_kv"):  # the KV write as attention calls it (store_kv since bf16 KV)
-        if hasattr(attention_module, write):
-            setattr(attention_module, write, timers.wrap("attention: KV write", getattr(attention_module, write)))
+    if components:
+        for name, module in model.named_modules():
+            role = name.rsplit(".", 1)[-1]
+            if role in ROLES:
+                timers.hook_module(role, module)
+        timers.hook_module("embedding", model.embed_tokens)
+        PagedAttention.__call__ = timers.wrap("attention (all)", PagedAttention.__call__)
+        PagedAttention._decode = timers.wrap("attention: decode kernel", PagedAttention._decode)
+        for write in ("store", "store_kv"):  # the KV write as attention calls it (store_kv since bf16 KV)
+            if hasattr(attention_module, write):
+                setattr(attention_module, write, timers.wrap("attention: KV write", getattr(attention_module, write)))
     runner_module.sample = timers.wrap("sampling", runner_module.sample)
     r = engine.runner
     r._prepare = timers.wrap("batch building (runner._prepare)", r._prepare)
@@ -115,6 +122,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write {component: ms per step} here (bench/ab_decode.py reads it)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: this thread's CPU time (one thread: robust to a busy host)")
+    parser.add_argument("--no-components", action="store_true",
+                        help="time only the model's forward and the engine's parts (no hooks inside the model): "
+                             "for A/B of the fused decode path against the module path")
     args = parser.parse_args()
 
     import torch
@@ -127,7 +137,7 @@ def main() -> None:
     maker = wl.PromptMaker(wl.load_tokenizer(wl.embedded_gguf_path()), wl.SEED + 5)
     llm.generate([maker.tokens(64)], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
     timers = Timers(CLOCKS[args.clock])
-    instrument(engine, timers)
+    instrument(engine, timers, components=not args.no_components)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
     runs = [window(engine, params, maker.batch(args.batch, wl.DECODE_BATCH_PROMPT_LEN), args.steps, timers, f"w{i}")
             for i in range(args.repeats)]
@@ -136,7 +146,8 @@ def main() -> None:
     forward = median["model forward (all)"]
     linears = sum(median.get(r, 0.0) for r in ROLES)
     inside = linears + median.get("attention (all)", 0.0) + median.get("embedding", 0.0)
-    median["model rest (norms, rotary, SiLU, residuals)"] = forward - inside
+    if not args.no_components:
+        median["model rest (norms, rotary, SiLU, residuals)"] = forward - inside
     outside = sum(median.get(k, 0.0) for k in ("model forward (all)", "sampling", "batch building (runner._prepare)",
                                                "attention metadata", "scheduler", "detokenize + stop checks",
                                                "request outputs"))
