@@ -14,15 +14,16 @@
 // times its scale.
 // The split into a score pass and a value pass follows the textbook softmax(QK^T)V; see also
 // vLLM's csrc/cpu/attention.cpp for the paged layout idea (read, not copied).
-// SIMD path (AVX-512: 16 lanes, AVX2 + FMA: 8 lanes; D a multiple of the lane count with D / lanes in 2, 3, 4, 6,
-// 8, 16, 32; rows of float32, bfloat16 (widened by a 16-bit shift), int8, and float16 / fp8 where the build has the
-// conversions): the query heads of a group are taken in tiles whose q chunks (score pass) and output accumulators
-// (value pass) stay in registers, so each key and value chunk is loaded and widened once per tile (once for the
-// whole group when it fits: SmolLM2's 3 heads of D 64 on AVX-512); tiles hold exactly their heads (no padding head
-// is computed); a key's dot products are accumulated lane-wise, and the lane sums of N keys are taken together by a
-// transposing reduction tree (one vector of N scores, instead of one horizontal sum per key and head), whose first
-// level runs every 4 keys so that few partial sums stay live; the softmax's exp is a vector polynomial (exp_ps) and
-// its normalization is applied once to the outputs. The scalar loop below is the path of the scalar build and of other shapes.
+// SIMD path (AVX-512: 16 lanes, AVX2 + FMA: 8 lanes; D a multiple of the lane count with D / lanes in 2, 3, 4, 6, 8,
+// 16, 32; rows of float32, bfloat16 (widened by a 16-bit shift; in the value pass on AVX-512, 32 at a time from one
+// load: Simd::load_pairs), int8, and float16 / fp8 where the build has the conversions): the query heads of a group are
+// taken in tiles whose q chunks (score pass) and output accumulators (value pass) stay in registers, so each key and
+// value chunk is loaded and widened once per tile (once for the whole group when it fits: SmolLM2's 3 heads of D 64 on
+// AVX-512); tiles hold exactly their heads (no padding head is computed); a key's dot products are accumulated lane-
+// wise, and the lane sums of N keys are taken together by a transposing reduction tree (one vector of N scores, instead
+// of one horizontal sum per key and head), whose first level runs every 4 keys so that few partial sums stay live; the
+// softmax's exp is a vector polynomial (exp_ps) and its normalization is applied once to the outputs. The scalar loop
+// below is the path of the scalar build and of other shapes.
 // `store_kv` is the float32 / bfloat16 pools' KV write (a cast and both sides' copies in one pass).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -229,9 +230,9 @@ inline void prefetch_row(const T* row, int64_t width) {
 }
 
 // Query heads per tile: a tile's q chunks (score pass) or output accumulators (value pass) stay in registers, at
-// most 16 vectors on AVX-512 (8 on AVX2) and 4 heads (the score pass also keeps 4 keys' products and one partial sum per 4 keys
-// for each head). A group splits into tiles of kTileHeads heads and one exact tile of the rest: no padding head
-// is computed (SmolLM2's 3 heads of D 64 on AVX-512 are one tile of 3).
+// most 16 vectors on AVX-512 (8 on AVX2) and 4 heads (the score pass also keeps 4 keys' products and one partial
+// sum per 4 keys for each head). A group splits into tiles of kTileHeads heads and one exact tile of the rest: no
+// padding head is computed (SmolLM2's 3 heads of D 64 on AVX-512 are one tile of 3).
 template <int CH>
 constexpr int kTileHeads = std::max(1, std::min(4, (Simd::N == 16 ? 16 : 8) / CH));
 
