@@ -1,8 +1,9 @@
 """The C++ decode attention (kernels/csrc/paged_decode.cpp) on every instruction-set variant this CPU runs
 (fixture cpu_isa: the avx512 build's 16-lane SIMD path, the avx2 build's 8-lane one, the scalar loop) against
 plain float64 softmax attention over the stored (dequantized) keys and values: every KV format, head sizes that
-take the SIMD path and ones that fall back to the scalar loop, query-head groups of 1, 3, 4 and 8 (two tiles of
-heads), and context lengths around the lane count (the reduction's partial last chunk) and the exp's underflow."""
+take the SIMD path and ones that fall back to the scalar loop, query-head groups of 1, 3, 4, 5 (a tile of 4 and
+one of 1 on AVX-512) and 8 (two tiles of heads), and context lengths around the lane count (the reduction's partial
+last chunk) and the exp's underflow."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _case(fmt_name: str, heads: int, kv_heads: int, dim: int, lengths: list[int]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 48), (16, 2, 64), (6, 2, 20)])
+@pytest.mark.parametrize("heads,kv_heads,dim",
+                         [(9, 3, 64), (4, 4, 128), (8, 2, 48), (16, 2, 64), (10, 2, 32), (6, 2, 20)])
 def test_decode_matches_float64_attention(cpu_isa, fmt, heads, kv_heads, dim):
     q, cache, slots, lengths = _case(fmt, heads, kv_heads, dim, [1, 7, 8, 15, 16, 17, 33, 151], seed=dim + heads)
     scale = dim**-0.5

@@ -14,14 +14,16 @@
 // times its scale.
 // The split into a score pass and a value pass follows the textbook softmax(QK^T)V; see also
 // vLLM's csrc/cpu/attention.cpp for the paged layout idea (read, not copied).
-// SIMD path (AVX-512: 16 lanes, AVX2 + FMA: 8 lanes; D a multiple of the lane count with D / lanes in 2, 3, 4, 6,
-// 8, 16, 32; rows of float32, bfloat16 (widened by a 16-bit shift), int8, and float16 / fp8 where the build has the
-// conversions): the query heads of a group are taken in tiles whose q chunks (score pass) and output accumulators
-// (value pass) stay in registers, so each key and value chunk is loaded and widened once per tile (once for the
-// whole group when it fits: SmolLM2's 3 heads of D 64 on AVX-512); a key's dot products are accumulated lane-wise,
-// and the lane sums of N keys are taken together by a transposing reduction tree (one vector of N scores, instead
-// of one horizontal sum per key and head); the softmax's exp is a vector polynomial (exp_ps) and its normalization
-// is applied once to the outputs. The scalar loop below is the path of the scalar build and of other shapes.
+// SIMD path (AVX-512: 16 lanes, AVX2 + FMA: 8 lanes; D a multiple of the lane count with D / lanes in 2, 3, 4, 6, 8,
+// 16, 32; rows of float32, bfloat16 (widened by a 16-bit shift; in the value pass on AVX-512, 32 at a time from one
+// load: Simd::load_pairs), int8, and float16 / fp8 where the build has the conversions): the query heads of a group are
+// taken in tiles whose q chunks (score pass) and output accumulators (value pass) stay in registers, so each key and
+// value chunk is loaded and widened once per tile (once for the whole group when it fits: SmolLM2's 3 heads of D 64 on
+// AVX-512); tiles hold exactly their heads (no padding head is computed); a key's dot products are accumulated lane-
+// wise, and the lane sums of N keys are taken together by a transposing reduction tree (one vector of N scores, instead
+// of one horizontal sum per key and head), whose first level runs every 4 keys so that few partial sums stay live; the
+// softmax's exp is a vector polynomial (exp_ps) and its normalization is applied once to the outputs. The scalar loop
+// below is the path of the scalar build and of other shapes.
 // `store_kv` is the float32 / bfloat16 pools' KV write (a cast and both sides' copies in one pass).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -113,17 +115,17 @@ struct Simd {
     for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = fma(p, r, set1(c));
     return _mm512_maskz_scalef_ps(live, p, n);
   }
-  // r[j] = sum of the lanes of v[j], j < 16: pairs of vectors are interleaved and added level by level (within
-  // 128-bit lanes by unpack, then across them by 128-bit shuffles), each level halving the vectors.
-  static V lane_sums(const V* v) {
-    V t[4];
-    for (int i = 0; i < 4; ++i) {
-      const V* w = v + 4 * i;
-      const V a = add(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));  // [w0 w1 w0 w1] per lane
-      const V b = add(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
-      const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
-      t[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
-    }  // t[i]: in 128-bit lane k, the sums over lane k of w0..w3
+  // The lane sums of N vectors as one vector (r[j] = sum of the lanes of v[j], j < 16) by a transposing reduction
+  // tree, in two steps so that a caller keeps one vector per 4 inputs live instead of 16: `quad_sums` of 4 vectors
+  // (pairs interleaved and added, within 128-bit lanes by unpack: in 128-bit lane k, the sums over lane k of
+  // w0..w3), then `merge_quads` of the 4 quads (across 128-bit lanes by shuffles), each level halving the vectors.
+  static V quad_sums(const V* w) {
+    const V a = add(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));  // [w0 w1 w0 w1] per lane
+    const V b = add(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+    const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+    return add(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+  }
+  static V merge_quads(const V* t) {
     const V x0 = add(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
     const V x1 = add(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
     return add(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
@@ -141,8 +143,23 @@ struct Simd {
     const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm512_i32gather_ps(idx, kFp8Values.data(), 4);
   }
+  // 32 bf16 values from one 64-byte load, widened in place: the even-indexed ones (each 32-bit lane shifted up 16
+  // bits) and the odd-indexed ones (each lane's high half, masked): 3 instructions where two load_row take 6
+  static void load_pairs(const c10::BFloat16* p, V& even, V& odd) {
+    const __m512i x = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  // back in order: the values 0..15 and 16..31 of 32 whose even and odd ones are `even`, `odd` (lanes moved only)
+  static void interleave(V even, V odd, V& lo, V& hi) {
+    const __m512i ilo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i ihi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    lo = _mm512_permutex2var_ps(even, ilo, odd);
+    hi = _mm512_permutex2var_ps(even, ihi, odd);
+  }
 };
 #define GLMSERVE_PAGED_SIMD 1
+#define GLMSERVE_PAGED_BF16_PAIRS 1
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Simd {
   using V = __m256;
@@ -175,11 +192,11 @@ struct Simd {
     const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), live);
   }
-  // r[j] = sum of the lanes of v[j], j < 8: hadd pairs twice (sums within 128-bit lanes), then the two halves
-  static V lane_sums(const V* v) {
-    const V a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const V b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return add(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  // r[j] = sum of the lanes of v[j], j < 8, in two steps as above: `quad_sums` hadds pairs of 4 vectors twice
+  // (sums within 128-bit lanes), `merge_quads` adds the two quads' halves
+  static V quad_sums(const V* w) { return _mm256_hadd_ps(_mm256_hadd_ps(w[0], w[1]), _mm256_hadd_ps(w[2], w[3])); }
+  static V merge_quads(const V* t) {
+    return add(_mm256_permute2f128_ps(t[0], t[1], 0x20), _mm256_permute2f128_ps(t[0], t[1], 0x31));
   }
   static V load_row(const float* p) { return load(p); }
   static V load_row(const c10::BFloat16* p) {
@@ -212,14 +229,126 @@ inline void prefetch_row(const T* row, int64_t width) {
   for (int64_t at = 0; at < width * static_cast<int64_t>(sizeof(T)); at += 64) _mm_prefetch(p + at, _MM_HINT_T0);
 }
 
-// Vector registers one tile of query heads keeps: its q chunks (score pass) or its output accumulators (value
-// pass); the rest hold a key or value chunk, the partial sums and the probabilities.
-constexpr int kTileRegs = Simd::N == 16 ? 16 : 8;
+// Query heads per tile: a tile's q chunks (score pass) or output accumulators (value pass) stay in registers, at
+// most 16 vectors on AVX-512 (8 on AVX2) and 4 heads (the score pass also keeps 4 keys' products and one partial
+// sum per 4 keys for each head). A group splits into tiles of kTileHeads heads and one exact tile of the rest: no
+// padding head is computed (SmolLM2's 3 heads of D 64 on AVX-512 are one tile of 3).
+template <int CH>
+constexpr int kTileHeads = std::max(1, std::min(4, (Simd::N == 16 ? 16 : 8) / CH));
 
-// One (sequence, kv head) task: the group's g query heads q [g, D] over the n keys at `seq_slots`, D = CH lanes'
-// chunks (a template argument, so that a tile of heads' q chunks and output accumulators stay in registers: each
-// key or value chunk is loaded and widened to float32 once for all heads of the tile).
-// scores: scratch of g * (n rounded up to N) + g floats.
+// Scores of one tile of GT query heads q [GT, D] (D = CH lanes' chunks) over the n keys at `seq_slots`:
+// scores[t * stride + j] = scale x (head t . key j). Each key chunk is loaded and widened to float32 once for the
+// tile's heads; a key's products are accumulated lane-wise, and every 4 keys' lane-wise sums are folded per head
+// into one vector (Simd::quad_sums), the chunk's N scores then taken together (Simd::merge_quads).
+template <typename Rows, int CH, int GT>
+void score_tile(const float* q, const typename Rows::storage* kh, const typename Rows::storage* vh,
+                const int64_t* seq_slots, int64_t n, float scale, float* scores, int64_t stride, bool prefetch) {
+  using S = Simd;
+  using V = S::V;
+  constexpr int N = S::N;
+  constexpr int64_t D = CH * N;
+  const int64_t W = D + Rows::extra;
+  V qv[GT][CH];
+  for (int t = 0; t < GT; ++t)
+    for (int c = 0; c < CH; ++c) qv[t][c] = S::load(q + t * D + c * N);
+  for (int64_t j0 = 0; j0 < n; j0 += N) {
+    const int jn = static_cast<int>(std::min<int64_t>(N, n - j0));
+    if (prefetch) {
+      // the pool's blocks are a page or less apart, where the hardware prefetcher stops: fetch the next chunk's
+      // keys and this chunk's values (read after the softmax) while this chunk's scores are computed
+      for (int64_t j = j0 + N; j < std::min<int64_t>(n, j0 + 2 * N); ++j) prefetch_row(kh + seq_slots[j] * W, W);
+      for (int64_t j = j0; j < j0 + jn; ++j) prefetch_row(vh + seq_slots[j] * W, W);
+    }
+    V row_scale = S::set1(scale);
+    if (Rows::extra) {
+      alignas(64) float rs[N];
+      for (int j = 0; j < N; ++j) rs[j] = j < jn ? scale * Rows::scale(kh + seq_slots[j0 + j] * W, D) : 0.f;
+      row_scale = S::load(rs);
+    }
+    V quads[GT][N / 4];
+    for (int j4 = 0; j4 < N / 4; ++j4) {
+      V acc[GT][4];
+      for (int w = 0; w < 4; ++w) {
+        const int j = 4 * j4 + w;
+        for (int t = 0; t < GT; ++t) acc[t][w] = S::zero();
+        if (j < jn) {
+          const auto* krow = kh + seq_slots[j0 + j] * W;
+          for (int c = 0; c < CH; ++c) {
+            const V k = S::load_row(krow + c * N);
+            for (int t = 0; t < GT; ++t) acc[t][w] = S::fma(qv[t][c], k, acc[t][w]);
+          }
+        }
+      }
+      for (int t = 0; t < GT; ++t) quads[t][j4] = S::quad_sums(acc[t]);
+    }
+    for (int t = 0; t < GT; ++t) S::store(scores + t * stride + j0, S::mul(S::merge_quads(quads[t]), row_scale));
+  }
+}
+
+// out[t] = inv[t] x sum over the n keys of p[t, j] v[j] for one tile of GT heads (p: the softmax numerators,
+// scores[t * stride + j]): each value chunk is loaded and widened once for the tile's heads.
+template <typename Rows, int CH, int GT>
+void value_tile(const float* scores, int64_t stride, const float* inv, const typename Rows::storage* vh,
+                const int64_t* seq_slots, int64_t n, float* out) {
+  using S = Simd;
+  using V = S::V;
+  constexpr int N = S::N;
+  constexpr int64_t D = CH * N;
+  const int64_t W = D + Rows::extra;
+  V acc[GT][CH];
+  for (int t = 0; t < GT; ++t)
+    for (int c = 0; c < CH; ++c) acc[t][c] = S::zero();
+#ifdef GLMSERVE_PAGED_BF16_PAIRS
+  // bf16 rows: chunks 2s and 2s + 1 are loaded as one pair (Simd::load_pairs), acc[t][2s] then holds the even
+  // values of those 32 and acc[t][2s + 1] the odd ones; each output value's products and sum are the same, only
+  // the lanes differ, and Simd::interleave puts them back in order
+  constexpr bool pairs = std::is_same_v<typename Rows::storage, c10::BFloat16> && CH % 2 == 0;
+#else
+  constexpr bool pairs = false;
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const auto* vrow = vh + seq_slots[j] * W;
+    const float vs = Rows::extra ? Rows::scale(vrow, D) : 1.f;
+    V p[GT];
+    for (int t = 0; t < GT; ++t) p[t] = S::set1(scores[t * stride + j] * vs);
+    for (int c = 0; c < CH; c += pairs ? 2 : 1) {
+      V v[2];
+#ifdef GLMSERVE_PAGED_BF16_PAIRS
+      if constexpr (pairs) S::load_pairs(vrow + c * N, v[0], v[1]);
+      else v[0] = S::load_row(vrow + c * N);
+#else
+      v[0] = S::load_row(vrow + c * N);
+#endif
+      for (int h = 0; h < (pairs ? 2 : 1); ++h)
+        for (int t = 0; t < GT; ++t) acc[t][c + h] = S::fma(p[t], v[h], acc[t][c + h]);
+    }
+  }
+  for (int t = 0; t < GT; ++t) {
+    const V norm = S::set1(inv[t]);
+    for (int c = 0; c < CH; c += pairs ? 2 : 1) {
+      V r[2] = {S::mul(acc[t][c], norm), pairs ? S::mul(acc[t][c + pairs], norm) : S::zero()};
+#ifdef GLMSERVE_PAGED_BF16_PAIRS
+      if constexpr (pairs) S::interleave(r[0], r[1], r[0], r[1]);
+#endif
+      for (int h = 0; h < (pairs ? 2 : 1); ++h) S::store(out + t * D + (c + h) * N, r[h]);
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, heads>{}) for a tile of 1 <= heads <= kTileHeads<CH> heads.
+template <int CH, typename F>
+void with_tile(int heads, F&& f) {
+  static_assert(kTileHeads<CH> <= 4);
+  switch (heads) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (kTileHeads<CH> >= 2) f(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (kTileHeads<CH> >= 3) f(std::integral_constant<int, 3>{}); break;
+    default: if constexpr (kTileHeads<CH> >= 4) f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// One (sequence, kv head) task: the group's g query heads q [g, D] over the n keys at `seq_slots`, in tiles of
+// heads (kTileHeads); the first tile prefetches. scores: scratch of g * (n rounded up to N) + g floats.
 template <typename Rows, int CH>
 void decode_task_simd(const float* q, const typename Rows::storage* kh, const typename Rows::storage* vh,
                       const int64_t* seq_slots, int64_t n, int64_t group, float scale, float* scores, float* out,
@@ -228,43 +357,13 @@ void decode_task_simd(const float* q, const typename Rows::storage* kh, const ty
   using V = S::V;
   constexpr int N = S::N;
   constexpr int64_t D = CH * N;
-  constexpr int GT = kTileRegs / CH > 0 ? kTileRegs / CH : 1;  // heads per tile
-  const int64_t W = D + Rows::extra, stride = (n + N - 1) / N * N;
+  const int64_t stride = (n + N - 1) / N * N;
   float* inv = scores + group * stride;  // each head's 1 / softmax sum
-  for (int64_t g0 = 0; g0 < group; g0 += GT) {
-    const int gn = static_cast<int>(std::min<int64_t>(GT, group - g0));
-    V qv[GT][CH];
-    for (int t = 0; t < GT; ++t)
-      for (int c = 0; c < CH; ++c) qv[t][c] = t < gn ? S::load(q + (g0 + t) * D + c * N) : S::zero();
-    for (int64_t j0 = 0; j0 < n; j0 += N) {
-      const int jn = static_cast<int>(std::min<int64_t>(N, n - j0));
-      if (g0 == 0) {
-        // the pool's blocks are a page or less apart, where the hardware prefetcher stops: fetch the next chunk's
-        // keys and this chunk's values (read after the softmax) while this chunk's scores are computed
-        for (int64_t j = j0 + N; j < std::min<int64_t>(n, j0 + 2 * N); ++j) prefetch_row(kh + seq_slots[j] * W, W);
-        for (int64_t j = j0; j < j0 + jn; ++j) prefetch_row(vh + seq_slots[j] * W, W);
-      }
-      V row_scale = S::set1(scale);
-      if (Rows::extra) {
-        alignas(64) float rs[N];
-        for (int j = 0; j < N; ++j) rs[j] = j < jn ? scale * Rows::scale(kh + seq_slots[j0 + j] * W, D) : 0.f;
-        row_scale = S::load(rs);
-      }
-      V partial[GT][N];
-      for (int j = 0; j < N; ++j) {
-        V acc[GT];
-        for (int t = 0; t < GT; ++t) acc[t] = S::zero();
-        if (j < jn) {
-          const auto* krow = kh + seq_slots[j0 + j] * W;
-          for (int c = 0; c < CH; ++c) {
-            const V k = S::load_row(krow + c * N);
-            for (int t = 0; t < GT; ++t) acc[t] = S::fma(qv[t][c], k, acc[t]);
-          }
-        }
-        for (int t = 0; t < GT; ++t) partial[t][j] = acc[t];
-      }
-      for (int t = 0; t < gn; ++t) S::store(scores + (g0 + t) * stride + j0, S::mul(S::lane_sums(partial[t]), row_scale));
-    }
+  for (int64_t g0 = 0; g0 < group; g0 += kTileHeads<CH>) {
+    with_tile<CH>(static_cast<int>(std::min<int64_t>(kTileHeads<CH>, group - g0)), [&](auto tile) {
+      score_tile<Rows, CH, decltype(tile)::value>(q + g0 * D, kh, vh, seq_slots, n, scale, scores + g0 * stride,
+                                                  stride, g0 == 0);
+    });
   }
   // softmax numerators in place; the normalization is applied to the outputs
   const int64_t full = n / N * N;
@@ -292,26 +391,12 @@ void decode_task_simd(const float* q, const typename Rows::storage* kh, const ty
     inv[g] = 1.f / sum;
     if (lse != nullptr) lse[g] = mx + std::log(sum);
   }
-  // out[g] = sum over keys of p[g, j] v[j] / sum[g]: each value chunk loaded once for every head of a tile
-  for (int64_t g0 = 0; g0 < group; g0 += GT) {
-    const int gn = static_cast<int>(std::min<int64_t>(GT, group - g0));
-    V acc[GT][CH];
-    for (int t = 0; t < GT; ++t)
-      for (int c = 0; c < CH; ++c) acc[t][c] = S::zero();
-    for (int64_t j = 0; j < n; ++j) {
-      const auto* vrow = vh + seq_slots[j] * W;
-      const float vs = Rows::extra ? Rows::scale(vrow, D) : 1.f;
-      V p[GT];
-      for (int t = 0; t < GT; ++t) p[t] = S::set1(t < gn ? scores[(g0 + t) * stride + j] * vs : 0.f);
-      for (int c = 0; c < CH; ++c) {
-        const V v = S::load_row(vrow + c * N);
-        for (int t = 0; t < GT; ++t) acc[t][c] = S::fma(p[t], v, acc[t][c]);
-      }
-    }
-    for (int t = 0; t < gn; ++t) {
-      const V norm = S::set1(inv[g0 + t]);
-      for (int c = 0; c < CH; ++c) S::store(out + (g0 + t) * D + c * N, S::mul(acc[t][c], norm));
-    }
+  // out[g] = sum over keys of p[g, j] v[j] / sum[g], tile by tile
+  for (int64_t g0 = 0; g0 < group; g0 += kTileHeads<CH>) {
+    with_tile<CH>(static_cast<int>(std::min<int64_t>(kTileHeads<CH>, group - g0)), [&](auto tile) {
+      value_tile<Rows, CH, decltype(tile)::value>(scores + g0 * stride, stride, inv + g0, vh, seq_slots, n,
+                                                  out + g0 * D);
+    });
   }
 }
 
