@@ -1,9 +1,9 @@
-"""Our causal prefill attention in bf16 (kernels op `prefill_attention`, csrc/prefill_attention.cpp), on each
-engine this CPU runs (AMX tiles, AVX512-BF16's vdpbf16ps), against a float32 SDPA with an explicit causal mask at
-the queries' offset, on the same bf16-rounded inputs; the layer's use of it (layers/attention.py) against torch's
-bf16 SDPA, which it replaces; and the variants without AVX-512 (avx2, scalar), which report it unavailable so that
-the layer keeps SDPA. The kernel tests skip on CPUs with neither AMX-BF16 nor AVX512-BF16, each engine's where the
-CPU lacks it."""
+"""Our causal prefill attention in bf16 (kernels op `prefill_attention`, csrc/prefill_attention.cpp), on each engine
+this CPU runs (AMX tiles, AVX512-BF16's vdpbf16ps, float32 FMAs), against a float32 SDPA with an explicit causal
+mask at the queries' offset, on the same bf16-rounded inputs; the layer's use of it (layers/attention.py) against
+torch's bf16 SDPA, which it replaces; and the variants without AVX-512 (avx2, scalar), which report it unavailable
+so that the layer keeps SDPA. The kernel tests skip on CPUs with neither AMX-BF16 nor AVX512-BF16, each engine's
+where the CPU lacks it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def engines() -> list[str]:
 
 
 needs_kernel = pytest.mark.skipif(not available(), reason="neither AMX-BF16 nor AVX512-BF16 (or no avx512 build)")
-ENGINES = ["amx", "avx512_bf16"]
+ENGINES = ["amx", "avx512_fma", "avx512_bf16"]
 
 
 def engine_or_skip(engine: str) -> str:
@@ -151,11 +151,14 @@ def test_bad_input_is_a_clear_error():
 
 
 def test_engines_follow_the_cpu():
-    """AMX only where Linux grants the tiles (the CPU has AMX-BF16), the vector engine wherever AVX512-BF16 is in the
-    avx512 build's CPU (every AMX CPU has it too)."""
+    """AMX only where Linux grants the tiles (the CPU has AMX-BF16), the two vector engines wherever AVX512-BF16 is in
+    the avx512 build's CPU (every AMX CPU has it too), VectorFma's first on Intel CPUs and VectorBf16's elsewhere."""
     found = engines()
-    assert ("avx512_bf16" in found) == kernels.avx512_bf16()
-    assert set(found) <= {"amx", "avx512_bf16"} and (found == ["amx", "avx512_bf16"] or "amx" not in found)
+    vector = ["avx512_fma", "avx512_bf16"]
+    if "GenuineIntel" not in open("/proc/cpuinfo").read():
+        vector.reverse()
+    assert ("avx512_bf16" in found) == ("avx512_fma" in found) == kernels.avx512_bf16()
+    assert found in ([], vector, ["amx", *vector]) and ("amx" not in found or kernels.avx512_bf16())
     assert available() == bool(found)
 
 

@@ -1,11 +1,13 @@
 // Causal prefill attention in bf16 with float32 accumulation (CPU, avx512 build): on the AMX bf16 tiles where the
-// CPU has AMX-BF16 (Intel Sapphire Rapids on), else with AVX512-BF16's vdpbf16ps (AMD Zen 4 on, Intel Cooper Lake).
+// CPU has AMX-BF16 (Intel Sapphire Rapids on), else where it has AVX512-BF16 (AMD Zen 4 on, Intel Cooper Lake on) with
+// its vdpbf16ps or with float32 FMAs on the bf16 values widened (the faster of the two on Intel cores).
 //
 //   prefill_attention(q [T, Hq, D] bf16, k [B, L, Hk, D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64,
 //                     scale, out_bf16, engine = "") -> out [T, Hq, D] bf16 (out_bf16) or float32
 //   prefill_attention_available() -> bool: this build and CPU run it (AMX tiles granted by Linux, or AVX512-BF16)
-//   prefill_attention_engines() -> [str]: the engines they run it on, best first ("amx", "avx512_bf16"); `engine`
-//     picks one ("": the best)
+//   prefill_attention_engines() -> [str]: the engines they run it on, best first ("amx", then "avx512_fma" and
+//     "avx512_bf16" in the order of this CPU's vendor: Intel's first, others' last);
+//     `engine` picks one ("": the best)
 //
 // Rows b = 0..B-1 hold q_lens[b] queries each, one after the other in q; row b's keys are the first kv_lens[b]
 // of k[b] / v[b] (q_lens[b] <= kv_lens[b] <= L), and its query i sits at position kv_lens[b] - q_lens[b] + i and
@@ -37,8 +39,10 @@
 // dot product of a pair of bf16), one zmm of 16 queries (a Q^T or P^T VNNI row) against a pair of K's or V^T's
 // elements broadcast to every lane: scores^T row k (16 queries) = sum over the D / 2 pairs of Q^T's pair rows times
 // key k's pair, 16 keys' rows accumulated side by side (independent chains); out^T row d (16 queries) += sum over
-// the 32 key pairs of P^T's pair rows times V^T's pair (row d, keys 2j, 2j + 1), 16 dims' rows side by side. The
-// softmax, the item order and the output pass are the AMX path's own (`attend`, templated on the engine).
+// the 32 key pairs of P^T's pair rows times V^T's pair (row d, keys 2j, 2j + 1), 16 dims' rows side by side. VectorFma
+// (faster on Intel cores) runs the same loops as float32 FMAs, each pair row split into its even and odd halves
+// widened to float32 (exact). The softmax, the item order and the output pass are the AMX path's own (`attend`,
+// templated on the engine).
 // One work item is (row, KV head, two tiles of 16 queries) with the Hq / Hk query heads of that KV head; its
 // steps run key block by key block, each block against every head and tile, so each K and V block is read into
 // L1 once for all of them. Items are spread over threads with at::parallel_for, heavy and light (long and short
@@ -91,7 +95,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(total == q.size(0), "prefill_attention: q_lens sum to ", total, ", q has ", q.size(0), " tokens");
 }
 
-#ifdef GLMSERVE_HAS_AMX  // the avx512 build on x86-64 Linux (amx.h): both engines are compiled there
+#ifdef GLMSERVE_HAS_AMX  // the avx512 build on x86-64 Linux (amx.h): all engines are compiled there
 // The shared code (attend, the softmax) and the AMX engine: the compiler never emits AMX instructions of its own, so
 // the shared code runs on CPUs without AMX too (the vector engine's functions need only avx512bf16).
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
@@ -102,6 +106,15 @@ inline bool avx512_bf16_present() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);
+  }();
+  return ok;
+}
+
+// CPUID leaf 0's vendor string is "GenuineIntel" (EBX, EDX, ECX): VectorFma before VectorBf16 there
+inline bool intel_cpu() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;
   }();
   return ok;
 }
@@ -302,10 +315,11 @@ AMX_TARGET inline void amx_accumulate(const Problem& p, const uint16_t* vt, int6
   }
 }
 
-// The two engines `attend` runs on. start_scores(p, kp, kb, qt) begins scores^T of key block kb against one head's
-// query tile and finish_scores(s) leaves them in s ([KB][QB] floats): the AMX engine computes on the tiles in the
-// first (the vector units run the previous block's softmax meanwhile) and stores in the second; the vector engine
-// does all of it in the second. accumulate(p, vt, kb, pt, o): out^T o [D][QB] += V^T (block kb) x P^T (pt).
+// The engines `attend` runs on (AmxTiles, VectorBf16, VectorFma). start_scores(p, kp, kb, qt) begins scores^T of key
+// block kb against one head's query tile and finish_scores(s) leaves them in s ([KB][QB] floats): the AMX engine
+// computes on the tiles in the first (the vector units run the previous block's softmax meanwhile) and stores in the
+// second; the vector engines do all of it in the second. accumulate(p, vt, kb, pt, o): out^T o [D][QB] += V^T (block
+// kb) x P^T (pt).
 struct AmxTiles {
   AMX_TARGET static void begin() { tile_config(); }
   AMX_TARGET static void end() { tile_release(); }
@@ -372,6 +386,89 @@ struct VectorBf16 {
   }
 };
 
+// bf16 bits to float32: the low (even) and high (odd) halves of each 32-bit lane of a VNNI pair row
+inline __m512 even_halves(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline __m512 odd_halves(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// n bf16 values (a multiple of 16) at src widened to float32 at dst
+inline void widen(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_store_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+  }
+}
+
+// VectorBf16's products as float32 FMAs on the bf16 values widened (exact): on Intel's Golden Cove server cores
+// (Sapphire / Emerald Rapids, when AMX is not granted) a zmm vdpbf16ps issues once per ~2.2 cycles (8 cycles latency),
+// 64 flops, while vfmadd231ps issues twice a cycle, 2 x 32 flops (measured on an Emerald Rapids Xeon, independent
+// chains: 0.78 vs 0.19 ns per instruction), so this engine runs first on Intel CPUs and VectorBf16 on others (AMD
+// Zen 4's FMA units are 256 bits wide, and vdpbf16ps was its fast path). The current key block's K ([KB][D]) and V^T
+// ([D][KB]) are widened into `kf` / `vf` once (a block serves every head and query tile of the item in turn); Q^T's
+// and P^T's VNNI pair rows are split into their even and odd halves in registers (two ALU operations per 32 FMAs).
+// Each FMA's other operand is one float32 of K or V^T broadcast from memory (folded into the FMA as {1to16}).
+struct VectorFma {
+  const uint16_t* k = nullptr;  // the pending block's first key row (packed K: [KB][D])
+  const uint16_t* qt = nullptr;
+  const uint16_t* k_in_kf = nullptr;  // the bf16 blocks kf and vf hold widened
+  const uint16_t* v_in_vf = nullptr;
+  alignas(64) float kf[KB * 128];
+  alignas(64) float vf[128 * KB];
+  static void begin() {}
+  static void end() {}
+  void start_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* q) { k = kp + kb * p.D, qt = q; }
+
+  void finish_scores(const Problem& p, float* s) {
+    if (k != k_in_kf) widen(k, KB * p.D, kf), k_in_kf = k;
+    if (p.D == 64)
+      scores<64>(s);
+    else
+      scores<128>(s);
+  }
+
+  // scores^T row r = sum over dims d of (Q^T row d: 16 queries) x key r's dim d, 16 keys at a time in 16
+  // accumulators (D a constant: the 16 keys' rows are one pointer and fixed offsets)
+  template <int D>
+  void scores(float* s) const {
+    for (int64_t r0 = 0; r0 < KB; r0 += 16) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      const float* rows = kf + r0 * D;
+      for (int c = 0; c < D / 2; ++c) {
+        const __m512i q = _mm512_loadu_si512(qt + c * 2 * QB);
+        const __m512 q0 = even_halves(q), q1 = odd_halves(q);
+        for (int r = 0; r < 16; ++r) {
+          acc[r] = _mm512_fmadd_ps(q0, _mm512_set1_ps(rows[r * D + 2 * c]), acc[r]);
+          acc[r] = _mm512_fmadd_ps(q1, _mm512_set1_ps(rows[r * D + 2 * c + 1]), acc[r]);
+        }
+      }
+      for (int r = 0; r < 16; ++r) _mm512_store_ps(s + (r0 + r) * QB, acc[r]);
+    }
+  }
+
+  // out^T row d += sum over keys j of (P^T row j: 16 queries) x V^T row d's key j, 16 dims at a time in 16
+  // accumulators
+  void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o) {
+    const uint16_t* block = vt + kb * p.D;
+    if (block != v_in_vf) widen(block, KB * p.D, vf), v_in_vf = block;
+    for (int64_t d0 = 0; d0 < p.D; d0 += 16) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_loadu_ps(o + (d0 + r) * QB);
+      const float* rows = vf + d0 * KB;
+      for (int64_t j = 0; j < KB / 2; ++j) {
+        const __m512i pj = _mm512_load_si512(pt + j * 2 * QB);
+        const __m512 p0 = even_halves(pj), p1 = odd_halves(pj);
+        for (int r = 0; r < 16; ++r) {
+          acc[r] = _mm512_fmadd_ps(p0, _mm512_set1_ps(rows[r * KB + 2 * j]), acc[r]);
+          acc[r] = _mm512_fmadd_ps(p1, _mm512_set1_ps(rows[r * KB + 2 * j + 1]), acc[r]);
+        }
+      }
+      for (int r = 0; r < 16; ++r) _mm512_storeu_ps(o + (d0 + r) * QB, acc[r]);
+    }
+  }
+};
+
 template <class Engine>
 AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
   const int64_t ql = p.q_len[it.b], kl = p.kv_len[it.b], lpad = (kl + KB - 1) / KB * KB;
@@ -419,7 +516,7 @@ AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
     if (grew && x.kb > 0)  // (the first block finds the output still zero)
       for (int64_t d = 0; d < p.D; ++d) _mm512_storeu_ps(o + d * QB, _mm512_mul_ps(_mm512_loadu_ps(o + d * QB), alpha));
     if (u + 1 < units) e.finish_scores(p, w.s[(u + 1) & 1]);
-    Engine::accumulate(p, vt, x.kb, w.pt, o);
+    e.accumulate(p, vt, x.kb, w.pt, o);
   }
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t j = 0; j < p.g; ++j) {  // out = out^T transposed, divided by l
@@ -471,7 +568,7 @@ void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, 
 }
 
 at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* ql, const int64_t* kl,
-               double scale, bool out_bf16, bool tiles) {
+               double scale, bool out_bf16, const std::string& engine) {
   const int64_t B = k.size(0), Hk = k.size(2), D = q.size(2), Hq = q.size(1), T = q.size(0);
   std::vector<int64_t> q_start(B), pad_start(B);
   int64_t tokens = 0, keys = 0;
@@ -513,8 +610,10 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   }
   at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w(p);
-    if (tiles)
+    if (engine == "amx")
       attend_items<AmxTiles>(p, order, begin, end, w);
+    else if (engine == "avx512_fma")
+      attend_items<VectorFma>(p, order, begin, end, w);
     else
       attend_items<VectorBf16>(p, order, begin, end, w);
   });
@@ -522,12 +621,15 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 }
 #endif
 
-// The engines this build and CPU run, best first: "amx" (tiles granted by Linux), "avx512_bf16"
+// The engines this build and CPU run, best first: "amx" (tiles granted by Linux), then the vector engines
 std::vector<std::string> prefill_attention_engines() {
   std::vector<std::string> engines;
 #ifdef GLMSERVE_HAS_AMX
   if (glmserve::amx_bf16_permitted()) engines.emplace_back("amx");
-  if (avx512_bf16_present()) engines.emplace_back("avx512_bf16");
+  if (avx512_bf16_present()) {  // the vector engines (their softmax rounds P with AVX512-BF16's conversions)
+    engines.emplace_back(intel_cpu() ? "avx512_fma" : "avx512_bf16");
+    engines.emplace_back(intel_cpu() ? "avx512_bf16" : "avx512_fma");
+  }
 #endif
   return engines;
 }
@@ -545,7 +647,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(std::find(engines.begin(), engines.end(), chosen) != engines.end(), "prefill_attention: engine '",
               chosen, "' does not run here");
 #ifdef GLMSERVE_HAS_AMX
-  return run(q, k, v, q_lens.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), scale, out_bf16, chosen == "amx");
+  return run(q, k, v, q_lens.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), scale, out_bf16, chosen);
 #else
   return at::Tensor();
 #endif
@@ -561,5 +663,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether this build and CPU run prefill_attention");
   m.def("prefill_attention_engines", &prefill_attention_engines,
-        "the engines this build and CPU run prefill_attention on, best first: amx, avx512_bf16");
+        "the engines this build and CPU run prefill_attention on, best first: amx, avx512_fma / avx512_bf16");
 }
