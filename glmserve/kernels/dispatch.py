@@ -48,7 +48,8 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                each at the end of its kv_lens keys, on the AMX bf16 tiles or with AVX512-BF16 (bf16 tensors only)
   prefill_attention_available() -> bool: whether this variant and CPU run prefill_attention (avx512 with AMX or
                AVX512-BF16)
-  prefill_attention_engines() -> [str]: the engines they run it on, best first ("amx", "avx512_bf16")
+  prefill_attention_engines() -> [str]: the engines they run it on, best first ("amx", "avx512_fma",
+               "avx512_bf16"; float32 FMAs before vdpbf16ps on Intel CPUs)
   first_max(x [S,V] f32, contiguous rows) -> [S] i64: each row's index of its maximum, the first of equal maxima
                (a NaN first): torch.max(x, -1).indices in one vectorized pass per row (sampling's greedy pick)
 """

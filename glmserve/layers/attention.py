@@ -18,8 +18,9 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    q/k/v with float32 accumulation inside the kernel (as vLLM-CPU's bf16 attention does); the stored K/V stay in
    the pool's format and the output returns in float32, or bf16 where the caller asks (`prefill_compute_dtype`;
    GLMSERVE_BF16_ATTENTION=0 turns it off). There the causal prefill of a row (fresh, or a chunk over cached
-   context with no offloaded keys) runs our bf16 kernel (csrc/prefill_attention.cpp: AMX tiles, or vdpbf16ps
-   without them) instead of torch's SDPA, reading the gathered keys in place of a mask (GLMSERVE_AMX_ATTENTION=0:
+   context with no offloaded keys) runs our bf16 kernel (csrc/prefill_attention.cpp: AMX tiles, or without them
+   float32 FMAs on widened bf16 (Intel) or vdpbf16ps (others)) instead of torch's SDPA, reading the gathered
+   keys in place of a mask (GLMSERVE_AMX_ATTENTION=0:
    SDPA; on CPUs without AMX then float32 SDPA, as torch's bf16 SDPA is no faster there:
    bench/bench_prefill_attention.py).
 
@@ -75,8 +76,9 @@ def prefill_compute_dtype(q: torch.Tensor, num_tokens: int) -> torch.dtype:
 
 
 def bf16_prefill_kernel(head_dim: int) -> Callable | None:
-    """Our causal prefill attention in bf16 (kernels op `prefill_attention`: AMX tiles, or AVX512-BF16's
-    vdpbf16ps) where this CPU and build run it and the head dim is 64 or 128, unless GLMSERVE_AMX_ATTENTION=0;
+    """Our causal prefill attention in bf16 (kernels op `prefill_attention`: AMX tiles, or on AVX512-BF16
+    CPUs float32 FMAs on widened bf16 or vdpbf16ps: `prefill_attention_engines()`) where this CPU and build run
+    it and the head dim is 64 or 128, unless GLMSERVE_AMX_ATTENTION=0;
     else None."""
     if os.environ.get(AMX_ATTENTION_ENV) == "0" or head_dim not in (64, 128):
         return None
