@@ -45,7 +45,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(wl.THREADS)
     chosen = pin_engine()
-    llm = LLM(model=None, num_threads=wl.THREADS)
+    # No prefix cache: each prompt is prefilled once per engine, and the second run must not hit the first's blocks.
+    llm = LLM(model=None, num_threads=wl.THREADS, enable_prefix_caching=False)
     maker = wl.PromptMaker(wl.load_tokenizer(wl.embedded_gguf_path()), wl.SEED + 17)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     lengths = [int(n) for n in args.prefill.split(",")]
