@@ -4,14 +4,16 @@ the step's batch building (scheduler, block tables, metadata) and the per-token 
 stop checks, outputs).
 
     GLMSERVE_BENCH_THREADS=1 .venv/bin/python bench/profile_decode.py [--batch 32] [--steps 32] [--repeats 3]
-        [--clock wall|cpu]
+        [--clock wall|cpu] [--prompt-len 128]
 
 torch.profiler does not see our C++ kernels (pybind calls, not torch ops: bench/profile_engine.py books them
 as "outside ops"), so each component is timed here with perf_counter around its call (module hooks and method
 wrappers; one thread, so the sums are exclusive where the components do not nest); `--clock cpu` reads this
 thread's CPU time instead of the wall clock, which with one thread is the step's compute whatever else the host
 runs (the wait for a preempted core is not counted; memory contention still is). The batch's prompts
-(`DECODE_BATCH_PROMPT_LEN` tokens, bench/workloads.py) are computed before the timed steps. Prints the
+(`--prompt-len`, default `DECODE_BATCH_PROMPT_LEN` tokens, bench/workloads.py) are computed before the timed steps;
+each request gets enough new tokens that none finishes before the window ends, however many prefill steps the batch
+takes (with too few, early requests finished while later ones prefilled, and the window ran a smaller batch). Prints the
 median over `--repeats` windows of `--steps` steps of each component's ms per step and share of the step.
 
 Decode steps that qualify run the fused decode path (glmserve/models/llama_decode.py: no module calls inside the
@@ -107,6 +109,8 @@ def window(engine, params, prompts: list[list[int]], steps: int, timers: Timers,
         engine.step()  # prefill, outside the window
     timers.total.clear()
     for _ in range(steps):
+        if len(engine.scheduler.running) != len(prompts):
+            raise RuntimeError(f"{len(engine.scheduler.running)} of {len(prompts)} requests running in the window")
         engine.step()
     ms = {k: v * 1e3 / steps for k, v in timers.total.items()}
     while engine.has_unfinished_requests():
@@ -119,6 +123,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=wl.DECODE_BATCH)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=wl.DECODE_BATCH_PROMPT_LEN,
+                        help="tokens per prompt (the KV each decode row attends to)")
     parser.add_argument("--json", help="also write {component: ms per step} here (bench/ab_decode.py reads it)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: this thread's CPU time (one thread: robust to a busy host)")
@@ -138,8 +144,9 @@ def main() -> None:
     llm.generate([maker.tokens(64)], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
     timers = Timers(CLOCKS[args.clock])
     instrument(engine, timers, components=not args.no_components)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
-    runs = [window(engine, params, maker.batch(args.batch, wl.DECODE_BATCH_PROMPT_LEN), args.steps, timers, f"w{i}")
+    prefill_steps = -(-args.batch * args.prompt_len // engine.config.max_num_batched_tokens) + 1
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + prefill_steps + 2, ignore_eos=True)
+    runs = [window(engine, params, maker.batch(args.batch, args.prompt_len), args.steps, timers, f"w{i}")
             for i in range(args.repeats)]
     median = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
     step = median["engine step (all)"]
@@ -152,7 +159,7 @@ def main() -> None:
                                                "attention metadata", "scheduler", "detokenize + stop checks",
                                                "request outputs"))
     median["engine rest (KV block bookkeeping, Python)"] = step - outside
-    print(f"decode batch {args.batch}, {args.steps} steps x {args.repeats} windows, {torch.get_num_threads()} "
+    print(f"decode batch {args.batch} (prompts of {args.prompt_len} tokens), {args.steps} steps x {args.repeats} windows, {torch.get_num_threads()} "
           f"thread(s), {args.clock} clock: {step:.2f} ms/step = {args.batch / step * 1e3:.1f} tok/s; "
           f"load {os.getloadavg()[0]:.2f}")
     print("| component | ms / step | share of step |")
