@@ -45,6 +45,15 @@ class QuantizedWeight:
         return QuantizedWeight(self.spec, self.codes.to(device), self.scales.to(device), move(self.zeros),
                                move(self.mins), move(self.global_scale))
 
+    def _stack(self, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """`concat_rows` of parts (this one first) that passed its checks; a subclass that keeps another form of
+        its weight (quant/gguf_blocks.py GGUFBlockWeight) stacks that instead."""
+        def cat(name: str) -> torch.Tensor | None:
+            tensors = [getattr(p, name) for p in parts]
+            return None if tensors[0] is None else torch.cat(tensors, dim=0)
+
+        return QuantizedWeight(self.spec, cat("codes"), cat("scales"), cat("zeros"), cat("mins"), self.global_scale)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros, self.mins,
@@ -63,12 +72,7 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     g = parts[0].global_scale
     if g is not None and any(p.global_scale is None or not torch.equal(p.global_scale, g) for p in parts):
         raise ValueError("cannot stack weights with different global scales")
-
-    def cat(name: str) -> torch.Tensor | None:
-        tensors = [getattr(p, name) for p in parts]
-        return None if tensors[0] is None else torch.cat(tensors, dim=0)
-
-    return QuantizedWeight(spec, cat("codes"), cat("scales"), cat("zeros"), cat("mins"), g)
+    return parts[0]._stack(parts)
 
 
 def stackable(a: QuantizedWeight, b: QuantizedWeight) -> bool:
