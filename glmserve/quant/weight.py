@@ -63,6 +63,12 @@ class QuantizedWeight:
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Parts of one spec (and one global scale) stacked along the output rows, as a fused q|k|v or gate|up.
     Per-block weights need each part's rows to be whole blocks."""
+    _check_stackable(parts)
+    return parts[0]._stack(parts)
+
+
+def _check_stackable(parts: list[QuantizedWeight]) -> None:
+    """Raises ValueError where `concat_rows` cannot stack the parts."""
     spec = parts[0].spec
     if any(p.spec != spec for p in parts):
         raise ValueError(f"cannot stack weights of different formats: {[p.spec for p in parts]}")
@@ -72,13 +78,12 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     g = parts[0].global_scale
     if g is not None and any(p.global_scale is None or not torch.equal(p.global_scale, g) for p in parts):
         raise ValueError("cannot stack weights with different global scales")
-    return parts[0]._stack(parts)
 
 
 def stackable(a: QuantizedWeight, b: QuantizedWeight) -> bool:
-    """Whether `concat_rows` takes the two."""
+    """Whether `concat_rows` takes the two (checked, nothing stacked)."""
     try:
-        concat_rows([a, b])
+        _check_stackable([a, b])
     except ValueError:
         return False
     return True
