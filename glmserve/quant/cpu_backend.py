@@ -6,8 +6,9 @@ in blocks of 32 inputs: at `prepare` every block of an output row becomes w = d 
 (c: signed int8, or an unsigned nibble; int4 symmetric codes are stored as c + 8 with m = -8 d, integer zero
 points become m = -d * zero, Q4_1's min is m itself, a per-channel or per-tensor scale or a group of 64 is
 repeated on every block it covers), rows are interleaved in tiles of 16 and the canonical tensors are not
-kept. in_features is padded to a multiple of 32 and out_features to 16 (zero codes and scales). FP8 and
-NVFP4 weights are not run here: `cpu_float_block` (quant/cpu_float_backend.py) runs them.
+kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`). in_features is padded to a multiple of
+32 and out_features to 16 (zero codes and scales). FP8 and NVFP4 weights are not run here: `cpu_float_block`
+(quant/cpu_float_backend.py) runs them.
 
 Activations are quantized to int8 on this path, always: W8A8 (activations `token`, dynamic) as its spec
 says, per row; weight-only formats (A16) per block of 32 inputs as llama.cpp does for Q4_0 / Q4_1 / Q8_0
@@ -351,7 +352,7 @@ def pack_gguf(weight: GGUFBlockWeight) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def _gguf_scales(spec: QuantSpec, d: np.ndarray, m: np.ndarray | None,
                  offset: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """block_scales' d and m (tiled) from the blocks' fp16 bits `d` and Q4_1's `m`, as its float32 arithmetic
+    """block_form's d and m (tiled) from the blocks' fp16 bits `d` and Q4_1's `m`, as its float32 arithmetic
     leaves them: d as stored (a non-finite d is refused either way); Q4_1's m as stored, but -d * 0 + m makes a
     -0.0 min +0.0 under a negative d; Q4_0's m = -d * 8 + 0 where its codes move by 8 (`offset`)."""
     d = torch.from_numpy(d).view(torch.float16)
