@@ -45,7 +45,7 @@ from glmserve.errors import UnsupportedModelError
 from glmserve.layers.rotary import default_inverse_frequencies
 from glmserve.models.byte_level_tokenizer import ByteLevelTokenizer, handles
 from glmserve.models.gguf_reader import GGUFHeader, GGUFTensor, read_header
-from glmserve.quant.gguf_blocks import NATIVE, dequantize_other, from_blocks
+from glmserve.quant.gguf_blocks import NATIVE, GGUFBlockWeight, dequantize_other, from_blocks
 from glmserve.quant.schemes import Scheme, gguf_spec
 from glmserve.quant.weight import QuantizedWeight
 
@@ -413,15 +413,9 @@ def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     return np.require(values.reshape(_hf_shape(tensor)), dtype=np.float32, requirements=["C", "W"])
 
 
-def _unpermute_quantized(weight: QuantizedWeight, heads: int) -> QuantizedWeight:
-    """`_unpermute_rotary_rows` of a per-row quantized matrix: the same row order for codes, scales, mins."""
-    rows = torch.from_numpy(_unpermute_rotary_rows(np.arange(weight.shape[0]), heads))
-
-    def take(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[rows]
-
-    return QuantizedWeight(weight.spec, weight.codes[rows], weight.scales[rows], take(weight.zeros),
-                           take(weight.mins), weight.global_scale)
+def _unpermute_quantized(weight: GGUFBlockWeight, heads: int) -> GGUFBlockWeight:
+    """`_unpermute_rotary_rows` of a matrix of GGUF blocks (one row of blocks per output row): its rows reordered."""
+    return weight.take_rows(_unpermute_rotary_rows(np.arange(weight.shape[0]), heads))
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:

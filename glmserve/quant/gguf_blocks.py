@@ -8,10 +8,15 @@ Byte j of the nibbles holds weight j in its low and weight j + 16 in its high ha
 quantization follows ggml-quants.c's quantize_row_*_ref (as gguf-py's quants.py does) so the bytes are
 bit-exact with llama.cpp's. Other types (K-quants, Q5_*) have no native path: `dequantize_other` turns
 them into float. Everything is vectorized over all blocks at once.
+
+`from_blocks` keeps the blocks as read (`GGUFBlockWeight`) and makes the canonical tensors on first access only:
+the CPU backend packs its tiles straight from the blocks (quant/cpu_backend.py `pack_gguf`), which never unpacks
+the nibbles (a server start's load spent a third of its time on that round trip).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -27,6 +32,7 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32
 BLOCK_BYTES = {"Q8_0": 2 + BLOCK, "Q4_0": 2 + BLOCK // 2, "Q4_1": 4 + BLOCK // 2}
+HEADER_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}  # the fp16 fields before a block's quants (d; Q4_1: d, m)
 NATIVE = tuple(BLOCK_BYTES)
 
 
@@ -62,21 +68,64 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
     return (q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).astype(np.uint8)
 
 
-def from_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> QuantizedWeight:
+class GGUFBlockWeight(QuantizedWeight):
+    """A QuantizedWeight that keeps a GGUF tensor's blocks as read: `blocks` [out, in / 32, block bytes] uint8
+    (a view of the file, or a copy once rows are reordered or stacked). `codes`, `scales` and `mins` are the
+    canonical tensors, each made on its first access (a backend that packs the blocks directly reads none of
+    them, or only the small scales); `to` another device makes them all."""
+
+    def __init__(self, blocks: np.ndarray, gguf_type: str):  # not the dataclass's: the canonical fields are lazy
+        self.blocks, self.gguf_type = blocks, gguf_type
+        self.spec = gguf_spec(gguf_type)
+        self.zeros = self.global_scale = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        out, blocks, _ = self.blocks.shape
+        return out, blocks * BLOCK
+
+    @property
+    def quants(self) -> np.ndarray:
+        """The blocks' quants [out, in / 32, 32 (Q8_0) or 16 (nibbles)] uint8, a view (last axis contiguous)."""
+        return self.blocks[..., HEADER_BYTES[self.gguf_type]:]
+
+    @functools.cached_property
+    def scales(self) -> torch.Tensor:  # type: ignore[override]
+        return _fp16(self.blocks, 0)
+
+    @functools.cached_property
+    def mins(self) -> torch.Tensor | None:  # type: ignore[override]
+        return _fp16(self.blocks, 2) if self.gguf_type == "Q4_1" else None
+
+    @functools.cached_property
+    def codes(self) -> torch.Tensor:  # type: ignore[override]
+        """int8 [out, in]: Q8_0's q, Q4_0's q - 8, Q4_1's q."""
+        if self.gguf_type == "Q8_0":
+            return torch.from_numpy(self.quants.view(np.int8).reshape(self.shape).copy())
+        codes = _unpack_nibbles(self.quants).view(np.int8)
+        if self.gguf_type == "Q4_0":
+            codes -= 8
+        return torch.from_numpy(codes.reshape(self.shape))
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """Itself on the CPU (where its blocks are); elsewhere the canonical tensors moved there."""
+        return self if torch.device(device).type == "cpu" else super().to(device)
+
+    def take_rows(self, rows: np.ndarray) -> GGUFBlockWeight:
+        """The weight of rows `rows` (in that order), blocks copied."""
+        return GGUFBlockWeight(self.blocks[rows], self.gguf_type)
+
+    def _stack(self, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """GGUF blocks stack as blocks (concat_rows has checked that the parts share their format)."""
+        if all(isinstance(p, GGUFBlockWeight) for p in parts):
+            return GGUFBlockWeight(np.concatenate([p.blocks for p in parts]), self.gguf_type)
+        return super()._stack(parts)
+
+
+def from_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> GGUFBlockWeight:
     """A GGUF tensor's raw bytes (any array viewable as uint8; [out, in] in Hugging Face order) as a
-    canonical QuantizedWeight."""
-    b = _blocks(raw, gguf_type, shape)
-    spec = gguf_spec(gguf_type)
-    scales = _fp16(b, 0)
-    if gguf_type == "Q8_0":
-        codes = b[..., 2:].view(np.int8)
-        return QuantizedWeight(spec, torch.from_numpy(codes.reshape(shape).copy()), scales)
-    if gguf_type == "Q4_0":
-        codes = _unpack_nibbles(b[..., 2:]).view(np.int8)
-        codes -= 8
-        return QuantizedWeight(spec, torch.from_numpy(codes.reshape(shape)), scales)
-    codes = _unpack_nibbles(b[..., 4:]).view(np.int8)
-    return QuantizedWeight(spec, torch.from_numpy(codes.reshape(shape)), scales, mins=_fp16(b, 2))
+    canonical QuantizedWeight whose tensors are made from the blocks on first use."""
+    return GGUFBlockWeight(_blocks(raw, gguf_type, shape), gguf_type)
 
 
 def to_blocks(weight: QuantizedWeight) -> np.ndarray:

@@ -45,6 +45,15 @@ class QuantizedWeight:
         return QuantizedWeight(self.spec, self.codes.to(device), self.scales.to(device), move(self.zeros),
                                move(self.mins), move(self.global_scale))
 
+    def _stack(self, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """`concat_rows` of parts (this one first) that passed its checks; a subclass that keeps another form of
+        its weight (quant/gguf_blocks.py GGUFBlockWeight) stacks that instead."""
+        def cat(name: str) -> torch.Tensor | None:
+            tensors = [getattr(p, name) for p in parts]
+            return None if tensors[0] is None else torch.cat(tensors, dim=0)
+
+        return QuantizedWeight(self.spec, cat("codes"), cat("scales"), cat("zeros"), cat("mins"), self.global_scale)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros, self.mins,
@@ -54,6 +63,12 @@ class QuantizedWeight:
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Parts of one spec (and one global scale) stacked along the output rows, as a fused q|k|v or gate|up.
     Per-block weights need each part's rows to be whole blocks."""
+    _check_stackable(parts)
+    return parts[0]._stack(parts)
+
+
+def _check_stackable(parts: list[QuantizedWeight]) -> None:
+    """Raises ValueError where `concat_rows` cannot stack the parts."""
     spec = parts[0].spec
     if any(p.spec != spec for p in parts):
         raise ValueError(f"cannot stack weights of different formats: {[p.spec for p in parts]}")
@@ -64,17 +79,11 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if g is not None and any(p.global_scale is None or not torch.equal(p.global_scale, g) for p in parts):
         raise ValueError("cannot stack weights with different global scales")
 
-    def cat(name: str) -> torch.Tensor | None:
-        tensors = [getattr(p, name) for p in parts]
-        return None if tensors[0] is None else torch.cat(tensors, dim=0)
-
-    return QuantizedWeight(spec, cat("codes"), cat("scales"), cat("zeros"), cat("mins"), g)
-
 
 def stackable(a: QuantizedWeight, b: QuantizedWeight) -> bool:
-    """Whether `concat_rows` takes the two."""
+    """Whether `concat_rows` takes the two (checked, nothing stacked)."""
     try:
-        concat_rows([a, b])
+        _check_stackable([a, b])
     except ValueError:
         return False
     return True
