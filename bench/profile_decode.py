@@ -159,9 +159,9 @@ def main() -> None:
                                                "attention metadata", "scheduler", "detokenize + stop checks",
                                                "request outputs"))
     median["engine rest (KV block bookkeeping, Python)"] = step - outside
-    print(f"decode batch {args.batch} (prompts of {args.prompt_len} tokens), {args.steps} steps x {args.repeats} windows, {torch.get_num_threads()} "
-          f"thread(s), {args.clock} clock: {step:.2f} ms/step = {args.batch / step * 1e3:.1f} tok/s; "
-          f"load {os.getloadavg()[0]:.2f}")
+    print(f"decode batch {args.batch} (prompts of {args.prompt_len} tokens), {args.steps} steps x {args.repeats} "
+          f"windows, {torch.get_num_threads()} thread(s), {args.clock} clock: {step:.2f} ms/step = "
+          f"{args.batch / step * 1e3:.1f} tok/s; load {os.getloadavg()[0]:.2f}")
     print("| component | ms / step | share of step |")
     print("|---|---|---|")
     for k, v in sorted(median.items(), key=lambda kv: -kv[1]):
