@@ -35,6 +35,7 @@ def _generic(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch
 def _assert_same_bits(fast: tuple[torch.Tensor, ...], generic: tuple[torch.Tensor, ...]) -> None:
     for a, b in zip(fast, generic, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
+        assert not a.numel() or a.data_ptr() % 64 == 0  # whole cache lines per 64-byte load, as pack's tiles
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.numel() else not b.numel()
 
 
