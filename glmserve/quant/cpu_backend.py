@@ -325,8 +325,7 @@ _NO_MINS = torch.empty(0, dtype=torch.float16)
 
 def _tiled(t: torch.Tensor, tiles: int) -> torch.Tensor:
     """Per-block d or m [out, blocks] -> [tiles, blocks, 16], rows padded with zeros to whole tiles."""
-    out, blocks = t.shape
-    return F.pad(t, (0, 0, 0, tiles * ROWS - out)).reshape(tiles, ROWS, blocks).transpose(1, 2).contiguous()
+    return torch.from_numpy(_tile_fields(t.numpy(), tiles))
 
 
 def pack_gguf(weight: GGUFBlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -342,8 +341,8 @@ def pack_gguf(weight: GGUFBlockWeight) -> tuple[torch.Tensor, torch.Tensor, torc
         if not offset:  # every nibble >= 8: the codes are q - 8 in both halves, no borrow
             quants = quants - np.uint8(0x88)
     fields = blocks.view(np.uint16)  # the fp16 fields' bits: d at word 0, Q4_1's m at word 1
-    d = _tile_rows(fields[..., :1], tiles)[:, :, 0]
-    m = _tile_rows(fields[..., 1:2], tiles)[:, :, 0] if weight.gguf_type == "Q4_1" else None
+    d = _tile_fields(fields[..., 0], tiles)
+    m = _tile_fields(fields[..., 1], tiles) if weight.gguf_type == "Q4_1" else None
     words = _tile_rows(quants.view(np.uint32), tiles)  # [tiles, blocks, words, 16]
     codes = torch.from_numpy(words.view(np.uint8).reshape(tiles, blocks.shape[1], -1))
     d, m = _gguf_scales(weight.spec, d, m, offset)
@@ -355,11 +354,11 @@ def _gguf_scales(spec: QuantSpec, d: np.ndarray, m: np.ndarray | None,
     """block_form's d and m (tiled) from the blocks' fp16 bits `d` and Q4_1's `m`, as its float32 arithmetic
     leaves them: d as stored (a non-finite d is refused either way); Q4_1's m as stored, but -d * 0 + m makes a
     -0.0 min +0.0 under a negative d; Q4_0's m = -d * 8 + 0 where its codes move by 8 (`offset`)."""
-    d = torch.from_numpy(d).view(torch.float16)
     if m is not None:
-        m[(m == 0x8000) & (d.numpy().view(np.uint16) >= 0x8000)] = 0
+        m[(m == 0x8000) & (d >= 0x8000)] = 0
         m = torch.from_numpy(m).view(torch.float16)
-    elif offset:
+    d = torch.from_numpy(d).view(torch.float16)
+    if offset:
         m = (-d.to(torch.float32) * offset + 0).to(torch.float16)
     if not _finite(d) or (m is not None and not _finite(m)):
         raise InvalidRequestError(f"{spec}: a scale or min does not fit float16")
@@ -372,6 +371,11 @@ def _aligned(shape: tuple[int, ...], dtype: np.dtype, zeroed: bool) -> np.ndarra
     in prefill, bench/RESULTS.md; other CPUs split loads at a higher price)."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     return (torch.zeros if zeroed else torch.empty)(size, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
+
+
+def _tile_fields(values: np.ndarray, tiles: int) -> np.ndarray:
+    """One value per block [out, blocks] (a d or m) -> [tiles, blocks, 16]: `_tile_rows` of single values."""
+    return _tile_rows(values[..., None], tiles)[:, :, 0]
 
 
 def _tile_rows(values: np.ndarray, tiles: int) -> np.ndarray:
