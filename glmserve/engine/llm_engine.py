@@ -30,6 +30,7 @@ from glmserve.kv.kv_format import default_kv_format, kv_format
 from glmserve.kv.session_io import PendingRestore, wait_for_any
 from glmserve.kv.stack import KVStack, kv_budget_bytes, plan_pool
 from glmserve.models.loader import load_model
+from glmserve.native_heap import reuse_freed_memory
 from glmserve.sparse.block import (
     attach_block_indexers,
     block_bounds_bytes,
@@ -75,6 +76,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        reuse_freed_memory()  # before the load: the step's activations reuse freed heap memory (native_heap.py)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
