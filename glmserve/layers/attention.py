@@ -201,15 +201,24 @@ class PagedAttention:
         dtype = q.dtype if g.offloaded is not None else prefill_compute_dtype(q, g.num_tokens)
         if g.rows is None:
             return self._prefill_rows(q, k, v, g, dtype)
-        # as in the padded group, every row reads its K/V as stored (a fresh row too: quantized formats round it)
-        stored = format_of(self.kv_cache).roundtrip
+        # as in the padded group, every row reads its K/V as stored (a fresh row too: quantized formats round it);
+        # the casts run once over all rows
+        q = q.to(dtype)
+        if any(row.fresh_causal for row in g.rows):
+            k, v = self._as_stored(k, dtype), self._as_stored(v, dtype)
         outs, offset = [], 0
         for row in g.rows:  # a few rows per step: one attention each instead of one over the padded rows
             end = offset + row.num_tokens
-            k_row, v_row = (stored(k[offset:end]), stored(v[offset:end])) if row.fresh_causal else (None, None)
+            k_row, v_row = (k[offset:end], v[offset:end]) if row.fresh_causal else (None, None)
             outs.append(self._prefill_rows(q[offset:end], k_row, v_row, row, dtype))
             offset = end
         return torch.cat(outs)
+
+    def _as_stored(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """New keys or values `x` as the pool holds them, in `dtype` (one cast where the pool's float format is
+        `dtype` itself)."""
+        fmt = format_of(self.kv_cache)
+        return x.to(dtype) if not fmt.quantized and fmt.storage == dtype else fmt.roundtrip(x).to(dtype)
 
     def _prefill_rows(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, g: GroupMetadata,
                       dtype: torch.dtype) -> torch.Tensor:
