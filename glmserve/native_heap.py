@@ -6,8 +6,8 @@ trims free memory off the top of the heap past its trim threshold (twice the mma
 allocates and frees the same large activations again (a 2,048-token chunk's gate-up output is 25 MB), so with the
 dynamic thresholds some steps map them afresh and fault on every 4 KiB page on first write: 3.2 us a page on the
 2-vCPU Zen 4 VM, thirty times the cost of writing it. Four mixed steps of the 64-request bench took 49K-589K page
-faults from run to run; with the thresholds fixed, 49K every run (the KV pool's first touch) and the run 6% faster
-(bench/RESULTS.md, "Page faults").
+faults from run to run; with the thresholds fixed, 49K every run (the KV pool's first touch) and the run 3-8% faster
+(bench/RESULTS.md, "Peers on an AMD EPYC Zen 4 at HEAD — 2026-12-03, 14:49-15:05").
 
 `reuse_freed_memory` fixes the mmap threshold at glibc's largest (32 MiB: blocks above it, such as a load's big
 temporaries, still go back to the kernel when freed) and the trim threshold at 1 GiB: freed activations stay in the
