@@ -37,5 +37,5 @@ def reuse_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS): its own policy stays
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD,
-                                                                                TRIM_THRESHOLD_BYTES))
+    return all(mallopt(option, value) == 1 for option, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+                                                                  (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)))

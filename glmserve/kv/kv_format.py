@@ -68,12 +68,13 @@ class KVFormat:
                  else scaled.to(torch.float8_e4m3fn).view(torch.uint8))
         return torch.cat([codes, scale.view(self.storage)], dim=-1)
 
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """x as a reader of the pool sees it after the write (quantized, then dequantized; a float format
-        narrower than x: rounded), in x's dtype."""
+    def roundtrip(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x as a reader of the pool sees it after the write (quantized, then dequantized in x's dtype; a float
+        format narrower than x: rounded), in `dtype` (None: x's). A float format that is `dtype` is one cast."""
+        dtype = dtype or x.dtype
         if self.quantized:
-            return dequantize(self.quantize(x), x.dtype)
-        return x if x.dtype == self.storage else x.to(self.storage).to(x.dtype)
+            return dequantize(self.quantize(x), x.dtype).to(dtype)
+        return x.to(self.storage).to(dtype)
 
     def __str__(self) -> str:
         return self.name

@@ -205,7 +205,8 @@ class PagedAttention:
         # the casts run once over all rows
         q = q.to(dtype)
         if any(row.fresh_causal for row in g.rows):
-            k, v = self._as_stored(k, dtype), self._as_stored(v, dtype)
+            stored = format_of(self.kv_cache).roundtrip
+            k, v = stored(k, dtype), stored(v, dtype)
         outs, offset = [], 0
         for row in g.rows:  # a few rows per step: one attention each instead of one over the padded rows
             end = offset + row.num_tokens
@@ -213,12 +214,6 @@ class PagedAttention:
             outs.append(self._prefill_rows(q[offset:end], k_row, v_row, row, dtype))
             offset = end
         return torch.cat(outs)
-
-    def _as_stored(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """New keys or values `x` as the pool holds them, in `dtype` (one cast where the pool's float format is
-        `dtype` itself)."""
-        fmt = format_of(self.kv_cache)
-        return x.to(dtype) if not fmt.quantized and fmt.storage == dtype else fmt.roundtrip(x).to(dtype)
 
     def _prefill_rows(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, g: GroupMetadata,
                       dtype: torch.dtype) -> torch.Tensor:
