@@ -12,9 +12,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
 from glmserve.errors import InvalidRequestError
+from glmserve.layers.embedding import QuantizedEmbedding
+from glmserve.layers.param_loading import WHOLE
 from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
 from glmserve.quant.cpu_backend import block_form, pack, pack_gguf
 from glmserve.quant.gguf_blocks import NATIVE, GGUFBlockWeight, from_blocks
+from glmserve.quant.reference import dequantize
+from glmserve.quant.schemes import Scheme
 from glmserve.quant.weight import QuantizedWeight, concat_rows
 
 
@@ -44,6 +48,21 @@ def _assert_same_bits(fast: tuple[torch.Tensor, ...], generic: tuple[torch.Tenso
 def test_blocks_pack_like_the_canonical_path(gguf_type, out):
     weight = _gguf(gguf_type, out, 96)
     _assert_same_bits(pack_gguf(weight), _generic(weight))
+
+
+@pytest.mark.parametrize("gguf_type", NATIVE)
+def test_untied_embedding_unpacks_only_the_rows_it_looks_up(gguf_type):
+    """An untied GGUF embedding keeps its blocks: a lookup gives the dequantized rows and never makes the whole
+    matrix's canonical codes (49,152 x 576 int8, 28 MB, on a real vocabulary)."""
+    weight = _gguf(gguf_type, 96, 64, seed=5)
+    expected = dequantize(_gguf(gguf_type, 96, 64, seed=5))
+    embed = QuantizedEmbedding(96, 64, Scheme("checkpoint", None), torch.device("cpu"), torch.float32)
+    embed.load_weight("weight", weight, WHOLE)
+    embed.finalize()
+    ids = torch.tensor([[3, 95, 3], [0, 41, 7]])
+    assert torch.equal(embed(ids), expected[ids])
+    assert embed.weight_bytes() == weight.blocks.nbytes
+    assert "codes" not in vars(weight) and "scales" not in vars(weight)
 
 
 @pytest.mark.parametrize("gguf_type", NATIVE)

@@ -107,13 +107,19 @@ class GGUFBlockWeight(QuantizedWeight):
             codes -= 8
         return torch.from_numpy(codes.reshape(self.shape))
 
+    @property
+    def nbytes(self) -> int:
+        """The blocks' bytes (what it keeps; counting the canonical tensors would make them)."""
+        return self.blocks.nbytes
+
     def to(self, device: torch.device) -> QuantizedWeight:
         """Itself on the CPU (where its blocks are); elsewhere the canonical tensors moved there."""
         return self if torch.device(device).type == "cpu" else super().to(device)
 
-    def take_rows(self, rows: np.ndarray) -> GGUFBlockWeight:
-        """The weight of rows `rows` (in that order), blocks copied."""
-        return GGUFBlockWeight(self.blocks[rows], self.gguf_type)
+    def take_rows(self, rows: np.ndarray | torch.Tensor) -> GGUFBlockWeight:
+        """The weight of rows `rows` (in that order), blocks copied: no canonical tensor of the whole matrix is
+        made (an untied embedding's lookup unpacks only the rows it gathers)."""
+        return GGUFBlockWeight(self.blocks[np.asarray(rows)], self.gguf_type)
 
     def _stack(self, parts: list[QuantizedWeight]) -> QuantizedWeight:
         """GGUF blocks stack as blocks (concat_rows has checked that the parts share their format)."""

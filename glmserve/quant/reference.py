@@ -56,13 +56,7 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dty
     where scales are per row (channel, group); per tensor or block, the whole matrix is (slow: inspection)."""
     if weight.spec.strategy in ("tensor", "block"):
         return dequantize(weight, dtype)[ids]
-
-    def take(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[ids]
-
-    rows = QuantizedWeight(weight.spec, weight.codes[ids], weight.scales[ids], take(weight.zeros),
-                           take(weight.mins), weight.global_scale)
-    return dequantize(rows, dtype)
+    return dequantize(weight.take_rows(ids), dtype)  # GGUF blocks: only these rows' blocks are unpacked
 
 
 class ReferenceBackend:

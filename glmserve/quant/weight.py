@@ -45,6 +45,15 @@ class QuantizedWeight:
         return QuantizedWeight(self.spec, self.codes.to(device), self.scales.to(device), move(self.zeros),
                                move(self.mins), move(self.global_scale))
 
+    def take_rows(self, rows: torch.Tensor) -> QuantizedWeight:
+        """The weight of output rows `rows` [n] (in that order), for per-row scales (channel, group): an
+        embedding lookup reads only the rows it gathers."""
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
+        return QuantizedWeight(self.spec, self.codes[rows], self.scales[rows], take(self.zeros), take(self.mins),
+                               self.global_scale)
+
     def _stack(self, parts: list[QuantizedWeight]) -> QuantizedWeight:
         """`concat_rows` of parts (this one first) that passed its checks; a subclass that keeps another form of
         its weight (quant/gguf_blocks.py GGUFBlockWeight) stacks that instead."""
