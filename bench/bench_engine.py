@@ -374,6 +374,11 @@ def main() -> None:
     parser.add_argument("--budget", type=float, help="seconds of measuring after which no new metric starts")
     parser.add_argument("--parallel-start", action="store_true",
                         help="start the runners at once (their startup_s overlap: no startup comparison)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="start, measure and stop each runner before the next starts, so that no other engine's "
+                             "memory is resident while one is measured (on the 2-vCPU VM a stopped process holding "
+                             "5.5 GB slowed the measured engine 6-30%%, bench/RESULTS.md); host drift between "
+                             "engines is then not spread over them")
     parser.add_argument("--stop-file", type=Path, help="no new metric starts once this file exists")
     parser.add_argument("--repeats", type=int, default=3, help="samples per metric (at most the workloads' repeats)")
     parser.add_argument("--repeats-for", type=parse_metric_arg, action="append", default=[],
@@ -423,7 +428,9 @@ def main() -> None:
         }
     )
     load_start = os.getloadavg()
-    for key, result in run_interleaved(chosen, work_path, gguf, args).items():
+    groups = [[r] for r in chosen] if args.one_at_a_time else [chosen]
+    results = {key: result for group in groups for key, result in run_interleaved(group, work_path, gguf, args).items()}
+    for key, result in results.items():
         result["command"] = " ".join(sys.argv)
         result["measured_at"] = datetime.datetime.now().isoformat(timespec="seconds")
         report["engines"][key] = result
