@@ -17,7 +17,9 @@ the shared machine hit every engine alike. While one engine takes a sample the o
 each worker's process group: a peer's server and engine processes too; SIGCONT after), so that an idle
 engine's polling threads and timers take no time or cache from the one measured: with every engine on one
 core, vLLM's idle processes used ~2% of it and a stand-in that only woke every millisecond slowed our
-64-request run by 4.5%. A metric's value is the median of its samples (all kept in
+64-request run by 4.5%. A stopped engine still holds its memory, which slowed the measured one 6-30% on the
+2-vCPU VM: `--one-at-a-time` starts, measures and stops each runner before the next instead. A metric's value is
+the median of its samples (all kept in
 details.samples). Results are merged by engine into bench/results/engine-<date>[-quick].json, and a
 markdown table with absolute numbers and ours/peer ratios is printed.
 """

@@ -5,6 +5,7 @@ are read into and written from it, and every other backend repacks it once at lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,20 +40,22 @@ class QuantizedWeight:
 
     def to(self, device: torch.device) -> QuantizedWeight:
         """The same weight with every tensor on `device`."""
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
-
-        return QuantizedWeight(self.spec, self.codes.to(device), self.scales.to(device), move(self.zeros),
-                               move(self.mins), move(self.global_scale))
+        scalar = None if self.global_scale is None else self.global_scale.to(device)
+        return self._per_row(lambda t: t.to(device), scalar)
 
     def take_rows(self, rows: torch.Tensor) -> QuantizedWeight:
         """The weight of output rows `rows` [n] (in that order), for per-row scales (channel, group): an
         embedding lookup reads only the rows it gathers."""
-        def take(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[rows]
+        return self._per_row(lambda t: t[rows], self.global_scale)
 
-        return QuantizedWeight(self.spec, self.codes[rows], self.scales[rows], take(self.zeros), take(self.mins),
-                               self.global_scale)
+    def _per_row(self, fn: Callable[[torch.Tensor], torch.Tensor], global_scale: torch.Tensor | None
+                 ) -> QuantizedWeight:
+        """A weight of `fn` applied to each [out, ...] tensor (codes, scales and, where present, zeros and mins)."""
+        def apply(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return QuantizedWeight(self.spec, fn(self.codes), fn(self.scales), apply(self.zeros), apply(self.mins),
+                               global_scale)
 
     def _stack(self, parts: list[QuantizedWeight]) -> QuantizedWeight:
         """`concat_rows` of parts (this one first) that passed its checks; a subclass that keeps another form of
