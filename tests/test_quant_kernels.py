@@ -317,6 +317,34 @@ def test_long_batches_in_row_chunks_give_the_same_floats(cpu_isa, fmt):
         assert torch.equal(backend.apply(prepared, x[rows], None), whole[rows]), rows
 
 
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "w8a8"])
+def test_fused_swiglu_is_silu_and_mul_of_the_product(tiles, fmt):
+    """quant_linear_swiglu (a gated MLP's merged gate-up weight: silu(gate) * up without the product written out)
+    gives the floats of silu_and_mul after quant_linear, at decode batches and at a prefill batch of several row
+    chunks, on one and two threads, on each variant's tiles and on AMX where there are AMX tiles (which compute the
+    product, then silu): both run vec_math.h's silu_mul. Halves that are not whole tiles are refused."""
+    _, act = FORMATS[fmt]
+    p = CpuBlockBackend().prepare(weight(fmt, 2 * 1536, 576), act, CPU)
+    args = (p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
+    linear = kernels.op("quant_linear", CPU, torch.float32)
+    fused = kernels.op("quant_linear_swiglu", CPU, torch.float32)
+    silu_and_mul = kernels.op("silu_and_mul", CPU, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for batch in (1, 9, 33, 400):
+                x = activations(batch, 576)
+                want, got = silu_and_mul(linear(x, *args)), fused(x, *args)
+                assert got.shape == (batch, 1536) and torch.equal(got, want), (n_threads, batch)
+    finally:
+        torch.set_num_threads(threads)
+    odd = CpuBlockBackend().prepare(weight(fmt, 2 * 200, 576), act, CPU)  # 200 = 12.5 tiles
+    assert CpuBlockBackend().small_batch_swiglu(odd) is None
+    with pytest.raises(RuntimeError, match="not gate and up halves"):
+        fused(activations(2, 576), odd.per_token, odd.codes, odd.scales, odd.mins, odd.u4, odd.out_features)
+
+
 @pytest.mark.parametrize("batch", [1, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_lm_head_shape(cpu_isa, fmt, batch):

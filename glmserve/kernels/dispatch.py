@@ -18,6 +18,8 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   quant_matmul(q, d, s, sum, codes [tiles,blocks,bytes] u8, scales [tiles,blocks,16] f16, mins (same, or
                empty), u4, out_features) -> [T,out]: quantized activations x weights packed by quant/cpu_backend.py
   quant_linear(x [T,in], per_token, codes, scales, mins, u4, out_features) -> [T,out]: both of the above
+  quant_linear_swiglu(same arguments; out_features = 2I, I a multiple of 16) -> [T,I]: silu(gate) * up of a merged
+               gate-up weight's quant_linear, as silu_and_mul computes it, without the [T,2I] product in memory
   float_quant_linear(x [T,in], fp8_tokens, codes [tiles,kp or kp/2,16] u8, scales [tiles,groups,16] (f32, or
                E4M3 bytes for fp4), fp4, group, factor, post, out_features) -> [T,out]: FP8 / NVFP4 weights packed
                by quant/cpu_float_backend.py, dequantized in the kernel
@@ -77,6 +79,7 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "quantize_activations": "quant_matmul",
     "quant_matmul": "quant_matmul",
     "quant_linear": "quant_matmul",
+    "quant_linear_swiglu": "quant_matmul",
     "float_quant_linear": "float_quant_matmul",
     "fp8_fake_quantize_rows": "float_quant_matmul",
     "dequantize_packed": "quant_matmul",

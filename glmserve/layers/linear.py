@@ -188,6 +188,17 @@ class QuantizedLinear(nn.Module):
         matmul, limit = segment.backend.small_batch(segment.prepared)
         return (matmul if bias is None else lambda x: matmul(x).add_(bias)), limit
 
+    def small_batch_swiglu(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """For a gated MLP's merged gate-up projection: silu(gate) * up of `forward`'s output for float32 contiguous
+        [T, in] rows as one bound call (the backend's `small_batch_swiglu`), and the row count from which it does not
+        stand for forward + silu_and_mul; None where the weight is several segments, has a bias or the backend has
+        no such call."""
+        if len(self._segments) != 1 or self.bias is not None:
+            return None
+        segment = self._segments[0]
+        fused = getattr(segment.backend, "small_batch_swiglu", None)
+        return None if fused is None else fused(segment.prepared)
+
     def takes_bf16(self, rows: int) -> bool:
         """True where every segment runs `rows` rows as a bf16 GEMM (its backend's `bf16_rows`, without bias):
         bf16 inputs then come back in bf16 with no float32 round trip."""
@@ -242,6 +253,13 @@ def small_batch_matmul(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torc
         weight, bias = linear.weight, linear.bias
         return (lambda x: F.linear(x, weight, bias)), sys.maxsize
     return None
+
+
+def swiglu_matmul(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+    """silu(gate) * up of a merged gate-up projection's output for float32 contiguous CPU rows x [T, in] as one bound
+    call, and the row count from which it does not stand for the module's forward + silu_and_mul: a QuantizedLinear's
+    `small_batch_swiglu`; None otherwise (the caller runs the projection, then silu_and_mul)."""
+    return linear.small_batch_swiglu() if isinstance(linear, QuantizedLinear) else None
 
 
 def _same_run(prev: CheckpointTensor, part: CheckpointTensor, scheme: Scheme) -> bool:

@@ -17,7 +17,7 @@ from glmserve import kernels
 from glmserve.kv.kv_format import KVFormat, kv_format
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.embedding import unset_embedding
-from glmserve.layers.linear import MergedLinear, bf16_between
+from glmserve.layers.linear import MergedLinear, bf16_between, swiglu_matmul
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.paged_metadata import StepRows, paged_metadata
 from glmserve.layers.rotary import RotaryEmbedding
@@ -75,6 +75,9 @@ class GatedMLP(nn.Module):
         """[T, hidden] -> [T, hidden] in x's dtype; computed in bf16 when both projections run a bf16 GEMM
         (AMX prefill: the wide gate-up output is then never widened to float32)."""
         h = x.to(_gemm_dtype(x, self.gate_up_proj, self.down_proj))
+        fused = swiglu_matmul(self.gate_up_proj) if h.dtype == torch.float32 and h.dim() == 2 else None
+        if fused is not None and h.shape[0] < fused[1] and h.is_contiguous() and h.device.type == "cpu":
+            return self.down_proj(fused[0](h)).to(x.dtype)  # the gate-up product never written out
         return self.down_proj(silu_and_mul(self.gate_up_proj(h))).to(x.dtype)
 
 

@@ -32,7 +32,7 @@ import torch
 
 from glmserve import kernels
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
-from glmserve.layers.linear import small_batch_matmul
+from glmserve.layers.linear import small_batch_matmul, swiglu_matmul
 
 if TYPE_CHECKING:
     from glmserve.models.llama import DecoderOnlyLM, LlamaDecoderLayer
@@ -93,13 +93,16 @@ def decode_step(model: DecoderOnlyLM, x: torch.Tensor, positions: torch.Tensor,
 class DecodeLayer:
     """One LlamaDecoderLayer's decode calls, resolved once (`of`)."""
 
-    def __init__(self, layer: LlamaDecoderLayer, matmuls: list[tuple[Matmul, int]]):
+    def __init__(self, layer: LlamaDecoderLayer, matmuls: list[tuple[Matmul, int]], gated: tuple[Matmul, int] | None):
         attn = layer.self_attn
         self.attn: PagedAttention = attn.attn
         self.heads = attn.num_heads
         self.norm_in, self.norm_post = layer.input_layernorm, layer.post_attention_layernorm
         (self.qkv, _), (self.o_proj, _), (self.gate_up, _), (self.down, _) = matmuls
-        self.max_rows = min(limit for _, limit in matmuls)  # batches from here: a linear's forward differs
+        # gate-up and SwiGLU in one call where the backend has it (layers/linear.py swiglu_matmul), as the module path
+        self.gated = gated[0] if gated is not None else None
+        limits = [limit for _, limit in matmuls] + ([gated[1]] if gated is not None else [])
+        self.max_rows = min(limits)  # batches from here: a linear's forward differs
         self._pool: torch.Tensor | None = None
         self._halves: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -116,7 +119,7 @@ class DecodeLayer:
         if any(w.dtype != torch.float32 for w in norms):
             return None
         matmuls = [small_batch_matmul(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        return None if any(m is None for m in matmuls) else cls(layer, matmuls)
+        return None if any(m is None for m in matmuls) else cls(layer, matmuls, swiglu_matmul(mlp.gate_up_proj))
 
     def ready(self, rows: int) -> bool:
         """Whether this step's `rows` rows run here: a float32 or bf16 pool (its halves kept while it stays bound),
@@ -139,7 +142,7 @@ class DecodeLayer:
             indexer.on_kv_written(step.slot_mapping, key, self._pool)
         out = k.paged_decode(q, k_cache, v_cache, step.kv_slots, step.context_lens, self.attn.scale)
         h = k.add_rms_norm(x, self.o_proj(out.view(t, -1)), self.norm_post.weight, self.norm_post.eps, False)
-        return self.down(k.silu_and_mul(self.gate_up(h)))
+        return self.down(self.gated(h) if self.gated is not None else k.silu_and_mul(self.gate_up(h)))
 
 
 def decode_layers(model: DecoderOnlyLM) -> list[DecodeLayer] | None:

@@ -162,6 +162,18 @@ class CpuBlockBackend:
         linear, args = p.linear, (p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
         return (lambda x: linear(x, *args)), (p.dense_path.min_rows if p.dense_path else sys.maxsize)
 
+    def small_batch_swiglu(self, prepared: PackedWeight) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """`small_batch` of a gated MLP's merged gate-up weight returning silu(gate) * up [T, I] (kernel
+        quant_linear_swiglu: the floats of silu_and_mul after `apply`, without the [T, 2I] product written out and
+        read back), and the same row limit; None where I is not a multiple of 16 (a tile may not hold both halves)
+        or the kernel is missing."""
+        p = prepared
+        fused = kernels.op("quant_linear_swiglu", torch.device("cpu"), torch.float32)
+        if fused is None or p.out_features % (2 * ROWS):
+            return None
+        args = (p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
+        return (lambda x: fused(x, *args)), (p.dense_path.min_rows if p.dense_path else sys.maxsize)
+
     def bf16_rows(self, prepared: PackedWeight, rows: int) -> bool:
         """True where `apply` runs `rows` rows as the bf16 GEMM (`dense_apply`): AMX CPUs from DENSE_MIN_ROWS
         rows, CPUs with AVX512-BF16 but no AMX from GLMSERVE_AVX512_BF16_ROWS rows where it is set. There bf16

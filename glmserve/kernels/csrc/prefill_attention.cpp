@@ -166,17 +166,51 @@ AMX_TARGET void tile_config() {
 
 AMX_TARGET void tile_release() { _tile_release(); }
 
-// Q^T of the item's g heads in VNNI pairs; queries past the row's end are zeros
+// 16 x 16 32-bit lanes (row i: x[i]) transposed into r: unpack pairs of rows (32-bit, then 64-bit, within 128-bit
+// lanes), then a 4 x 4 transpose of the 128-bit lanes
+inline void transpose16(const __m512 (&x)[16], __m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+// 16 x 16 floats (rows of 16 at `src`) transposed into r
+inline void transpose16(const float* src, __m512* r) {
+  __m512 x[16];
+  for (int i = 0; i < 16; ++i) x[i] = _mm512_loadu_ps(src + i * 16);
+  transpose16(x, r);
+}
+
+// Q^T of the item's g heads in VNNI pairs; queries past the row's end are zeros. Per head and 32 dims, the nq
+// queries' 32 bf16 (16 pairs: one 64-byte row each) transposed as 16 x 16 32-bit lanes: row r = pair r of every query
 void pack_queries(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t nq, uint16_t* qt) {
   const int64_t chunks = p.D / 32;
-  std::memset(qt, 0, sizeof(uint16_t) * p.g * p.D * QB);
   for (int64_t j = 0; j < p.g; ++j) {
-    for (int64_t n = 0; n < nq; ++n) {
-      const uint16_t* src = p.q + (p.q_start[b] + i0 + n) * p.q_row + (h * p.g + j) * p.q_head;
-      for (int64_t c = 0; c < chunks; ++c) {
-        uint32_t* dst = reinterpret_cast<uint32_t*>(qt + (j * chunks + c) * 32 * QB);
-        for (int64_t r = 0; r < 16; ++r) std::memcpy(dst + r * QB + n, src + c * 32 + 2 * r, 4);
-      }
+    const uint16_t* first = p.q + (p.q_start[b] + i0) * p.q_row + (h * p.g + j) * p.q_head;
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512 rows[16], pairs[16];
+      for (int64_t n = 0; n < 16; ++n)
+        rows[n] = n < nq ? _mm512_loadu_ps(reinterpret_cast<const float*>(first + n * p.q_row + c * 32)) : _mm512_setzero_ps();
+      transpose16(rows, pairs);
+      float* dst = reinterpret_cast<float*>(qt + (j * chunks + c) * 32 * QB);
+      for (int r = 0; r < 16; ++r) _mm512_storeu_ps(dst + r * QB, pairs[r]);
     }
   }
 }
@@ -252,32 +286,6 @@ AMX_TARGET inline bool softmax_block(const Problem& p, int64_t kb, __m512 qpos, 
   _mm512_storeu_ps(m, m_new);
   _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
   return _mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_LT_OQ) != 0;
-}
-
-// 16 x 16 floats (rows of 16 at `src`) transposed into r: unpack pairs of rows (32-bit, then 64-bit, within 128-bit
-// lanes), then a 4 x 4 transpose of the 128-bit lanes
-inline void transpose16(const float* src, __m512* r) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 a = _mm512_loadu_ps(src + 2 * i * 16), b = _mm512_loadu_ps(src + (2 * i + 1) * 16);
-    t[2 * i] = _mm512_unpacklo_ps(a, b);
-    t[2 * i + 1] = _mm512_unpackhi_ps(a, b);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3
-    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
-    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
-    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
-    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
-    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
-  }
 }
 
 // out^T [D][16] += V^T [D][keys kb..kb+63] x P^T, four C tiles of 16 dims at a time

@@ -257,22 +257,17 @@ std::vector<at::Tensor> rope_store_kv(const at::Tensor& qkv, int64_t heads, cons
   return {q, k};
 }
 
-// One row of silu_and_mul: o = silu(g[:n]) * g[n:2n], in float32.
+// One row of silu_and_mul: o = silu(g[:n]) * g[n:2n], in float32 (vec_math.h's silu_mul: the fused gate-up linear
+// of quant_matmul.cpp computes the same floats).
 template <typename T>
 void silu_row(const T* g, T* o, int64_t n) {
 #if defined(__AVX512F__)
-  const __m512 minus_log2e = _mm512_set1_ps(-1.44269504088896341f), one = _mm512_set1_ps(1.0f);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = lanes(n - j);
-    const __m512 a = load16(g + j, m);
-    const __m512 e = glmserve::fast_exp2_16(_mm512_mul_ps(a, minus_log2e));  // exp(-a); inf for a < -88
-    store16(o + j, _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(one, e)), load16(g + n + j, m)), m);
+    store16(o + j, glmserve::silu_mul_16(load16(g + j, m), load16(g + n + j, m)), m);
   }
 #else
-  for (int64_t j = 0; j < n; ++j) {
-    const float a = to_f32(g[j]);
-    put(o + j, a / (1.0f + glmserve::fast_exp(-a)) * to_f32(g[j + n]));
-  }
+  for (int64_t j = 0; j < n; ++j) put(o + j, glmserve::silu_mul(to_f32(g[j]), to_f32(g[j + n])));
 #endif
 }
 

@@ -51,6 +51,7 @@
 #include <torch/extension.h>
 
 #include "bf16_linear_args.h"  // amx_bf16_linear's argument checks and activation rows (shared with bf16_gemm.cpp)
+#include "vec_math.h"  // silu_mul: SwiGLU as silu_and_mul (prefill_ops.cpp) computes it
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -683,16 +684,16 @@ void tile_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nb
   tile<NB, U4>(w, a, n0, nblocks, out);
 }
 
-// rows n0..n0+count-1 of out, for weight tile t, on the variant's own tiles (MAX_NB rows at a time)
-void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64_t nblocks, bool u4, float* o,
-               int64_t out_features, int64_t r0) {
+// rows n0..n0+count-1 of one weight tile's 16 output rows, on the variant's own tiles (MAX_NB rows at a time), into
+// out (row n0's first output of the tile; rows ldo apart): the first `cols` (<= 16) of each row
+void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64_t nblocks, bool u4, float* out,
+               int64_t ldo, int cols) {
   float buf[MAX_NB * ROWS];
-  const int64_t cols = std::min<int64_t>(ROWS, out_features - r0);
   for (int64_t n = n0; n < n0 + count; n += MAX_NB) {
     const int rows = static_cast<int>(std::min<int64_t>(MAX_NB, n0 + count - n));
     if (u4) tile_rows<true, MAX_NB>(w, a, n, rows, nblocks, buf);
     else tile_rows<false, MAX_NB>(w, a, n, rows, nblocks, buf);
-    for (int i = 0; i < rows; ++i) std::memcpy(o + (n + i) * out_features + r0, buf + i * ROWS, cols * sizeof(float));
+    for (int i = 0; i < rows; ++i) std::memcpy(out + (n - n0 + i) * ldo, buf + i * ROWS, cols * sizeof(float));
   }
 }
 
@@ -725,7 +726,7 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
     for (int64_t n0 = 0; n0 < N; n0 += AMX_ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(AMX_ROWS, N - n0));
       if (rows < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8)) {
-        simd_rows(w, a, n0, rows, nblocks, u4, o, out_features, r0);
+        simd_rows(w, a, n0, rows, nblocks, u4, o + n0 * out_features + r0, out_features, cols);
         continue;
       }
       const uint8_t* ahead = n0 == 0 ? next : nullptr;  // the next tile's codes, prefetched during the first group
@@ -756,13 +757,35 @@ bool use_amx(int64_t N, bool u4) {
 #endif
 }
 
+// out [N, I] = silu(gate) * up of y [N, 2I] (rows ldy apart): gate = y[:, :I], up = y[:, I:] (vec_math.h's silu_mul,
+// as silu_and_mul computes it)
+void silu_mul_rows(const float* y, int64_t ldy, int64_t N, int64_t I, float* out, int64_t ldo) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float *g = y + n * ldy, *u = g + I;
+    float* o = out + n * ldo;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= I; j += 16)
+      _mm512_storeu_ps(o + j, glmserve::silu_mul_16(_mm512_loadu_ps(g + j), _mm512_loadu_ps(u + j)));
+#endif
+    for (; j < I; ++j) o[j] = glmserve::silu_mul(g[j], u[j]);
+  }
+}
+
+// out [N, out_features] = the activations x the packed weight; with `swiglu` (the merged gate-up projection of a
+// gated MLP: out_features = 2I, I a multiple of 16) out [N, I] = silu(gate) * up instead, computed per tile of 16
+// outputs from the gate tile t and the up tile t + I / 16 of the same rows, so that the [N, 2I] product is never
+// written out and read back (on the AMX tiles it is, and silu_mul_rows runs after)
 at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm,
-                       bool u4, int64_t out_features) {
+                       bool u4, int64_t out_features, bool swiglu) {
   const int64_t tiles = codes.size(0), nblocks = codes.size(1);
   TORCH_CHECK(nblocks == a_in.nb, "quant_matmul: the weight has ", nblocks, " blocks of 32 inputs, the activations ", a_in.nb);
   TORCH_CHECK(tiles * ROWS >= out_features, "quant_matmul: ", tiles, " tiles of 16 rows hold fewer than ", out_features);
   TORCH_CHECK(codes.size(2) == (u4 ? U4_BLOCK : I8_BLOCK), "quant_matmul: block bytes ", codes.size(2));
-  auto out = at::empty({N, out_features}, at::kFloat);
+  TORCH_CHECK(!swiglu || out_features % (2 * ROWS) == 0, "quant_linear_swiglu: ", out_features,
+              " outputs are not gate and up halves of a multiple of 16 each");
+  const int64_t half = out_features / 2;
+  auto out = at::empty({N, swiglu ? half : out_features}, at::kFloat);
   float* o = out.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(wd.data_ptr<at::Half>());
@@ -796,19 +819,44 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
       std::memcpy(s_pad.data(), a.s, N * a.nb * sizeof(float));
       a.q = q_pad.data(), a.d = d_pad.data(), a.s = s_pad.data();
     }
+    at::Tensor full = swiglu ? at::empty({N, out_features}, at::kFloat) : out;
+    float* y = full.data_ptr<float>();
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-      amx_tiles(cp, dp, mp, a, N, begin, end, nblocks, u4, o, out_features);
+      amx_tiles(cp, dp, mp, a, N, begin, end, nblocks, u4, y, out_features);
     });
+    if (swiglu) {
+      at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+        silu_mul_rows(y + begin * out_features, out_features, end - begin, half, o + begin * half, half);
+      });
+    }
     return out;
   }
 #endif
   // rows in chunks whose int8 activations stay in L2 while a thread's tiles sweep them (SIMD_CHUNK_BYTES)
   const int64_t chunk = std::max<int64_t>(MAX_NB, SIMD_CHUNK_BYTES / a.kp / MAX_NB * MAX_NB);
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+  auto weights = [&](int64_t t) {
+    return Weights{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
+  };
+  if (!swiglu) {
+    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+        const int64_t rows = std::min(chunk, N - n0);
+        for (int64_t t = begin; t < end; ++t)
+          simd_rows(weights(t), a, n0, rows, nblocks, u4, o + n0 * out_features + t * ROWS, out_features,
+                    static_cast<int>(std::min<int64_t>(ROWS, out_features - t * ROWS)));
+      }
+    });
+    return out;
+  }
+  const int64_t gate_tiles = half / ROWS;
+  at::parallel_for(0, gate_tiles, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> pair(chunk * 2 * ROWS);  // a chunk's rows of one gate tile (16 floats) and its up tile (16)
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+      const int64_t rows = std::min(chunk, N - n0);
       for (int64_t t = begin; t < end; ++t) {
-        const Weights w{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
-        simd_rows(w, a, n0, std::min(chunk, N - n0), nblocks, u4, o, out_features, t * ROWS);
+        simd_rows(weights(t), a, n0, rows, nblocks, u4, pair.data(), 2 * ROWS, ROWS);
+        simd_rows(weights(gate_tiles + t), a, n0, rows, nblocks, u4, pair.data() + ROWS, 2 * ROWS, ROWS);
+        silu_mul_rows(pair.data(), 2 * ROWS, rows, ROWS, o + n0 * half + t * ROWS, half);
       }
     }
   });
@@ -952,7 +1000,7 @@ void check_weights(const at::Tensor& codes, const at::Tensor& wd, const at::Tens
 at::Tensor quant_matmul(const at::Tensor& q, const at::Tensor& d, const at::Tensor& s, const at::Tensor& isum,
                         const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm, bool u4, int64_t out_features) {
   check_weights(codes, wd, wm);
-  return matmul_impl(acts_of(q, d, s, isum), q.size(0), codes, wd, wm, u4, out_features);
+  return matmul_impl(acts_of(q, d, s, isum), q.size(0), codes, wd, wm, u4, out_features, false);
 }
 
 // quantize_activations, then quant_matmul
@@ -960,7 +1008,16 @@ at::Tensor quant_linear(const at::Tensor& x, bool per_token, const at::Tensor& c
                         const at::Tensor& wm, bool u4, int64_t out_features) {
   check_weights(codes, wd, wm);
   const auto a = quantize_activations(x, per_token);
-  return matmul_impl(acts_of(a[0], a[1], a[2], a[3]), x.size(0), codes, wd, wm, u4, out_features);
+  return matmul_impl(acts_of(a[0], a[1], a[2], a[3]), x.size(0), codes, wd, wm, u4, out_features, false);
+}
+
+// quant_linear of a gated MLP's merged gate-up weight (out_features = 2I, I a multiple of 16), returning
+// silu(gate) * up [N, I]: silu_and_mul(quant_linear(...)) in one pass, the same floats
+at::Tensor quant_linear_swiglu(const at::Tensor& x, bool per_token, const at::Tensor& codes, const at::Tensor& wd,
+                               const at::Tensor& wm, bool u4, int64_t out_features) {
+  check_weights(codes, wd, wm);
+  const auto a = quantize_activations(x, per_token);
+  return matmul_impl(acts_of(a[0], a[1], a[2], a[3]), x.size(0), codes, wd, wm, u4, out_features, true);
 }
 
 // The packed weight back as a dense [out_features, kp] matrix (kp = blocks * 32) of w = d * c + m, in bfloat16
@@ -1069,6 +1126,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "int8 activations per block of 32 or per row (CPU)");
   m.def("quant_matmul", &quant_matmul, "quantized activations x packed int8/int4 block weights (CPU)");
   m.def("quant_linear", &quant_linear, "quantize_activations, then quant_matmul (CPU)");
+  m.def("quant_linear_swiglu", &quant_linear_swiglu,
+        "quant_linear of a merged gate-up weight, returning silu(gate) * up (CPU)");
   m.def("set_amx", &set_amx, "use the AMX int8 tiles for batches of 6+ (int8) / 10+ (u4) rows (where the CPU has them)");
   m.def("amx_bf16_linear", &amx_bf16_linear, "x [M, in] bf16/f32 x packed block weights -> [M, out] bf16 on AMX (CPU)");
   m.def("dequantize_packed", &dequantize_packed, "packed block weights -> dense [out, blocks*32] bf16 or f32 (CPU)");

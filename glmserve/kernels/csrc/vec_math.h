@@ -1,6 +1,7 @@
-// Small numeric helpers shared by the prefill kernels (prefill_ops.cpp, prefill_attention.cpp): bf16 <-> float32
-// conversion as torch rounds, exp(x) as a scalar function the compiler vectorizes (fast_exp) and, in AVX-512
-// builds, 2^x on one 16-lane vector (fast_exp2_16, and fast_exp2_16_bf16 for weights rounded to bf16 next).
+// Small numeric helpers shared by the prefill kernels (prefill_ops.cpp, prefill_attention.cpp, quant_matmul.cpp):
+// bf16 <-> float32 conversion as torch rounds, exp(x) as a scalar function the compiler vectorizes (fast_exp) and, in
+// AVX-512 builds, 2^x on one 16-lane vector (fast_exp2_16, and fast_exp2_16_bf16 for weights rounded to bf16 next);
+// SwiGLU's silu(g) * u on those (silu_mul, silu_mul_16), so that silu_and_mul and the fused gate-up linear agree.
 #pragma once
 
 #include <cstdint>
@@ -50,6 +51,9 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// silu(g) * u = g / (1 + e^-g) * u
+inline float silu_mul(float g, float u) { return g / (1.0f + fast_exp(-g)) * u; }
+
 #if defined(__AVX512F__)
 // 2^x on 16 lanes for finite x: x = n + f with n = round(x), |f| <= 1/2, 2^f by the polynomial 1 + f (c[N-1] + f (...
 // c[0])), times 2^n by vscalefps, which also gives 0 below -149 and +inf above 128 without clamps. 3 + N instructions.
@@ -72,6 +76,12 @@ inline __m512 fast_exp2_16(__m512 x) { return exp2_16(x, kExp2Taylor); }
 // softmax of prefill_attention.cpp, 3 instructions fewer per 16 scores than fast_exp2_16
 constexpr float kExp2Fit3[3] = {5.5008890785e-2f, 2.4221097165e-1f, 6.932829351e-1f};
 inline __m512 fast_exp2_16_bf16(__m512 x) { return exp2_16(x, kExp2Fit3); }
+
+// silu(g) * u on 16 lanes: e^-g as 2^(-g log2 e) (inf for g < -88: silu 0)
+inline __m512 silu_mul_16(__m512 g, __m512 u) {
+  const __m512 e = fast_exp2_16(_mm512_mul_ps(g, _mm512_set1_ps(-kLog2e)));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
 #endif
 
 }  // namespace glmserve
