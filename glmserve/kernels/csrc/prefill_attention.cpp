@@ -28,7 +28,9 @@
 //     holds its 16 queries' scores.
 //   softmax in base 2 (scores times scale * log2 e): max, 2^x (vec_math.h's fast_exp2_16_bf16) and sum are lane-wise
 //     over the 64 rows; a block that reaches past a query tile's first position masks the keys after each
-//     query's; blocks wholly after a tile's last query are skipped (causal: half the work).
+//     query's; blocks wholly after a tile's last query are skipped (causal: half the work), and the vector engines
+//     stop a tile's last block at the multiple of 16 keys that covers its last query (the rest are masked for all
+//     16 queries: their P is 0; at 182-1,000 tokens ~10% of the block work).
 //   out^T [D, 16 queries] += V^T [D, 64 keys] x P^T: A tiles are 16 dims x 32 keys of V^T (packed once per call,
 //     each 64-key block's [D][64] contiguous), two B tiles are P^T in VNNI pairs (the bf16 rows of two
 //     consecutive keys interleaved); the float32 accumulator lives in memory (L1), loaded into four C tiles,
@@ -144,6 +146,8 @@ struct Item {
 
 struct Unit {  // one step of an item: a key block against one head's query tile
   int64_t kb, tile, state;  // first key, query tile, index of the (tile, head) state: tile * g + head
+  int64_t nk;  // keys of the block computed: KB, or on a tile's last block the vector engines' multiple of 16 up to
+               // its last query (the keys after it are masked for every query of the tile: their P is 0)
 };
 
 struct Scratch {  // one thread's buffers; states (query tile, head) = tile * g + head
@@ -244,19 +248,19 @@ AMX_TARGET inline void amx_store_scores(float* s) {
   _tile_stored(3, s + 48 * QB, 64);
 }
 
-// online softmax over one block of scores^T s, in base 2 (scores times scale * log2 e, so that the exponential is
+// online softmax over one block of scores^T s (its first nk keys), in base 2 (scores times scale * log2 e, so that the exponential is
 // vec_math.h's fast_exp2_16_bf16, ~1e-4: P is rounded to bf16 for P x V, and l sums the same values); P^T into pt
 // as bf16 VNNI pairs (two B tiles: keys 0-31, 32-63); m, l: the head's running max (scaled, base 2) and sum for its
 // 16 queries; returns whether the max grew for some query, with alpha = 2^(m_old - m_new) (the factor of the output
 // so far, and of l: its error cancels; computed to ~1e-7 all the same)
 template <bool Masked>
-AMX_TARGET inline bool softmax_block(const Problem& p, int64_t kb, __m512 qpos, const float* s, uint16_t* pt,
-                                     float* m, float* l, __m512& alpha) {
+AMX_TARGET inline bool softmax_block(const Problem& p, int64_t kb, int64_t nk, __m512 qpos, const float* s,
+                                     uint16_t* pt, float* m, float* l, __m512& alpha) {
   const __m512 scale = _mm512_set1_ps(p.scale * glmserve::kLog2e);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 live[KB];
   __m512 mx = ninf;
-  for (int k = 0; k < KB; ++k) {
+  for (int k = 0; k < nk; ++k) {
     const __m512 x = _mm512_load_ps(s + k * QB);
     if constexpr (Masked) {  // keys after the query's position
       live[k] = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(kb + k)), qpos, _CMP_LE_OQ);
@@ -271,7 +275,7 @@ AMX_TARGET inline bool softmax_block(const Problem& p, int64_t kb, __m512 qpos, 
   __m512 sum = _mm512_setzero_ps();
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int k = 0; k < KB; k += 2) {
+  for (int k = 0; k < nk; k += 2) {
     __m512 e0 = glmserve::fast_exp2_16_bf16(_mm512_fmsub_ps(_mm512_load_ps(s + k * QB), scale, m_new));
     __m512 e1 = glmserve::fast_exp2_16_bf16(_mm512_fmsub_ps(_mm512_load_ps(s + (k + 1) * QB), scale, m_new));
     if constexpr (Masked) {
@@ -323,19 +327,22 @@ AMX_TARGET inline void amx_accumulate(const Problem& p, const uint16_t* vt, int6
   }
 }
 
-// The engines `attend` runs on (AmxTiles, VectorBf16, VectorFma). start_scores(p, kp, kb, qt) begins scores^T of key
-// block kb against one head's query tile and finish_scores(s) leaves them in s ([KB][QB] floats): the AMX engine
-// computes on the tiles in the first (the vector units run the previous block's softmax meanwhile) and stores in the
-// second; the vector engines do all of it in the second. accumulate(p, vt, kb, pt, o): out^T o [D][QB] += V^T (block
-// kb) x P^T (pt).
+// The engines `attend` runs on (AmxTiles, VectorBf16, VectorFma). start_scores(p, kp, kb, qt, nk) begins scores^T of
+// the first nk keys of block kb against one head's query tile and finish_scores(s) leaves them in s ([nk][QB] floats):
+// the AMX engine computes on the tiles in the first (the vector units run the previous block's softmax meanwhile) and
+// stores in the second; the vector engines do all of it in the second. accumulate(p, vt, kb, pt, o, nk): out^T o
+// [D][QB] += V^T (block kb, its first nk keys) x P^T (pt). kTrims: whether the engine takes nk < KB (the AMX tiles
+// always compute whole blocks of KB keys).
 struct AmxTiles {
+  static constexpr bool kTrims = false;
   AMX_TARGET static void begin() { tile_config(); }
   AMX_TARGET static void end() { tile_release(); }
-  AMX_TARGET void start_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* qt) {
+  AMX_TARGET void start_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* qt, int64_t) {
     amx_scores(p, kp, kb, qt);
   }
   AMX_TARGET void finish_scores(const Problem&, float* s) { amx_store_scores(s); }
-  AMX_TARGET static void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o) {
+  AMX_TARGET static void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o,
+                                    int64_t) {
     amx_accumulate(p, vt, kb, pt, o);
   }
 };
@@ -348,11 +355,15 @@ BF16_TARGET inline __m512bh pair_everywhere(const uint16_t* at) {
 }
 
 struct VectorBf16 {
+  static constexpr bool kTrims = true;
   const uint16_t* k = nullptr;  // the pending block's first key row (packed K: [KB][D])
   const uint16_t* qt = nullptr;
+  int64_t nk = KB;
   static void begin() {}
   static void end() {}
-  void start_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* q) { k = kp + kb * p.D, qt = q; }
+  void start_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* q, int64_t keys) {
+    k = kp + kb * p.D, qt = q, nk = keys;
+  }
 
   BF16_TARGET void finish_scores(const Problem& p, float* s) const {
     if (p.D == 64)
@@ -365,7 +376,7 @@ struct VectorBf16 {
   // at a time in 16 accumulators (D a constant: the 16 keys' rows are one pointer and fixed offsets)
   template <int D>
   BF16_TARGET void scores(float* s) const {
-    for (int64_t r0 = 0; r0 < KB; r0 += 16) {
+    for (int64_t r0 = 0; r0 < nk; r0 += 16) {
       __m512 acc[16];
       for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
       const uint16_t* rows = k + r0 * D;
@@ -379,12 +390,13 @@ struct VectorBf16 {
 
   // out^T row d += sum over key pairs j of (P^T pair row j: 16 queries x keys 2j, 2j + 1) . (V^T row d's keys 2j,
   // 2j + 1), 16 dims at a time in 16 accumulators
-  BF16_TARGET static void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o) {
+  BF16_TARGET static void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o,
+                                     int64_t nk) {
     const uint16_t* block = vt + kb * p.D;
     for (int64_t d0 = 0; d0 < p.D; d0 += 16) {
       __m512 acc[16];
       for (int r = 0; r < 16; ++r) acc[r] = _mm512_loadu_ps(o + (d0 + r) * QB);
-      for (int64_t j = 0; j < KB / 2; ++j) {
+      for (int64_t j = 0; j < nk / 2; ++j) {
         const __m512bh pj = (__m512bh)_mm512_load_si512(pt + j * 2 * QB);
         for (int r = 0; r < 16; ++r)
           acc[r] = _mm512_dpbf16_ps(acc[r], pj, pair_everywhere(block + (d0 + r) * KB + 2 * j));
@@ -417,15 +429,19 @@ inline void widen(const uint16_t* src, int64_t n, float* dst) {
 // and P^T's VNNI pair rows are split into their even and odd halves in registers (two ALU operations per 32 FMAs).
 // Each FMA's other operand is one float32 of K or V^T broadcast from memory (folded into the FMA as {1to16}).
 struct VectorFma {
+  static constexpr bool kTrims = true;
   const uint16_t* k = nullptr;  // the pending block's first key row (packed K: [KB][D])
   const uint16_t* qt = nullptr;
+  int64_t nk = KB;
   const uint16_t* k_in_kf = nullptr;  // the bf16 blocks kf and vf hold widened
   const uint16_t* v_in_vf = nullptr;
   alignas(64) float kf[KB * 128];
   alignas(64) float vf[128 * KB];
   static void begin() {}
   static void end() {}
-  void start_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* q) { k = kp + kb * p.D, qt = q; }
+  void start_scores(const Problem& p, const uint16_t* kp, int64_t kb, const uint16_t* q, int64_t keys) {
+    k = kp + kb * p.D, qt = q, nk = keys;
+  }
 
   void finish_scores(const Problem& p, float* s) {
     if (k != k_in_kf) widen(k, KB * p.D, kf), k_in_kf = k;
@@ -439,7 +455,7 @@ struct VectorFma {
   // accumulators (D a constant: the 16 keys' rows are one pointer and fixed offsets)
   template <int D>
   void scores(float* s) const {
-    for (int64_t r0 = 0; r0 < KB; r0 += 16) {
+    for (int64_t r0 = 0; r0 < nk; r0 += 16) {
       __m512 acc[16];
       for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
       const float* rows = kf + r0 * D;
@@ -457,14 +473,14 @@ struct VectorFma {
 
   // out^T row d += sum over keys j of (P^T row j: 16 queries) x V^T row d's key j, 16 dims at a time in 16
   // accumulators
-  void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o) {
+  void accumulate(const Problem& p, const uint16_t* vt, int64_t kb, const uint16_t* pt, float* o, int64_t keys) {
     const uint16_t* block = vt + kb * p.D;
     if (block != v_in_vf) widen(block, KB * p.D, vf), v_in_vf = block;
     for (int64_t d0 = 0; d0 < p.D; d0 += 16) {
       __m512 acc[16];
       for (int r = 0; r < 16; ++r) acc[r] = _mm512_loadu_ps(o + (d0 + r) * QB);
       const float* rows = vf + d0 * KB;
-      for (int64_t j = 0; j < KB / 2; ++j) {
+      for (int64_t j = 0; j < keys / 2; ++j) {
         const __m512i pj = _mm512_load_si512(pt + j * 2 * QB);
         const __m512 p0 = even_halves(pj), p1 = odd_halves(pj);
         for (int r = 0; r < 16; ++r) {
@@ -503,28 +519,30 @@ AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
   for (int64_t kb = 0; kb <= last[tiles - 1]; kb += KB)
     for (int64_t j = 0; j < p.g; ++j)
       for (int64_t t = 0; t < tiles; ++t)
-        if (kb <= last[t]) w.units.push_back({kb, t, t * p.g + j});
+        if (kb <= last[t])
+          w.units.push_back({kb, t, t * p.g + j,
+                             Engine::kTrims ? std::min(KB, (last[t] - kb + 16) / 16 * 16) : KB});
   // the scores of unit u + 1 are computed during unit u's softmax (the tiles work while the vector units run it)
   // and stored after it: the softmax's loads do not wait behind tile stores issued before them
   const int64_t units = static_cast<int64_t>(w.units.size());
   auto q_of = [&](const Unit& x) { return w.qt.data() + x.state * p.D * QB; };
   Engine e;
-  e.start_scores(p, kp, 0, q_of(w.units[0]));
+  e.start_scores(p, kp, 0, q_of(w.units[0]), w.units[0].nk);
   e.finish_scores(p, w.s[0]);
   for (int64_t u = 0; u < units; ++u) {
-    if (u + 1 < units) e.start_scores(p, kp, w.units[u + 1].kb, q_of(w.units[u + 1]));
+    if (u + 1 < units) e.start_scores(p, kp, w.units[u + 1].kb, q_of(w.units[u + 1]), w.units[u + 1].nk);
     const Unit x = w.units[u];
     float* o = w.o.data() + x.state * p.D * QB;
     float* m = &w.m[x.state * QB];
     float* l = &w.l[x.state * QB];
     __m512 alpha;
-    const bool grew = x.kb + KB - 1 > first[x.tile]
-                          ? softmax_block<true>(p, x.kb, qpos[x.tile], w.s[u & 1], w.pt, m, l, alpha)
-                          : softmax_block<false>(p, x.kb, qpos[x.tile], w.s[u & 1], w.pt, m, l, alpha);
+    const bool grew = x.kb + x.nk - 1 > first[x.tile]
+                          ? softmax_block<true>(p, x.kb, x.nk, qpos[x.tile], w.s[u & 1], w.pt, m, l, alpha)
+                          : softmax_block<false>(p, x.kb, x.nk, qpos[x.tile], w.s[u & 1], w.pt, m, l, alpha);
     if (grew && x.kb > 0)  // (the first block finds the output still zero)
       for (int64_t d = 0; d < p.D; ++d) _mm512_storeu_ps(o + d * QB, _mm512_mul_ps(_mm512_loadu_ps(o + d * QB), alpha));
     if (u + 1 < units) e.finish_scores(p, w.s[(u + 1) & 1]);
-    e.accumulate(p, vt, x.kb, w.pt, o);
+    e.accumulate(p, vt, x.kb, w.pt, o, x.nk);
   }
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t j = 0; j < p.g; ++j) {  // out = out^T transposed, divided by l
