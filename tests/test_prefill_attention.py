@@ -129,6 +129,27 @@ def test_threads_split_the_work_without_changing_the_result(engine):
 
 
 @needs_kernel
+@needs_kernel
+@pytest.mark.parametrize("engine", ENGINES)
+def test_float32_inputs_are_rounded_as_a_cast_would(engine):
+    """float32 q, k, v (as the layer hands them over: q a strided view of the projection's output) give the floats of
+    the same inputs cast to bf16 first, the kernel rounding them as torch's cast does (to nearest even; denormals
+    kept), for fresh prompts and chunks over cached keys, with k, v float32 or bf16."""
+    kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
+    engine = engine_or_skip(engine)
+    gen = torch.Generator().manual_seed(5)
+    for q_lens, kv_lens, length in (([129], [129], 129), ([37, 211, 5], [100, 211, 69], 256)):
+        rows, t = len(q_lens), sum(q_lens)
+        qkv = torch.randn(t, 9 + 6, 64, generator=gen) * 3
+        q = qkv[:, :9]
+        q[0, 0, :3] = torch.tensor([1e-40, -3e-39, 7.7e3])  # denormals, a large value
+        k, v = (torch.randn(rows, length, 3, 64, generator=gen) for _ in range(2))
+        lens = (torch.tensor(q_lens), torch.tensor(kv_lens), 0.125, False, engine)
+        want = kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), *lens)
+        for kk, vv in ((k, v), (k.bfloat16(), v.bfloat16())):
+            assert torch.equal(kernel(q, kk, vv, *lens), want), (q_lens, kk.dtype)
+
+
 def test_bad_input_is_a_clear_error():
     kernel = kernels.op("prefill_attention", CPU, torch.bfloat16)
     q, k, v = inputs(8, 8, 9, 3, 64)
@@ -137,8 +158,10 @@ def test_bad_input_is_a_clear_error():
         kernel(q, k[None], v[None], torch.tensor([7]), lens, 0.125, False)
     with pytest.raises(RuntimeError, match="queries <= keys"):
         kernel(q, k[None], v[None], lens, torch.tensor([9]), 0.125, False)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        kernel(q.float(), k[None], v[None], lens, lens, 0.125, False)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        kernel(q.half(), k[None], v[None], lens, lens, 0.125, False)
+    with pytest.raises(RuntimeError, match="k and v of one dtype"):
+        kernel(q, k[None].float(), v[None], lens, lens, 0.125, False)
     wide = inputs(8, 8, 9, 3, 128)
     for d in (32, 96):
         q_d, k_d, v_d = (x[..., :d] for x in wide)

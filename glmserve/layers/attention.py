@@ -202,11 +202,16 @@ class PagedAttention:
         if g.rows is None:
             return self._prefill_rows(q, k, v, g, dtype)
         # as in the padded group, every row reads its K/V as stored (a fresh row too: quantized formats round it);
-        # the casts run once over all rows
-        q = q.to(dtype)
-        if any(row.fresh_causal for row in g.rows):
-            stored = format_of(self.kv_cache).roundtrip
-            k, v = stored(k, dtype), stored(v, dtype)
+        # the casts run once over all rows, or not at all where our bf16 kernel takes every row: it rounds float32
+        # q, k, v to bf16 as it packs them, as the casts would (and as a bf16 or float32 pool stores k, v)
+        kernel_rows = (dtype == torch.bfloat16 and bf16_prefill_kernel(self.head_dim) is not None
+                       and all(row.fresh_causal or row.query_lens is not None for row in g.rows))
+        if not kernel_rows:
+            q = q.to(dtype)
+        fmt = format_of(self.kv_cache)
+        if any(row.fresh_causal for row in g.rows) and not (
+                kernel_rows and not fmt.quantized and fmt.storage in (torch.bfloat16, torch.float32)):
+            k, v = fmt.roundtrip(k, dtype), fmt.roundtrip(v, dtype)
         outs, offset = [], 0
         for row in g.rows:  # a few rows per step: one attention each instead of one over the padded rows
             end = offset + row.num_tokens
@@ -249,11 +254,18 @@ class PagedAttention:
 
     def _prefill_bf16(self, kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       g: GroupMetadata) -> torch.Tensor:
-        """The prefill group on our bf16 kernel: q, k, v rounded to bf16 as for SDPA -> [T, H, D] bf16."""
-        q = q.to(torch.bfloat16)
+        """The prefill group on our bf16 kernel: q, k, v rounded to bf16 as for SDPA (float32 ones by the kernel, as
+        it packs them) -> [T, H, D] bf16."""
+        q = _bf16_kernel_input(q)
         if g.fresh_causal:
             lens = torch.tensor([q.shape[0]])
-            return kernel(q, k.to(torch.bfloat16)[None], v.to(torch.bfloat16)[None], lens, lens, self.scale, True)
+            return kernel(q, _bf16_kernel_input(k)[None], _bf16_kernel_input(v)[None], lens, lens, self.scale, True)
         keys, values = gather_kv(self.kv_cache, g.kv_slots, torch.bfloat16)  # [Hkv, B, L, D]
         return kernel(q, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), g.query_lens, g.key_lens,
                       self.scale, True)
+
+
+def _bf16_kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """q, k or v for the bf16 prefill kernel: bf16 and float32 as they are (the kernel rounds float32 to bf16 as
+    `.to(torch.bfloat16)` does), other dtypes cast to bf16."""
+    return t if t.dtype in (torch.bfloat16, torch.float32) else t.to(torch.bfloat16)

@@ -2,8 +2,10 @@
 // CPU has AMX-BF16 (Intel Sapphire Rapids on), else where it has AVX512-BF16 (AMD Zen 4 on, Intel Cooper Lake on) with
 // its vdpbf16ps or with float32 FMAs on the bf16 values widened (the faster of the two on Intel cores).
 //
-//   prefill_attention(q [T, Hq, D] bf16, k [B, L, Hk, D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64,
-//                     scale, out_bf16, engine = "") -> out [T, Hq, D] bf16 (out_bf16) or float32
+//   prefill_attention(q [T, Hq, D] bf16 or float32, k [B, L, Hk, D] bf16 or float32, v (as k), q_lens [B] i64,
+//                     kv_lens [B] i64, scale, out_bf16, engine = "") -> out [T, Hq, D] bf16 (out_bf16) or float32
+//     (float32 q, k, v are rounded to bf16 as torch's cast rounds them while they are packed: the same result as
+//     casting them first, without the casts' copies)
 //   prefill_attention_available() -> bool: this build and CPU run it (AMX tiles granted by Linux, or AVX512-BF16)
 //   prefill_attention_engines() -> [str]: the engines they run it on, best first ("amx", then "avx512_fma" and
 //     "avx512_bf16" in the order of this CPU's vendor: Intel's first, others' last);
@@ -58,6 +60,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -72,8 +75,11 @@ namespace {
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_lens,
                   const at::Tensor& kv_lens) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "prefill_attention: CPU tensors");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-              v.scalar_type() == at::kBFloat16, "prefill_attention: q, k, v must be bfloat16");
+  const auto floats = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat;
+  };
+  TORCH_CHECK(floats(q) && floats(k) && v.scalar_type() == k.scalar_type(),
+              "prefill_attention: q, k, v must be bfloat16 or float32 (k and v of one dtype)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(),
               "prefill_attention: q [T, Hq, D], k and v [B, L, Hk, D] of one shape");
   const int64_t D = q.size(2);
@@ -126,7 +132,8 @@ constexpr int64_t QT = 2;   // query tiles per work item (each K and V block, on
 constexpr int64_t KB = 64;  // keys per block: four 16-row A tiles for the scores, the depth of two P^T tiles
 
 struct Problem {
-  const uint16_t* q;  // bf16 bits
+  const void* q;  // bf16 bits, or float32 (q_f32)
+  bool q_f32;
   int64_t q_row, q_head;  // strides (elements)
   uint16_t* out16;  // one of these two
   float* out32;
@@ -202,16 +209,36 @@ inline void transpose16(const float* src, __m512* r) {
   transpose16(x, r);
 }
 
+// 16 float32 rounded to bf16 bits as torch's cast rounds them (to nearest even; a NaN stays a quiet NaN): vec_math.h's
+// f32_to_bf16 on 16 lanes
+inline __m256i bf16_of(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16),
+                           _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// 32 bf16 of a query row as one 64-byte row: read as they are, or float32 rounded
+inline __m512 query_pairs(const Problem& p, int64_t at) {
+  if (!p.q_f32) return _mm512_loadu_ps(static_cast<const uint16_t*>(p.q) + at);
+  const float* x = static_cast<const float*>(p.q) + at;
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_of(_mm512_loadu_ps(x))),
+                                          bf16_of(_mm512_loadu_ps(x + 16)), 1);
+  return _mm512_castsi512_ps(both);
+}
+
 // Q^T of the item's g heads in VNNI pairs; queries past the row's end are zeros. Per head and 32 dims, the nq
 // queries' 32 bf16 (16 pairs: one 64-byte row each) transposed as 16 x 16 32-bit lanes: row r = pair r of every query
 void pack_queries(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t nq, uint16_t* qt) {
   const int64_t chunks = p.D / 32;
   for (int64_t j = 0; j < p.g; ++j) {
-    const uint16_t* first = p.q + (p.q_start[b] + i0) * p.q_row + (h * p.g + j) * p.q_head;
+    const int64_t first = (p.q_start[b] + i0) * p.q_row + (h * p.g + j) * p.q_head;
     for (int64_t c = 0; c < chunks; ++c) {
       __m512 rows[16], pairs[16];
       for (int64_t n = 0; n < 16; ++n)
-        rows[n] = n < nq ? _mm512_loadu_ps(reinterpret_cast<const float*>(first + n * p.q_row + c * 32)) : _mm512_setzero_ps();
+        rows[n] = n < nq ? query_pairs(p, first + n * p.q_row + c * 32) : _mm512_setzero_ps();
       transpose16(rows, pairs);
       float* dst = reinterpret_cast<float*>(qt + (j * chunks + c) * 32 * QB);
       for (int r = 0; r < 16; ++r) _mm512_storeu_ps(dst + r * QB, pairs[r]);
@@ -574,22 +601,36 @@ void attend_items(const Problem& p, const std::vector<Item>& order, int64_t begi
 
 // Key block `blk` of one (row, KV head): its KB rows of K ([KB][D], at kp + blk * KB * D) and its V^T ([D][KB], at
 // vt + blk * KB * D), zero past the row's kl keys
+// (T: uint16_t for bf16 k and v, float for float32 ones, rounded to bf16 as torch's cast rounds)
+template <typename T>
 void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t blk, int64_t kl, int64_t D,
                 uint16_t* kp, uint16_t* vt) {
-  const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-  const auto* vs = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const auto* ks = static_cast<const T*>(k.data_ptr());
+  const auto* vs = static_cast<const T*>(v.data_ptr());
   const int64_t t0 = blk * KB, n = std::min(kl - t0, KB);
   uint16_t* krows = kp + t0 * D;
   uint16_t* block = vt + t0 * D;
-  for (int64_t t = 0; t < n; ++t)
-    std::memcpy(krows + t * D, ks + b * k.stride(0) + (t0 + t) * k.stride(1) + h * k.stride(2), D * 2);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = ks + b * k.stride(0) + (t0 + t) * k.stride(1) + h * k.stride(2);
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(krows + t * D + d), bf16_of(_mm512_loadu_ps(row + d)));
+    } else {
+      std::memcpy(krows + t * D, row, D * 2);
+    }
+  }
   if (n < KB) {
     std::memset(krows + n * D, 0, (KB - n) * D * 2);
     std::memset(block, 0, KB * D * 2);
   }
   for (int64_t t = 0; t < n; ++t) {
-    const uint16_t* row = vs + b * v.stride(0) + (t0 + t) * v.stride(1) + h * v.stride(2);
-    for (int64_t d = 0; d < D; ++d) block[d * KB + t] = row[d];
+    const T* row = vs + b * v.stride(0) + (t0 + t) * v.stride(1) + h * v.stride(2);
+    for (int64_t d = 0; d < D; ++d) {
+      if constexpr (std::is_same_v<T, float>)
+        block[d * KB + t] = glmserve::f32_to_bf16(row[d]);
+      else
+        block[d * KB + t] = row[d];
+    }
   }
 }
 
@@ -604,7 +645,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   }
   // K and V^T packed by key block, the blocks of every (row, KV head) split over the threads (uninitialized
   // buffers: every block is written whole)
-  at::Tensor kv_packed = at::empty({2, keys * Hk * D}, q.options());
+  at::Tensor kv_packed = at::empty({2, keys * Hk * D}, q.options().dtype(at::kBFloat16));
   uint16_t* kp = reinterpret_cast<uint16_t*>(kv_packed.data_ptr<at::BFloat16>());
   uint16_t* vt = kp + keys * Hk * D;
   at::parallel_for(0, keys / KB * Hk, 1, [&](int64_t begin, int64_t end) {
@@ -612,11 +653,15 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
       const int64_t at_key = i / Hk * KB, h = i % Hk;
       const int64_t b = std::upper_bound(pad_start.begin(), pad_start.end(), at_key) - pad_start.begin() - 1;
       const int64_t lpad = (kl[b] + KB - 1) / KB * KB, region = (pad_start[b] * Hk + h * lpad) * D;
-      pack_block(k, v, b, h, (at_key - pad_start[b]) / KB, kl[b], D, kp + region, vt + region);
+      const int64_t blk = (at_key - pad_start[b]) / KB;
+      if (k.scalar_type() == at::kFloat)
+        pack_block<float>(k, v, b, h, blk, kl[b], D, kp + region, vt + region);
+      else
+        pack_block<uint16_t>(k, v, b, h, blk, kl[b], D, kp + region, vt + region);
     }
   });
   at::Tensor out = at::empty({T, Hq, D}, q.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
-  Problem p{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0), q.stride(1),
+  Problem p{q.data_ptr(), q.scalar_type() == at::kFloat, q.stride(0), q.stride(1),
             out_bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr,
             out_bf16 ? nullptr : out.data_ptr<float>(), Hq, Hk, Hq / Hk, D, static_cast<float>(scale),
             q_start.data(), ql, kl, pad_start.data(), kp, vt};
