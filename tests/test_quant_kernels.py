@@ -317,6 +317,21 @@ def test_long_batches_in_row_chunks_give_the_same_floats(cpu_isa, fmt):
         assert torch.equal(backend.apply(prepared, x[rows], None), whole[rows]), rows
 
 
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "int8_group32", "w8a8"])
+def test_quant_linear_is_quant_matmul_of_quantize_activations(tiles, fmt):
+    """quant_linear (on the VNNI tiles: each row quantized straight into the tiles' activation groups) gives the floats
+    of quant_matmul on quantize_activations' tensors (regrouped by pack_groups), at decode and prefill batch sizes."""
+    _, act = FORMATS[fmt]
+    p = CpuBlockBackend().prepare(weight(fmt, 200, 1536), act, CPU)
+    packed = (p.codes, p.scales, p.mins, p.u4, p.out_features)
+    linear = kernels.op("quant_linear", CPU, torch.float32)
+    matmul = kernels.op("quant_matmul", CPU, torch.float32)
+    quantize_acts = kernels.op("quantize_activations", CPU, torch.float32)
+    for batch in (1, 9, 64, 300):
+        x = activations(batch, 1536)
+        assert torch.equal(linear(x, p.per_token, *packed), matmul(*quantize_acts(x, p.per_token), *packed)), batch
+
+
 @pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "w8a8"])
 def test_fused_swiglu_is_silu_and_mul_of_the_product(tiles, fmt):
     """quant_linear_swiglu (a gated MLP's merged gate-up weight: silu(gate) * up without the product written out)

@@ -222,27 +222,36 @@ union GroupWord {
 };
 constexpr int GROUP_WORDS = 11;
 
-// rows [first, N) of the activations in groups of VNNI_NB from `first` on, into the calling thread's buffer (reused:
-// no allocation per call; rows split over the intra-op threads for large batches)
-const GroupWord* pack_groups(const Acts& a, int64_t first, int64_t N) {
+// the calling thread's buffer of `words` group words (reused: no allocation per call)
+GroupWord* group_buffer(size_t words) {
   thread_local std::vector<GroupWord> buffer;
-  const size_t size = static_cast<size_t>((N - first) * a.nb * GROUP_WORDS);
-  if (buffer.size() < size) buffer.resize(size);
-  GroupWord* data = buffer.data();
+  if (buffer.size() < words) buffer.resize(words);
+  return buffer.data();
+}
+
+// row n (of N, from `first` on) of quantized activations (codes q [nb * 32], scales d, dx * sum s and sums isum [nb])
+// into its place in the groups at `data`
+void put_row(const int8_t* q, const float* d, const float* s, const int32_t* isum, int64_t nb, int64_t first,
+             int64_t n, int64_t N, GroupWord* data) {
+  const int64_t g0 = first + (n - first) / VNNI_NB * VNNI_NB;  // the group's first row
+  const int64_t rows = std::min<int64_t>(VNNI_NB, N - g0), r = n - g0;
+  GroupWord* g = data + (g0 - first) * nb * GROUP_WORDS;
+  for (int64_t b = 0; b < nb; ++b) {
+    GroupWord* x = g + b * GROUP_WORDS * rows;
+    for (int j = 0; j < 8; ++j) x[j * rows + r].i = load_i32(q + b * QK + 4 * j);
+    x[8 * rows + r].f = d[b];
+    x[9 * rows + r].f = s[b];
+    x[10 * rows + r].i = -128 * isum[b];
+  }
+}
+
+// rows [first, N) of the activations in groups of VNNI_NB from `first` on, into the calling thread's buffer (rows
+// split over the intra-op threads for large batches)
+const GroupWord* pack_groups(const Acts& a, int64_t first, int64_t N) {
+  GroupWord* data = group_buffer(static_cast<size_t>((N - first) * a.nb * GROUP_WORDS));
   at::parallel_for(first, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t g0 = first + (n - first) / VNNI_NB * VNNI_NB;  // the group's first row
-      const int64_t rows = std::min<int64_t>(VNNI_NB, N - g0), r = n - g0;
-      GroupWord* g = data + (g0 - first) * a.nb * GROUP_WORDS;
-      const int8_t* q = a.q + n * a.kp;
-      for (int64_t b = 0; b < a.nb; ++b) {
-        GroupWord* x = g + b * GROUP_WORDS * rows;
-        for (int j = 0; j < 8; ++j) x[j * rows + r].i = load_i32(q + b * QK + 4 * j);
-        x[8 * rows + r].f = a.d[n * a.nb + b];
-        x[9 * rows + r].f = a.s[n * a.nb + b];
-        x[10 * rows + r].i = -128 * a.isum[n * a.nb + b];
-      }
-    }
+    for (int64_t n = begin; n < end; ++n)
+      put_row(a.q + n * a.kp, a.d + n * a.nb, a.s + n * a.nb, a.isum + n * a.nb, a.nb, first, n, N, data);
   });
   return data;
 }
@@ -807,7 +816,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
     first = tail > 0 && tail < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) ? N - tail : N;
   }
 #endif
-  a.groups = pack_groups(a_in, first, N), a.row0 = first;
+  if (!a.groups) a.groups = pack_groups(a_in, first, N), a.row0 = first;  // (quant_linear's come grouped)
 #endif
 #ifdef GLMSERVE_AMX
   if (use_amx(N, u4)) {
@@ -1015,21 +1024,47 @@ at::Tensor quant_matmul(const at::Tensor& q, const at::Tensor& d, const at::Tens
   return matmul_impl(acts_of(q, d, s, isum), q.size(0), codes, wd, wm, u4, out_features, false);
 }
 
+// quantize_activations, then matmul_impl (swiglu: quant_linear_swiglu). On the VNNI tiles the rows are quantized
+// straight into their groups (quantize_row, then put_row, per row): one parallel region instead of two, and no
+// quantized tensors in between (the same codes and scales)
+at::Tensor linear_impl(const at::Tensor& x_in, bool per_token, const at::Tensor& codes, const at::Tensor& wd,
+                       const at::Tensor& wm, bool u4, int64_t out_features, bool swiglu) {
+  check_weights(codes, wd, wm);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  const int64_t N = x_in.dim() == 2 ? x_in.size(0) : 0;
+  if (x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu() && !use_amx(N, u4)) {
+    const auto x = x_in.contiguous();
+    const int64_t k = x.size(1), nb = (k + QK - 1) / QK, kp = nb * QK;
+    GroupWord* groups = group_buffer(static_cast<size_t>(N * nb * GROUP_WORDS));
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+      std::vector<int8_t> q(kp);
+      std::vector<float> d(nb), s(nb);
+      std::vector<int32_t> isum(nb);
+      for (int64_t n = begin; n < end; ++n) {
+        quantize_row(xp + n * k, k, kp, per_token, q.data(), d.data(), s.data(), isum.data());
+        put_row(q.data(), d.data(), s.data(), isum.data(), nb, 0, n, N, groups);
+      }
+    });
+    Acts a{nullptr, nullptr, nullptr, nullptr, kp, nb, groups, 0};
+    return matmul_impl(a, N, codes, wd, wm, u4, out_features, swiglu);
+  }
+#endif
+  const auto a = quantize_activations(x_in, per_token);
+  return matmul_impl(acts_of(a[0], a[1], a[2], a[3]), x_in.size(0), codes, wd, wm, u4, out_features, swiglu);
+}
+
 // quantize_activations, then quant_matmul
 at::Tensor quant_linear(const at::Tensor& x, bool per_token, const at::Tensor& codes, const at::Tensor& wd,
                         const at::Tensor& wm, bool u4, int64_t out_features) {
-  check_weights(codes, wd, wm);
-  const auto a = quantize_activations(x, per_token);
-  return matmul_impl(acts_of(a[0], a[1], a[2], a[3]), x.size(0), codes, wd, wm, u4, out_features, false);
+  return linear_impl(x, per_token, codes, wd, wm, u4, out_features, false);
 }
 
 // quant_linear of a gated MLP's merged gate-up weight (out_features = 2I, I a multiple of 16), returning
 // silu(gate) * up [N, I]: silu_and_mul(quant_linear(...)) in one pass, the same floats
 at::Tensor quant_linear_swiglu(const at::Tensor& x, bool per_token, const at::Tensor& codes, const at::Tensor& wd,
                                const at::Tensor& wm, bool u4, int64_t out_features) {
-  check_weights(codes, wd, wm);
-  const auto a = quantize_activations(x, per_token);
-  return matmul_impl(acts_of(a[0], a[1], a[2], a[3]), x.size(0), codes, wd, wm, u4, out_features, true);
+  return linear_impl(x, per_token, codes, wd, wm, u4, out_features, true);
 }
 
 // The packed weight back as a dense [out_features, kp] matrix (kp = blocks * 32) of w = d * c + m, in bfloat16
