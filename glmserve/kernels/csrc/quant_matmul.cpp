@@ -43,7 +43,8 @@
 //   floats bit for bit. set_amx(false) turns it off (tests, benchmarks), as does GLMSERVE_CPU_AMX=0 at load.
 // Batch: each tile computes NB activation rows at once (8 on AVX-512, 2 on AVX2, 1 scalar) so that its
 // weights are loaded (and nibbles unpacked) once per NB rows; a tile's weights (16 x in bytes or half of it)
-// stay in L1/L2 across the batch. The AVX-512 tiles read the activations regrouped once per call (pack_groups:
+// stay in L1/L2 across the batch. The AVX-512 tiles read the activations regrouped once per call (quant_linear
+// quantizes each row straight into them; quant_matmul regroups its quantized tensors with pack_groups:
 // per 8 rows and block, their codes, scales and sums side by side), so that one pointer addresses them all.
 // Batch 1 is the same loop with NB = 1 (a GEMV). Threads split the tiles (at::parallel_for).
 #include <ATen/ATen.h>
@@ -787,8 +788,8 @@ void silu_mul_rows(const float* y, int64_t ldy, int64_t N, int64_t I, float* out
 }
 
 // out [N, out_features] = the activations x the packed weight; with `swiglu` (the merged gate-up projection of a
-// gated MLP: out_features = 2I, I a multiple of 16) out [N, I] = silu(gate) * up instead, computed per tile of 16
-// outputs from the gate tile t and the up tile t + I / 16 of the same rows, so that the [N, 2I] product is never
+// gated MLP: out_features = 2I, I a multiple of 16) out [N, I] = silu(gate) * up instead, computed per run of gate
+// tiles t.. and their up tiles t + I / 16.. on the same rows (SWIGLU_RUN_BYTES), so that the [N, 2I] product is never
 // written out and read back (on the AMX tiles it is, and silu_mul_rows runs after)
 at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm,
                        bool u4, int64_t out_features, bool swiglu) {
@@ -866,7 +867,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
   at::parallel_for(0, gate_tiles, 2, [&](int64_t begin, int64_t end) {
     // per chunk of rows and run of gate tiles: the run's gate tiles, then its up tiles ([rows][gate outputs | up
     // outputs]), then silu(gate) * up
-    const int64_t most = std::min(chunk, N);
+    const int64_t most = std::max<int64_t>(1, std::min(chunk, N));
     const int64_t longest = std::min(end - begin, std::max<int64_t>(8, SWIGLU_RUN_BYTES / (most * 2 * ROWS * 4)));
     std::vector<float> pair(most * 2 * longest * ROWS);
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
