@@ -158,21 +158,15 @@ class CpuBlockBackend:
         """`apply` of float32 contiguous [T, in] rows without bias as one bound kernel call (no checks: a decode
         step's straight line of calls, models/llama_decode.py), and the row count from which `apply` takes
         another path (the bf16 GEMM, `bf16_rows`) that this call does not."""
-        p = prepared
-        linear, args = p.linear, (p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
-        return (lambda x: linear(x, *args)), (p.dense_path.min_rows if p.dense_path else sys.maxsize)
+        return _bound(prepared.linear, prepared)
 
     def small_batch_swiglu(self, prepared: PackedWeight) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
         """`small_batch` of a gated MLP's merged gate-up weight returning silu(gate) * up [T, I] (kernel
         quant_linear_swiglu: the floats of silu_and_mul after `apply`, without the [T, 2I] product written out and
         read back), and the same row limit; None where I is not a multiple of 16 (a tile may not hold both halves)
         or the kernel is missing."""
-        p = prepared
         fused = kernels.op("quant_linear_swiglu", torch.device("cpu"), torch.float32)
-        if fused is None or p.out_features % (2 * ROWS):
-            return None
-        args = (p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
-        return (lambda x: fused(x, *args)), (p.dense_path.min_rows if p.dense_path else sys.maxsize)
+        return None if fused is None or prepared.out_features % (2 * ROWS) else _bound(fused, prepared)
 
     def bf16_rows(self, prepared: PackedWeight, rows: int) -> bool:
         """True where `apply` runs `rows` rows as the bf16 GEMM (`dense_apply`): AMX CPUs from DENSE_MIN_ROWS
@@ -196,6 +190,13 @@ class CpuBlockBackend:
         if p.mins.numel():
             w = w + p.mins[tile, :, row].to(torch.float32).unsqueeze(-1)
         return w.flatten(1)[:, :p.in_features].to(dtype)
+
+
+def _bound(kernel: Callable, p: PackedWeight) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """`kernel` (quant_linear or quant_linear_swiglu) bound to p's packed weight, and the row count from which
+    `apply` takes the bf16 GEMM instead (none: sys.maxsize)."""
+    args = (p.per_token, p.codes, p.scales, p.mins, p.u4, p.out_features)
+    return (lambda x: kernel(x, *args)), (p.dense_path.min_rows if p.dense_path else sys.maxsize)
 
 
 @dataclass(frozen=True)

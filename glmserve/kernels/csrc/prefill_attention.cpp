@@ -209,23 +209,13 @@ inline void transpose16(const float* src, __m512* r) {
   transpose16(x, r);
 }
 
-// 16 float32 rounded to bf16 bits as torch's cast rounds them (to nearest even; a NaN stays a quiet NaN): vec_math.h's
-// f32_to_bf16 on 16 lanes
-inline __m256i bf16_of(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-  r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16),
-                           _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-// 32 bf16 of a query row as one 64-byte row: read as they are, or float32 rounded
+// 32 bf16 of a query row as one 64-byte row: read as they are, or float32 rounded as torch's cast rounds them
 inline __m512 query_pairs(const Problem& p, int64_t at) {
+  using glmserve::f32_to_bf16_16;
   if (!p.q_f32) return _mm512_loadu_ps(static_cast<const uint16_t*>(p.q) + at);
   const float* x = static_cast<const float*>(p.q) + at;
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_of(_mm512_loadu_ps(x))),
-                                          bf16_of(_mm512_loadu_ps(x + 16)), 1);
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(f32_to_bf16_16(_mm512_loadu_ps(x))),
+                                          f32_to_bf16_16(_mm512_loadu_ps(x + 16)), 1);
   return _mm512_castsi512_ps(both);
 }
 
@@ -275,11 +265,11 @@ AMX_TARGET inline void amx_store_scores(float* s) {
   _tile_stored(3, s + 48 * QB, 64);
 }
 
-// online softmax over one block of scores^T s (its first nk keys), in base 2 (scores times scale * log2 e, so that the exponential is
-// vec_math.h's fast_exp2_16_bf16, ~1e-4: P is rounded to bf16 for P x V, and l sums the same values); P^T into pt
-// as bf16 VNNI pairs (two B tiles: keys 0-31, 32-63); m, l: the head's running max (scaled, base 2) and sum for its
-// 16 queries; returns whether the max grew for some query, with alpha = 2^(m_old - m_new) (the factor of the output
-// so far, and of l: its error cancels; computed to ~1e-7 all the same)
+// online softmax over the first nk keys of one block of scores^T s, in base 2 (scores times scale * log2 e, so that
+// the exponential is vec_math.h's fast_exp2_16_bf16, ~1e-4: P is rounded to bf16 for P x V, and l sums the same
+// values); P^T into pt as bf16 VNNI pairs (two B tiles: keys 0-31, 32-63); m, l: the head's running max (scaled,
+// base 2) and sum for its 16 queries; returns whether the max grew for some query, with alpha = 2^(m_old - m_new) (the
+// factor of the output so far, and of l: its error cancels; computed to ~1e-7 all the same)
 template <bool Masked>
 AMX_TARGET inline bool softmax_block(const Problem& p, int64_t kb, int64_t nk, __m512 qpos, const float* s,
                                      uint16_t* pt, float* m, float* l, __m512& alpha) {
@@ -602,6 +592,9 @@ void attend_items(const Problem& p, const std::vector<Item>& order, int64_t begi
 // Key block `blk` of one (row, KV head): its KB rows of K ([KB][D], at kp + blk * KB * D) and its V^T ([D][KB], at
 // vt + blk * KB * D), zero past the row's kl keys
 // (T: uint16_t for bf16 k and v, float for float32 ones, rounded to bf16 as torch's cast rounds)
+inline uint16_t bf16_bits(uint16_t x) { return x; }
+inline uint16_t bf16_bits(float x) { return glmserve::f32_to_bf16(x); }
+
 template <typename T>
 void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t blk, int64_t kl, int64_t D,
                 uint16_t* kp, uint16_t* vt) {
@@ -614,7 +607,8 @@ void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, 
     const T* row = ks + b * k.stride(0) + (t0 + t) * k.stride(1) + h * k.stride(2);
     if constexpr (std::is_same_v<T, float>) {
       for (int64_t d = 0; d < D; d += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(krows + t * D + d), bf16_of(_mm512_loadu_ps(row + d)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(krows + t * D + d),
+                            glmserve::f32_to_bf16_16(_mm512_loadu_ps(row + d)));
     } else {
       std::memcpy(krows + t * D, row, D * 2);
     }
@@ -625,12 +619,7 @@ void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, 
   }
   for (int64_t t = 0; t < n; ++t) {
     const T* row = vs + b * v.stride(0) + (t0 + t) * v.stride(1) + h * v.stride(2);
-    for (int64_t d = 0; d < D; ++d) {
-      if constexpr (std::is_same_v<T, float>)
-        block[d * KB + t] = glmserve::f32_to_bf16(row[d]);
-      else
-        block[d * KB + t] = row[d];
-    }
+    for (int64_t d = 0; d < D; ++d) block[d * KB + t] = bf16_bits(row[d]);
   }
 }
 

@@ -61,16 +61,7 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 inline void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
-inline void store16(uint16_t* p, __m512 x, __mmask16 m) {  // f32_to_bf16 on 16 lanes
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i top = _mm512_srli_epi32(u, 16);
-  const __m512i even = _mm512_and_si512(top, _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), even), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
-}
+inline void store16(uint16_t* p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, glmserve::f32_to_bf16_16(x)); }
 #endif
 
 // One row of add_rms_norm: row += d (D_t float or bf16 bits; d null: no add), then o = row * rsqrt * w.
