@@ -7,8 +7,8 @@ same quantized activations. Checks first that every output of both builds, AMX a
     git show main:glmserve/kernels/csrc/amx.h > /tmp/qm/amx.h   # the header it includes, beside it
     .venv/bin/python bench/ab_quant_kernels.py /tmp/qm/qm_main.cpp [--batches 8 16 32 64] [--threads 1] [--repeats 9]
 
-A is compiled from the given source (avx512 variant, the kernels' own flags) under its own module name, in a build
-directory named by its hash; B is this checkout's avx512 build. Weights: random, round-to-nearest int4 group 32
+A is compiled from the given source (the active variant: avx512, or avx2 on a CPU without AVX-512; the kernels' own
+flags) under its own module name, in a build directory named by its hash; B is this checkout's build of that variant. Weights: random, round-to-nearest int4 group 32
 with zero points (GGUF Q4_1's math and bytes: u4 codes, fp16 d and m) and int8 group 32 (Q8_0's); the lm_head is
 Q8_0, as the default model's tied embedding. Prints per case the median microseconds per call of each (wall time,
 and the calling thread's CPU time, which a loaded machine inflates less), GMAC/s (batch x out x in per second, from
@@ -29,7 +29,7 @@ from bench_quant_kernels import SHAPES, seconds_per_call
 
 from glmserve import kernels
 from glmserve.kernels.build import BASE_CFLAGS, extensions_root, load
-from glmserve.kernels.isa import BY_NAME
+from glmserve.kernels.isa import BY_NAME, active_isa
 from glmserve.quant.cpu_backend import CpuBlockBackend
 from glmserve.quant.quantize import quantize
 from glmserve.quant.spec import QuantSpec
@@ -42,16 +42,16 @@ FORMATS = {
 
 
 def build_a(source: Path):
-    """The avx512 variant of a kernel source compiled under a module name of its own (glmserve_ab_<stem>_<hash>):
+    """The active variant (glmserve.kernels.isa.active_isa: avx512, or avx2 on CPUs without AVX-512) of a kernel source compiled under a module name of its own (glmserve_ab_<stem>_<hash>):
     an extension loaded under the name of one already loaded comes back as that first module, so two builds of one
     kernel can only sit side by side under different names."""
     from torch.utils.cpp_extension import load
 
     digest = hashlib.sha1(source.read_bytes()).hexdigest()[:8]
-    name = f"glmserve_ab_{source.stem}_{digest}"
+    name = f"glmserve_ab_{source.stem}_{active_isa()}_{digest}"
     directory = extensions_root() / name
     directory.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(source)], extra_cflags=[*BASE_CFLAGS, *BY_NAME["avx512"].cflags],
+    return load(name=name, sources=[str(source)], extra_cflags=[*BASE_CFLAGS, *BY_NAME[active_isa()].cflags],
                 build_directory=str(directory))
 
 
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    a, b = build_a(args.a_source), load("quant_matmul", "avx512")
+    a, b = build_a(args.a_source), load("quant_matmul", active_isa())
     amx = a.set_amx(True) and b.set_amx(True)  # without AMX both run their VNNI (or AVX2) tiles: A and B only
     quantize_acts = kernels.op("quantize_activations", CPU, torch.float32)
     backend = CpuBlockBackend()

@@ -1,6 +1,6 @@
 """The `cpu_block` backend (quant/cpu_backend.py, kernels/csrc/quant_matmul.cpp) on every instruction-set
 variant this CPU runs (fixture cpu_isa: the avx512 build needs VNNI; the avx2 build is compiled once with
--mavx2 -mfma, no -march, so it is the build an AVX2-only AMD EPYC runs; scalar is the compiler's baseline),
+-mavx2 -mfma -mf16c, no -march, so it is the build an AVX2-only AMD EPYC runs; scalar is the compiler's baseline),
 for every format it supports, at batch sizes 1, 3, 8, 33, 63 and SmolLM2's shapes (576 -> 49152 is the
 lm_head: batch 1 by default, batch 3 with -m slow; `grid` says which of the others run by default).
 Batches from DENSE_MIN_ROWS rows on CPUs with AMX take the bf16 GEMM path instead (tests at the end: our

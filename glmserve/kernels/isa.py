@@ -25,9 +25,11 @@ class Variant:
 
 
 VARIANTS: tuple[Variant, ...] = (  # best first
-    Variant("avx512", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
-            frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})),
-    Variant("avx2", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),  # also AMD EPYC without AVX-512
+    Variant("avx512", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                       "-mavx512vnni"),
+            frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})),
+    # also AMD EPYC without AVX-512; F16C (fp16 <-> float32, one instruction per 8) comes with every AVX2 CPU
+    Variant("avx2", ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
     Variant("scalar", (), frozenset()),  # the compiler's baseline: any CPU
 )
 BY_NAME = {v.name: v for v in VARIANTS}

@@ -212,9 +212,7 @@ struct Simd {
     const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     return _mm256_i32gather_ps(kFp8Values.data(), idx, 4);
   }
-#if defined(__F16C__)
   static V load_row(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-#endif
 };
 #define GLMSERVE_PAGED_SIMD 1
 #endif

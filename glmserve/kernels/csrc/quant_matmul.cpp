@@ -41,7 +41,7 @@
 //   The last group of a batch (17-31 rows: 1-15) is padded with zero rows; under the thresholds above it runs
 //   on the VNNI tiles instead. The same integer sums, scaled and summed in the same order: the VNNI tiles'
 //   floats bit for bit. set_amx(false) turns it off (tests, benchmarks), as does GLMSERVE_CPU_AMX=0 at load.
-// Batch: each tile computes NB activation rows at once (8 on AVX-512, 2 on AVX2, 1 scalar) so that its
+// Batch: each tile computes NB activation rows at once (8 on AVX-512, 4 on AVX2, 1 scalar) so that its
 // weights are loaded (and nibbles unpacked) once per NB rows; a tile's weights (16 x in bytes or half of it)
 // stay in L1/L2 across the batch. The AVX-512 tiles read the activations regrouped once per call (quant_linear
 // quantizes each row straight into them; quant_matmul regroups its quantized tensors with pack_groups:
@@ -143,68 +143,94 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64
 
 #if defined(__AVX2__) && defined(__FMA__)
 // ---------------------------------------------------------------------------------------------- AVX2
-inline __m256 half8_to_float(const uint16_t* p) {
-#if defined(__F16C__)
+inline __m256 half8_to_float(const uint16_t* p) {  // (the SIMD builds are -mf16c)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  // without F16C (the avx2 build is -mavx2 -mfma): exponent and mantissa moved into place and rescaled by
-  // 2^(127 - 15) (exact for normal and subnormal halves; scales are never inf / nan)
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
-  const __m256i em = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x7FFF)), 13);
-  const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(em), _mm256_castsi256_ps(_mm256_set1_epi32(0x77800000)));
-  return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
-#endif
 }
 
-template <int NB, bool U4>
-void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
-  __m256 acc[NB][2];
-  for (int n = 0; n < NB; ++n) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+// An empty asm that takes v in a register and gives it back: the running integer sums stay one chain of adds, step by
+// step. Without it GCC reassociates each block's adds into a tree: all 32 products of a half-block live at once, and
+// at 4 rows they went to the stack (21 MAC per cycle on Zen 3)
+inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+// H halves (8 output rows each: h0, and h0 + 1 where H = 2) of a tile for NB activation rows, over all blocks. Each
+// row's 4 activation bytes are broadcast once per step and used by the H halves. The registers held through a block
+// are NB * H accumulators, NB * H integer sums, 2H unpacked weight vectors, the broadcasts and two constants: the
+// dispatcher runs NB = 1 on both halves at once (a GEMV reads each block's 64-byte groups whole) and more rows one
+// half at a time (NB = 4: 14 of the 16 ymm registers; with both halves of 2 rows, GCC spilled the sums and the
+// broadcasts, shared by the halves, to the stack: 55 GMAC/s on Zen 3 at 64-512 rows)
+template <int NB, int H, bool U4, bool MINS>
+void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, int h0, float* out) {
+  __m256 acc[NB][H];
+  for (int n = 0; n < NB; ++n)
+    for (int h = 0; h < H; ++h) acc[n][h] = _mm256_setzero_ps();
   const __m256i ones16 = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  const int8_t* q0 = a.q + n0 * a.kp;
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* c = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
-    __m256i isum[NB][2];
-    for (int h = 0; h < 2; ++h) {
-      if (U4) {
-        __m256i s16[NB];
-        for (int n = 0; n < NB; ++n) s16[n] = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
+    const uint8_t* c = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK) + h0 * 32;
+    __m256i isum[NB][H];
+    if (U4) {
+      __m256i s16[NB][H];
+      for (int n = 0; n < NB; ++n)
+        for (int h = 0; h < H; ++h) s16[n][h] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo[H], hi[H];
+        for (int h = 0; h < H; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64 + h * 32));
-          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          for (int n = 0; n < NB; ++n) {
-            const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
-            s16[n] = _mm256_add_epi16(s16[n], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(qb + 4 * j))));
-            s16[n] = _mm256_add_epi16(s16[n], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(qb + 16 + 4 * j))));
+          lo[h] = _mm256_and_si256(v, low4), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        for (int n = 0; n < NB; ++n) {
+          const int8_t* qb = q0 + n * a.kp + b * QK;
+          const __m256i ql = _mm256_set1_epi32(load_i32(qb + 4 * j)), qh = _mm256_set1_epi32(load_i32(qb + 16 + 4 * j));
+          for (int h = 0; h < H; ++h) {
+            s16[n][h] = _mm256_add_epi16(s16[n][h], _mm256_maddubs_epi16(lo[h], ql));
+            s16[n][h] = _mm256_add_epi16(s16[n][h], _mm256_maddubs_epi16(hi[h], qh));
+            in_register(s16[n][h]);
           }
         }
-        for (int n = 0; n < NB; ++n) isum[n][h] = _mm256_madd_epi16(s16[n], ones16);
-      } else {
-        for (int n = 0; n < NB; ++n) isum[n][h] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64 + h * 32));
-          const __m256i av = _mm256_sign_epi8(v, v);
-          for (int n = 0; n < NB; ++n) {
-            const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
-            const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(qb + 4 * j)), v);
-            isum[n][h] = _mm256_add_epi32(isum[n][h], _mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones16));
+      }
+      for (int n = 0; n < NB; ++n)
+        for (int h = 0; h < H; ++h) isum[n][h] = _mm256_madd_epi16(s16[n][h], ones16);
+    } else {
+      for (int n = 0; n < NB; ++n)
+        for (int h = 0; h < H; ++h) isum[n][h] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        __m256i v[H], av[H];
+        for (int h = 0; h < H; ++h) {
+          v[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64 + h * 32));
+          av[h] = _mm256_sign_epi8(v[h], v[h]);
+        }
+        for (int n = 0; n < NB; ++n) {
+          const __m256i qv = _mm256_set1_epi32(load_i32(q0 + n * a.kp + b * QK + 4 * j));
+          for (int h = 0; h < H; ++h) {
+            const __m256i sx = _mm256_sign_epi8(qv, v[h]);
+            isum[n][h] = _mm256_add_epi32(isum[n][h], _mm256_madd_epi16(_mm256_maddubs_epi16(av[h], sx), ones16));
+            in_register(isum[n][h]);
           }
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 dw = half8_to_float(w.d + b * ROWS + h * 8);
-      const __m256 mw = w.m ? half8_to_float(w.m + b * ROWS + h * 8) : _mm256_setzero_ps();
+    for (int h = 0; h < H; ++h) {
+      const __m256 dw = half8_to_float(w.d + b * ROWS + (h0 + h) * 8);
+      const __m256 mw = MINS ? half8_to_float(w.m + b * ROWS + (h0 + h) * 8) : _mm256_setzero_ps();
       for (int n = 0; n < NB; ++n) {
         const int64_t i = (n0 + n) * a.nb + b;
         acc[n][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n][h]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i])), acc[n][h]);
-        if (w.m) acc[n][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[n][h]);
+        if (MINS) acc[n][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[n][h]);
       }
     }
   }
-  for (int n = 0; n < NB; ++n) {
-    _mm256_storeu_ps(out + n * ROWS, acc[n][0]);
-    _mm256_storeu_ps(out + n * ROWS + 8, acc[n][1]);
+  for (int n = 0; n < NB; ++n)
+    for (int h = 0; h < H; ++h) _mm256_storeu_ps(out + n * ROWS + (h0 + h) * 8, acc[n][h]);
+}
+
+// NB activation rows x one tile (16 output rows) into out [NB][16]
+template <int NB, bool U4, bool MINS>
+void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
+  if constexpr (NB == 1) {
+    tile_avx2_halves<1, 2, U4, MINS>(w, a, n0, nblocks, 0, out);
+  } else {
+    tile_avx2_halves<NB, 1, U4, MINS>(w, a, n0, nblocks, 0, out);
+    tile_avx2_halves<NB, 1, U4, MINS>(w, a, n0, nblocks, 1, out);
   }
 }
 #endif
@@ -677,9 +703,12 @@ void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* o
   else tile_avx512<NB, U4, false>(w, g, nblocks, out);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int MAX_NB = 2;
+constexpr int MAX_NB = 4;
 template <int NB, bool U4>
-void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) { tile_avx2<NB, U4>(w, a, n0, nblocks, out); }
+void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
+  if (w.m) tile_avx2<NB, U4, true>(w, a, n0, nblocks, out);
+  else tile_avx2<NB, U4, false>(w, a, n0, nblocks, out);
+}
 #else
 constexpr int MAX_NB = 1;
 template <int NB, bool U4>
