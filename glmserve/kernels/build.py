@@ -60,16 +60,18 @@ def build_directory(source: str, isa: str) -> Path:
     and environment (worktrees on one venv) share one build, a change to one source rebuilds only that source's
     variants, and a checkout whose kernel or venv differs (a clean clone for CI) never loads or overwrites
     another's."""
-    return extensions_root() / f"{extension_name(source, isa)}-{_source_digest(source)}"
+    return extensions_root() / f"{extension_name(source, isa)}-{_source_digest(source, isa)}"
 
 
 @functools.cache
-def _source_digest(source: str) -> str:
-    # the torch installation too: build.ninja holds its include and library paths, so two environments (a venv
-    # and a CI clone's venv) sharing one cache would each find the other's command changed and rebuild, in turn
+def _source_digest(source: str, isa: str) -> str:
+    # the variant's flags and the torch installation too: build.ninja holds its include and library paths, so two
+    # environments (a venv and a CI clone's venv) sharing one cache would each find the other's command changed and
+    # rebuild, in turn
     import torch
 
-    digest = hashlib.sha1(f"{' '.join(BASE_CFLAGS)} {torch.__version__} {Path(torch.__file__).parent}".encode())
+    flags = " ".join((*BASE_CFLAGS, *BY_NAME[isa].cflags))
+    digest = hashlib.sha1(f"{flags} {torch.__version__} {Path(torch.__file__).parent}".encode())
     # the csrc headers it includes too, so that a header's change rebuilds its includers (and only them)
     for path in [SOURCE_DIR / f"{source}.cpp", *(SOURCE_DIR / h for h in included_headers(source))]:
         digest.update(path.name.encode())
