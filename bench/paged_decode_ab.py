@@ -1,5 +1,5 @@
 """A/B of two versions of the paged decode kernel (csrc/paged_decode.cpp) in one process: A compiled from the given
-source under a module name of its own (ab_quant_kernels.build_a), B this checkout's avx512 build, called in turn
+source under a module name of its own (ab_quant_kernels.build_a), B this checkout's build of the active variant (avx512, or avx2 without AVX-512), called in turn
 on the same queries and the same pools, per KV format, so that machine load hits both alike. Batch `--batch`
 sequences of each context, SmolLM2's attention shape (9 query heads, 3 kv heads, head_dim 64), slots in shuffled
 blocks of 16; the calls cycle over layer pools of at least `--pool-mb` MB of float32 K/V, so that the keys come
@@ -22,6 +22,7 @@ import torch
 from ab_quant_kernels import build_a
 
 from glmserve.kernels.build import load
+from glmserve.kernels.isa import active_isa
 from glmserve.kv.kv_format import kv_format, store
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
@@ -59,7 +60,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=12)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ops = {"A": build_a(args.a_source).paged_decode, "B": load("paged_decode", "avx512").paged_decode}
+    ops = {"A": build_a(args.a_source).paged_decode, "B": load("paged_decode", active_isa()).paged_decode}
     gen = torch.Generator().manual_seed(0)
     print(f"batch {args.batch}, {HEADS} heads / {KV_HEADS} kv heads / D {DIM}, 1 thread; ms per call (median of "
           f"{args.repeats})")
