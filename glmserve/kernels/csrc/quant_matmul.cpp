@@ -156,8 +156,9 @@ inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
 // row's 4 activation bytes are broadcast once per step and used by the H halves. The registers held through a block
 // are NB * H accumulators, NB * H integer sums, 2H unpacked weight vectors, the broadcasts and two constants: the
 // dispatcher runs NB = 1 on both halves at once (a GEMV reads each block's 64-byte groups whole) and more rows one
-// half at a time (NB = 4: 14 of the 16 ymm registers; with both halves of 2 rows, GCC spilled the sums and the
-// broadcasts, shared by the halves, to the stack: 55 GMAC/s on Zen 3 at 64-512 rows)
+// half at a time (NB = 4: 14 of the 16 ymm registers). Q4_1 at 64-512 rows, one Zen 3 core: 82-85 GMAC/s; the tile
+// it replaced (both halves of 2 rows, whose sums and shared broadcasts GCC spilled to the stack) 60, with F16C
+// (bench/ab_quant_kernels.py)
 template <int NB, int H, bool U4, bool MINS>
 void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, int h0, float* out) {
   __m256 acc[NB][H];
