@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # csrc/<name>.cpp, one extension each per variant
 SOURCES = ("paged_decode", "sparse", "quant_matmul", "float_quant_matmul", "prefill_ops", "prefill_attention",
-           "sampling", "bf16_gemm")
+           "prefill_attention_f32", "sampling", "bf16_gemm")
 # -fopenmp: at::parallel_for is inline in ATen's headers with torch's OpenMP backend (torch/include/ATen/
 # ParallelOpenMP.h: `#pragma omp parallel` under `#ifdef _OPENMP`), so without it every parallel loop of ours ran
 # on one thread whatever torch.set_num_threads said. It is a compile flag only: cpp_extension passes extra_cflags

@@ -22,7 +22,8 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    float32 FMAs on widened bf16 (Intel) or vdpbf16ps (others)) instead of torch's SDPA, reading the gathered
    keys in place of a mask (GLMSERVE_AMX_ATTENTION=0:
    SDPA; on CPUs without AMX then float32 SDPA, as torch's bf16 SDPA is no faster there:
-   bench/bench_prefill_attention.py).
+   bench/bench_prefill_attention.py). On CPUs without AVX-512 (the avx2 build) a fresh float32 prefill runs our float32
+   kernel (csrc/prefill_attention_f32.cpp) on the K/V as stored instead of SDPA (GLMSERVE_AMX_ATTENTION=0: SDPA).
 
 Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
@@ -53,7 +54,7 @@ from glmserve.sparse.selection import SparseRows, select_slots
 
 BF16_ATTENTION_ENV = "GLMSERVE_BF16_ATTENTION"  # "0": prefill attention stays float32 on AMX CPUs too
 BF16_MIN_TOKENS = 128  # prefill groups from this size take bf16 attention (quant/cpu_backend.py DENSE_MIN_ROWS)
-AMX_ATTENTION_ENV = "GLMSERVE_AMX_ATTENTION"  # "0": bf16 prefill attention runs torch's SDPA, not our bf16 kernel
+AMX_ATTENTION_ENV = "GLMSERVE_AMX_ATTENTION"  # "0": prefill attention runs torch's SDPA, not our kernels
 
 
 def bf16_prefill(num_tokens: int, head_dim: int) -> bool:
@@ -85,6 +86,17 @@ def bf16_prefill_kernel(head_dim: int) -> Callable | None:
     cpu = torch.device("cpu")
     available = kernels.op("prefill_attention_available", cpu, torch.bfloat16)
     return kernels.op("prefill_attention", cpu, torch.bfloat16) if available is not None and available() else None
+
+
+def f32_prefill_kernel(head_dim: int) -> Callable | None:
+    """Our causal float32 attention of a fresh prompt (kernels op `prefill_attention_f32`, float32 or bf16 K/V: the
+    avx2 build, CPUs without AVX-512, where bf16 has no arithmetic) for head dims that are multiples of 16, unless
+    GLMSERVE_AMX_ATTENTION=0; else None (torch's float32 SDPA)."""
+    if os.environ.get(AMX_ATTENTION_ENV) == "0" or head_dim % 16:
+        return None
+    cpu = torch.device("cpu")
+    available = kernels.op("prefill_attention_f32_available", cpu, torch.float32)
+    return kernels.op("prefill_attention_f32", cpu, torch.float32) if available is not None and available() else None
 
 
 @dataclass
@@ -233,6 +245,9 @@ class PagedAttention:
             fmt = format_of(self.kv_cache)
             if not fmt.quantized:  # the K/V values as stored, as every later read (decode, prefix hits) sees them
                 k, v = k.to(fmt.storage), v.to(fmt.storage)
+            kernel = f32_prefill_kernel(self.head_dim) if dtype == q.dtype == torch.float32 else None
+            if kernel is not None and k.dtype in (torch.float32, torch.bfloat16):
+                return kernel(q, k, v, self.scale)
             out = F.scaled_dot_product_attention(
                 *(t.transpose(0, 1).unsqueeze(0).to(dtype) for t in (q, k, v)),
                 is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,

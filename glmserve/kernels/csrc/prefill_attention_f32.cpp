@@ -1,0 +1,287 @@
+// Causal prefill attention in float32 for the avx2 build (CPUs without AVX-512: AMD Zen 1-3, Intel before Skylake-X),
+// where bf16 has no arithmetic and a fresh prompt's attention otherwise runs torch's float32 flash SDPA:
+//
+//   prefill_attention_f32(q [T, Hq, D] float32, k [T, Hk, D] float32 or bf16, v (as k), scale) -> out [T, Hq, D]
+//     float32: query i attends keys 0..i (a fresh prompt); grouped-query heads (query head j reads KV head
+//     j / (Hq / Hk)); D a multiple of 16; the last dimension of each tensor contiguous, other strides free.
+//   prefill_attention_f32_available() -> bool: whether this build runs it (the avx2 build; the avx512 build has the
+//     bf16 kernel of prefill_attention.cpp instead)
+//
+// The algorithm is FlashAttention-2's (Dao 2023): per tile of queries, keys in blocks, an online softmax (running max
+// m and sum l, the output rescaled when m grows), the output divided by l at the end. As in prefill_attention.cpp,
+// everything runs transposed so that the softmax is lane-wise (one ymm lane per query, no horizontal reductions):
+//   scores^T [keys][8 queries] = K Q^T: per key, D FMAs of Q^T's rows (packed once per work item, times scale * log2 e)
+//     with the key's elements broadcast from memory, 8 keys' chains side by side;
+//   softmax in base 2 (exp2_8), keys past a query masked, key blocks wholly after a tile's last query skipped;
+//   out^T [D][8 queries] += V^T P^T: per 8 dims, the block's keys' P^T rows times the values broadcast from memory,
+//     accumulated in registers, out^T kept in the item's scratch (L1 / L2).
+// Each FMA is one broadcast load and one multiply-add of 8 lanes: the loop bound is the FMA units. One work item is
+// (KV head, QT_ITEM queries) with the KV head's g query heads; each key block (K and V widened to float32 once into
+// the item's scratch) serves all its heads and tiles. Items are spread over threads heavy and light alternating (the
+// causal spans grow with the queries), so that at::parallel_for's contiguous ranges carry similar work.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define GLMSERVE_F32_ATTENTION 1
+#endif
+
+namespace {
+
+#ifdef GLMSERVE_F32_ATTENTION
+constexpr int QT = 8;          // queries per tile: one per ymm lane
+constexpr int TILES = 4;       // tiles per work item
+constexpr int QT_ITEM = QT * TILES;
+constexpr int KB = 32;         // keys per block
+constexpr float kLog2e = 1.44269504088896341f;
+
+struct Problem {
+  const float* q;
+  const void* k;
+  const void* v;
+  bool bf16;
+  int64_t T, Hq, Hk, D, g;
+  int64_t qs, ks, vs;  // strides of a token in q, k, v (elements)
+  float* out;
+};
+
+// 2^x on 8 lanes for x <= 0: x = n + f, |f| <= 1/2, 2^f by its Taylor series to degree 6 (~1e-7 relative), times
+// 2^n in the exponent bits; x below -126 (a masked key's -inf too) gives 0
+inline __m256 exp2_8(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), live);
+}
+
+// row `t` of KV head h of k or v (T x Hk x D, token stride `s`) widened into dst [D]
+inline void widen_row(const Problem& p, const void* base, int64_t s, int64_t t, int64_t h, float* dst) {
+  if (!p.bf16) {
+    std::memcpy(dst, static_cast<const float*>(base) + t * s + h * p.D, p.D * sizeof(float));
+    return;
+  }
+  const uint16_t* src = static_cast<const uint16_t*>(base) + t * s + h * p.D;
+  for (int64_t d = 0; d < p.D; d += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+}
+
+struct Scratch {  // one thread's buffers; states (tile, head) = tile * g + head
+  std::vector<float> qt, ot, m, l, kf, vf, sc;
+  explicit Scratch(const Problem& p)
+      : qt(TILES * p.g * p.D * QT), ot(TILES * p.g * QT * p.D), m(TILES * p.g * QT), l(TILES * p.g * QT),
+        kf(KB * p.D), vf(KB * p.D), sc(2 * KB * QT) {}
+};
+
+// scores^T of the block's keys k0..k0+K-1 (kf rows) against H states' Q^T (qt, qt + D * QT, ...: heads of one tile),
+// into sc rows k0.. (head h's at sc + h * KB * QT): 8 chains, each K element broadcast once for the H heads, so that
+// loads per FMA fall from 9 / 8 (one head) to 6 / 8 (two). Three heads of 3 keys (6 loads per 9 FMAs) measured slower
+// (63 against 69 GFLOP/s at 2,048 tokens, one Zen 3 core)
+template <int H, int K>
+inline void score_group(const float* qt, const float* kf, int64_t D, int k0, float* sc) {
+  __m256 acc[K][H];
+  for (int k = 0; k < K; ++k)
+    for (int h = 0; h < H; ++h) acc[k][h] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 qd[H];
+    for (int h = 0; h < H; ++h) qd[h] = _mm256_loadu_ps(qt + h * D * QT + d * QT);
+    for (int k = 0; k < K; ++k) {
+      const __m256 kd = _mm256_broadcast_ss(kf + (k0 + k) * D + d);
+      for (int h = 0; h < H; ++h) acc[k][h] = _mm256_fmadd_ps(kd, qd[h], acc[k][h]);
+    }
+  }
+  for (int k = 0; k < K; ++k)
+    for (int h = 0; h < H; ++h) _mm256_storeu_ps(sc + h * KB * QT + (k0 + k) * QT, acc[k][h]);
+}
+
+// the scores of H heads of a tile over the first tk keys of the block, K keys a group (kf's rows past the block's keys
+// are zero)
+template <int H, int K>
+inline void score_heads(const float* qt, const float* kf, int64_t D, int tk, float* sc) {
+  for (int k0 = 0; k0 < tk; k0 += K) score_group<H, K>(qt, kf, D, k0, sc);
+}
+
+// out [8 queries][D] += P (sc: P^T rows of the nk keys, the softmax numerators) x V (vf rows): per 4 queries and 16
+// dims, two value vectors per key and one broadcast of P per query (6 loads per 8 FMAs)
+inline void accumulate(const float* vf, const float* sc, int64_t D, int nk, float* ot) {
+  for (int q0 = 0; q0 < QT; q0 += 4)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m256 acc[4][2];
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < 2; ++c) acc[i][c] = _mm256_loadu_ps(ot + (q0 + i) * D + d0 + 8 * c);
+      for (int k = 0; k < nk; ++k) {
+        const __m256 v0 = _mm256_loadu_ps(vf + k * D + d0), v1 = _mm256_loadu_ps(vf + k * D + d0 + 8);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 pk = _mm256_broadcast_ss(sc + k * QT + q0 + i);
+          acc[i][0] = _mm256_fmadd_ps(pk, v0, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(pk, v1, acc[i][1]);
+        }
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < 2; ++c) _mm256_storeu_ps(ot + (q0 + i) * D + d0 + 8 * c, acc[i][c]);
+    }
+}
+
+// One block's online softmax for one state: sc rows 0..nk-1 (keys kb..kb+nk-1) masked past each lane's query
+// (query positions qa..qa+7), P^T in place; m, l (8 lanes) updated, out [8][D] scaled where a query's max grew
+void softmax_block(float* sc, int nk, int64_t kb, int64_t qa, float* m, float* l, float* ot, int64_t D) {
+  const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const bool masked = kb + nk - 1 > qa;
+  __m256 mx = ninf;
+  for (int k = 0; k < nk; ++k) {
+    __m256 s = _mm256_loadu_ps(sc + k * QT);
+    if (masked) {  // key kb + k is visible to lane i where kb + k <= qa + i
+      const __m256 keep = _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(kb + k - qa)), lanes, _CMP_LE_OQ);
+      s = _mm256_blendv_ps(ninf, s, keep);
+      _mm256_storeu_ps(sc + k * QT, s);
+    }
+    mx = _mm256_max_ps(mx, s);
+  }
+  const __m256 m_old = _mm256_loadu_ps(m), m_new = _mm256_max_ps(m_old, mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int k = 0; k < nk; ++k) {
+    const __m256 e = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(sc + k * QT), m_new));
+    _mm256_storeu_ps(sc + k * QT, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  const __m256 alpha = exp2_8(_mm256_sub_ps(m_old, m_new));  // 0 at the first block (m_old = -inf)
+  _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), alpha, sum));
+  _mm256_storeu_ps(m, m_new);
+  if (_mm256_movemask_ps(_mm256_cmp_ps(m_new, m_old, _CMP_GT_OQ))) {
+    alignas(32) float a[QT];
+    _mm256_store_ps(a, alpha);
+    for (int i = 0; i < QT; ++i) {
+      const __m256 ai = _mm256_set1_ps(a[i]);
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ot + i * D + d, _mm256_mul_ps(_mm256_loadu_ps(ot + i * D + d), ai));
+    }
+  }
+}
+
+// Work item (KV head h, queries i0..): its g heads' QT_ITEM queries against keys 0..last, block by block
+void attend_item(const Problem& p, int64_t h, int64_t i0, Scratch& w) {
+  const int64_t D = p.D, nq = std::min<int64_t>(QT_ITEM, p.T - i0), tiles = (nq + QT - 1) / QT;
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t j = 0; j < p.g; ++j) {
+      float* qt = w.qt.data() + (t * p.g + j) * D * QT;
+      const int64_t head = h * p.g + j;
+      for (int i = 0; i < QT; ++i) {
+        const int64_t qi = i0 + t * QT + i;
+        for (int64_t d = 0; d < D; ++d) qt[d * QT + i] = qi < p.T ? p.q[qi * p.qs + head * D + d] : 0.f;
+      }
+    }
+  const int64_t states = tiles * p.g;
+  std::fill(w.ot.begin(), w.ot.begin() + states * QT * D, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + states * QT, -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.begin() + states * QT, 0.f);
+  const int64_t keys = i0 + nq;  // the last query's keys
+  for (int64_t kb = 0; kb < keys; kb += KB) {
+    const int nk = static_cast<int>(std::min<int64_t>(KB, keys - kb));
+    for (int k = 0; k < KB; ++k) {
+      if (k < nk) {
+        widen_row(p, p.k, p.ks, kb + k, h, w.kf.data() + k * D);
+        widen_row(p, p.v, p.vs, kb + k, h, w.vf.data() + k * D);
+      } else {
+        std::fill(w.kf.begin() + k * D, w.kf.begin() + (k + 1) * D, 0.f);
+      }
+    }
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t qa = i0 + t * QT;
+      if (kb > qa + QT - 1) continue;  // every key of the block is after the tile's queries
+      // the tile's last query sees keys up to qa + 7: the block's keys after it are masked for all lanes
+      const int tk = static_cast<int>(std::min<int64_t>(nk, qa + QT - kb));
+      for (int64_t j = 0; j < p.g;) {  // heads in pairs (one K broadcast for both), a last one alone
+        const int heads = static_cast<int>(std::min<int64_t>(2, p.g - j));
+        const float* qt = w.qt.data() + (t * p.g + j) * D * QT;
+        if (heads == 2) score_heads<2, 4>(qt, w.kf.data(), D, tk, w.sc.data());
+        else score_heads<1, 8>(qt, w.kf.data(), D, tk, w.sc.data());
+        for (int e = 0; e < heads; ++e) {
+          const int64_t s = t * p.g + j + e;
+          float* ot = w.ot.data() + s * QT * D;
+          float* sc = w.sc.data() + e * KB * QT;
+          softmax_block(sc, tk, kb, qa, w.m.data() + s * QT, w.l.data() + s * QT, ot, D);
+          accumulate(w.vf.data(), sc, D, tk, ot);
+        }
+        j += heads;
+      }
+    }
+  }
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t j = 0; j < p.g; ++j) {
+      const int64_t s = t * p.g + j, head = h * p.g + j;
+      const float* ot = w.ot.data() + s * QT * D;
+      for (int i = 0; i < QT; ++i) {
+        const int64_t qi = i0 + t * QT + i;
+        if (qi >= p.T) break;
+        const __m256 inv = _mm256_set1_ps(1.f / w.l[s * QT + i]);
+        float* o = p.out + (qi * p.Hq + head) * D;
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(ot + i * D + d), inv));
+      }
+    }
+}
+#endif
+
+}  // namespace
+
+bool prefill_attention_f32_available() {
+#ifdef GLMSERVE_F32_ATTENTION
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor prefill_attention_f32(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(prefill_attention_f32_available(), "prefill_attention_f32: not in this build (the avx2 variant has it)");
+  TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "prefill_attention_f32: CPU tensors");
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention_f32: q [T,Hq,D], k and v [T,Hk,D]");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat, "prefill_attention_f32: q must be float32");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "prefill_attention_f32: k and v both float32 or both bfloat16");
+  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hk = k.size(1);
+  TORCH_CHECK(k.size(0) == T && v.size(0) == T && k.size(2) == D && v.sizes() == k.sizes(),
+              "prefill_attention_f32: k and v must be [T, Hk, D] with q's T and D");
+  TORCH_CHECK(Hk > 0 && Hq % Hk == 0 && D % 16 == 0 && D > 0, "prefill_attention_f32: Hq a multiple of Hk, D of 16");
+  TORCH_CHECK(q_in.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == D && v.stride(1) == D,
+              "prefill_attention_f32: heads of k and v contiguous [Hk, D] per token, q's last dimension contiguous");
+  const auto q = q_in.stride(1) == D ? q_in : q_in.contiguous();
+  auto out = at::empty({T, Hq, D}, q_in.options());
+#ifdef GLMSERVE_F32_ATTENTION
+  if (T == 0) return out;
+  const auto qs = (q * static_cast<float>(scale * kLog2e)).contiguous();  // scores in base 2: scale * log2 e in q
+  Problem p{qs.data_ptr<float>(), k.data_ptr(), v.data_ptr(), k.scalar_type() == at::kBFloat16, T, Hq, Hk, D,
+            Hq / Hk, qs.stride(0), k.stride(0), v.stride(0), out.data_ptr<float>()};
+  // items: (KV head, block of QT_ITEM queries), heavy (late) and light (early) blocks alternating
+  const int64_t blocks = (T + QT_ITEM - 1) / QT_ITEM;
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t lo = 0, hi = blocks - 1; lo <= hi; ++lo, --hi)
+    for (int64_t b : lo == hi ? std::vector<int64_t>{lo} : std::vector<int64_t>{hi, lo})
+      for (int64_t h = 0; h < Hk; ++h) items.emplace_back(h, b * QT_ITEM);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch w(p);
+    for (int64_t i = begin; i < end; ++i) attend_item(p, items[i].first, items[i].second, w);
+  });
+#endif
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("prefill_attention_f32", &prefill_attention_f32, "causal float32 prefill attention (avx2 build)");
+  m.def("prefill_attention_f32_available", &prefill_attention_f32_available, "whether this build runs it");
+}
