@@ -8,11 +8,11 @@ same quantized activations. Checks first that every output of both builds, AMX a
     .venv/bin/python bench/ab_quant_kernels.py /tmp/qm/qm_main.cpp [--batches 8 16 32 64] [--threads 1] [--repeats 9]
 
 A is compiled from the given source (the active variant: avx512, or avx2 on a CPU without AVX-512; the kernels' own
-flags) under its own module name, in a build directory named by its hash; B is this checkout's build of that variant. Weights: random, round-to-nearest int4 group 32
-with zero points (GGUF Q4_1's math and bytes: u4 codes, fp16 d and m) and int8 group 32 (Q8_0's); the lm_head is
-Q8_0, as the default model's tied embedding. Prints per case the median microseconds per call of each (wall time,
-and the calling thread's CPU time, which a loaded machine inflates less), GMAC/s (batch x out x in per second, from
-the CPU time) and B / A time, with the load average before and after.
+flags) under its own module name, in a build directory named by its hash; B is this checkout's build of that variant.
+Weights: random, round-to-nearest int4 group 32 with zero points (GGUF Q4_1's math and bytes: u4 codes, fp16 d and m)
+and int8 group 32 (Q8_0's); the lm_head is Q8_0, as the default model's tied embedding. Prints per case the median
+microseconds per call of each (wall time, and the calling thread's CPU time, which a loaded machine inflates less),
+GMAC/s (batch x out x in per second, from the CPU time) and B / A time, with the load average before and after.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ FORMATS = {
 
 
 def build_a(source: Path):
-    """The active variant (glmserve.kernels.isa.active_isa: avx512, or avx2 on CPUs without AVX-512) of a kernel source compiled under a module name of its own (glmserve_ab_<stem>_<hash>):
-    an extension loaded under the name of one already loaded comes back as that first module, so two builds of one
-    kernel can only sit side by side under different names."""
+    """The active variant (glmserve.kernels.isa.active_isa: avx512, or avx2 on CPUs without AVX-512) of a kernel
+    source compiled under a module name of its own (glmserve_ab_<stem>_<variant>_<hash>): an extension loaded under
+    the name of one already loaded comes back as that first module, so two builds of one kernel can only sit side by
+    side under different names."""
     from torch.utils.cpp_extension import load
 
     digest = hashlib.sha1(source.read_bytes()).hexdigest()[:8]

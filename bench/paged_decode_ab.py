@@ -1,6 +1,7 @@
 """A/B of two versions of the paged decode kernel (csrc/paged_decode.cpp) in one process: A compiled from the given
-source under a module name of its own (ab_quant_kernels.build_a), B this checkout's build of the active variant (avx512, or avx2 without AVX-512), called in turn
-on the same queries and the same pools, per KV format, so that machine load hits both alike. Batch `--batch`
+source under a module name of its own (ab_quant_kernels.build_a), B this checkout's build of the active variant
+(avx512, or avx2 without AVX-512), called in turn on the same queries and the same pools, per KV format, so that
+machine load hits both alike. Batch `--batch`
 sequences of each context, SmolLM2's attention shape (9 query heads, 3 kv heads, head_dim 64), slots in shuffled
 blocks of 16; the calls cycle over layer pools of at least `--pool-mb` MB of float32 K/V, so that the keys come
 from memory as in an engine step. Prints ms per call (medians of `--repeats`) and B's speed-up over A.

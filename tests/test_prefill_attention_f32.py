@@ -38,7 +38,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 def inputs(t: int, hq: int, hk: int, d: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(t, hq, d, generator=gen), torch.randn(t, hk, d, generator=gen), torch.randn(t, hk, d, generator=gen)
+    return tuple(torch.randn(t, h, d, generator=gen) for h in (hq, hk, hk))
 
 
 @needs_avx2
