@@ -1,7 +1,8 @@
 """Prefill attention alone: our bf16 kernel (kernels op `prefill_attention`: AMX tiles, or AVX512-BF16 where there
-are none) against torch's SDPA in float32 (what layers/attention.py runs on a CPU without a bf16 prefill path) and
-in bf16 (what it runs where bf16 attention is on but our kernel is not), SmolLM2-135M's heads, interleaved in one
-process.
+are none) and, on the avx2 build (CPUs without AVX-512), our float32 kernel of fresh prompts (`prefill_attention_f32`,
+side "ours f32", on the same bf16 K/V) against torch's SDPA in float32 (what layers/attention.py runs on a CPU
+without either) and in bf16 (what it runs where bf16 attention is on but our kernel is not), SmolLM2-135M's heads,
+interleaved in one process.
 
     GLMSERVE_BENCH_THREADS=1 taskset -c 0 .venv/bin/python bench/bench_prefill_attention.py \
         [--cases 512,2048,8192,512@4096] [--repeats 7] [--clock cpu]
@@ -12,7 +13,8 @@ mask at the offset that the layer builds. Each repeat times each side over enoug
 rotating by repeat; prints medians, GFLOP/s of the causal FLOPs (4 * D * Hq * sum over queries of the keys
 each attends) and each side's speed relative to float32 SDPA, with the load average before and after. `--clock
 cpu`: this thread's CPU time (time slices lost to other processes on a shared machine do not count). Our kernel's
-side is left out on a CPU that runs neither of its paths.
+bf16 side is left out on a CPU that runs neither of its paths, the float32 one where the avx2 build is not active and
+for chunks over cached keys.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def causal_flops(t: int, context: int) -> float:
     return 4.0 * DIM * HEADS * keys
 
 
-def case(spec: str, kernel: Callable | None, gen: torch.Generator) -> tuple[str, dict[str, Callable], float]:
+def case(spec: str, kernel: Callable | None, kernel_f32: Callable | None,
+         gen: torch.Generator) -> tuple[str, dict[str, Callable], float]:
     """(name, {side: closure over the same bf16 values}, flops) for one case."""
     t, _, c = spec.partition("@")
     t, context = int(t), int(c or 0)
@@ -55,6 +58,9 @@ def case(spec: str, kernel: Callable | None, gen: torch.Generator) -> tuple[str,
     if kernel is not None:
         sides["ours"] = lambda: kernel(q, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), q_lens, kv_lens,
                                        scale, True)
+    if kernel_f32 is not None and context == 0:
+        qf, kt, vt = q.float(), keys[:, 0].transpose(0, 1).contiguous(), values[:, 0].transpose(0, 1).contiguous()
+        sides["ours f32"] = lambda: kernel_f32(qf, kt, vt, scale)
     name = f"T={t}" if context == 0 else f"T={t} over {context} cached"
     return name, sides, causal_flops(t, context)
 
@@ -74,16 +80,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("GLMSERVE_BENCH_THREADS", "1")))
     from glmserve import kernels
+    from glmserve.layers.attention import f32_prefill_kernel
 
     cpu = torch.device("cpu")
     probe = kernels.op("prefill_attention_available", cpu, torch.bfloat16)
     kernel = kernels.op("prefill_attention", cpu, torch.bfloat16) if probe is not None and probe() else None
+    kernel_f32 = f32_prefill_kernel(DIM)  # (the layer's own choice: the avx2 build)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     print(f"load average before: {open('/proc/loadavg').read().strip()}; threads {torch.get_num_threads()}, "
-          f"clock {args.clock}, our kernel {'yes' if kernel is not None else 'not on this CPU'}")
+          f"clock {args.clock}, our bf16 kernel {'yes' if kernel is not None else 'not on this CPU'}, "
+          f"float32 kernel {'yes' if kernel_f32 is not None else 'not in this build'}")
     gen = torch.Generator().manual_seed(0)
     for spec in args.cases.split(","):
-        name, sides, flops = case(spec, kernel, gen)
+        name, sides, flops = case(spec, kernel, kernel_f32, gen)
         calls = {}
         for side, fn in sides.items():  # warm-up, and calls per timing for ~0.2 s
             fn()
