@@ -22,8 +22,9 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    float32 FMAs on widened bf16 (Intel) or vdpbf16ps (others)) instead of torch's SDPA, reading the gathered
    keys in place of a mask (GLMSERVE_AMX_ATTENTION=0:
    SDPA; on CPUs without AMX then float32 SDPA, as torch's bf16 SDPA is no faster there:
-   bench/bench_prefill_attention.py). On CPUs without AVX-512 (the avx2 build) a fresh float32 prefill runs our float32
-   kernel (csrc/prefill_attention_f32.cpp) on the K/V as stored instead of SDPA (GLMSERVE_AMX_ATTENTION=0: SDPA).
+   bench/bench_prefill_attention.py). On CPUs without AVX-512 (the avx2 build) a fresh float32 prefill of up to
+   F32_KERNEL_MAX_TOKENS tokens runs our float32 kernel (csrc/prefill_attention_f32.cpp) on the K/V as stored instead
+   of SDPA (GLMSERVE_AMX_ATTENTION=0: SDPA).
 
 Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
@@ -55,6 +56,10 @@ from glmserve.sparse.selection import SparseRows, select_slots
 BF16_ATTENTION_ENV = "GLMSERVE_BF16_ATTENTION"  # "0": prefill attention stays float32 on AMX CPUs too
 BF16_MIN_TOKENS = 128  # prefill groups from this size take bf16 attention (quant/cpu_backend.py DENSE_MIN_ROWS)
 AMX_ATTENTION_ENV = "GLMSERVE_AMX_ATTENTION"  # "0": prefill attention runs torch's SDPA, not our kernels
+# the longest fresh prompt whose float32 attention takes our avx2 kernel: on one Zen 3 core it measured 1.08-1.8x SDPA
+# at 512-6,144 tokens and 0.94-0.96x at 8,192 (bench/bench_prefill_attention.py; bench/RESULTS.md, "Peers on an AMD
+# EPYC Zen 3"), where each work item's keys no longer stay in the caches
+F32_KERNEL_MAX_TOKENS = 6144
 
 
 def bf16_prefill(num_tokens: int, head_dim: int) -> bool:
@@ -246,7 +251,8 @@ class PagedAttention:
             if not fmt.quantized:  # the K/V values as stored, as every later read (decode, prefix hits) sees them
                 k, v = k.to(fmt.storage), v.to(fmt.storage)
             kernel = f32_prefill_kernel(self.head_dim) if dtype == q.dtype == torch.float32 else None
-            if kernel is not None and k.dtype in (torch.float32, torch.bfloat16):
+            if (kernel is not None and q.shape[0] <= F32_KERNEL_MAX_TOKENS
+                    and k.dtype in (torch.float32, torch.bfloat16)):
                 return kernel(q, k, v, self.scale)
             out = F.scaled_dot_product_attention(
                 *(t.transpose(0, 1).unsqueeze(0).to(dtype) for t in (q, k, v)),
