@@ -63,6 +63,8 @@ def test_strided_kv_of_a_fused_projection(op):
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=1)
     q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
     torch.testing.assert_close(op(q, k, v, 0.125), reference(q, k, v, 0.125), atol=2e-5, rtol=1e-4)
+    q_heads_major = q.transpose(0, 1).contiguous().transpose(0, 1)  # q's strides are free
+    assert torch.equal(op(q_heads_major, k, v, 0.125), op(q, k, v, 0.125))
 
 
 @needs_avx2

@@ -3,22 +3,25 @@
 //
 //   prefill_attention_f32(q [T, Hq, D] float32, k [T, Hk, D] float32 or bf16, v (as k), scale) -> out [T, Hq, D]
 //     float32: query i attends keys 0..i (a fresh prompt); grouped-query heads (query head j reads KV head
-//     j / (Hq / Hk)); D a multiple of 16; the last dimension of each tensor contiguous, other strides free.
+//     j / (Hq / Hk)); D a multiple of 16; k's and v's heads contiguous per token ([Hk, D] rows, as a fused qkv's
+//     slices are), other strides free.
 //   prefill_attention_f32_available() -> bool: whether this build runs it (the avx2 build; the avx512 build has the
 //     bf16 kernel of prefill_attention.cpp instead)
 //
 // The algorithm is FlashAttention-2's (Dao 2023): per tile of queries, keys in blocks, an online softmax (running max
-// m and sum l, the output rescaled when m grows), the output divided by l at the end. As in prefill_attention.cpp,
-// everything runs transposed so that the softmax is lane-wise (one ymm lane per query, no horizontal reductions):
+// m and sum l, the output rescaled when m grows), the output divided by l at the end. As in prefill_attention.cpp, the
+// scores run transposed so that the softmax is lane-wise (one ymm lane per query, no horizontal reductions):
 //   scores^T [keys][8 queries] = K Q^T: per key, D FMAs of Q^T's rows (packed once per work item, times scale * log2 e)
-//     with the key's elements broadcast from memory, 8 keys' chains side by side;
+//     with the key's elements broadcast from memory, once for a pair of heads (4 keys x 2 heads of chains);
 //   softmax in base 2 (exp2_8), keys past a query masked, key blocks wholly after a tile's last query skipped;
-//   out^T [D][8 queries] += V^T P^T: per 8 dims, the block's keys' P^T rows times the values broadcast from memory,
-//     accumulated in registers, out^T kept in the item's scratch (L1 / L2).
-// Each FMA is one broadcast load and one multiply-add of 8 lanes: the loop bound is the FMA units. One work item is
-// (KV head, QT_ITEM queries) with the KV head's g query heads; each key block (K and V widened to float32 once into
-// the item's scratch) serves all its heads and tiles. Items are spread over threads heavy and light alternating (the
-// causal spans grow with the queries), so that at::parallel_for's contiguous ranges carry similar work.
+//   out [8 queries][D] += P V: per 4 queries and 16 dims, two value vectors per key and P^T's elements broadcast,
+//     accumulated in registers, the output kept in the item's scratch.
+// Each FMA's other operand is a broadcast load (6 loads per 8 FMAs in both products): the loop bound is the FMA units
+// and the loads. One work item is (KV head, QT_ITEM queries) with the KV head's g query heads; each key block (K and
+// V widened to float32 once into the item's scratch) serves all its heads and tiles. Items are spread over threads
+// heavy and light alternating (the causal spans grow with the queries), so that at::parallel_for's contiguous ranges
+// carry similar work. From ~8K tokens an item's keys no longer stay in the caches (layers/attention.py
+// F32_KERNEL_MAX_TOKENS).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -28,8 +31,6 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-
-#include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
@@ -168,7 +169,8 @@ void softmax_block(float* sc, int nk, int64_t kb, int64_t qa, float* m, float* l
     _mm256_store_ps(a, alpha);
     for (int i = 0; i < QT; ++i) {
       const __m256 ai = _mm256_set1_ps(a[i]);
-      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ot + i * D + d, _mm256_mul_ps(_mm256_loadu_ps(ot + i * D + d), ai));
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(ot + i * D + d, _mm256_mul_ps(_mm256_loadu_ps(ot + i * D + d), ai));
     }
   }
 }
@@ -230,7 +232,8 @@ void attend_item(const Problem& p, int64_t h, int64_t i0, Scratch& w) {
         if (qi >= p.T) break;
         const __m256 inv = _mm256_set1_ps(1.f / w.l[s * QT + i]);
         float* o = p.out + (qi * p.Hq + head) * D;
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(ot + i * D + d), inv));
+        for (int64_t d = 0; d < D; d += 8)
+          _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(ot + i * D + d), inv));
       }
     }
 }
@@ -248,7 +251,8 @@ bool prefill_attention_f32_available() {
 
 at::Tensor prefill_attention_f32(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale) {
   TORCH_CHECK(prefill_attention_f32_available(), "prefill_attention_f32: not in this build (the avx2 variant has it)");
-  TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "prefill_attention_f32: CPU tensors");
+  TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "prefill_attention_f32: CPU tensors");
   TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention_f32: q [T,Hq,D], k and v [T,Hk,D]");
   TORCH_CHECK(q_in.scalar_type() == at::kFloat, "prefill_attention_f32: q must be float32");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
@@ -258,13 +262,13 @@ at::Tensor prefill_attention_f32(const at::Tensor& q_in, const at::Tensor& k, co
   TORCH_CHECK(k.size(0) == T && v.size(0) == T && k.size(2) == D && v.sizes() == k.sizes(),
               "prefill_attention_f32: k and v must be [T, Hk, D] with q's T and D");
   TORCH_CHECK(Hk > 0 && Hq % Hk == 0 && D % 16 == 0 && D > 0, "prefill_attention_f32: Hq a multiple of Hk, D of 16");
-  TORCH_CHECK(q_in.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == D && v.stride(1) == D,
-              "prefill_attention_f32: heads of k and v contiguous [Hk, D] per token, q's last dimension contiguous");
-  const auto q = q_in.stride(1) == D ? q_in : q_in.contiguous();
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == D && v.stride(1) == D,
+              "prefill_attention_f32: heads of k and v contiguous [Hk, D] per token");
   auto out = at::empty({T, Hq, D}, q_in.options());
 #ifdef GLMSERVE_F32_ATTENTION
   if (T == 0) return out;
-  const auto qs = (q * static_cast<float>(scale * kLog2e)).contiguous();  // scores in base 2: scale * log2 e in q
+  // scores in base 2: scale * log2 e folded into a contiguous copy of q (any strides)
+  const auto qs = (q_in * static_cast<float>(scale * kLog2e)).contiguous();
   Problem p{qs.data_ptr<float>(), k.data_ptr(), v.data_ptr(), k.scalar_type() == at::kBFloat16, T, Hq, Hk, D,
             Hq / Hk, qs.stride(0), k.stride(0), v.stride(0), out.data_ptr<float>()};
   // items: (KV head, block of QT_ITEM queries), heavy (late) and light (early) blocks alternating
