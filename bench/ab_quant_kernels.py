@@ -49,10 +49,11 @@ def build_a(source: Path):
     from torch.utils.cpp_extension import load
 
     digest = hashlib.sha1(source.read_bytes()).hexdigest()[:8]
-    name = f"glmserve_ab_{source.stem}_{active_isa()}_{digest}"
+    isa = active_isa()
+    name = f"glmserve_ab_{source.stem}_{isa}_{digest}"
     directory = extensions_root() / name
     directory.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(source)], extra_cflags=[*BASE_CFLAGS, *BY_NAME[active_isa()].cflags],
+    return load(name=name, sources=[str(source)], extra_cflags=[*BASE_CFLAGS, *BY_NAME[isa].cflags],
                 build_directory=str(directory))
 
 

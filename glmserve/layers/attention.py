@@ -56,8 +56,8 @@ from glmserve.sparse.selection import SparseRows, select_slots
 BF16_ATTENTION_ENV = "GLMSERVE_BF16_ATTENTION"  # "0": prefill attention stays float32 on AMX CPUs too
 BF16_MIN_TOKENS = 128  # prefill groups from this size take bf16 attention (quant/cpu_backend.py DENSE_MIN_ROWS)
 AMX_ATTENTION_ENV = "GLMSERVE_AMX_ATTENTION"  # "0": prefill attention runs torch's SDPA, not our kernels
-# the longest fresh prompt whose float32 attention takes our avx2 kernel: on one Zen 3 core it measured 1.08-1.8x SDPA
-# at 512-6,144 tokens and 0.94-0.96x at 8,192 (bench/bench_prefill_attention.py; bench/RESULTS.md, "Peers on an AMD
+# the longest fresh prompt whose float32 attention takes our avx2 kernel: on one Zen 3 core it measured 1.08-1.94x
+# SDPA at 512-6,144 tokens and 0.96x at 8,192 (bench/bench_prefill_attention.py; bench/RESULTS.md, "Peers on an AMD
 # EPYC Zen 3"), where each work item's keys no longer stay in the caches
 F32_KERNEL_MAX_TOKENS = 6144
 
@@ -86,22 +86,24 @@ def bf16_prefill_kernel(head_dim: int) -> Callable | None:
     CPUs float32 FMAs on widened bf16 or vdpbf16ps: `prefill_attention_engines()`) where this CPU and build run
     it and the head dim is 64 or 128, unless GLMSERVE_AMX_ATTENTION=0;
     else None."""
-    if os.environ.get(AMX_ATTENTION_ENV) == "0" or head_dim not in (64, 128):
-        return None
-    cpu = torch.device("cpu")
-    available = kernels.op("prefill_attention_available", cpu, torch.bfloat16)
-    return kernels.op("prefill_attention", cpu, torch.bfloat16) if available is not None and available() else None
+    return _our_prefill_kernel("prefill_attention", torch.bfloat16) if head_dim in (64, 128) else None
 
 
 def f32_prefill_kernel(head_dim: int) -> Callable | None:
     """Our causal float32 attention of a fresh prompt (kernels op `prefill_attention_f32`, float32 or bf16 K/V: the
     avx2 build, CPUs without AVX-512, where bf16 has no arithmetic) for head dims that are multiples of 16, unless
     GLMSERVE_AMX_ATTENTION=0; else None (torch's float32 SDPA)."""
-    if os.environ.get(AMX_ATTENTION_ENV) == "0" or head_dim % 16:
+    return _our_prefill_kernel("prefill_attention_f32", torch.float32) if head_dim % 16 == 0 else None
+
+
+def _our_prefill_kernel(name: str, dtype: torch.dtype) -> Callable | None:
+    """Kernels op `name` where its `<name>_available()` says this build and CPU run it, unless
+    GLMSERVE_AMX_ATTENTION=0."""
+    if os.environ.get(AMX_ATTENTION_ENV) == "0":
         return None
     cpu = torch.device("cpu")
-    available = kernels.op("prefill_attention_f32_available", cpu, torch.float32)
-    return kernels.op("prefill_attention_f32", cpu, torch.float32) if available is not None and available() else None
+    available = kernels.op(f"{name}_available", cpu, dtype)
+    return kernels.op(name, cpu, dtype) if available is not None and available() else None
 
 
 @dataclass
@@ -250,9 +252,10 @@ class PagedAttention:
             fmt = format_of(self.kv_cache)
             if not fmt.quantized:  # the K/V values as stored, as every later read (decode, prefix hits) sees them
                 k, v = k.to(fmt.storage), v.to(fmt.storage)
-            kernel = f32_prefill_kernel(self.head_dim) if dtype == q.dtype == torch.float32 else None
-            if (kernel is not None and q.shape[0] <= F32_KERNEL_MAX_TOKENS
-                    and k.dtype in (torch.float32, torch.bfloat16)):
+            ours = (dtype == q.dtype == torch.float32 and q.shape[0] <= F32_KERNEL_MAX_TOKENS
+                    and k.dtype in (torch.float32, torch.bfloat16))
+            kernel = f32_prefill_kernel(self.head_dim) if ours else None
+            if kernel is not None:
                 return kernel(q, k, v, self.scale)
             out = F.scaled_dot_product_attention(
                 *(t.transpose(0, 1).unsqueeze(0).to(dtype) for t in (q, k, v)),

@@ -274,9 +274,12 @@ at::Tensor prefill_attention_f32(const at::Tensor& q_in, const at::Tensor& k, co
   // items: (KV head, block of QT_ITEM queries), heavy (late) and light (early) blocks alternating
   const int64_t blocks = (T + QT_ITEM - 1) / QT_ITEM;
   std::vector<std::pair<int64_t, int64_t>> items;
+  items.reserve(blocks * Hk);
   for (int64_t lo = 0, hi = blocks - 1; lo <= hi; ++lo, --hi)
-    for (int64_t b : lo == hi ? std::vector<int64_t>{lo} : std::vector<int64_t>{hi, lo})
-      for (int64_t h = 0; h < Hk; ++h) items.emplace_back(h, b * QT_ITEM);
+    for (int64_t h = 0; h < Hk; ++h) {
+      items.emplace_back(h, hi * QT_ITEM);
+      if (lo != hi) items.emplace_back(h, lo * QT_ITEM);
+    }
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w(p);
     for (int64_t i = begin; i < end; ++i) attend_item(p, items[i].first, items[i].second, w);
