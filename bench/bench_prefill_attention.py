@@ -1,5 +1,5 @@
 """Prefill attention alone: our bf16 kernel (kernels op `prefill_attention`: AMX tiles, or AVX512-BF16 where there
-are none) and, on the avx2 build (CPUs without AVX-512), our float32 kernel of fresh prompts (`prefill_attention_f32`,
+are none) and, on the avx2 build (CPUs without AVX-512), our float32 kernel (`prefill_attention_f32`,
 side "ours f32", on the same bf16 K/V) against torch's SDPA in float32 (what layers/attention.py runs on a CPU
 without either) and in bf16 (what it runs where bf16 attention is on but our kernel is not), SmolLM2-135M's heads,
 interleaved in one process.
@@ -13,8 +13,7 @@ mask at the offset that the layer builds. Each repeat times each side over enoug
 rotating by repeat; prints medians, GFLOP/s of the causal FLOPs (4 * D * Hq * sum over queries of the keys
 each attends) and each side's speed relative to float32 SDPA, with the load average before and after. `--clock
 cpu`: this thread's CPU time (time slices lost to other processes on a shared machine do not count). Our kernel's
-bf16 side is left out on a CPU that runs neither of its paths, the float32 one where the avx2 build is not active and
-for chunks over cached keys.
+bf16 side is left out on a CPU that runs neither of its paths, the float32 one where the avx2 build is not active.
 """
 
 from __future__ import annotations
@@ -58,9 +57,10 @@ def case(spec: str, kernel: Callable | None, kernel_f32: Callable | None,
     if kernel is not None:
         sides["ours"] = lambda: kernel(q, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), q_lens, kv_lens,
                                        scale, True)
-    if kernel_f32 is not None and context == 0:
-        qf, kt, vt = q.float(), keys[:, 0].transpose(0, 1).contiguous(), values[:, 0].transpose(0, 1).contiguous()
-        sides["ours f32"] = lambda: kernel_f32(qf, kt, vt, scale)
+    if kernel_f32 is not None:
+        qf = q.float()
+        sides["ours f32"] = lambda: kernel_f32(qf, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), q_lens, kv_lens,
+                                               scale)
     name = f"T={t}" if context == 0 else f"T={t} over {context} cached"
     return name, sides, causal_flops(t, context)
 

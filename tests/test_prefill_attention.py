@@ -21,6 +21,7 @@ from glmserve.layers.attention import (
     PagedAttention,
     bf16_prefill_kernel,
 )
+from tests.prefill_layer import DIM, HEADS, KV_HEADS, NULL, layer_output
 
 CPU = torch.device("cpu")
 
@@ -211,32 +212,6 @@ def test_the_layer_takes_the_kernel_only_where_it_runs(monkeypatch):
     monkeypatch.setenv("GLMSERVE_CPU_ISA", "avx2")  # as on a CPU without AVX-512
     if "avx2" in kernels.available_isas() and build.load("prefill_attention", "avx2") is not None:
         assert bf16_prefill_kernel(64) is None
-
-
-HEADS, KV_HEADS, DIM, NULL = 9, 3, 64, 16
-
-
-def layer_output(monkeypatch, kernel_on: bool, context: int, t: int) -> torch.Tensor:
-    """One layer's prefill of `t` tokens after `context` cached ones, with the lengths the engine's metadata
-    passes (paged_metadata.py), through our kernel or torch's bf16 SDPA."""
-    monkeypatch.setenv(AMX_ATTENTION_ENV, "1" if kernel_on else "0")
-    gen = torch.Generator().manual_seed(3)
-    attn = PagedAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)
-    attn.kv_cache = torch.zeros(2, KV_HEADS, NULL + context + t, DIM)
-    attn.kv_cache[:, :, NULL:NULL + context] = torch.randn(2, KV_HEADS, context, DIM, generator=gen)
-    q = torch.randn(t, HEADS, DIM, generator=gen)
-    k, v = torch.randn(2, t, KV_HEADS, DIM, generator=gen)
-    length = context + t
-    if context == 0:
-        g = GroupMetadata(kv_slots=torch.empty(1, 0, dtype=torch.long), key_mask=None, num_tokens=t,
-                          fresh_causal=True)
-    else:
-        mask = torch.arange(length)[None, :] <= (context + torch.arange(t))[:, None]
-        g = GroupMetadata(kv_slots=torch.arange(NULL, NULL + length)[None], key_mask=mask[None, None], num_tokens=t,
-                          query_index=torch.arange(t)[None], valid_index=torch.arange(t),
-                          query_lens=torch.tensor([t]), key_lens=torch.tensor([length]))
-    meta = AttentionMetadata(slot_mapping=torch.arange(NULL + context, NULL + length), decode=None, prefill=g)
-    return attn(q, k, v, meta)
 
 
 @needs_kernel

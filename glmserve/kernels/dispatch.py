@@ -52,8 +52,9 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                AVX512-BF16)
   prefill_attention_engines() -> [str]: the engines they run it on, best first ("amx", "avx512_fma",
                "avx512_bf16"; float32 FMAs before vdpbf16ps on Intel CPUs)
-  prefill_attention_f32(q [T,Hq,D] f32, k [T,Hk,D] f32 or bf16, v (same), scale) -> [T,Hq,D] f32: causal attention
-               of a fresh prompt in float32 (FMAs, online softmax); the avx2 build only (CPUs without AVX-512)
+  prefill_attention_f32(q [T,Hq,D] f32, k [B,L,Hk,D] f32 or bf16, v (same), q_lens [B] i64, kv_lens [B] i64,
+               scale) -> [T,Hq,D] f32: the causal attention of prefill_attention's rows in float32 (FMAs, online
+               softmax); the avx2 build only (CPUs without AVX-512)
   prefill_attention_f32_available() -> bool: whether this variant runs prefill_attention_f32
   first_max(x [S,V] f32, contiguous rows) -> [S] i64: each row's index of its maximum, the first of equal maxima
                (a NaN first): torch.max(x, -1).indices in one vectorized pass per row (sampling's greedy pick)

@@ -22,9 +22,10 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    float32 FMAs on widened bf16 (Intel) or vdpbf16ps (others)) instead of torch's SDPA, reading the gathered
    keys in place of a mask (GLMSERVE_AMX_ATTENTION=0:
    SDPA; on CPUs without AMX then float32 SDPA, as torch's bf16 SDPA is no faster there:
-   bench/bench_prefill_attention.py). On CPUs without AVX-512 (the avx2 build) a fresh float32 prefill of up to
-   F32_KERNEL_MAX_TOKENS tokens runs our float32 kernel (csrc/prefill_attention_f32.cpp) on the K/V as stored instead
-   of SDPA (GLMSERVE_AMX_ATTENTION=0: SDPA).
+   bench/bench_prefill_attention.py). On CPUs without AVX-512 (the avx2 build) a float32 prefill row (fresh, or a
+   chunk over cached context with no offloaded keys) runs our float32 kernel (csrc/prefill_attention_f32.cpp) on the
+   K/V as stored (float32 or bf16 pools; other formats widened to float32) instead of SDPA (GLMSERVE_AMX_ATTENTION=0:
+   SDPA).
 
 Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
@@ -56,10 +57,6 @@ from glmserve.sparse.selection import SparseRows, select_slots
 BF16_ATTENTION_ENV = "GLMSERVE_BF16_ATTENTION"  # "0": prefill attention stays float32 on AMX CPUs too
 BF16_MIN_TOKENS = 128  # prefill groups from this size take bf16 attention (quant/cpu_backend.py DENSE_MIN_ROWS)
 AMX_ATTENTION_ENV = "GLMSERVE_AMX_ATTENTION"  # "0": prefill attention runs torch's SDPA, not our kernels
-# the longest fresh prompt whose float32 attention takes our avx2 kernel: on one Zen 3 core it measured 1.08-1.94x
-# SDPA at 512-6,144 tokens and 0.96x at 8,192 (bench/bench_prefill_attention.py; bench/RESULTS.md, "Peers on an AMD
-# EPYC Zen 3"), where each work item's keys no longer stay in the caches
-F32_KERNEL_MAX_TOKENS = 6144
 
 
 def bf16_prefill(num_tokens: int, head_dim: int) -> bool:
@@ -90,8 +87,8 @@ def bf16_prefill_kernel(head_dim: int) -> Callable | None:
 
 
 def f32_prefill_kernel(head_dim: int) -> Callable | None:
-    """Our causal float32 attention of a fresh prompt (kernels op `prefill_attention_f32`, float32 or bf16 K/V: the
-    avx2 build, CPUs without AVX-512, where bf16 has no arithmetic) for head dims that are multiples of 16, unless
+    """Our causal float32 prefill attention (kernels op `prefill_attention_f32`, float32 or bf16 K/V: the avx2 build,
+    CPUs without AVX-512, where bf16 has no arithmetic) for head dims that are multiples of 16, unless
     GLMSERVE_AMX_ATTENTION=0; else None (torch's float32 SDPA)."""
     return _our_prefill_kernel("prefill_attention_f32", torch.float32) if head_dim % 16 == 0 else None
 
@@ -221,10 +218,12 @@ class PagedAttention:
         if g.rows is None:
             return self._prefill_rows(q, k, v, g, dtype)
         # as in the padded group, every row reads its K/V as stored (a fresh row too: quantized formats round it);
-        # the casts run once over all rows, or not at all where our bf16 kernel takes every row: it rounds float32
-        # q, k, v to bf16 as it packs them, as the casts would (and as a bf16 or float32 pool stores k, v)
-        kernel_rows = (dtype == torch.bfloat16 and bf16_prefill_kernel(self.head_dim) is not None
-                       and all(row.fresh_causal or row.query_lens is not None for row in g.rows))
+        # the casts run once over all rows, or not at all where our kernel takes every row: the bf16 one rounds
+        # float32 q, k, v to bf16 as it packs them, as the casts would, and a fresh row's k, v are cast to a bf16 or
+        # float32 pool's dtype on their way to either kernel (_prefill_rows)
+        kernel = (bf16_prefill_kernel(self.head_dim) if dtype == torch.bfloat16
+                  else f32_prefill_kernel(self.head_dim) if dtype == q.dtype == torch.float32 else None)
+        kernel_rows = kernel is not None and all(row.fresh_causal or row.query_lens is not None for row in g.rows)
         if not kernel_rows:
             q = q.to(dtype)
         fmt = format_of(self.kv_cache)
@@ -241,22 +240,24 @@ class PagedAttention:
 
     def _prefill_rows(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, g: GroupMetadata,
                       dtype: torch.dtype) -> torch.Tensor:
-        """The attention of a group whose rows are padded to one [B, Q] grid (one row: no padding), or in bf16
-        our kernel over the rows' own lengths; the new K/V `k`, `v` are read only by a fresh row
-        (`fresh_causal`), the others gather theirs from the pool."""
-        if dtype == torch.bfloat16 and (g.fresh_causal or g.query_lens is not None):
-            kernel = bf16_prefill_kernel(self.head_dim)
-            if kernel is not None:
-                return self._prefill_bf16(kernel, q, k, v, g)
+        """The attention of a group whose rows are padded to one [B, Q] grid (one row: no padding), or on our kernels
+        over the rows' own lengths; the new K/V `k`, `v` are read only by a fresh row (`fresh_causal`), the others
+        gather theirs from the pool."""
+        ours = g.fresh_causal or g.query_lens is not None  # our kernels take these (no offloaded keys)
+        if ours and dtype == torch.bfloat16 and (kernel := bf16_prefill_kernel(self.head_dim)) is not None:
+            # q, k, v rounded to bf16 as for SDPA (float32 ones by the kernel, as it packs them)
+            if g.fresh_causal:
+                k, v = _bf16_kernel_input(k), _bf16_kernel_input(v)
+            return self._prefill_ours(kernel, _bf16_kernel_input(q), k, v, g, torch.bfloat16, True)
+        fmt = format_of(self.kv_cache)
+        if g.fresh_causal and not fmt.quantized:  # the K/V values as stored, as every later read (decode, prefix hits)
+            k, v = k.to(fmt.storage), v.to(fmt.storage)  # sees them
+        if ours and dtype == q.dtype == torch.float32 and (kernel := f32_prefill_kernel(self.head_dim)) is not None:
+            kv_dtype = fmt.storage if fmt.storage in (torch.float32, torch.bfloat16) else torch.float32  # as it reads
+            if g.fresh_causal:
+                k, v = k.to(kv_dtype), v.to(kv_dtype)
+            return self._prefill_ours(kernel, q, k, v, g, kv_dtype)
         if g.fresh_causal:
-            fmt = format_of(self.kv_cache)
-            if not fmt.quantized:  # the K/V values as stored, as every later read (decode, prefix hits) sees them
-                k, v = k.to(fmt.storage), v.to(fmt.storage)
-            ours = (dtype == q.dtype == torch.float32 and q.shape[0] <= F32_KERNEL_MAX_TOKENS
-                    and k.dtype in (torch.float32, torch.bfloat16))
-            kernel = f32_prefill_kernel(self.head_dim) if ours else None
-            if kernel is not None:
-                return kernel(q, k, v, self.scale)
             out = F.scaled_dot_product_attention(
                 *(t.transpose(0, 1).unsqueeze(0).to(dtype) for t in (q, k, v)),
                 is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
@@ -276,17 +277,16 @@ class PagedAttention:
         out = out.transpose(1, 2).reshape(b * qlen, self.num_heads, self.head_dim)
         return out[g.valid_index]
 
-    def _prefill_bf16(self, kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      g: GroupMetadata) -> torch.Tensor:
-        """The prefill group on our bf16 kernel: q, k, v rounded to bf16 as for SDPA (float32 ones by the kernel, as
-        it packs them) -> [T, H, D] bf16."""
-        q = _bf16_kernel_input(q)
+    def _prefill_ours(self, kernel: Callable, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                      g: GroupMetadata, kv_dtype: torch.dtype, *extra: object) -> torch.Tensor:
+        """The group on our kernel `kernel(q, keys [B, L, Hkv, D], values, q_lens, kv_lens, scale, *extra)`: a fresh
+        row on its new K/V, other rows on their keys gathered from the pool in `kv_dtype`."""
         if g.fresh_causal:
             lens = torch.tensor([q.shape[0]])
-            return kernel(q, _bf16_kernel_input(k)[None], _bf16_kernel_input(v)[None], lens, lens, self.scale, True)
-        keys, values = gather_kv(self.kv_cache, g.kv_slots, torch.bfloat16)  # [Hkv, B, L, D]
-        return kernel(q, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), g.query_lens, g.key_lens,
-                      self.scale, True)
+            return kernel(q, k[None], v[None], lens, lens, self.scale, *extra)
+        keys, values = gather_kv(self.kv_cache, g.kv_slots, kv_dtype)  # [Hkv, B, L, D]
+        return kernel(q, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), g.query_lens, g.key_lens, self.scale,
+                      *extra)
 
 
 def _bf16_kernel_input(t: torch.Tensor) -> torch.Tensor:

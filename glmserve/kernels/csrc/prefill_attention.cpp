@@ -11,11 +11,9 @@
 //     "avx512_bf16" in the order of this CPU's vendor: Intel's first, others' last);
 //     `engine` picks one ("": the best)
 //
-// Rows b = 0..B-1 hold q_lens[b] queries each, one after the other in q; row b's keys are the first kv_lens[b]
-// of k[b] / v[b] (q_lens[b] <= kv_lens[b] <= L), and its query i sits at position kv_lens[b] - q_lens[b] + i and
-// attends keys at positions <= its own (a fresh prompt: B = 1, kv_lens = q_lens = T; a chunk over cached
-// context: kv_lens = cached + chunk). Grouped-query heads: query head j reads KV head j / (Hq / Hk). D is a
-// 64 or 128 (the output tiles cover 64 dims at a time); the last dimension of q, k and v is contiguous, other strides are free.
+// The rows of queries and their keys are prefill_rows.h's (a fresh prompt: B = 1, kv_lens = q_lens = T; a chunk over
+// cached context: kv_lens = cached + chunk; grouped-query heads). D is 64 or 128 (the output tiles cover 64 dims at a
+// time); the last dimension of q, k and v is contiguous, other strides are free.
 //
 // The algorithm is FlashAttention-2's (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism
 // and Work Partitioning"): per block of queries, the keys in blocks, an online softmax (running max m, sum l,
@@ -64,6 +62,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "prefill_rows.h"
 #include "vec_math.h"
 
 #ifdef GLMSERVE_HAS_AMX
@@ -74,33 +73,10 @@ namespace {
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_lens,
                   const at::Tensor& kv_lens) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "prefill_attention: CPU tensors");
-  const auto floats = [](const at::Tensor& t) {
-    return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat;
-  };
-  TORCH_CHECK(floats(q) && floats(k) && v.scalar_type() == k.scalar_type(),
-              "prefill_attention: q, k, v must be bfloat16 or float32 (k and v of one dtype)");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(),
-              "prefill_attention: q [T, Hq, D], k and v [B, L, Hk, D] of one shape");
+  glmserve::check_prefill_rows("prefill_attention", q, k, v, q_lens, kv_lens);
   const int64_t D = q.size(2);
   TORCH_CHECK(k.size(3) == D && (D == 64 || D == 128), "prefill_attention: head dim ", D, " (q) and ", k.size(3),
               " (k) must be equal, 64 or 128");
-  TORCH_CHECK(q.size(1) % k.size(2) == 0, "prefill_attention: ", q.size(1), " query heads are not a multiple of ",
-              k.size(2), " KV heads");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
-              "prefill_attention: the head dim of q, k, v must be contiguous");
-  for (const auto* t : {&q_lens, &kv_lens})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == k.size(0),
-                "prefill_attention: q_lens and kv_lens are CPU int64 [B] with B = k.size(0)");
-  const int64_t* ql = q_lens.data_ptr<int64_t>();
-  const int64_t* kl = kv_lens.data_ptr<int64_t>();
-  int64_t total = 0;
-  for (int64_t b = 0; b < k.size(0); ++b) {
-    TORCH_CHECK(ql[b] >= 0 && ql[b] <= kl[b] && kl[b] <= k.size(1), "prefill_attention: row ", b, " has ", ql[b],
-                " queries and ", kl[b], " keys of ", k.size(1), " (need 0 <= queries <= keys <= L)");
-    total += ql[b];
-  }
-  TORCH_CHECK(total == q.size(0), "prefill_attention: q_lens sum to ", total, ", q has ", q.size(0), " tokens");
 }
 
 #ifdef GLMSERVE_HAS_AMX  // the avx512 build on x86-64 Linux (amx.h): all engines are compiled there
@@ -142,14 +118,12 @@ struct Problem {
   const int64_t* q_start;  // [B] first token of row b in q / out
   const int64_t* q_len;
   const int64_t* kv_len;
-  const int64_t* pad_start;  // [B] offset of row b's packed keys (units of keys x Hk)
+  const glmserve::PackedRows* rows;  // where each row's keys are packed
   const uint16_t* kp;  // packed K: per (row, KV head) [Lpad][D]
   const uint16_t* vt;  // packed V^T: per (row, KV head) [Lpad / KB][D][KB] (each key block's V^T contiguous)
 };
 
-struct Item {
-  int64_t b, h, block, cost;
-};
+using Item = glmserve::PrefillItem;
 
 struct Unit {  // one step of an item: a key block against one head's query tile
   int64_t kb, tile, state;  // first key, query tile, index of the (tile, head) state: tile * g + head
@@ -512,7 +486,7 @@ struct VectorFma {
 
 template <class Engine>
 AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
-  const int64_t ql = p.q_len[it.b], kl = p.kv_len[it.b], lpad = (kl + KB - 1) / KB * KB;
+  const int64_t ql = p.q_len[it.b], kl = p.kv_len[it.b];
   const int64_t i0 = it.block * QB * QT, tiles = std::min(QT, (ql - i0 + QB - 1) / QB);
   int64_t nq[QT], first[QT], last[QT];  // per query tile: queries, positions of its first and last
   __m512 qpos[QT];
@@ -524,7 +498,7 @@ AMX_TARGET void attend(const Problem& p, const Item& it, Scratch& w) {
     qpos[t] = _mm512_load_ps(pos);
     pack_queries(p, it.b, it.h, i0 + t * QB, nq[t], w.qt.data() + t * p.g * p.D * QB);
   }
-  const int64_t region = (p.pad_start[it.b] * p.Hk + it.h * lpad) * p.D;
+  const int64_t region = p.rows->region(it.b, it.h, p.Hk, p.D);
   const uint16_t* kp = p.kp + region;
   const uint16_t* vt = p.vt + region;
   std::fill(w.o.begin(), w.o.end(), 0.0f);
@@ -626,48 +600,26 @@ void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, 
 at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* ql, const int64_t* kl,
                double scale, bool out_bf16, const std::string& engine) {
   const int64_t B = k.size(0), Hk = k.size(2), D = q.size(2), Hq = q.size(1), T = q.size(0);
-  std::vector<int64_t> q_start(B), pad_start(B);
-  int64_t tokens = 0, keys = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    q_start[b] = tokens, pad_start[b] = keys;
-    tokens += ql[b], keys += (kl[b] + KB - 1) / KB * KB;
-  }
+  const glmserve::PackedRows rows(ql, kl, B, KB);
   // K and V^T packed by key block, the blocks of every (row, KV head) split over the threads (uninitialized
   // buffers: every block is written whole)
+  const int64_t keys = rows.keys;
   at::Tensor kv_packed = at::empty({2, keys * Hk * D}, q.options().dtype(at::kBFloat16));
   uint16_t* kp = reinterpret_cast<uint16_t*>(kv_packed.data_ptr<at::BFloat16>());
   uint16_t* vt = kp + keys * Hk * D;
-  at::parallel_for(0, keys / KB * Hk, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {  // i: block i / Hk of the packed keys, KV head i % Hk
-      const int64_t at_key = i / Hk * KB, h = i % Hk;
-      const int64_t b = std::upper_bound(pad_start.begin(), pad_start.end(), at_key) - pad_start.begin() - 1;
-      const int64_t lpad = (kl[b] + KB - 1) / KB * KB, region = (pad_start[b] * Hk + h * lpad) * D;
-      const int64_t blk = (at_key - pad_start[b]) / KB;
-      if (k.scalar_type() == at::kFloat)
-        pack_block<float>(k, v, b, h, blk, kl[b], D, kp + region, vt + region);
-      else
-        pack_block<uint16_t>(k, v, b, h, blk, kl[b], D, kp + region, vt + region);
-    }
+  rows.pack_blocks(Hk, [&](int64_t b, int64_t h, int64_t blk) {
+    const int64_t region = rows.region(b, h, Hk, D);
+    if (k.scalar_type() == at::kFloat)
+      pack_block<float>(k, v, b, h, blk, kl[b], D, kp + region, vt + region);
+    else
+      pack_block<uint16_t>(k, v, b, h, blk, kl[b], D, kp + region, vt + region);
   });
   at::Tensor out = at::empty({T, Hq, D}, q.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   Problem p{q.data_ptr(), q.scalar_type() == at::kFloat, q.stride(0), q.stride(1),
             out_bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr,
             out_bf16 ? nullptr : out.data_ptr<float>(), Hq, Hk, Hq / Hk, D, static_cast<float>(scale),
-            q_start.data(), ql, kl, pad_start.data(), kp, vt};
-  std::vector<Item> items;  // cost: key blocks the item visits
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hk; ++h)
-      for (int64_t blk = 0; blk * QB * QT < ql[b]; ++blk) {
-        const int64_t last = kl[b] - ql[b] + std::min(ql[b], (blk + 1) * QB * QT) - 1;
-        items.push_back({b, h, blk, last / KB + 1});
-      }
-  std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  std::vector<Item> order;  // heaviest, lightest, second heaviest, second lightest, ...
-  order.reserve(items.size());
-  for (size_t lo = 0, hi = items.size(); lo < hi;) {
-    order.push_back(items[lo++]);
-    if (lo < hi) order.push_back(items[--hi]);
-  }
+            rows.q_start.data(), ql, kl, &rows, kp, vt};
+  const std::vector<Item> order = glmserve::balanced_items(ql, kl, B, Hk, QB * QT, KB);
   at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w(p);
     if (engine == "amx")

@@ -1,27 +1,27 @@
 // Causal prefill attention in float32 for the avx2 build (CPUs without AVX-512: AMD Zen 1-3, Intel before Skylake-X),
-// where bf16 has no arithmetic and a fresh prompt's attention otherwise runs torch's float32 flash SDPA:
+// where bf16 has no arithmetic and the layer's attention otherwise runs torch's float32 SDPA:
 //
-//   prefill_attention_f32(q [T, Hq, D] float32, k [T, Hk, D] float32 or bf16, v (as k), scale) -> out [T, Hq, D]
-//     float32: query i attends keys 0..i (a fresh prompt); grouped-query heads (query head j reads KV head
-//     j / (Hq / Hk)); D a multiple of 16; k's and v's heads contiguous per token ([Hk, D] rows, as a fused qkv's
-//     slices are), other strides free.
+//   prefill_attention_f32(q [T, Hq, D] float32, k [B, L, Hk, D] float32 or bf16, v (as k), q_lens [B] i64,
+//                         kv_lens [B] i64, scale) -> out [T, Hq, D] float32: rows of queries over their keys as
+//     prefill_rows.h states (a fresh prompt: B = 1, q_lens = kv_lens = T; a chunk over cached context: kv_lens =
+//     cached + chunk); D a multiple of 16; the last dimension of q, k and v contiguous, other strides free.
 //   prefill_attention_f32_available() -> bool: whether this build runs it (the avx2 build; the avx512 build has the
 //     bf16 kernel of prefill_attention.cpp instead)
 //
 // The algorithm is FlashAttention-2's (Dao 2023): per tile of queries, keys in blocks, an online softmax (running max
-// m and sum l, the output rescaled when m grows), the output divided by l at the end. As in prefill_attention.cpp, the
-// scores run transposed so that the softmax is lane-wise (one ymm lane per query, no horizontal reductions):
+// m and sum l, the output rescaled when m grows), the output divided by l at the end. As in prefill_attention.cpp, K and
+// V are packed once per call (here widened to float32, each (row, KV head)'s keys contiguous: a work item then streams
+// them in order, where the rows of a fused qkv or of the KV pool lie a token stride apart, 8K tokens over 31 MB of
+// pages), and the scores run transposed so that the softmax is lane-wise (one ymm lane per query, no horizontal
+// reductions):
 //   scores^T [keys][8 queries] = K Q^T: per key, D FMAs of Q^T's rows (packed once per work item, times scale * log2 e)
 //     with the key's elements broadcast from memory, once for a pair of heads (4 keys x 2 heads of chains);
 //   softmax in base 2 (exp2_8), keys past a query masked, key blocks wholly after a tile's last query skipped;
 //   out [8 queries][D] += P V: per 4 queries and 16 dims, two value vectors per key and P^T's elements broadcast,
 //     accumulated in registers, the output kept in the item's scratch.
 // Each FMA's other operand is a broadcast load (6 loads per 8 FMAs in both products): the loop bound is the FMA units
-// and the loads. One work item is (KV head, QT_ITEM queries) with the KV head's g query heads; each key block (K and
-// V widened to float32 once into the item's scratch) serves all its heads and tiles. Items are spread over threads
-// heavy and light alternating (the causal spans grow with the queries), so that at::parallel_for's contiguous ranges
-// carry similar work. From ~8K tokens an item's keys no longer stay in the caches (layers/attention.py
-// F32_KERNEL_MAX_TOKENS).
+// and the loads. One work item is (row, KV head, QT_ITEM queries) with the KV head's g query heads; each key block
+// serves all its heads and tiles. Items are spread over threads heavy and light alternating (prefill_rows.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -30,7 +30,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
+
+#include "prefill_rows.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
@@ -47,12 +51,13 @@ constexpr int KB = 32;         // keys per block
 constexpr float kLog2e = 1.44269504088896341f;
 
 struct Problem {
-  const float* q;
-  const void* k;
-  const void* v;
-  bool bf16;
-  int64_t T, Hq, Hk, D, g;
-  int64_t qs, ks, vs;  // strides of a token in q, k, v (elements)
+  const float* q;  // [T, Hq, D] contiguous, times scale * log2 e
+  int64_t Hq, Hk, D, g;
+  const int64_t* q_len;
+  const int64_t* kv_len;
+  const glmserve::PackedRows* rows;
+  const float* kp;  // packed K, V: per (row, KV head) [padded keys][D], zero past the row's keys
+  const float* vp;
   float* out;
 };
 
@@ -69,24 +74,32 @@ inline __m256 exp2_8(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), live);
 }
 
-// row `t` of KV head h of k or v (T x Hk x D, token stride `s`) widened into dst [D]
-inline void widen_row(const Problem& p, const void* base, int64_t s, int64_t t, int64_t h, float* dst) {
-  if (!p.bf16) {
-    std::memcpy(dst, static_cast<const float*>(base) + t * s + h * p.D, p.D * sizeof(float));
-    return;
+// Key block `blk` of row b's KV head h of k or v (T: float, or uint16_t for bf16) widened into dst [KB][D], zero
+// past the row's kl keys
+template <typename T>
+void pack_block(const at::Tensor& x, int64_t b, int64_t h, int64_t blk, int64_t kl, int64_t D, float* dst) {
+  const T* base = static_cast<const T*>(x.data_ptr()) + b * x.stride(0) + h * x.stride(2);
+  const int64_t t0 = blk * KB, n = std::min<int64_t>(KB, kl - t0);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = base + (t0 + t) * x.stride(1);
+    float* out = dst + t * D;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(out, row, D * sizeof(float));
+    } else {
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
+        _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+      }
+    }
   }
-  const uint16_t* src = static_cast<const uint16_t*>(base) + t * s + h * p.D;
-  for (int64_t d = 0; d < p.D; d += 8) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
-    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-  }
+  std::fill(dst + n * D, dst + KB * D, 0.f);
 }
 
 struct Scratch {  // one thread's buffers; states (tile, head) = tile * g + head
-  std::vector<float> qt, ot, m, l, kf, vf, sc;
+  std::vector<float> qt, ot, m, l, sc;
   explicit Scratch(const Problem& p)
       : qt(TILES * p.g * p.D * QT), ot(TILES * p.g * QT * p.D), m(TILES * p.g * QT), l(TILES * p.g * QT),
-        kf(KB * p.D), vf(KB * p.D), sc(2 * KB * QT) {}
+        sc(2 * KB * QT) {}
 };
 
 // scores^T of the block's keys k0..k0+K-1 (kf rows) against H states' Q^T (qt, qt + D * QT, ...: heads of one tile),
@@ -110,8 +123,8 @@ inline void score_group(const float* qt, const float* kf, int64_t D, int k0, flo
     for (int h = 0; h < H; ++h) _mm256_storeu_ps(sc + h * KB * QT + (k0 + k) * QT, acc[k][h]);
 }
 
-// the scores of H heads of a tile over the first tk keys of the block, K keys a group (kf's rows past the block's keys
-// are zero)
+// the scores of H heads of a tile over the first tk keys of the block, K keys a group (up to the multiple of K: the
+// scores of the rows after tk, later keys or the block's zero padding, are not read)
 template <int H, int K>
 inline void score_heads(const float* qt, const float* kf, int64_t D, int tk, float* sc) {
   for (int k0 = 0; k0 < tk; k0 += K) score_group<H, K>(qt, kf, D, k0, sc);
@@ -175,49 +188,46 @@ void softmax_block(float* sc, int nk, int64_t kb, int64_t qa, float* m, float* l
   }
 }
 
-// Work item (KV head h, queries i0..): its g heads' QT_ITEM queries against keys 0..last, block by block
-void attend_item(const Problem& p, int64_t h, int64_t i0, Scratch& w) {
-  const int64_t D = p.D, nq = std::min<int64_t>(QT_ITEM, p.T - i0), tiles = (nq + QT - 1) / QT;
+// Work item `it`: its g heads' QT_ITEM queries (of row it.b, positions from qa0) against the row's keys up to the last
+// query's, block by block
+void attend_item(const Problem& p, const glmserve::PrefillItem& it, Scratch& w) {
+  const int64_t D = p.D, ql = p.q_len[it.b], i0 = it.block * QT_ITEM;
+  const int64_t nq = std::min<int64_t>(QT_ITEM, ql - i0), tiles = (nq + QT - 1) / QT;
+  const int64_t qa0 = p.kv_len[it.b] - ql + i0, first_token = p.rows->q_start[it.b] + i0;
   for (int64_t t = 0; t < tiles; ++t)
     for (int64_t j = 0; j < p.g; ++j) {
       float* qt = w.qt.data() + (t * p.g + j) * D * QT;
-      const int64_t head = h * p.g + j;
+      const float* q = p.q + (first_token + t * QT) * p.Hq * D + (it.h * p.g + j) * D;
       for (int i = 0; i < QT; ++i) {
-        const int64_t qi = i0 + t * QT + i;
-        for (int64_t d = 0; d < D; ++d) qt[d * QT + i] = qi < p.T ? p.q[qi * p.qs + head * D + d] : 0.f;
+        const bool live = t * QT + i < nq;
+        for (int64_t d = 0; d < D; ++d) qt[d * QT + i] = live ? q[i * p.Hq * D + d] : 0.f;
       }
     }
   const int64_t states = tiles * p.g;
   std::fill(w.ot.begin(), w.ot.begin() + states * QT * D, 0.f);
   std::fill(w.m.begin(), w.m.begin() + states * QT, -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.begin() + states * QT, 0.f);
-  const int64_t keys = i0 + nq;  // the last query's keys
+  const int64_t region = p.rows->region(it.b, it.h, p.Hk, D), keys = qa0 + nq;  // the last query's keys
   for (int64_t kb = 0; kb < keys; kb += KB) {
     const int nk = static_cast<int>(std::min<int64_t>(KB, keys - kb));
-    for (int k = 0; k < KB; ++k) {
-      if (k < nk) {
-        widen_row(p, p.k, p.ks, kb + k, h, w.kf.data() + k * D);
-        widen_row(p, p.v, p.vs, kb + k, h, w.vf.data() + k * D);
-      } else {
-        std::fill(w.kf.begin() + k * D, w.kf.begin() + (k + 1) * D, 0.f);
-      }
-    }
+    const float* kf = p.kp + region + kb * D;
+    const float* vf = p.vp + region + kb * D;
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t qa = i0 + t * QT;
+      const int64_t qa = qa0 + t * QT;
       if (kb > qa + QT - 1) continue;  // every key of the block is after the tile's queries
       // the tile's last query sees keys up to qa + 7: the block's keys after it are masked for all lanes
       const int tk = static_cast<int>(std::min<int64_t>(nk, qa + QT - kb));
       for (int64_t j = 0; j < p.g;) {  // heads in pairs (one K broadcast for both), a last one alone
         const int heads = static_cast<int>(std::min<int64_t>(2, p.g - j));
         const float* qt = w.qt.data() + (t * p.g + j) * D * QT;
-        if (heads == 2) score_heads<2, 4>(qt, w.kf.data(), D, tk, w.sc.data());
-        else score_heads<1, 8>(qt, w.kf.data(), D, tk, w.sc.data());
+        if (heads == 2) score_heads<2, 4>(qt, kf, D, tk, w.sc.data());
+        else score_heads<1, 8>(qt, kf, D, tk, w.sc.data());
         for (int e = 0; e < heads; ++e) {
           const int64_t s = t * p.g + j + e;
           float* ot = w.ot.data() + s * QT * D;
           float* sc = w.sc.data() + e * KB * QT;
           softmax_block(sc, tk, kb, qa, w.m.data() + s * QT, w.l.data() + s * QT, ot, D);
-          accumulate(w.vf.data(), sc, D, tk, ot);
+          accumulate(vf, sc, D, tk, ot);
         }
         j += heads;
       }
@@ -225,13 +235,11 @@ void attend_item(const Problem& p, int64_t h, int64_t i0, Scratch& w) {
   }
   for (int64_t t = 0; t < tiles; ++t)
     for (int64_t j = 0; j < p.g; ++j) {
-      const int64_t s = t * p.g + j, head = h * p.g + j;
+      const int64_t s = t * p.g + j, head = it.h * p.g + j;
       const float* ot = w.ot.data() + s * QT * D;
-      for (int i = 0; i < QT; ++i) {
-        const int64_t qi = i0 + t * QT + i;
-        if (qi >= p.T) break;
+      for (int i = 0; i < QT && t * QT + i < nq; ++i) {
         const __m256 inv = _mm256_set1_ps(1.f / w.l[s * QT + i]);
-        float* o = p.out + (qi * p.Hq + head) * D;
+        float* o = p.out + ((first_token + t * QT + i) * p.Hq + head) * D;
         for (int64_t d = 0; d < D; d += 8)
           _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(ot + i * D + d), inv));
       }
@@ -249,46 +257,44 @@ bool prefill_attention_f32_available() {
 #endif
 }
 
-at::Tensor prefill_attention_f32(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor prefill_attention_f32(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& q_lens, const at::Tensor& kv_lens, double scale) {
   TORCH_CHECK(prefill_attention_f32_available(), "prefill_attention_f32: not in this build (the avx2 variant has it)");
-  TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "prefill_attention_f32: CPU tensors");
-  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention_f32: q [T,Hq,D], k and v [T,Hk,D]");
+  glmserve::check_prefill_rows("prefill_attention_f32", q_in, k, v, q_lens, kv_lens);
   TORCH_CHECK(q_in.scalar_type() == at::kFloat, "prefill_attention_f32: q must be float32");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
-                  (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
-              "prefill_attention_f32: k and v both float32 or both bfloat16");
-  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hk = k.size(1);
-  TORCH_CHECK(k.size(0) == T && v.size(0) == T && k.size(2) == D && v.sizes() == k.sizes(),
-              "prefill_attention_f32: k and v must be [T, Hk, D] with q's T and D");
-  TORCH_CHECK(Hk > 0 && Hq % Hk == 0 && D % 16 == 0 && D > 0, "prefill_attention_f32: Hq a multiple of Hk, D of 16");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == D && v.stride(1) == D,
-              "prefill_attention_f32: heads of k and v contiguous [Hk, D] per token");
+  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), B = k.size(0), Hk = k.size(2);
+  TORCH_CHECK(k.size(3) == D && D % 16 == 0 && D > 0, "prefill_attention_f32: head dim ", D, " (q) and ", k.size(3),
+              " (k) must be equal, a multiple of 16");
   auto out = at::empty({T, Hq, D}, q_in.options());
 #ifdef GLMSERVE_F32_ATTENTION
   if (T == 0) return out;
+  const int64_t* ql = q_lens.data_ptr<int64_t>();
+  const int64_t* kl = kv_lens.data_ptr<int64_t>();
   // scores in base 2: scale * log2 e folded into a contiguous copy of q (any strides)
   const auto qs = (q_in * static_cast<float>(scale * kLog2e)).contiguous();
-  Problem p{qs.data_ptr<float>(), k.data_ptr(), v.data_ptr(), k.scalar_type() == at::kBFloat16, T, Hq, Hk, D,
-            Hq / Hk, qs.stride(0), k.stride(0), v.stride(0), out.data_ptr<float>()};
-  // items: (KV head, block of QT_ITEM queries), heavy (late) and light (early) blocks alternating
-  const int64_t blocks = (T + QT_ITEM - 1) / QT_ITEM;
-  std::vector<std::pair<int64_t, int64_t>> items;
-  items.reserve(blocks * Hk);
-  for (int64_t lo = 0, hi = blocks - 1; lo <= hi; ++lo, --hi)
-    for (int64_t h = 0; h < Hk; ++h) {
-      items.emplace_back(h, hi * QT_ITEM);
-      if (lo != hi) items.emplace_back(h, lo * QT_ITEM);
+  const glmserve::PackedRows rows(ql, kl, B, KB);
+  at::Tensor packed = at::empty({2, rows.keys * Hk * D}, q_in.options());  // every block is written whole
+  float* kp = packed.data_ptr<float>();
+  float* vp = kp + rows.keys * Hk * D;
+  rows.pack_blocks(Hk, [&](int64_t b, int64_t h, int64_t blk) {
+    const int64_t at = rows.region(b, h, Hk, D) + blk * KB * D;
+    for (const auto& [x, dst] : {std::pair{&k, kp + at}, std::pair{&v, vp + at}}) {
+      if (x->scalar_type() == at::kFloat) pack_block<float>(*x, b, h, blk, kl[b], D, dst);
+      else pack_block<uint16_t>(*x, b, h, blk, kl[b], D, dst);
     }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  });
+  const Problem p{qs.data_ptr<float>(), Hq, Hk, D, Hq / Hk, ql, kl, &rows, kp, vp, out.data_ptr<float>()};
+  const std::vector<glmserve::PrefillItem> order = glmserve::balanced_items(ql, kl, B, Hk, QT_ITEM, KB);
+  at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w(p);
-    for (int64_t i = begin; i < end; ++i) attend_item(p, items[i].first, items[i].second, w);
+    for (int64_t i = begin; i < end; ++i) attend_item(p, order[i], w);
   });
 #endif
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("prefill_attention_f32", &prefill_attention_f32, "causal float32 prefill attention (avx2 build)");
+  m.def("prefill_attention_f32", &prefill_attention_f32, "causal float32 prefill attention (avx2 build)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"));
   m.def("prefill_attention_f32_available", &prefill_attention_f32_available, "whether this build runs it");
 }
