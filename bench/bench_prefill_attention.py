@@ -58,9 +58,8 @@ def case(spec: str, kernel: Callable | None, kernel_f32: Callable | None,
         sides["ours"] = lambda: kernel(q, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), q_lens, kv_lens,
                                        scale, True)
     if kernel_f32 is not None:
-        qf = q.float()
-        sides["ours f32"] = lambda: kernel_f32(qf, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), q_lens, kv_lens,
-                                               scale)
+        qf, kp, vp = q.float(), keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)
+        sides["ours f32"] = lambda: kernel_f32(qf, kp, vp, q_lens, kv_lens, scale)
     name = f"T={t}" if context == 0 else f"T={t} over {context} cached"
     return name, sides, causal_flops(t, context)
 
