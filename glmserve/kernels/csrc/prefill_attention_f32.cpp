@@ -54,8 +54,7 @@ struct Problem {
   const float* q;  // [T, Hq, D] contiguous, times scale * log2 e
   int64_t Hq, Hk, D, g;
   const int64_t* q_len;
-  const int64_t* kv_len;
-  const glmserve::PackedRows* rows;
+  const glmserve::PackedRows* rows;  // where each row starts, its keys (kv_len)
   const float* kp;  // packed K, V: per (row, KV head) [padded keys][D], zero past the row's keys
   const float* vp;
   float* out;
@@ -193,7 +192,7 @@ void softmax_block(float* sc, int nk, int64_t kb, int64_t qa, float* m, float* l
 void attend_item(const Problem& p, const glmserve::PrefillItem& it, Scratch& w) {
   const int64_t D = p.D, ql = p.q_len[it.b], i0 = it.block * QT_ITEM;
   const int64_t nq = std::min<int64_t>(QT_ITEM, ql - i0), tiles = (nq + QT - 1) / QT;
-  const int64_t qa0 = p.kv_len[it.b] - ql + i0, first_token = p.rows->q_start[it.b] + i0;
+  const int64_t qa0 = p.rows->kv_len[it.b] - ql + i0, first_token = p.rows->q_start[it.b] + i0;
   for (int64_t t = 0; t < tiles; ++t)
     for (int64_t j = 0; j < p.g; ++j) {
       float* qt = w.qt.data() + (t * p.g + j) * D * QT;
@@ -283,7 +282,7 @@ at::Tensor prefill_attention_f32(const at::Tensor& q_in, const at::Tensor& k, co
       else pack_block<uint16_t>(*x, b, h, blk, kl[b], D, dst);
     }
   });
-  const Problem p{qs.data_ptr<float>(), Hq, Hk, D, Hq / Hk, ql, kl, &rows, kp, vp, out.data_ptr<float>()};
+  const Problem p{qs.data_ptr<float>(), Hq, Hk, D, Hq / Hk, ql, &rows, kp, vp, out.data_ptr<float>()};
   const std::vector<glmserve::PrefillItem> order = glmserve::balanced_items(ql, kl, B, Hk, QT_ITEM, KB);
   at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w(p);

@@ -161,8 +161,8 @@ inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
 // it replaced (both halves of 2 rows, whose sums and shared broadcasts GCC spilled to the stack) 60, with F16C
 // (bench/ab_quant_kernels.py)
 // Decode's weights stream from DRAM once per step (the default model's 96 MB per token): with the hardware prefetcher
-// alone one core's batch-1 tiles read 15.5 GB/s. In a call's first pass over a tile (the later passes, more rows of a
-// batch, find it in L1) they ask for the lines PF_BLOCKS blocks ahead, 2 KB of Q4_1 codes: 20.5 GB/s (bench/RESULTS.md,
+// alone one core's batch-1 tiles read 17.9 GB/s. In a call's first pass over a tile (the later passes, more rows of a
+// batch, find it in L1) they ask for the lines PF_BLOCKS blocks ahead, 2 KB of Q4_1 codes: 23.1 GB/s (bench/RESULTS.md,
 // "Software prefetch in the AVX2 tiles"; 4 and 16 blocks measured slower in the engine)
 constexpr int64_t PF_BLOCKS = 8;
 
