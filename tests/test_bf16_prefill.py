@@ -44,6 +44,9 @@ def test_bf16_only_for_large_float32_cpu_groups_on_amx(amx, monkeypatch):
     amx(True)
     assert prefill_compute_dtype(q, BF16_MIN_TOKENS) == torch.bfloat16
     assert prefill_compute_dtype(q, BF16_MIN_TOKENS - 1) == torch.float32  # decode-sized: float32
+    # a short chunk over a long cached context: its attention is the work (its keys are bf16 in the pool anyway)
+    assert prefill_compute_dtype(q, 32, num_keys=4032) == torch.bfloat16
+    assert prefill_compute_dtype(q, 32, num_keys=BF16_MIN_TOKENS - 1) == torch.float32
     assert prefill_compute_dtype(q.double(), 4096) == torch.float64  # only float32 queries change
     monkeypatch.setenv(BF16_ATTENTION_ENV, "0")
     assert prefill_compute_dtype(q, 4096) == torch.float32
@@ -112,6 +115,17 @@ def test_bf16_prefill_is_within_bf16_rounding_of_float32(amx, context):
     # mean the bf16 path was not taken
     assert 0 < rel < 1e-2
     assert (out - ref).abs().max().item() < 5e-2
+
+
+def test_a_short_chunk_over_a_long_context_takes_bf16_a_short_prompt_does_not(amx):
+    """A few queries after BF16_MIN_TOKENS or more cached keys (a prefix-cache hit's suffix) take bf16 attention: the
+    keys are the work; a short fresh prompt or a chunk over few keys stays float32 (the same floats as without AMX)."""
+    t = 8
+    ref = run(amx, False, 4 * BF16_MIN_TOKENS, t)
+    rel = ((run(amx, True, 4 * BF16_MIN_TOKENS, t) - ref).norm() / ref.norm()).item()
+    assert 0 < rel < 1e-2
+    for context in (0, BF16_MIN_TOKENS - t - 1):
+        assert torch.equal(run(amx, True, context, t), run(amx, False, context, t)), context
 
 
 def test_flag_off_is_the_float32_path_exactly(amx, monkeypatch):

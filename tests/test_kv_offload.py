@@ -14,6 +14,10 @@ from glmserve.layers.partial_attention import attention_with_lse, merge_attentio
 from glmserve.sparse.block import block_bounds_bytes
 from glmserve.sparse.pinning import QuestionObservation
 
+# the offloaded rows' attention runs in float32 (layers/attention.py): the resident engines they are compared with
+# too, on AMX CPUs as well (there a chunk over 128+ cached keys takes bf16)
+pytestmark = pytest.mark.usefixtures("float32_prefill")
+
 BS, CHUNK, STEP = 4, 16, 16  # block size, chunk tokens, prefill tokens per step
 KV = "float32"  # not the CPU default bf16: pool sizes below count float32 rows, and outputs meet transformers' float32
 POOL_BLOCKS = 14  # 56 tokens: the first chunk, a chunk filling up, a step's tokens and a block (52) fit

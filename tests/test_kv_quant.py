@@ -17,6 +17,9 @@ from glmserve.kv.kv_io import kv_identity
 from glmserve.layers.partial_attention import paged_attention_with_lse
 from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
 
+# offloaded rows run float32 attention (tests/test_kv_offload.py): the resident engines compared with them too
+pytestmark = pytest.mark.usefixtures("float32_prefill")
+
 QUANTIZED = ["int8", "fp8"]
 
 

