@@ -290,10 +290,14 @@ class PagedAttention:
     def _prefill_ours(self, kernel: Callable, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                       g: GroupMetadata, kv_dtype: torch.dtype, *extra: object) -> torch.Tensor:
         """The group on our kernel `kernel(q, keys [B, L, Hkv, D], values, q_lens, kv_lens, scale, *extra)`: a fresh
-        row on its new K/V, other rows on their keys gathered from the pool in `kv_dtype`."""
+        row on its new K/V, other rows on their keys read from a float32 or bf16 pool by slot (`slots=`: no gathered
+        copy of the cached context), or from other pool formats gathered and dequantized to `kv_dtype`."""
         if g.fresh_causal:
             lens = torch.tensor([q.shape[0]])
             return kernel(q, k[None], v[None], lens, lens, self.scale, *extra)
+        if self.kv_cache.dtype in (torch.float32, torch.bfloat16):  # the kernels' row types
+            return kernel(q, self.kv_cache[0], self.kv_cache[1], g.query_lens, g.key_lens, self.scale, *extra,
+                          slots=g.kv_slots.contiguous())
         keys, values = gather_kv(self.kv_cache, g.kv_slots, kv_dtype)  # [Hkv, B, L, D]
         return kernel(q, keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3), g.query_lens, g.key_lens, self.scale,
                       *extra)

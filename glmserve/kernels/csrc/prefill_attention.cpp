@@ -72,10 +72,10 @@
 namespace {
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_lens,
-                  const at::Tensor& kv_lens) {
-  glmserve::check_prefill_rows("prefill_attention", q, k, v, q_lens, kv_lens);
-  const int64_t D = q.size(2);
-  TORCH_CHECK(k.size(3) == D && (D == 64 || D == 128), "prefill_attention: head dim ", D, " (q) and ", k.size(3),
+                  const at::Tensor& kv_lens, const std::optional<at::Tensor>& slots) {
+  glmserve::check_prefill_rows("prefill_attention", q, k, v, q_lens, kv_lens, slots);
+  const int64_t D = q.size(2), kd = k.size(k.dim() - 1);
+  TORCH_CHECK(kd == D && (D == 64 || D == 128), "prefill_attention: head dim ", D, " (q) and ", kd,
               " (k) must be equal, 64 or 128");
 }
 
@@ -570,15 +570,15 @@ inline uint16_t bf16_bits(uint16_t x) { return x; }
 inline uint16_t bf16_bits(float x) { return glmserve::f32_to_bf16(x); }
 
 template <typename T>
-void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, int64_t blk, int64_t kl, int64_t D,
-                uint16_t* kp, uint16_t* vt) {
+void pack_block(const at::Tensor& k, const at::Tensor& v, const glmserve::KeyRows& krs, const glmserve::KeyRows& vrs,
+                int64_t b, int64_t h, int64_t blk, int64_t kl, int64_t D, uint16_t* kp, uint16_t* vt) {
   const auto* ks = static_cast<const T*>(k.data_ptr());
   const auto* vs = static_cast<const T*>(v.data_ptr());
   const int64_t t0 = blk * KB, n = std::min(kl - t0, KB);
   uint16_t* krows = kp + t0 * D;
   uint16_t* block = vt + t0 * D;
   for (int64_t t = 0; t < n; ++t) {
-    const T* row = ks + b * k.stride(0) + (t0 + t) * k.stride(1) + h * k.stride(2);
+    const T* row = ks + krs.offset(b, t0 + t, h);
     if constexpr (std::is_same_v<T, float>) {
       for (int64_t d = 0; d < D; d += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(krows + t * D + d),
@@ -592,14 +592,15 @@ void pack_block(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t h, 
     std::memset(block, 0, KB * D * 2);
   }
   for (int64_t t = 0; t < n; ++t) {
-    const T* row = vs + b * v.stride(0) + (t0 + t) * v.stride(1) + h * v.stride(2);
+    const T* row = vs + vrs.offset(b, t0 + t, h);
     for (int64_t d = 0; d < D; ++d) block[d * KB + t] = bf16_bits(row[d]);
   }
 }
 
 at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* ql, const int64_t* kl,
-               double scale, bool out_bf16, const std::string& engine) {
-  const int64_t B = k.size(0), Hk = k.size(2), D = q.size(2), Hq = q.size(1), T = q.size(0);
+               double scale, bool out_bf16, const std::string& engine, const std::optional<at::Tensor>& slots) {
+  const glmserve::KeyRows krs(k, slots), vrs(v, slots);
+  const int64_t B = krs.B, Hk = krs.Hk, D = q.size(2), Hq = q.size(1), T = q.size(0);
   const glmserve::PackedRows rows(ql, kl, B, KB);
   // K and V^T packed by key block, the blocks of every (row, KV head) split over the threads (uninitialized
   // buffers: every block is written whole)
@@ -610,9 +611,9 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   rows.pack_blocks(Hk, [&](int64_t b, int64_t h, int64_t blk) {
     const int64_t region = rows.region(b, h, Hk, D);
     if (k.scalar_type() == at::kFloat)
-      pack_block<float>(k, v, b, h, blk, kl[b], D, kp + region, vt + region);
+      pack_block<float>(k, v, krs, vrs, b, h, blk, kl[b], D, kp + region, vt + region);
     else
-      pack_block<uint16_t>(k, v, b, h, blk, kl[b], D, kp + region, vt + region);
+      pack_block<uint16_t>(k, v, krs, vrs, b, h, blk, kl[b], D, kp + region, vt + region);
   });
   at::Tensor out = at::empty({T, Hq, D}, q.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   Problem p{q.data_ptr(), q.scalar_type() == at::kFloat, q.stride(0), q.stride(1),
@@ -648,10 +649,12 @@ std::vector<std::string> prefill_attention_engines() {
 
 bool prefill_attention_available() { return !prefill_attention_engines().empty(); }
 
-// engine: "" for the best one, else one of prefill_attention_engines() (tests run each)
+// engine: "" for the best one, else one of prefill_attention_engines() (tests run each); slots: k and v are KV pools
+// read by slot (prefill_rows.h)
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_lens,
-                             const at::Tensor& kv_lens, double scale, bool out_bf16, const std::string& engine) {
-  check_inputs(q, k, v, q_lens, kv_lens);
+                             const at::Tensor& kv_lens, double scale, bool out_bf16, const std::string& engine,
+                             const std::optional<at::Tensor>& slots) {
+  check_inputs(q, k, v, q_lens, kv_lens, slots);
   const std::vector<std::string> engines = prefill_attention_engines();
   TORCH_CHECK(!engines.empty(),
               "prefill_attention: needs the avx512 build on a CPU with AVX512-BF16 (or AMX-BF16 tiles granted by Linux)");
@@ -659,7 +662,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(std::find(engines.begin(), engines.end(), chosen) != engines.end(), "prefill_attention: engine '",
               chosen, "' does not run here");
 #ifdef GLMSERVE_HAS_AMX
-  return run(q, k, v, q_lens.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), scale, out_bf16, chosen);
+  return run(q, k, v, q_lens.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), scale, out_bf16, chosen, slots);
 #else
   return at::Tensor();
 #endif
@@ -671,7 +674,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention,
         "causal prefill attention in bf16 on the AMX tiles or with AVX512-BF16 (CPU)", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"), py::arg("out_bf16"),
-        py::arg("engine") = "");
+        py::arg("engine") = "", py::arg("slots") = py::none());
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether this build and CPU run prefill_attention");
   m.def("prefill_attention_engines", &prefill_attention_engines,

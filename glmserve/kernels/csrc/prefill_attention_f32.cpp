@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -76,11 +77,12 @@ inline __m256 exp2_8(__m256 x) {
 // Key block `blk` of row b's KV head h of k or v (T: float, or uint16_t for bf16) widened into dst [KB][D], zero
 // past the row's kl keys
 template <typename T>
-void pack_block(const at::Tensor& x, int64_t b, int64_t h, int64_t blk, int64_t kl, int64_t D, float* dst) {
-  const T* base = static_cast<const T*>(x.data_ptr()) + b * x.stride(0) + h * x.stride(2);
+void pack_block(const at::Tensor& x, const glmserve::KeyRows& rows, int64_t b, int64_t h, int64_t blk, int64_t kl,
+                int64_t D, float* dst) {
+  const T* base = static_cast<const T*>(x.data_ptr());
   const int64_t t0 = blk * KB, n = std::min<int64_t>(KB, kl - t0);
   for (int64_t t = 0; t < n; ++t) {
-    const T* row = base + (t0 + t) * x.stride(1);
+    const T* row = base + rows.offset(b, t0 + t, h);
     float* out = dst + t * D;
     if constexpr (std::is_same_v<T, float>) {
       std::memcpy(out, row, D * sizeof(float));
@@ -256,13 +258,16 @@ bool prefill_attention_f32_available() {
 #endif
 }
 
+// slots: k and v are KV pools read by slot (prefill_rows.h)
 at::Tensor prefill_attention_f32(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                                 const at::Tensor& q_lens, const at::Tensor& kv_lens, double scale) {
+                                 const at::Tensor& q_lens, const at::Tensor& kv_lens, double scale,
+                                 const std::optional<at::Tensor>& slots) {
   TORCH_CHECK(prefill_attention_f32_available(), "prefill_attention_f32: not in this build (the avx2 variant has it)");
-  glmserve::check_prefill_rows("prefill_attention_f32", q_in, k, v, q_lens, kv_lens);
+  glmserve::check_prefill_rows("prefill_attention_f32", q_in, k, v, q_lens, kv_lens, slots);
   TORCH_CHECK(q_in.scalar_type() == at::kFloat, "prefill_attention_f32: q must be float32");
-  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), B = k.size(0), Hk = k.size(2);
-  TORCH_CHECK(k.size(3) == D && D % 16 == 0 && D > 0, "prefill_attention_f32: head dim ", D, " (q) and ", k.size(3),
+  const glmserve::KeyRows krs(k, slots), vrs(v, slots);
+  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), B = krs.B, Hk = krs.Hk;
+  TORCH_CHECK(krs.D == D && D % 16 == 0 && D > 0, "prefill_attention_f32: head dim ", D, " (q) and ", krs.D,
               " (k) must be equal, a multiple of 16");
   auto out = at::empty({T, Hq, D}, q_in.options());
 #ifdef GLMSERVE_F32_ATTENTION
@@ -277,9 +282,9 @@ at::Tensor prefill_attention_f32(const at::Tensor& q_in, const at::Tensor& k, co
   float* vp = kp + rows.keys * Hk * D;
   rows.pack_blocks(Hk, [&](int64_t b, int64_t h, int64_t blk) {
     const int64_t at = rows.region(b, h, Hk, D) + blk * KB * D;
-    for (const auto& [x, dst] : {std::pair{&k, kp + at}, std::pair{&v, vp + at}}) {
-      if (x->scalar_type() == at::kFloat) pack_block<float>(*x, b, h, blk, kl[b], D, dst);
-      else pack_block<uint16_t>(*x, b, h, blk, kl[b], D, dst);
+    for (const auto& [x, xrs, dst] : {std::tuple{&k, &krs, kp + at}, std::tuple{&v, &vrs, vp + at}}) {
+      if (x->scalar_type() == at::kFloat) pack_block<float>(*x, *xrs, b, h, blk, kl[b], D, dst);
+      else pack_block<uint16_t>(*x, *xrs, b, h, blk, kl[b], D, dst);
     }
   });
   const Problem p{qs.data_ptr<float>(), Hq, Hk, D, Hq / Hk, ql, &rows, kp, vp, out.data_ptr<float>()};
@@ -294,6 +299,7 @@ at::Tensor prefill_attention_f32(const at::Tensor& q_in, const at::Tensor& k, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_f32", &prefill_attention_f32, "causal float32 prefill attention (avx2 build)", py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"));
+        py::arg("k"), py::arg("v"), py::arg("q_lens"), py::arg("kv_lens"), py::arg("scale"),
+        py::arg("slots") = py::none());
   m.def("prefill_attention_f32_available", &prefill_attention_f32_available, "whether this build runs it");
 }

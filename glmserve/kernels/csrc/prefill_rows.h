@@ -2,8 +2,10 @@
 // float32 on AVX2): q [T, Hq, D] holds rows b = 0..B-1 of q_lens[b] queries each, one after the other; row b's keys
 // are the first kv_lens[b] of k [B, L, Hk, D] and v (as k), and its query i sits at position kv_lens[b] - q_lens[b] + i
 // and attends keys at positions <= its own (a fresh prompt: B = 1, kv_lens = q_lens = T; a chunk over cached context:
-// kv_lens = cached + chunk). Query head j reads KV head j / (Hq / Hk). Here: the argument checks, where each row starts
-// in q and in a buffer of its keys packed in blocks, and the order of the work items over the threads.
+// kv_lens = cached + chunk). Query head j reads KV head j / (Hq / Hk). Or, with slots [B, L] int64, k and v are a
+// KV pool [Hk, num_slots, D] read in place: row b's key t is k[h, slots[b, t]] (no gathered copy of a cached context).
+// Here: the argument checks, where each row's keys are (KeyRows), where each row starts in q and in a buffer of its keys
+// packed in blocks, and the order of the work items over the threads.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,36 +13,75 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace glmserve {
 
-// Checks q, k, v and the lengths against the contract (the head dim, which each kernel limits, aside); `name` (the op)
-// starts every message
+// Where the rows' keys (or values) are: the element offset of row b's key t of KV head h in k [B, L, Hk, D], or with
+// slots in the pool k [Hk, num_slots, D]; B rows of up to L keys, Hk KV heads of D elements
+struct KeyRows {
+  int64_t B, L, Hk, D;
+  int64_t stride_b = 0, stride_t, stride_h;
+  const int64_t* slots = nullptr;  // [B, L] (contiguous), or none
+
+  KeyRows(const at::Tensor& x, const std::optional<at::Tensor>& slot_ids) {
+    if (slot_ids) {
+      slots = slot_ids->data_ptr<int64_t>();
+      B = slot_ids->size(0), L = slot_ids->size(1), Hk = x.size(0), D = x.size(2);
+      stride_h = x.stride(0), stride_t = x.stride(1);
+    } else {
+      B = x.size(0), L = x.size(1), Hk = x.size(2), D = x.size(3);
+      stride_b = x.stride(0), stride_t = x.stride(1), stride_h = x.stride(2);
+    }
+  }
+  int64_t offset(int64_t b, int64_t t, int64_t h) const {
+    return slots != nullptr ? h * stride_h + slots[b * L + t] * stride_t : b * stride_b + t * stride_t + h * stride_h;
+  }
+};
+
+// Checks q, k, v, the lengths and the slots against the contract (the head dim, which each kernel limits, aside);
+// `name` (the op) starts every message
 inline void check_prefill_rows(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& q_lens, const at::Tensor& kv_lens) {
+                               const at::Tensor& q_lens, const at::Tensor& kv_lens,
+                               const std::optional<at::Tensor>& slots) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), name, ": CPU tensors");
   const auto floats = [](const at::Tensor& t) {
     return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat;
   };
   TORCH_CHECK(floats(q) && floats(k) && v.scalar_type() == k.scalar_type(), name,
               ": q, k, v must be bfloat16 or float32 (k and v of one dtype)");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), name,
-              ": q [T, Hq, D], k and v [B, L, Hk, D] of one shape");
-  TORCH_CHECK(q.size(1) % k.size(2) == 0, name, ": ", q.size(1), " query heads are not a multiple of ", k.size(2),
+  if (slots) {
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), name,
+                ": with slots, q [T, Hq, D], k and v pools [Hk, num_slots, D] of one shape");
+    TORCH_CHECK(slots->device().is_cpu() && slots->scalar_type() == at::kLong && slots->dim() == 2 &&
+                    slots->is_contiguous(),
+                name, ": slots are a contiguous CPU int64 [B, L]");
+  } else {
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), name,
+                ": q [T, Hq, D], k and v [B, L, Hk, D] of one shape");
+  }
+  const KeyRows rows(k, slots);
+  TORCH_CHECK(q.size(1) % rows.Hk == 0, name, ": ", q.size(1), " query heads are not a multiple of ", rows.Hk,
               " KV heads");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1 && v.stride(3) == 1, name,
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(k.dim() - 1) == 1 && v.stride(v.dim() - 1) == 1, name,
               ": the head dim of q, k, v must be contiguous");
   for (const auto* t : {&q_lens, &kv_lens})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == k.size(0),
-                name, ": q_lens and kv_lens are CPU int64 [B] with B = k.size(0)");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == rows.B,
+                name, ": q_lens and kv_lens are CPU int64 [B] with B = k.size(0) (slots.size(0) with slots)");
   const int64_t* ql = q_lens.data_ptr<int64_t>();
   const int64_t* kl = kv_lens.data_ptr<int64_t>();
   int64_t total = 0;
-  for (int64_t b = 0; b < k.size(0); ++b) {
-    TORCH_CHECK(ql[b] >= 0 && ql[b] <= kl[b] && kl[b] <= k.size(1), name, ": row ", b, " has ", ql[b],
-                " queries and ", kl[b], " keys of ", k.size(1), " (need 0 <= queries <= keys <= L)");
+  for (int64_t b = 0; b < rows.B; ++b) {
+    TORCH_CHECK(ql[b] >= 0 && ql[b] <= kl[b] && kl[b] <= rows.L, name, ": row ", b, " has ", ql[b],
+                " queries and ", kl[b], " keys of ", rows.L, " (need 0 <= queries <= keys <= L)");
     total += ql[b];
+    if (slots) {
+      const int64_t* row = rows.slots + b * rows.L;
+      for (int64_t t = 0; t < kl[b]; ++t)
+        TORCH_CHECK(row[t] >= 0 && row[t] < k.size(1), name, ": row ", b, " key ", t, " at slot ", row[t],
+                    " outside the pool's ", k.size(1));
+    }
   }
   TORCH_CHECK(total == q.size(0), name, ": q_lens sum to ", total, ", q has ", q.size(0), " tokens");
 }
