@@ -20,13 +20,14 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    or bf16 where the caller asks (`prefill_compute_dtype`;
    GLMSERVE_BF16_ATTENTION=0 turns it off). There the causal prefill of a row (fresh, or a chunk over cached
    context with no offloaded keys) runs our bf16 kernel (csrc/prefill_attention.cpp: AMX tiles, or without them
-   float32 FMAs on widened bf16 (Intel) or vdpbf16ps (others)) instead of torch's SDPA, reading the gathered
-   keys in place of a mask (GLMSERVE_AMX_ATTENTION=0:
+   float32 FMAs on widened bf16 (Intel) or vdpbf16ps (others)) instead of torch's SDPA, reading a chunk's keys
+   without a mask (GLMSERVE_AMX_ATTENTION=0:
    SDPA; on CPUs without AMX then float32 SDPA, as torch's bf16 SDPA is no faster there:
    bench/bench_prefill_attention.py). On CPUs without AVX-512 (the avx2 build) a float32 prefill row (fresh, or a
    chunk over cached context with no offloaded keys) runs our float32 kernel (csrc/prefill_attention_f32.cpp) on the
    K/V as stored (float32 or bf16 pools; other formats widened to float32) instead of SDPA (GLMSERVE_AMX_ATTENTION=0:
-   SDPA).
+   SDPA). Both kernels read a chunk's cached keys from a float32 or bf16 pool by slot (no gathered copy); other pool
+   formats are gathered and dequantized first.
 
 Sparse decode (`glmserve.sparse`): when the decode group carries per-row settings (`sparse`), each
 non-dense row attends only to the slots its mode's scorer (`indexers[mode]`, fed on every write via
