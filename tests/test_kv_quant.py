@@ -17,7 +17,8 @@ from glmserve.kv.kv_io import kv_identity
 from glmserve.layers.partial_attention import paged_attention_with_lse
 from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
 
-# offloaded rows run float32 attention (tests/test_kv_offload.py): the resident engines compared with them too
+# float32 prefill on every CPU (conftest.py): the offload test compares offloaded rows (float32 attention,
+# tests/test_kv_offload.py) with a resident engine, and the formats' comparisons then do not depend on AMX
 pytestmark = pytest.mark.usefixtures("float32_prefill")
 
 QUANTIZED = ["int8", "fp8"]
