@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glmserve import LLM, SamplingParams
+from glmserve import LLM, SamplingParams, kernels
+from glmserve.layers.linear import BF16_ACTIVATIONS_ENV
 from glmserve.models import llama_decode
 from glmserve.models.llama_decode import FUSED_DECODE_ENV
+from glmserve.quant import cpu_backend
 
 GREEDY = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2)
 FRESH = {"enable_prefix_caching": False}  # both sides prefill alike (a cache hit attends over gathered context)
@@ -23,14 +25,15 @@ def _outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[f
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
-def _fused_and_modules(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple[list, list, int]:
-    """Outputs with the fused decode, with the module path, and how many steps the fused decode ran."""
+def _fused_and_modules(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple[list, list, list[int]]:
+    """Outputs with the fused decode, with the module path, and the rows of each step the fused decode ran."""
     ran = []
     real = llama_decode.run_decode
 
-    def counted(*args):
-        done = real(*args)
-        ran.append(done)
+    def counted(model, x, step):
+        done = real(model, x, step)
+        if done:
+            ran.append(x.shape[0])
         return done
 
     monkeypatch.setattr("glmserve.models.llama.run_decode", counted)
@@ -38,7 +41,7 @@ def _fused_and_modules(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple
     monkeypatch.setenv(FUSED_DECODE_ENV, "0")
     modules = _outputs(llm, prompts)
     monkeypatch.delenv(FUSED_DECODE_ENV)
-    return fused, modules, sum(ran)
+    return fused, modules, ran
 
 
 @pytest.mark.parametrize(("arch", "quantization", "kv"), [
@@ -53,7 +56,43 @@ def test_fused_decode_equals_module_path(arch, quantization, kv, tiny_model_dir,
               kv_cache_memory_bytes=4 << 20, kv_cache_dtype=kv, quantization=quantization, **FRESH)
     fused, modules, ran = _fused_and_modules(llm, PROMPTS, monkeypatch)
     assert fused == modules
-    assert ran >= GREEDY.max_tokens - 1  # every decode-only step took the fused path
+    assert len(ran) >= GREEDY.max_tokens - 1  # every decode-only step took the fused path
+
+
+@pytest.fixture
+def bf16_gemm_from_two_rows(monkeypatch) -> None:
+    """Batches of 2+ rows take the linears' bf16 GEMM (decode batches too, as 64+ rows do on AMX), where this CPU has
+    one (AMX, or AVX512-BF16 with GLMSERVE_AVX512_BF16_ROWS); the GEMM rows are read as the weights load."""
+    if kernels.amx_bf16():
+        monkeypatch.setattr(cpu_backend, "DENSE_MIN_ROWS", 2)
+    elif kernels.avx512_bf16():
+        monkeypatch.setenv(cpu_backend.AVX512_BF16_ROWS_ENV, "2")
+    else:
+        pytest.skip("no bf16 GEMM on this CPU (AMX or AVX512-BF16)")
+
+
+@pytest.mark.parametrize(("quantization", "kv"), [("int8", "bfloat16"), ("w4a16-asym", "float32")])
+def test_bf16_gemm_rows_equal_module_path(quantization, kv, tiny_model_dir, bf16_gemm_from_two_rows, monkeypatch):
+    """Decode batches on the bf16 GEMMs run the module path's bf16 flow as a straight line: the same floats; with
+    GLMSERVE_BF16_ACTIVATIONS=0 (float32 activations between the GEMMs) they stay on the module path."""
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
+              kv_cache_memory_bytes=4 << 20, kv_cache_dtype=kv, quantization=quantization, **FRESH)
+    fused, modules, ran = _fused_and_modules(llm, PROMPTS, monkeypatch)
+    assert fused == modules
+    assert len(ran) >= GREEDY.max_tokens - 1 and max(ran) == len(PROMPTS)
+    assert all(layer.dense is not None and layer.dense_rows == 2 for layer in llama_decode.decode_layers(
+        llm.engine.runner.model))
+    monkeypatch.setenv(BF16_ACTIVATIONS_ENV, "0")
+    fused, modules, ran = _fused_and_modules(llm, PROMPTS, monkeypatch)
+    assert fused == modules and set(ran) == {1}  # single rows still take the int8 tiles' calls
+
+
+def test_embedded_gguf_bf16_gemm_rows_equal_module_path(bf16_gemm_from_two_rows, monkeypatch):
+    """SmolLM2-135M's Q4_1 / Q8_0 blocks on the bf16 GEMM at three decode rows: the same tokens and logprobs."""
+    llm = LLM(model=None, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512,
+              kv_cache_memory_bytes=64 << 20, **FRESH)
+    fused, modules, ran = _fused_and_modules(llm, PROMPTS, monkeypatch)
+    assert fused == modules and len(ran) >= GREEDY.max_tokens - 1 and max(ran) == len(PROMPTS)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "glm4"])
@@ -61,7 +100,7 @@ def test_models_it_does_not_take_run_the_module_path(arch, tiny_model_dir, monke
     llm = LLM(model=str(tiny_model_dir(arch)), block_size=4, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20,
               **FRESH)
     fused, modules, ran = _fused_and_modules(llm, PROMPTS[:2], monkeypatch)
-    assert fused == modules and ran == 0
+    assert fused == modules and not ran
     assert llama_decode.decode_layers(llm.engine.runner.model) is None
 
 
@@ -71,7 +110,7 @@ def test_embedded_gguf_fused_decode_equals_module_path(cpu_isa, monkeypatch):
               kv_cache_memory_bytes=64 << 20, **FRESH)
     for prompts in (PROMPTS[:1], PROMPTS):
         fused, modules, ran = _fused_and_modules(llm, prompts, monkeypatch)
-        assert fused == modules and ran >= GREEDY.max_tokens - 1
+        assert fused == modules and len(ran) >= GREEDY.max_tokens - 1
 
 
 def test_step_conditions(tiny_model_dir):
@@ -82,9 +121,11 @@ def test_step_conditions(tiny_model_dir):
     model = llm.engine.runner.model
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
     layers = llama_decode.decode_layers(model)
-    assert layers is not None and all(layer.ready(1) for layer in layers)
+    assert layers is not None and all(layer.ready(1, dense_ok=True) for layer in layers)
     layers[0].max_rows = 1
-    assert not layers[0].ready(1)
+    assert not layers[0].ready(1, dense_ok=True)  # and one row is under every bf16 GEMM's rows
     x = torch.zeros(1, model.config.hidden_size)
-    assert not llama_decode.run_decode(model, x, None) and torch.equal(x, torch.zeros_like(x))
+    unused = torch.empty(0)
+    step = llama_decode.DecodeStep(llama_decode.DecodeKernels.resolve(), *[unused] * 5, dense_ok=True)
+    assert not llama_decode.run_decode(model, x, step) and torch.equal(x, torch.zeros_like(x))
     assert llama_decode.decode_step(model, x, torch.zeros(1, dtype=torch.long), None) is None  # no paged attention

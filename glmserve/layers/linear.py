@@ -199,6 +199,16 @@ class QuantizedLinear(nn.Module):
         fused = getattr(segment.backend, "small_batch_swiglu", None)
         return None if fused is None else fused(segment.prepared)
 
+    def dense_batch(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """`forward` of bf16 contiguous [T, in] rows as one bound call returning bf16 (the backend's bf16 GEMM,
+        `dense_batch`), and the row count from which `forward` takes that GEMM; None where the weight runs as several
+        segments, has a bias or runs every batch on one path."""
+        if len(self._segments) != 1 or self.bias is not None:
+            return None
+        segment = self._segments[0]
+        dense = getattr(segment.backend, "dense_batch", None)
+        return None if dense is None else dense(segment.prepared)
+
     def takes_bf16(self, rows: int) -> bool:
         """True where every segment runs `rows` rows as a bf16 GEMM (its backend's `bf16_rows`, without bias):
         bf16 inputs then come back in bf16 with no float32 round trip."""
@@ -260,6 +270,12 @@ def swiglu_matmul(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Ten
     call, and the row count from which it does not stand for the module's forward + silu_and_mul: a QuantizedLinear's
     `small_batch_swiglu`; None otherwise (the caller runs the projection, then silu_and_mul)."""
     return linear.small_batch_swiglu() if isinstance(linear, QuantizedLinear) else None
+
+
+def dense_batch_matmul(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+    """y = linear(x) in bf16 for bf16 contiguous CPU rows x [T, in] from the row count where the module's forward
+    runs a bf16 GEMM (that count is returned too): a QuantizedLinear's `dense_batch`; None otherwise."""
+    return linear.dense_batch() if isinstance(linear, QuantizedLinear) else None
 
 
 def _same_run(prev: CheckpointTensor, part: CheckpointTensor, scheme: Scheme) -> bool:

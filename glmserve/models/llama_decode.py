@@ -15,15 +15,22 @@ by the next layer's fused add + norm (add_rms_norm's add is the float32 add `x.a
 KV write are one call (kernels `rope_store_kv`: the math of rope_neox_ and store_kv, and the keys read back as
 kv_format's `roundtrip` gives them), which reads the step's [T, R] rope tables made once.
 
+Batches from the rows where the linears' forwards take the bf16 GEMM (AMX CPUs: 64, quant/cpu_backend.py
+DENSE_MIN_ROWS) run the module path's bf16 flow as a straight line too (`DecodeLayer._dense`): each norm rounds its
+output to bf16 for the GEMM after it, q/k/v come back widened to float32 for rope, the KV write and attention, whose
+output is rounded to bf16 for o_proj, and the MLP stays bf16 (gate-up, SwiGLU, down) until its output is added.
+
 A step or model that does not qualify runs the module path: prefill rows, sparse or offloaded decode rows, a KV pool
 that is not float32 or bf16, per-head q/k norms (Qwen3), interleaved rope, a residual stream that is not float32 and
-contiguous on CPU, a linear without a bound call or a batch from the rows where one takes another path (the bf16
-GEMM), a kernel that is not available, or GLMSERVE_FUSED_DECODE=0.
+contiguous on CPU, a linear without a bound call, a batch between the rows where one linear takes the bf16 GEMM and
+those where all do (or bf16 GEMM rows with GLMSERVE_BF16_ACTIVATIONS=0), a kernel that is not available, or
+GLMSERVE_FUSED_DECODE=0.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
@@ -32,7 +39,7 @@ import torch
 
 from glmserve import kernels
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
-from glmserve.layers.linear import small_batch_matmul, swiglu_matmul
+from glmserve.layers.linear import BF16_ACTIVATIONS_ENV, dense_batch_matmul, small_batch_matmul, swiglu_matmul
 
 if TYPE_CHECKING:
     from glmserve.models.llama import DecoderOnlyLM, LlamaDecoderLayer
@@ -44,24 +51,30 @@ Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class DecodeKernels:
-    """The C++ ops of a decode layer (kernels/dispatch.py), looked up once per step."""
+    """The C++ ops of a decode layer (kernels/dispatch.py), looked up once per step; `silu_and_mul_bf16` (the bf16
+    GEMM rows' SwiGLU) may be missing: those rows then run the module path."""
 
     add_rms_norm: Callable
     rope_store_kv: Callable
     paged_decode: Callable
     silu_and_mul: Callable
+    silu_and_mul_bf16: Callable | None
 
     @classmethod
     def resolve(cls) -> DecodeKernels | None:
         cpu = torch.device("cpu")
-        found = {f.name: kernels.op(f.name, cpu, torch.float32) for f in fields(cls)}
-        return None if any(k is None for k in found.values()) else cls(**found)
+        found = {f.name: kernels.op(f.name, cpu, torch.float32) for f in fields(cls) if f.name != "silu_and_mul_bf16"}
+        if any(k is None for k in found.values()):
+            return None
+        return cls(**found, silu_and_mul_bf16=kernels.op("silu_and_mul", cpu, torch.bfloat16))
 
 
 @dataclass(frozen=True)
 class DecodeStep:
     """What every layer of one decode-only step reads: kernels, rope tables [T, R] at the positions, the KV write's
-    slots [T] and the decode group's key slots [T, L] and lengths [T]."""
+    slots [T] and the decode group's key slots [T, L] and lengths [T]; `dense_ok`: bf16 GEMM rows may run here
+    (the bf16 SwiGLU kernel is there, and GLMSERVE_BF16_ACTIVATIONS is not "0": their module path's activations are
+    then bf16 between the linears)."""
 
     kernels: DecodeKernels
     cos: torch.Tensor
@@ -69,6 +82,7 @@ class DecodeStep:
     slot_mapping: torch.Tensor
     kv_slots: torch.Tensor
     context_lens: torch.Tensor
+    dense_ok: bool
 
 
 def decode_step(model: DecoderOnlyLM, x: torch.Tensor, positions: torch.Tensor,
@@ -87,13 +101,15 @@ def decode_step(model: DecoderOnlyLM, x: torch.Tensor, positions: torch.Tensor,
     if found is None:
         return None
     return DecodeStep(found, rope.cos_table[positions], rope.sin_table[positions], meta.slot_mapping, g.kv_slots,
-                      g.context_lens)
+                      g.context_lens,
+                      found.silu_and_mul_bf16 is not None and os.environ.get(BF16_ACTIVATIONS_ENV) != "0")
 
 
 class DecodeLayer:
     """One LlamaDecoderLayer's decode calls, resolved once (`of`)."""
 
-    def __init__(self, layer: LlamaDecoderLayer, matmuls: list[tuple[Matmul, int]], gated: tuple[Matmul, int] | None):
+    def __init__(self, layer: LlamaDecoderLayer, matmuls: list[tuple[Matmul, int]], gated: tuple[Matmul, int] | None,
+                 dense: list[tuple[Matmul, int] | None]):
         attn = layer.self_attn
         self.attn: PagedAttention = attn.attn
         self.heads = attn.num_heads
@@ -103,6 +119,9 @@ class DecodeLayer:
         self.gated = gated[0] if gated is not None else None
         limits = [limit for _, limit in matmuls] + ([gated[1]] if gated is not None else [])
         self.max_rows = min(limits)  # batches from here: a linear's forward differs
+        # qkv, o, gate-up, down as their bf16 GEMMs, and the rows from which every forward takes its GEMM
+        self.dense = None if None in dense else tuple(matmul for matmul, _ in dense)
+        self.dense_rows = sys.maxsize if self.dense is None else max(rows for _, rows in dense)
         self._pool: torch.Tensor | None = None
         self._halves: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -118,31 +137,53 @@ class DecodeLayer:
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != torch.float32 for w in norms):
             return None
-        matmuls = [small_batch_matmul(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        return None if any(m is None for m in matmuls) else cls(layer, matmuls, swiglu_matmul(mlp.gate_up_proj))
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        matmuls = [small_batch_matmul(m) for m in linears]
+        if any(m is None for m in matmuls):
+            return None
+        return cls(layer, matmuls, swiglu_matmul(mlp.gate_up_proj), [dense_batch_matmul(m) for m in linears])
 
-    def ready(self, rows: int) -> bool:
+    def ready(self, rows: int, dense_ok: bool) -> bool:
         """Whether this step's `rows` rows run here: a float32 or bf16 pool (its halves kept while it stays bound),
-        fewer rows than where a linear takes another path."""
+        and fewer rows than where a linear takes another path or, where bf16 GEMM rows may run (`dense_ok`), enough
+        for every linear's bf16 GEMM."""
         pool = self.attn.kv_cache
-        if pool is None or pool.dtype not in (torch.float32, torch.bfloat16) or rows >= self.max_rows:
+        if pool is None or pool.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if rows >= self.max_rows and not (dense_ok and rows >= self.dense_rows):
             return False
         if pool is not self._pool:
             self._pool, self._halves = pool, (pool[0], pool[1])
         return True
 
     def __call__(self, x: torch.Tensor, delta: torch.Tensor, step: DecodeStep) -> torch.Tensor:
-        """x: the residual stream [T, hidden] (float32), += delta (the previous layer's MLP output, or empty) in
-        place; returns this layer's MLP output (not yet added)."""
-        k, t = step.kernels, x.shape[0]
+        """x: the residual stream [T, hidden] (float32), += delta (the previous layer's MLP output, float32 or bf16,
+        or empty) in place; returns this layer's MLP output (not yet added)."""
+        if x.shape[0] >= self.max_rows:
+            return self._dense(x, delta, step)
+        k = step.kernels
         h = k.add_rms_norm(x, delta, self.norm_in.weight, self.norm_in.eps, False)
+        h = k.add_rms_norm(x, self.o_proj(self._attend(self.qkv(h), step)), self.norm_post.weight, self.norm_post.eps,
+                           False)
+        return self.down(self.gated(h) if self.gated is not None else k.silu_and_mul(self.gate_up(h)))
+
+    def _dense(self, x: torch.Tensor, delta: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """`__call__` where every linear runs its bf16 GEMM, as the module path's bf16 flow (models/llama.py
+        `_gemm_dtype`); returns the MLP's output in bf16."""
+        k, (qkv, o_proj, gate_up, down) = step.kernels, self.dense
+        h = k.add_rms_norm(x, delta, self.norm_in.weight, self.norm_in.eps, True)
+        out = self._attend(qkv(h).to(torch.float32), step).to(torch.bfloat16)
+        h = k.add_rms_norm(x, o_proj(out), self.norm_post.weight, self.norm_post.eps, True)
+        return down(k.silu_and_mul_bf16(gate_up(h)))
+
+    def _attend(self, qkv: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """Rope, the KV write and decode attention of the float32 qkv projection [T, (H + 2 Hkv) D] -> [T, H D]."""
+        k, t = step.kernels, qkv.shape[0]
         k_cache, v_cache = self._halves
-        q, key = k.rope_store_kv(self.qkv(h), self.heads, step.cos, step.sin, k_cache, v_cache, step.slot_mapping)
+        q, key = k.rope_store_kv(qkv, self.heads, step.cos, step.sin, k_cache, v_cache, step.slot_mapping)
         for indexer in self.attn.indexers.values():  # the keys as the pool holds them, as PagedAttention shows them
             indexer.on_kv_written(step.slot_mapping, key, self._pool)
-        out = k.paged_decode(q, k_cache, v_cache, step.kv_slots, step.context_lens, self.attn.scale)
-        h = k.add_rms_norm(x, self.o_proj(out.view(t, -1)), self.norm_post.weight, self.norm_post.eps, False)
-        return self.down(self.gated(h) if self.gated is not None else k.silu_and_mul(self.gate_up(h)))
+        return k.paged_decode(q, k_cache, v_cache, step.kv_slots, step.context_lens, self.attn.scale).view(t, -1)
 
 
 def decode_layers(model: DecoderOnlyLM) -> list[DecodeLayer] | None:
@@ -158,7 +199,7 @@ def run_decode(model: DecoderOnlyLM, x: torch.Tensor, step: DecodeStep) -> bool:
     layer does not take this step (the caller runs the module path)."""
     layers = decode_layers(model)
     rows = x.shape[0]
-    if layers is None or not all(layer.ready(rows) for layer in layers):
+    if layers is None or not all(layer.ready(rows, step.dense_ok) for layer in layers):
         return False
     delta = _NO_DELTA
     for layer in layers:

@@ -168,6 +168,13 @@ class CpuBlockBackend:
         fused = kernels.op("quant_linear_swiglu", torch.device("cpu"), torch.float32)
         return None if fused is None or prepared.out_features % (2 * ROWS) else _bound(fused, prepared)
 
+    def dense_batch(self, prepared: PackedWeight) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """`apply` of bf16 contiguous [T, in] rows without bias from the row count where it takes the bf16 GEMM
+        (`bf16_rows`), as one bound call returning bf16 (`dense_apply`, as `apply` calls it), and that row count;
+        None where this CPU runs every batch on the int8 tiles."""
+        p = prepared
+        return None if p.dense_path is None else ((lambda x: dense_apply(p, x)), p.dense_path.min_rows)
+
     def bf16_rows(self, prepared: PackedWeight, rows: int) -> bool:
         """True where `apply` runs `rows` rows as the bf16 GEMM (`dense_apply`): AMX CPUs from DENSE_MIN_ROWS
         rows, CPUs with AVX512-BF16 but no AMX from GLMSERVE_AVX512_BF16_ROWS rows where it is set. There bf16
