@@ -4,10 +4,13 @@ source under a module name of its own (ab_quant_kernels.build_a), B this checkou
 machine load hits both alike. Batch `--batch`
 sequences of each context, SmolLM2's attention shape (9 query heads, 3 kv heads, head_dim 64), slots in shuffled
 blocks of 16; the calls cycle over layer pools of at least `--pool-mb` MB of float32 K/V, so that the keys come
-from memory as in an engine step. Prints ms per call (medians of `--repeats`) and B's speed-up over A.
+from memory as in an engine step. `--mixed`: each sequence's length drawn uniformly from [context / 10, context] (a
+server's batch of mixed lengths; the bench's 64 requests of 100..1,000 tokens); `--threads`: intra-op threads. Prints
+ms per call (medians of `--repeats`) and B's speed-up over A.
 
     git show main:glmserve/kernels/csrc/paged_decode.cpp > /tmp/pd_main.cpp
     .venv/bin/python bench/paged_decode_ab.py /tmp/pd_main.cpp [--contexts 160,1024,4096] [--formats float32,bfloat16]
+        [--batch 32] [--mixed] [--threads 1]
 
 (Loading two built .so files of one kernel side by side does not work: the second load returns the first module.)
 """
@@ -29,16 +32,19 @@ from glmserve.kv.kv_format import kv_format, store
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 
-def decode_case(context: int, batch: int, pool_mb: int, gen: torch.Generator):
+def decode_case(context: int, batch: int, pool_mb: int, gen: torch.Generator, mixed: bool):
     """Random q [batch, HEADS, DIM], k, v [slots, KV_HEADS, DIM], each sequence's `context` slots (shuffled blocks
-    of BLOCK), lengths, and how many layer pools make at least `pool_mb` MB of float32 K/V."""
+    of BLOCK), lengths (`context`, or with `mixed` uniform in [context / 10, context]), and how many layer pools make
+    at least `pool_mb` MB of float32 K/V."""
     slots_per_layer = batch * -(-context // BLOCK) * BLOCK
     layers = max(1, -(-(pool_mb << 20) // (2 * KV_HEADS * slots_per_layer * DIM * 4)))
     k, v = (torch.randn(slots_per_layer, KV_HEADS, DIM, generator=gen) for _ in range(2))
     q = torch.randn(batch, HEADS, DIM, generator=gen)
     blocks = torch.randperm(slots_per_layer // BLOCK, generator=gen)
     slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(batch, -1)[:, :context].contiguous()
-    return q, k, v, slots, torch.full((batch,), context), layers
+    lengths = (torch.randint(max(1, context // 10), context + 1, (batch,), generator=gen) if mixed
+               else torch.full((batch,), context))
+    return q, k, v, slots, lengths, layers
 
 
 def layer_pools(name: str, k: torch.Tensor, v: torch.Tensor, layers: int) -> list[torch.Tensor]:
@@ -59,16 +65,18 @@ def main() -> None:
     parser.add_argument("--pool-mb", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=12)
+    parser.add_argument("--mixed", action="store_true", help="lengths uniform in [context / 10, context]")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     ops = {"A": build_a(args.a_source).paged_decode, "B": load("paged_decode", active_isa()).paged_decode}
     gen = torch.Generator().manual_seed(0)
-    print(f"batch {args.batch}, {HEADS} heads / {KV_HEADS} kv heads / D {DIM}, 1 thread; ms per call (median of "
-          f"{args.repeats})")
+    print(f"batch {args.batch}{' of mixed lengths' if args.mixed else ''}, {HEADS} heads / {KV_HEADS} kv heads / D "
+          f"{DIM}, {args.threads} thread(s); ms per call (median of {args.repeats})")
     print("| context | KV format | A ms | B ms | B speed-up |")
     print("|---|---|---|---|---|")
     for context in (int(c) for c in args.contexts.split(",")):
-        q, k, v, slots, lengths, layers = decode_case(context, args.batch, args.pool_mb, gen)
+        q, k, v, slots, lengths, layers = decode_case(context, args.batch, args.pool_mb, gen, args.mixed)
         for name in args.formats.split(","):
             pools = layer_pools(name, k, v, layers)
             first = pools[0]

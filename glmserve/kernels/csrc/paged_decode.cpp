@@ -3,7 +3,7 @@
 // One query token per sequence. For each (sequence, kv head) the kernel reads that head's keys
 // and values once, by slot, without gathering them into a temporary: scores for the g query
 // heads that share the kv head, a softmax, then the weighted sum of values. Work is split over
-// (sequence, kv head) pairs with at::parallel_for. Layouts follow glmserve/layers/attention.py:
+// (sequence, kv head) pairs with at::parallel_for, in runs of equal keys per thread. Layouts follow glmserve/layers/attention.py:
 // q [B, H, D] float32, cache k/v [Hkv, slots, W], slots [B, L] int64, context lengths [B] int64,
 // out [B, H, D] float32; `paged_decode_lse` also returns each head's log-sum-exp of scores [B, H]
 // (float32), to merge with attention over keys elsewhere (KV offload).
@@ -450,6 +450,32 @@ bool decode_task_simd_any(int64_t chunks, const float* q, const typename Rows::s
 }
 #endif
 
+// A task's fixed work (its scratch, the softmax pass, the output rows) counted as this many keys, for the split below
+constexpr int64_t kTaskKeys = 32;
+
+// The threads' shares of the B * Hkv (sequence, kv head) tasks: share s is tasks [cuts[s], cuts[s + 1]), contiguous
+// runs of about equal cost (keys read + kTaskKeys each), not of equal count: an equal count of sequences of mixed
+// lengths (a server's batch; the bench's 64 requests of 100..1,000 tokens) left one of two threads waiting for the
+// other's longer half. A task goes to the share its middle falls in.
+std::vector<int64_t> balanced_shares(const int64_t* ctx_lens, int64_t B, int64_t Hkv, int64_t shares) {
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += Hkv * (ctx_lens[b] + kTaskKeys);
+  std::vector<int64_t> cuts(shares + 1, B * Hkv);
+  cuts[0] = 0;
+  int64_t task = 0, done = 0;  // done: the cost of tasks [0, task)
+  for (int64_t s = 1; s < shares; ++s) {
+    const double target = static_cast<double>(total) * s / shares;
+    while (task < B * Hkv) {
+      const int64_t cost = ctx_lens[task / Hkv] + kTaskKeys;
+      if (done + 0.5 * cost > target) break;
+      done += cost;
+      ++task;
+    }
+    cuts[s] = task;
+  }
+  return cuts;
+}
+
 template <typename Rows>
 void decode_kernel(const float* q, const typename Rows::storage* k_cache, const typename Rows::storage* v_cache,
                    const int64_t* slots, const int64_t* ctx_lens, float* out, float* lse, int64_t B, int64_t H,
@@ -457,7 +483,7 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
   using cache_t = typename Rows::storage;
   const int64_t group = H / Hkv;
   const int64_t W = D + Rows::extra;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  auto run_tasks = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(group * D);
 #ifdef GLMSERVE_PAGED_SIMD
@@ -536,6 +562,11 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
         for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d];
       }
     }
+  };
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B * Hkv));
+  const std::vector<int64_t> cuts = balanced_shares(ctx_lens, B, Hkv, shares);
+  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) run_tasks(cuts[s], cuts[s + 1]);
   });
 }
 
