@@ -2,8 +2,8 @@
 (fixture cpu_isa: the avx512 build's 16-lane SIMD path, the avx2 build's 8-lane one, the scalar loop) against
 plain float64 softmax attention over the stored (dequantized) keys and values: every KV format, head sizes that
 take the SIMD path and ones that fall back to the scalar loop, query-head groups of 1, 3, 4, 5 (a tile of 4 and
-one of 1 on AVX-512) and 8 (two tiles of heads), and context lengths around the lane count (the reduction's partial
-last chunk) and the exp's underflow."""
+one of 1 on AVX-512) and 8 (two tiles of heads), context lengths around the lane count (the reduction's partial
+last chunk) and around the parts of 1,024 keys that long rows run in, and the exp's underflow."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8"]
 
 def _case(fmt_name: str, heads: int, kv_heads: int, dim: int, lengths: list[int], seed: int, q_scale: float = 1.0):
     gen = torch.Generator().manual_seed(seed)
-    b, slots_n = len(lengths), 200
+    b, slots_n = len(lengths), max(200, max(lengths) + 1)
     q = torch.randn(b, heads, dim, generator=gen) * q_scale
     k, v = torch.randn(slots_n, kv_heads, dim, generator=gen), torch.randn(slots_n, kv_heads, dim, generator=gen)
     width = max(lengths)
@@ -89,6 +89,34 @@ def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
     half = torch.zeros(2, kv_heads, slots_n, dim, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 caches"):
         kernels.op("store_kv", k.device, k.dtype)(half[0], half[1], slots, k, v)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (6, 2, 20)])  # the SIMD tiles, the scalar loop
+def test_long_rows_run_in_parts_merged_by_log_sum_exp(cpu_isa, fmt, heads, kv_heads, dim):
+    """Rows of more than 1,024 keys (kPartKeys) run as parts of 1,024, merged by their log-sum-exps: the float64
+    attention's outputs and log-sum-exps, at a part's edge (1,024 keys: one part; 1,025: a last part of one key),
+    beside short rows, and the same floats at one thread as at two and three (the parts do not depend on them)."""
+    q, cache, slots, lengths = _case(fmt, heads, kv_heads, dim, [1024, 1025, 5, 2048, 3000, 2049], seed=21)
+    scale = dim**-0.5
+    op = kernels.op("paged_decode_lse", q.device, q.dtype)
+    seen = dequantize(cache, torch.float32)
+    want, want_lse = reference_decode(q, seen[0], seen[1], slots, lengths, scale)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(op(q, cache[0], cache[1], slots, lengths, scale))
+    finally:
+        torch.set_num_threads(before)
+    out, lse = outs[0]
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=2e-5, atol=2e-5)
+    for got in outs[1:]:
+        assert all(torch.equal(g, w) for g, w in zip(got, outs[0]))
+    plain = kernels.op("paged_decode", q.device, q.dtype)(q, cache[0], cache[1], slots, lengths, scale)
+    assert torch.equal(plain, out)
 
 
 @pytest.mark.parametrize("threads", [2, 3, 7])

@@ -3,7 +3,8 @@
 // One query token per sequence. For each (sequence, kv head) the kernel reads that head's keys
 // and values once, by slot, without gathering them into a temporary: scores for the g query
 // heads that share the kv head, a softmax, then the weighted sum of values. Work is split over
-// (sequence, kv head) pairs with at::parallel_for, in runs of equal keys per thread. Layouts follow glmserve/layers/attention.py:
+// (sequence, kv head) pairs with at::parallel_for, in runs of equal keys per thread; a pair of more than 1,024 keys
+// runs as parts of 1,024 merged by their log-sum-exps (kPartKeys). Layouts follow glmserve/layers/attention.py:
 // q [B, H, D] float32, cache k/v [Hkv, slots, W], slots [B, L] int64, context lengths [B] int64,
 // out [B, H, D] float32; `paged_decode_lse` also returns each head's log-sum-exp of scores [B, H]
 // (float32), to merge with attention over keys elsewhere (KV offload).
@@ -450,30 +451,59 @@ bool decode_task_simd_any(int64_t chunks, const float* q, const typename Rows::s
 }
 #endif
 
-// A task's fixed work (its scratch, the softmax pass, the output rows) counted as this many keys, for the split below
+// A work item's fixed work (its scratch, the softmax pass, the output rows) counted as this many keys, for the split below
 constexpr int64_t kTaskKeys = 32;
+// A task of more keys than this runs as parts of kPartKeys keys, each a work item of its own whose normalized output and
+// log-sum-exp are merged after (the split over keys of FlashDecoding, Dao et al. 2023; vLLM's paged attention v2 uses
+// partitions of 512): batch 1 at long context has only Hkv tasks (3 for SmolLM2) for all the threads. Fixed, not
+// derived from the thread count, so that the floats do not depend on how many threads run.
+constexpr int64_t kPartKeys = 1024;
 
-// The threads' shares of the B * Hkv (sequence, kv head) tasks: share s is tasks [cuts[s], cuts[s + 1]), contiguous
-// runs of about equal cost (keys read + kTaskKeys each), not of equal count: an equal count of sequences of mixed
-// lengths (a server's batch; the bench's 64 requests of 100..1,000 tokens) left one of two threads waiting for the
-// other's longer half. A task goes to the share its middle falls in.
-std::vector<int64_t> balanced_shares(const int64_t* ctx_lens, int64_t B, int64_t Hkv, int64_t shares) {
+// One work item: keys [k0, k0 + n) of task (b, h), its output rows and log-sum-exps (null: none wanted) at out / lse.
+struct WorkItem {
+  int64_t b, h, k0, n;
+  float* out;
+  float* lse;
+};
+
+// The threads' shares of the items: share s is items [cuts[s], cuts[s + 1]), contiguous runs of about equal cost (keys
+// read + kTaskKeys each), not of equal count: an equal count of sequences of mixed lengths (a server's batch; the
+// bench's 64 requests of 100..1,000 tokens) left one of two threads waiting for the other's longer half. An item goes
+// to the share its middle falls in.
+std::vector<int64_t> balanced_shares(const std::vector<WorkItem>& items, int64_t shares) {
+  const int64_t count = static_cast<int64_t>(items.size());
   int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += Hkv * (ctx_lens[b] + kTaskKeys);
-  std::vector<int64_t> cuts(shares + 1, B * Hkv);
+  for (const WorkItem& item : items) total += item.n + kTaskKeys;
+  std::vector<int64_t> cuts(shares + 1, count);
   cuts[0] = 0;
-  int64_t task = 0, done = 0;  // done: the cost of tasks [0, task)
+  int64_t i = 0, done = 0;  // done: the cost of items [0, i)
   for (int64_t s = 1; s < shares; ++s) {
     const double target = static_cast<double>(total) * s / shares;
-    while (task < B * Hkv) {
-      const int64_t cost = ctx_lens[task / Hkv] + kTaskKeys;
-      if (done + 0.5 * cost > target) break;
-      done += cost;
-      ++task;
-    }
-    cuts[s] = task;
+    for (; i < count && done + 0.5 * (items[i].n + kTaskKeys) <= target; ++i) done += items[i].n + kTaskKeys;
+    cuts[s] = i;
   }
   return cuts;
+}
+
+// out / lse of a task run in `parts` parts: each part's normalized rows out_p [group, D] and log-sum-exps lse_p [group]
+// (part p at part_out + p * group * D, part_lse + p * group) weighted by exp(lse_p - lse) with lse = log sum_p exp(lse_p)
+void merge_parts(const float* part_out, const float* part_lse, int64_t parts, int64_t group, int64_t D, float* out,
+                 float* lse) {
+  for (int64_t g = 0; g < group; ++g) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part_lse[p * group + g]);
+    float sum = 0.f;
+    for (int64_t p = 0; p < parts; ++p) sum += std::exp(part_lse[p * group + g] - mx);
+    float* o = out + g * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float w = std::exp(part_lse[p * group + g] - mx) / sum;
+      const float* x = part_out + (p * group + g) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += w * x[d];
+    }
+    if (lse != nullptr) lse[g] = mx + std::log(sum);
+  }
 }
 
 template <typename Rows>
@@ -483,16 +513,42 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
   using cache_t = typename Rows::storage;
   const int64_t group = H / Hkv;
   const int64_t W = D + Rows::extra;
-  auto run_tasks = [&](int64_t begin, int64_t end) {
+  // the work items in task order; a split task's parts write into `partial` (rows, then log-sum-exps)
+  std::vector<WorkItem> items;
+  std::vector<int64_t> split_tasks;  // tasks in parts, each followed by its first part's index in partial
+  int64_t part_rows = 0;
+  for (int64_t task = 0; task < B * Hkv; ++task) {
+    const int64_t n = ctx_lens[task / Hkv];
+    if (n > kPartKeys) {
+      split_tasks.insert(split_tasks.end(), {task, part_rows});
+      part_rows += (n + kPartKeys - 1) / kPartKeys;
+    }
+  }
+  std::vector<float> partial(part_rows * group * (D + 1));
+  float* part_out = partial.data();
+  float* part_lse = part_out + part_rows * group * D;
+  for (int64_t task = 0, part = 0; task < B * Hkv; ++task) {
+    const int64_t b = task / Hkv, h = task % Hkv, n = ctx_lens[b], first = (b * H + h * group);
+    if (n <= kPartKeys) {
+      items.push_back({b, h, 0, n, out + first * D, lse != nullptr ? lse + first : nullptr});
+      continue;
+    }
+    for (int64_t k0 = 0; k0 < n; k0 += kPartKeys, ++part)
+      items.push_back({b, h, k0, std::min(kPartKeys, n - k0), part_out + part * group * D, part_lse + part * group});
+  }
+  auto run_items = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(group * D);
 #ifdef GLMSERVE_PAGED_SIMD
-    int64_t fetched = 0;  // how many of this task's first keys the previous one fetched
+    int64_t fetched = 0;  // how many of this item's first keys the previous one fetched
 #endif
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv;
-      const int64_t h = task % Hkv;
-      const int64_t n = ctx_lens[b];
+    for (int64_t i = begin; i < end; ++i) {
+      const WorkItem& item = items[i];
+      const int64_t b = item.b, h = item.h, n = item.n;
+      const int64_t* seq_slots = slots + b * L + item.k0;
+      const cache_t* kh = k_cache + h * num_slots * W;
+      const cache_t* vh = v_cache + h * num_slots * W;
+      const float* qh = q + (b * H + h * group) * D;
 #ifdef GLMSERVE_PAGED_SIMD
       if constexpr (HasSimdRows<cache_t>::value) {
         if (D % Simd::N == 0 && n > 0) {
@@ -502,26 +558,20 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
           float* scratch = scores.data();
           scratch += (Simd::N - reinterpret_cast<uintptr_t>(scratch) / sizeof(float) % Simd::N) % Simd::N;
           NextKeys<Rows> next;
-          if (task + 1 < end) {
-            const int64_t nb = (task + 1) / Hkv;
-            next = {k_cache + (task + 1) % Hkv * num_slots * W, slots + nb * L,
-                    std::min(ctx_lens[nb], next_key_rows<cache_t>(W))};
+          if (i + 1 < end) {
+            const WorkItem& after = items[i + 1];
+            next = {k_cache + after.h * num_slots * W, slots + after.b * L + after.k0,
+                    std::min(after.n, next_key_rows<cache_t>(W))};
           }
           const int64_t this_fetched = std::exchange(fetched, next.n);
-          if (decode_task_simd_any<Rows>(D / Simd::N, q + (b * H + h * group) * D, k_cache + h * num_slots * W,
-                                         v_cache + h * num_slots * W, slots + b * L, n, group, scale, scratch,
-                                         out + (b * H + h * group) * D,
-                                         lse != nullptr ? lse + b * H + h * group : nullptr, next, this_fetched))
+          if (decode_task_simd_any<Rows>(D / Simd::N, qh, kh, vh, seq_slots, n, group, scale, scratch, item.out,
+                                         item.lse, next, this_fetched))
             continue;
           fetched = 0;
         }
       }
 #endif
       scores.assign(group * n, 0.f);
-      const int64_t* seq_slots = slots + b * L;
-      const cache_t* kh = k_cache + h * num_slots * W;
-      const cache_t* vh = v_cache + h * num_slots * W;
-      const float* qh = q + (b * H + h * group) * D;
       for (int64_t j = 0; j < n; ++j) {
         const cache_t* krow = kh + seq_slots[j] * W;
         const float row_scale = scale * Rows::scale(krow, D);
@@ -544,7 +594,7 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
         }
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-        if (lse != nullptr) lse[b * H + h * group + g] = mx + std::log(sum);
+        if (item.lse != nullptr) item.lse[g] = mx + std::log(sum);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
@@ -557,16 +607,23 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
           for (int64_t d = 0; d < D; ++d) a[d] += p * Rows::value(vrow[d]);
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = out + (b * H + h * group + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d];
-      }
+      std::copy(acc.begin(), acc.end(), item.out);
     }
   };
-  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B * Hkv));
-  const std::vector<int64_t> cuts = balanced_shares(ctx_lens, B, Hkv, shares);
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  const std::vector<int64_t> cuts = balanced_shares(items, shares);
   at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) run_tasks(cuts[s], cuts[s + 1]);
+    for (int64_t s = begin; s < end; ++s) run_items(cuts[s], cuts[s + 1]);
+  });
+  const int64_t splits = static_cast<int64_t>(split_tasks.size()) / 2;
+  at::parallel_for(0, splits, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t task = split_tasks[2 * i], part = split_tasks[2 * i + 1], b = task / Hkv, h = task % Hkv;
+      const int64_t first = b * H + h * group, parts = (ctx_lens[b] + kPartKeys - 1) / kPartKeys;
+      merge_parts(part_out + part * group * D, part_lse + part * group, parts, group, D, out + first * D,
+                  lse != nullptr ? lse + first : nullptr);
+    }
   });
 }
 
