@@ -193,21 +193,22 @@ class QuantizedLinear(nn.Module):
         [T, in] rows as one bound call (the backend's `small_batch_swiglu`), and the row count from which it does not
         stand for forward + silu_and_mul; None where the weight is several segments, has a bias or the backend has
         no such call."""
-        if len(self._segments) != 1 or self.bias is not None:
-            return None
-        segment = self._segments[0]
-        fused = getattr(segment.backend, "small_batch_swiglu", None)
-        return None if fused is None else fused(segment.prepared)
+        return self._bound_backend_call("small_batch_swiglu")
 
     def dense_batch(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
         """`forward` of bf16 contiguous [T, in] rows as one bound call returning bf16 (the backend's bf16 GEMM,
         `dense_batch`), and the row count from which `forward` takes that GEMM; None where the weight runs as several
         segments, has a bias or runs every batch on one path."""
+        return self._bound_backend_call("dense_batch")
+
+    def _bound_backend_call(self, name: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """The backend's `name(prepared)` (a bound call and its row limit) of a single-segment weight without bias;
+        None otherwise or where the backend has no such method (or gives none)."""
         if len(self._segments) != 1 or self.bias is not None:
             return None
         segment = self._segments[0]
-        dense = getattr(segment.backend, "dense_batch", None)
-        return None if dense is None else dense(segment.prepared)
+        method = getattr(segment.backend, name, None)
+        return None if method is None else method(segment.prepared)
 
     def takes_bf16(self, rows: int) -> bool:
         """True where every segment runs `rows` rows as a bf16 GEMM (its backend's `bf16_rows`, without bias):

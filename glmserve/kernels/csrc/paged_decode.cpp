@@ -515,12 +515,12 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
   const int64_t W = D + Rows::extra;
   // the work items in task order; a split task's parts write into `partial` (rows, then log-sum-exps)
   std::vector<WorkItem> items;
-  std::vector<int64_t> split_tasks;  // tasks in parts, each followed by its first part's index in partial
+  std::vector<std::pair<int64_t, int64_t>> split_tasks;  // (task in parts, its first part's index in partial)
   int64_t part_rows = 0;
   for (int64_t task = 0; task < B * Hkv; ++task) {
     const int64_t n = ctx_lens[task / Hkv];
     if (n > kPartKeys) {
-      split_tasks.insert(split_tasks.end(), {task, part_rows});
+      split_tasks.emplace_back(task, part_rows);
       part_rows += (n + kPartKeys - 1) / kPartKeys;
     }
   }
@@ -616,10 +616,10 @@ void decode_kernel(const float* q, const typename Rows::storage* k_cache, const 
   at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) run_items(cuts[s], cuts[s + 1]);
   });
-  const int64_t splits = static_cast<int64_t>(split_tasks.size()) / 2;
-  at::parallel_for(0, splits, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(split_tasks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t task = split_tasks[2 * i], part = split_tasks[2 * i + 1], b = task / Hkv, h = task % Hkv;
+      const auto [task, part] = split_tasks[i];
+      const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t first = b * H + h * group, parts = (ctx_lens[b] + kPartKeys - 1) / kPartKeys;
       merge_parts(part_out + part * group * D, part_lse + part * group, parts, group, D, out + first * D,
                   lse != nullptr ? lse + first : nullptr);
