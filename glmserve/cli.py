@@ -19,8 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache format: auto (bfloat16 for a float32 model on CPU, else the model dtype), a float "
-                        "dtype, or int8 / fp8 (E4M3) codes with a "
+                   help="KV cache format: auto (int8 for a float32 model on CPU, bfloat16 where its attention reads "
+                        "no int8 rows; else the model dtype), a float dtype, or int8 / fp8 (E4M3) codes with a "
                         "scale per token and kv head (about half of bfloat16's bytes)")
     g.add_argument("--device", default="auto")
     g.add_argument("--quantization", default=None, metavar="SCHEME",

@@ -25,7 +25,7 @@ class EngineConfig:
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU (much faster than bf16 on CPUs without bf16 units), bf16 on CUDA
-    kv_cache_dtype: str = "auto"  # auto: bfloat16 for a float32 model on CPU, else the model dtype; int8 / fp8
+    kv_cache_dtype: str = "auto"  # auto: int8 for a float32 model on CPU (kv_format.default_kv_format); int8 / fp8
     # weight quantization (glmserve/quant/plan.py): None = the checkpoint's own format (a GGUF's Q8_0/Q4_0/Q4_1
     # blocks run natively), "none" = float (a GGUF is dequantized), a scheme name (glmserve/quant/schemes.py:
     # int8, w8a8, w4a16, fp8, nvfp4, q4_0, ...) = quantize on load; the engine checks the name

@@ -19,7 +19,7 @@ from glmserve.sparse.pinning import QuestionObservation
 pytestmark = pytest.mark.usefixtures("float32_prefill")
 
 BS, CHUNK, STEP = 4, 16, 16  # block size, chunk tokens, prefill tokens per step
-KV = "float32"  # not the CPU default bf16: pool sizes below count float32 rows, and outputs meet transformers' float32
+KV = "float32"  # not the CPU default int8: pool sizes below count float32 rows, and outputs meet transformers' float32
 POOL_BLOCKS = 14  # 56 tokens: the first chunk, a chunk filling up, a step's tokens and a block (52) fit
 
 
@@ -175,7 +175,7 @@ def test_http_prompt_longer_than_the_pool_and_stream_metrics(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
     from server_process import STARTUP_TIMEOUT_S, glmserve_process, wait_for
 
-    kv_token_bytes = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16 KV (the CPU default)
+    kv_token_bytes = 30 * 2 * 3 * (64 + 2)  # SmolLM2-135M, int8 KV (the CPU default): codes + a 2-byte scale
     args = ["--max-model-len", "2048", "--kv-chunk-tokens", "64", "--max-num-batched-tokens", "256",
             "--kv-cache-memory-bytes", str(480 * kv_token_bytes), "--no-sparse-block-bounds",
             "--kv-disk-dir", str(tmp_path / "kv"), "--num-threads", "1", "--session-store", "off"]
@@ -194,8 +194,8 @@ def test_http_prompt_longer_than_the_pool_and_stream_metrics(tmp_path):
 
 
 def test_running_offload_with_bf16_kv_matches_the_resident_pool(hf_llama, tmp_path, kernel_backend):
-    """bf16 KV (the CPU default for float32 models): a sequence longer than the pool streams its offloaded bf16
-    chunks back through attention and follows a bf16 engine whose pool holds everything."""
+    """bf16 KV: a sequence longer than the pool streams its offloaded bf16 chunks back through attention and
+    follows a bf16 engine whose pool holds everything."""
     path, _ = hf_llama
     prompt = _prompts((300,), seed=11)[0]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)

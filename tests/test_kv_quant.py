@@ -9,10 +9,10 @@ import pytest
 import torch
 from parity import assert_same_output, reference_decode
 
-from glmserve import LLM, SamplingParams
+from glmserve import LLM, SamplingParams, kernels
 from glmserve.config import EngineConfig
 from glmserve.errors import InvalidRequestError, UnsupportedKVFormatError
-from glmserve.kv.kv_format import FP8_MAX, INT8_MAX, dequantize, format_of, kv_format, store
+from glmserve.kv.kv_format import FP8_MAX, INT8_MAX, default_kv_format, dequantize, format_of, kv_format, store
 from glmserve.kv.kv_io import kv_identity
 from glmserve.layers.partial_attention import paged_attention_with_lse
 from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
@@ -76,6 +76,35 @@ def test_bad_kv_format_is_a_clear_error():
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")
     assert kv_format("fp8_e4m3") is kv_format("fp8") and kv_format(torch.bfloat16).name == "bfloat16"
+
+
+def test_auto_is_int8_on_cpu_where_attention_reads_int8_rows(tiny_model_dir):
+    """`--kv-cache-dtype auto` for a float32 model on CPU: int8 where the model's attention reads quantized rows and
+    the C++ decode kernel is built, else bf16 (the MLA latent cache: tests/test_kv_tiers.py runs a tiny GLM-5 on
+    auto); other dtypes keep theirs."""
+    cpu = torch.device("cpu")
+    kernel = kernels.op("paged_decode", cpu, torch.float32) is not None
+    llm = LLM(model=str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    assert llm.engine.kv_format.name == ("int8" if kernel else "bfloat16")
+    assert llm.engine.runner.kv_cache.dtype == (torch.int8 if kernel else torch.bfloat16)
+    assert default_kv_format(torch.float32, cpu, quantized_ok=False).name == "bfloat16"
+    assert default_kv_format(torch.bfloat16, cpu).name == "bfloat16"
+
+
+@pytest.mark.parametrize("bf16_attention", ["0", "1"])  # float32 prefill; bf16 on AMX CPUs (their default)
+def test_one_prefill_attends_to_the_stored_rows_as_chunks_do(tiny_model_dir, bf16_attention, monkeypatch):
+    """A prompt prefilled in one step attends to its K/V as the pool stores them (quantized, dequantized), as a chunk
+    over cached context reads them: chunks of 168 + 32 tokens give the prefill's next-token logprobs bit for bit as
+    one step of 200 (the rows take the same attention kernels either way: 128+ keys; the decode steps after may differ
+    by the linears' rounding at 32 rows against 200)."""
+    monkeypatch.setenv("GLMSERVE_BF16_ATTENTION", bf16_attention)
+    prompt, first = _prompt(7, 200), SamplingParams(temperature=0, max_tokens=1, logprobs=3)
+    outs = []
+    for chunk in (256, 168):
+        llm = _llm(tiny_model_dir, "int8", max_num_batched_tokens=chunk, enable_prefix_caching=False)
+        out = llm.generate([prompt], first)[0].outputs[0]
+        outs.append((out.token_ids, out.logprobs[0].logprob, out.logprobs[0].top))
+    assert outs[1] == outs[0]
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

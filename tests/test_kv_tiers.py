@@ -177,7 +177,8 @@ def test_kv_io_roundtrip_any_layout(make, dtype):
 # -- engine: the prefix cache spans device, host and disk --------------------------------------------------
 
 BS, CHUNK = 4, 16  # 4 blocks per chunk
-TOKEN_BYTES = 256  # the tiny llama's KV per token in bf16, the CPU default for float32 models (the tiny GLM-5: 304)
+# the tiny llama's KV per token in bf16 (pinned in _setup; int8 tiers: tests/test_kv_quant.py), the tiny GLM-5's: 304
+TOKEN_BYTES = 256
 
 
 def _chunk_hashes(tokens: list[int]) -> list[int]:
@@ -203,8 +204,8 @@ def _setup(tiny_model_dir, model_dir=None, **tiers):
     prompt b that evicts most of a."""
     from glmserve import LLM, SamplingParams
 
-    common = dict(model=str(model_dir or tiny_model_dir("llama")), dtype="float32", block_size=BS, max_model_len=128,
-                  max_num_batched_tokens=64)
+    common = dict(model=str(model_dir or tiny_model_dir("llama")), dtype="float32", kv_cache_dtype="bfloat16",
+                  block_size=BS, max_model_len=128, max_num_batched_tokens=64)
     # TOKEN_BYTES of KV per token: a pool of ~36-45 blocks (with or without block-indexer
     # bounds), so the second prompt evicts most of the first
     llm = LLM(**common, kv_cache_memory_bytes=36 * 5 * TOKEN_BYTES, kv_chunk_tokens=CHUNK, **tiers)

@@ -1,6 +1,6 @@
 """The decode step's straight line of C++ calls (models/llama_decode.py) against the module path it stands for
 (GLMSERVE_FUSED_DECODE=0): the same tokens and the same logprobs bit for bit, for every kernel variant, on tiny
-random-weight models (float and quantized linears, q/k/v bias, scaled rope, float32 and bf16 KV pools, batches of
+random-weight models (float and quantized linears, q/k/v bias, scaled rope, float32, bf16 and int8 KV pools, batches of
 several decode rows) and on the embedded SmolLM2 GGUF; models it does not take (q/k norms, interleaved rope) and
 steps it does not take (prefill rows) run the module path."""
 
@@ -47,6 +47,7 @@ def _fused_and_modules(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple
 @pytest.mark.parametrize(("arch", "quantization", "kv"), [
     ("llama", "none", "float32"),
     ("llama", "int8", "bfloat16"),
+    ("llama", "int8", "int8"),  # int8 KV rows (the CPU default): quantized by rope_store_kv as store_kv does
     ("qwen2", "w8a8", "float32"),  # q/k/v bias on a quantized linear
     ("qwen2", "none", "bfloat16"),  # q/k/v bias on a float one
     ("llama3-scaled", "w4a16-asym", "float32"),  # scaled rope, tied head, int4 with mins
@@ -71,7 +72,7 @@ def bf16_gemm_from_two_rows(monkeypatch) -> None:
         pytest.skip("no bf16 GEMM on this CPU (AMX or AVX512-BF16)")
 
 
-@pytest.mark.parametrize(("quantization", "kv"), [("int8", "bfloat16"), ("w4a16-asym", "float32")])
+@pytest.mark.parametrize(("quantization", "kv"), [("int8", "bfloat16"), ("w4a16-asym", "float32"), ("int8", "int8")])
 def test_bf16_gemm_rows_equal_module_path(quantization, kv, tiny_model_dir, bf16_gemm_from_two_rows, monkeypatch):
     """Decode batches on the bf16 GEMMs run the module path's bf16 flow as a straight line: the same floats; with
     GLMSERVE_BF16_ACTIVATIONS=0 (float32 activations between the GEMMs) they stay on the module path."""
@@ -105,7 +106,7 @@ def test_models_it_does_not_take_run_the_module_path(arch, tiny_model_dir, monke
 
 
 def test_embedded_gguf_fused_decode_equals_module_path(cpu_isa, monkeypatch):
-    """SmolLM2-135M as served (Q4_1 / Q8_0 blocks on our int8 kernels, bf16 KV): one row, then three."""
+    """SmolLM2-135M as served (Q4_1 / Q8_0 blocks on our int8 kernels, int8 KV): one row, then three."""
     llm = LLM(model=None, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512,
               kv_cache_memory_bytes=64 << 20, **FRESH)
     for prompts in (PROMPTS[:1], PROMPTS):

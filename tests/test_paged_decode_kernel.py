@@ -56,24 +56,31 @@ def test_peaked_scores_underflow_to_zero_weight(cpu_isa):
     torch.testing.assert_close(lse, want_lse, rtol=2e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
-def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
-    """The fused KV write (kernels `store_kv`) against `store`'s cast + index_copy_, bit for bit: k and v as views of
-    a fused qkv output (strided rows), values at bf16 rounding ties, float32 and bf16 k/v, and a slot outside the
-    cache refused (float16 pools take `store`)."""
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dim", [64, 20])  # 20: int8 rows' scalar tail
+def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt, dim):
+    """The fused KV write (kernels `store_kv`) against `store`'s cast (or quantize) + index_copy_, bit for bit: k and v
+    as views of a fused qkv output (strided rows), values at bf16 rounding ties, int8 rows at rounding ties, of zeros
+    and with subnormal and large scales, float32 and bf16 k/v, and a slot outside the cache refused (float16 pools
+    take `store`)."""
     gen = torch.Generator().manual_seed(3)
-    t, kv_heads, dim, slots_n = 11, 3, 64, 40
+    t, kv_heads, slots_n = 11, 3, 40
     qkv = torch.randn(t, (9 + 2 * kv_heads) * dim, generator=gen)
     qkv[:, ::7] = 1.0 + 2.0 ** -8 * torch.randint(0, 4, qkv[:, ::7].shape, generator=gen)  # bf16 ties and neighbours
     k = qkv[:, 9 * dim:(9 + kv_heads) * dim].view(t, kv_heads, dim)
     v = qkv[:, (9 + kv_heads) * dim:].view(t, kv_heads, dim)
+    k[0, 0] = torch.arange(dim) - dim / 2 + 0.5  # int8 ties: the scale is (dim / 2 - 0.5) / 127, codes at x.5 after
+    k[0, 0, 0] = 127.0  # ... this sets the scale to 1.0: every other value a tie
+    k[1, 0] = 0.0  # the smallest scale
+    k[2, 1] *= 1e-6  # a float16 subnormal scale
+    v[3, 2] *= 1e4
     slots = torch.randperm(slots_n, generator=gen)[:t]
-    storage = kv_format(fmt).storage
-    got, want = (torch.zeros(2, kv_heads, slots_n, dim, dtype=storage) for _ in range(2))
+    fmt_ = kv_format(fmt)
+    got, want = (torch.zeros(2, kv_heads, slots_n, fmt_.row_width(dim), dtype=fmt_.storage) for _ in range(2))
     kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots, k, v)
     store(want[0], slots, k)
     store(want[1], slots, v)
-    bits = torch.int32 if storage == torch.float32 else torch.int16  # bit for bit
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(fmt_.storage, fmt_.storage)  # bit for bit
     assert torch.equal(got.view(bits), want.view(bits))
     kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)  # a bf16 prefill's k, v (attention.py `takes_bf16`)
     got.zero_()
@@ -87,7 +94,7 @@ def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt):
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots + slots_n, k, v)
     half = torch.zeros(2, kv_heads, slots_n, dim, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16 caches"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8 caches"):
         kernels.op("store_kv", k.device, k.dtype)(half[0], half[1], slots, k, v)
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from glmserve import kernels
-from glmserve.kv.kv_format import format_of
+from glmserve.kv.kv_format import format_of, kv_format
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.rotary import RotaryEmbedding
 from glmserve.models.llama import silu_and_mul
@@ -96,7 +96,7 @@ def test_rope_neox_in_place_on_bf16_rows(cpu_isa, dim):
     assert (rotary.apply_(qkv[:, :12 * dim].view(33, 12, dim).clone(), cos, sin).dtype == torch.bfloat16)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(("dim", "partial"), [(64, 1.0), (40, 0.5)])  # 40 / 0.5: a partial vector, partial rope
 def test_rope_store_kv_equals_rope_then_store(cpu_isa, cache_dtype, dim, partial):
     """The decode step's rope + KV write in one pass: bit for bit rope_neox_ on the fused qkv rows, then store_kv,
@@ -108,7 +108,8 @@ def test_rope_store_kv_equals_rope_then_store(cpu_isa, cache_dtype, dim, partial
     cos, sin = rotary.cos_sin(torch.randint(0, 4096, (t,), generator=gen))
     cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
     slots = torch.randperm(num_slots, generator=gen)[:t]
-    ref_cache = torch.randn(2, kv_heads, num_slots, dim, generator=gen).to(cache_dtype)
+    width = kv_format(cache_dtype).row_width(dim)  # int8 rows: codes, then the scale
+    ref_cache = (torch.randn(2, kv_heads, num_slots, width, generator=gen) * 30).to(cache_dtype)
     cache = ref_cache.clone()
     ref = qkv.clone().view(t, -1, dim)
     _op("rope_neox_")(ref[:, :heads + kv_heads], cos, sin)

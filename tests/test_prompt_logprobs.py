@@ -35,7 +35,7 @@ def check_prompt_logprobs(hf_model, prompt: list[int], scored, tol: float = TOL)
 def tiny(tiny_model_dir):
     path = tiny_model_dir("llama")
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # float32 KV (the CPU default is bf16): compared with transformers' float32 model at float32 tolerances
+    # float32 KV (the CPU default is int8): compared with transformers' float32 model at float32 tolerances
     llm = LLM(model=str(path), block_size=4, max_num_batched_tokens=24, max_num_seqs=8,
               kv_cache_memory_bytes=4 << 20, kv_cache_dtype="float32")
     return llm, hf_model

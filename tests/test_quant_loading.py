@@ -61,7 +61,7 @@ def _worst_error(llm: LLM, hf_model, prompt: list[int]) -> float:
 
 
 def _engine(path, **options) -> LLM:
-    # float32 KV, not the CPU default bf16: outputs are compared with float32 models at float32 tolerances
+    # float32 KV, not the CPU default int8: outputs are compared with float32 models at float32 tolerances
     return LLM(model=str(path), block_size=4, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20,
                kv_cache_dtype="float32", **options)
 

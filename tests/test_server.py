@@ -66,7 +66,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args = ["--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN), "--quantization", "none"]
     args += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING)]
     args += ["--kv-cache-memory-bytes", str(256 << 20), "--shutdown-timeout", "20", "--num-threads", "1"]
-    args += ["--kv-cache-dtype", "float32"]  # not the CPU default bf16: prompt logprobs meet transformers' to 1e-3
+    args += ["--kv-cache-dtype", "float32"]  # not the CPU default int8: prompt logprobs meet transformers' to 1e-3
     for alias, canonical in ALIASES.items():
         args += ["--alias", f"{alias}={canonical}"]
     with glmserve_process(args, log_path, load_gate) as process, \

@@ -522,9 +522,9 @@ def test_http_session_survives_a_server_restart(tmp_path: Path) -> None:
 
 BLOCK_TOKENS = 16  # the server's default block size
 # the tiny random Llama (tests/tiny_models.py) for fast versions of the restart and shutdown tests: 2 layers x
-# (K, V) x 2 kv heads x head dim 16 x 2 bytes per token (bf16 KV, the CPU default); a pool of 640 tokens, chunks
-# of 64 (as TIERED below)
-TINY_KV_TOKEN_BYTES = 2 * 2 * 2 * 16 * 2
+# (K, V) x 2 kv heads x (head dim 16 + a 2-byte scale) bytes per token (int8 KV, the CPU default); a pool of 640
+# tokens, chunks of 64 (as TIERED below)
+TINY_KV_TOKEN_BYTES = 2 * 2 * 2 * (16 + 2)
 TINY_CHUNK = 64
 TINY_TIERED = ["--max-model-len", "512", "--kv-chunk-tokens", str(TINY_CHUNK), "--max-num-batched-tokens", "256",
                "--kv-cache-memory-bytes", str(640 * TINY_KV_TOKEN_BYTES), "--no-sparse-block-bounds"]
@@ -547,7 +547,7 @@ def test_http_session_survives_a_server_restart_fast(tiny_model_dir, tmp_path: P
 
 
 # -- /metrics: KV tiers and sessions; what a shutdown keeps ---------------------------------------------------
-KV_TOKEN_BYTES = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16 KV (the CPU default): layers x (K, V) x kv heads x D x 2
+KV_TOKEN_BYTES = 30 * 2 * 3 * (64 + 2)  # SmolLM2-135M, int8 KV (the CPU default): layers x (K, V) x kv heads x (D + 2)
 TIERED = ["--max-model-len", "512", "--kv-chunk-tokens", "64", "--max-num-batched-tokens", "256",
           "--kv-cache-memory-bytes", str(640 * KV_TOKEN_BYTES), "--no-sparse-block-bounds"]
 

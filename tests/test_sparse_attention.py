@@ -327,8 +327,10 @@ def test_bf16_bounds_from_float32_or_bf16_keys_are_the_rounded_min_max(kernel_ba
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
+    # 40 blocks of bf16 KV + bounds: blocks get reused; bf16 pools: the bounds are the stored keys' (quantized KV's
+    # bounds: tests/test_kv_quant.py)
     return LLM(model=str(tiny_model_dir("llama")), max_model_len=512, max_num_batched_tokens=512,
-               kv_cache_memory_bytes=40 * (BLOCK * 256 + 256))  # 40 blocks of bf16 KV + bounds: blocks get reused
+               kv_cache_dtype="bfloat16", kv_cache_memory_bytes=40 * (BLOCK * 256 + 256))
 
 
 def prompt(seed: int, n: int) -> list[int]:

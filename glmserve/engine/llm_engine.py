@@ -81,11 +81,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_format = (default_kv_format(self.dtype, self.device) if config.kv_cache_dtype == "auto"
-                          else kv_format(config.kv_cache_dtype))
-        side_dtype = self.dtype if self.kv_format.quantized else self.kv_format.storage  # the block bounds' dtype
         loaded = load_model(config.model, config.tokenizer, self.device, self.dtype, config.quantization,
                             config.quantize_embeddings)
+        self.kv_format = (default_kv_format(self.dtype, self.device, getattr(loaded.model, "reads_quantized_kv", False))
+                          if config.kv_cache_dtype == "auto" else kv_format(config.kv_cache_dtype))
+        side_dtype = self.dtype if self.kv_format.quantized else self.kv_format.storage  # the block bounds' dtype
         scored_layers = loaded.model.paged_attention_layers()  # where sparse scorers attach (none for MLA)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids

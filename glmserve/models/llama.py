@@ -128,6 +128,7 @@ class DecoderOnlyLM(LoadsCheckpoint, nn.Module):
     })
     interleaved_rope = False
     supports_kv_offload = True  # PagedAttention layers: chunks can leave the pool (glmserve/kv/offload.py)
+    reads_quantized_kv = True  # ... and read int8 / fp8 rows (glmserve/kv/kv_format.py)
 
     def __init__(self, config: PretrainedConfig, max_positions: int):
         super().__init__()

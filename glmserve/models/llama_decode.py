@@ -144,11 +144,11 @@ class DecodeLayer:
         return cls(layer, matmuls, swiglu_matmul(mlp.gate_up_proj), [dense_batch_matmul(m) for m in linears])
 
     def ready(self, rows: int, dense_ok: bool) -> bool:
-        """Whether this step's `rows` rows run here: a float32 or bf16 pool (its halves kept while it stays bound),
-        and fewer rows than where a linear takes another path or, where bf16 GEMM rows may run (`dense_ok`), enough
-        for every linear's bf16 GEMM."""
+        """Whether this step's `rows` rows run here: a float32, bf16 or int8 pool (its halves kept while it stays
+        bound), and fewer rows than where a linear takes another path or, where bf16 GEMM rows may run (`dense_ok`),
+        enough for every linear's bf16 GEMM."""
         pool = self.attn.kv_cache
-        if pool is None or pool.dtype not in (torch.float32, torch.bfloat16):
+        if pool is None or pool.dtype not in (torch.float32, torch.bfloat16, torch.int8):
             return False
         if rows >= self.max_rows and not (dense_ok and rows >= self.dense_rows):
             return False

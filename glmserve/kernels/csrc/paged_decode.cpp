@@ -34,6 +34,8 @@
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
+#include "kv_int8.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -65,7 +67,6 @@ inline float half_at(const void* p) {
   std::memcpy(&bits, p, sizeof(bits));
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
-
 // Quantized rows: D codes, then the row's float16 scale.
 struct Int8Rows {
   using storage = int8_t;
@@ -674,18 +675,29 @@ std::vector<at::Tensor> paged_decode_lse(const at::Tensor& q, const at::Tensor& 
   return run(q, k_cache, v_cache, slots, ctx_lens, scale, true);
 }
 
-// Rows x [T, Hkv, D] (float32 or bf16, contiguous rows) into cache [Hkv, num_slots, D] at slot[t], cast to T_out
-// (bf16 into bf16: copied). Tokens are split over torch's intra-op threads (slots are distinct).
+// Rows x [T, Hkv, D] (float32 or bf16, contiguous rows) into cache [Hkv, num_slots, W] at slot[t], cast to T_out
+// (bf16 into bf16: copied), or quantized into int8 rows (T_out int8_t: W = D + 2, kv_int8.h). Tokens are split over
+// torch's intra-op threads (slots are distinct).
 template <typename T_in, typename T_out>
 void store_rows(const at::Tensor& x, T_out* cache, const int64_t* slot, int64_t num_slots) {
   const T_in* data = x.data_ptr<T_in>();
   const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2), st = x.stride(0), sh = x.stride(1);
+  constexpr bool int8_rows = std::is_same_v<T_out, int8_t>;
+  const int64_t W = int8_rows ? D + glmserve::kInt8ScaleBytes : D;
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(int8_rows && !std::is_same_v<T_in, float> ? D : 0);
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < Hkv; ++h) {
         const T_in* row = data + t * st + h * sh;
-        T_out* out = cache + (h * num_slots + slot[t]) * D;
-        if constexpr (std::is_same_v<T_in, T_out>) {
+        T_out* out = cache + (h * num_slots + slot[t]) * W;
+        if constexpr (int8_rows) {
+          const float* values = reinterpret_cast<const float*>(row);
+          if constexpr (!std::is_same_v<T_in, float>) {
+            for (int64_t d = 0; d < D; ++d) widened[d] = static_cast<float>(row[d]);
+            values = widened.data();
+          }
+          glmserve::quantize_int8_row(values, out, nullptr, D);
+        } else if constexpr (std::is_same_v<T_in, T_out>) {
           std::memcpy(out, row, D * sizeof(T_out));
         } else {
           for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T_out>(static_cast<float>(row[d]));
@@ -694,10 +706,11 @@ void store_rows(const at::Tensor& x, T_out* cache, const int64_t* slot, int64_t 
   });
 }
 
-// The KV write of one layer for float32 / bfloat16 pools: k, v [T, Hkv, D] float32 or bf16 (rows of D contiguous
-// values, any row and head strides: views of the fused qkv output) into caches [Hkv, slots, D] at slots [T] int64, each
-// value rounded as torch's cast rounds it (bf16: to nearest, ties to even, in integer arithmetic). One pass
-// instead of a cast and an index_copy_ per side. Not float16: c10::Half's float conversion relies on float
+// The KV write of one layer for float32 / bfloat16 / int8 pools: k, v [T, Hkv, D] float32 or bf16 (rows of D
+// contiguous values, any row and head strides: views of the fused qkv output) into caches [Hkv, slots, W] at slots [T]
+// int64, each value rounded as torch's cast rounds it (bf16: to nearest, ties to even, in integer arithmetic) or each
+// row quantized as kv_format.py's KVFormat.quantize (int8: W = D + 2, kv_int8.h). One pass instead of a cast (or a
+// quantize's several ops) and an index_copy_ per side. Not float16: c10::Half's float conversion relies on float
 // overflow to reach inf, which this build's -ffast-math folds away (NaN bits came out of 131008.f).
 void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
@@ -706,23 +719,27 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
               "k, v: [T, Hkv, D] float32 or bf16 (one dtype) with contiguous rows");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "caches: contiguous [Hkv, slots, D] of one dtype");
+              "caches: contiguous [Hkv, slots, W] of one dtype");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16 ||
+                  k_cache.scalar_type() == at::kChar,
+              "store_kv: float32, bfloat16 or int8 caches, got ", k_cache.scalar_type());
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1, "slots: [T] int64");
   const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2), num_slots = k_cache.size(1);
-  TORCH_CHECK(slots.size(0) == T && k_cache.size(0) == Hkv && k_cache.size(2) == D, "shapes do not match");
+  const int64_t W = k_cache.scalar_type() == at::kChar ? D + glmserve::kInt8ScaleBytes : D;
+  TORCH_CHECK(slots.size(0) == T && k_cache.size(0) == Hkv && k_cache.size(2) == W, "shapes do not match");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache's ", num_slots);
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
-              "store_kv: float32 or bfloat16 caches, got ", k_cache.scalar_type());
+  const auto into = [&](const at::Tensor& x, auto* out) {
+    using Out = std::remove_pointer_t<decltype(out)>;
+    x.scalar_type() == at::kBFloat16 ? store_rows<c10::BFloat16, Out>(x, out, slot, num_slots)
+                                     : store_rows<float, Out>(x, out, slot, num_slots);
+  };
   const auto side = [&](const at::Tensor& x, const at::Tensor& cache) {
-    const bool in_bf16 = x.scalar_type() == at::kBFloat16;
-    if (cache.scalar_type() == at::kFloat) {
-      in_bf16 ? store_rows<c10::BFloat16>(x, cache.data_ptr<float>(), slot, num_slots)
-              : store_rows<float>(x, cache.data_ptr<float>(), slot, num_slots);
-    } else {
-      in_bf16 ? store_rows<c10::BFloat16>(x, cache.data_ptr<c10::BFloat16>(), slot, num_slots)
-              : store_rows<float>(x, cache.data_ptr<c10::BFloat16>(), slot, num_slots);
+    switch (cache.scalar_type()) {
+      case at::kFloat: into(x, cache.data_ptr<float>()); break;
+      case at::kBFloat16: into(x, cache.data_ptr<c10::BFloat16>()); break;
+      default: into(x, cache.data_ptr<int8_t>());
     }
   };
   side(k, k_cache);
@@ -744,6 +761,6 @@ at::Tensor parallel_thread_ids(int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("paged_decode_lse", &paged_decode_lse, "paged decode attention (CPU) and the log-sum-exp per head");
-  m.def("store_kv", &store_kv, "KV write of one layer into float caches (CPU)");
+  m.def("store_kv", &store_kv, "KV write of one layer into float32 / bf16 / int8 caches (CPU)");
   m.def("parallel_thread_ids", &parallel_thread_ids, "test-only: the intra-op thread that ran each item");
 }

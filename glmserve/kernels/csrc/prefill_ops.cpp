@@ -13,10 +13,11 @@
 //   silu_and_mul(x [T, 2I] f32 or bf16) -> [T, I] the same dtype: silu(x[:, :I]) * x[:, I:], in float32,
 //                rounded once
 //   rope_store_kv(qkv [T, (H + 2 Hkv) D] f32 contiguous, H, cos [T, R], sin [T, R] f32, k_cache, v_cache [Hkv, slots,
-//                D] f32 or bf16 (one dtype), slots [T] int64) -> (q [T, H, D], k [T, Hkv, D]) f32: a decode step's
-//                attention inputs in one pass (models/llama_decode.py): the q and k heads rotated as rope_neox_ rotates
-//                them, k and v written into the caches at `slots` as paged_decode.cpp's store_kv writes them (bf16:
-//                rounded to nearest even), q returned contiguous (paged_decode's input) and k as the cache holds it
+//                W] f32, bf16 (W = D) or int8 rows (W = D + 2, kv_int8.h) of one dtype, slots [T] int64) -> (q [T, H,
+//                D], k [T, Hkv, D]) f32: a decode step's attention inputs in one pass (models/llama_decode.py): the q
+//                and k heads rotated as rope_neox_ rotates them, k and v written into the caches at `slots` as
+//                paged_decode.cpp's store_kv writes them (bf16: rounded to nearest even; int8: quantized per row),
+//                q returned contiguous (paged_decode's input) and k as the cache holds it
 //                (read back: what the sparse scorers are shown, glmserve/kv/kv_format.py `roundtrip`); qkv is not
 //                changed
 //
@@ -30,8 +31,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "kv_int8.h"
 #include "vec_math.h"
 
 #if defined(__AVX512F__)
@@ -176,8 +179,8 @@ void rope_neox_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   }
 }
 
-// One head's D values into a cache row: copied (float32), or rounded to bf16 with `back` (non-null) the rounded
-// values widened again
+// One head's D values into a cache row: copied (float32), rounded to bf16, or quantized into an int8 row (kv_int8.h),
+// with `back` (non-null) the stored values widened again
 inline void store_head(const float* x, float* row, float*, int64_t d) { std::memcpy(row, x, d * sizeof(float)); }
 inline void store_head(const float* x, uint16_t* row, float* back, int64_t d) {
   for (int64_t j = 0; j < d; ++j) {
@@ -185,12 +188,16 @@ inline void store_head(const float* x, uint16_t* row, float* back, int64_t d) {
     if (back) back[j] = bf16_to_f32(row[j]);
   }
 }
+inline void store_head(const float* x, int8_t* row, float* back, int64_t d) {
+  glmserve::quantize_int8_row(x, row, back, d);
+}
 
 template <typename C>
 void rope_store_rows(const float* qkv, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t r,
                      const float* cp, const float* sp, C* kc, C* vc, int64_t num_slots, const int64_t* slot, float* q,
                      float* k) {
   const int64_t width = (heads + 2 * kv_heads) * d;
+  const int64_t row_width = std::is_same_v<C, int8_t> ? d + glmserve::kInt8ScaleBytes : d;  // a cache row
   at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* row = qkv + i * width;
@@ -202,7 +209,7 @@ void rope_store_rows(const float* qkv, int64_t t, int64_t heads, int64_t kv_head
       for (int64_t h = 0; h < kv_heads; ++h) {
         float* kh = ki + h * d;
         rope_head(kh, cp + i * r, sp + i * r, r / 2);
-        const int64_t at = (h * num_slots + slot[i]) * d;
+        const int64_t at = (h * num_slots + slot[i]) * row_width;
         store_head(kh, kc + at, kh, d);
         store_head(row + (heads + kv_heads + h) * d, vc + at, nullptr, d);
       }
@@ -216,9 +223,12 @@ std::vector<at::Tensor> rope_store_kv(const at::Tensor& qkv, int64_t heads, cons
   check_cpu(qkv, "rope_store_kv: qkv");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
-              "rope_store_kv: caches must be contiguous float32 or bf16 [Hkv, slots, D] tensors of one dtype");
-  const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1), d = k_cache.size(2);
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16 ||
+                   k_cache.scalar_type() == at::kChar),
+              "rope_store_kv: caches must be contiguous float32, bf16 or int8 [Hkv, slots, W] tensors of one dtype");
+  const bool int8_rows = k_cache.scalar_type() == at::kChar;
+  const int64_t kv_heads = k_cache.size(0), num_slots = k_cache.size(1),
+                d = k_cache.size(2) - (int8_rows ? glmserve::kInt8ScaleBytes : 0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && heads > 0 &&
                   qkv.size(1) == (heads + 2 * kv_heads) * d,
               "rope_store_kv: qkv must be a contiguous float32 [T, (H + 2 Hkv) D] tensor");
@@ -239,6 +249,9 @@ std::vector<at::Tensor> rope_store_kv(const at::Tensor& qkv, int64_t heads, cons
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>(), *xp = qkv.data_ptr<float>();
   if (k_cache.scalar_type() == at::kFloat) {
     rope_store_rows(xp, t, heads, kv_heads, d, r, cp, sp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                    num_slots, slot, q.data_ptr<float>(), k.data_ptr<float>());
+  } else if (int8_rows) {
+    rope_store_rows(xp, t, heads, kv_heads, d, r, cp, sp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
                     num_slots, slot, q.data_ptr<float>(), k.data_ptr<float>());
   } else {
     rope_store_rows(xp, t, heads, kv_heads, d, r, cp, sp, reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
