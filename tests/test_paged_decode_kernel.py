@@ -98,6 +98,30 @@ def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt, dim):
         kernels.op("store_kv", k.device, k.dtype)(half[0], half[1], slots, k, v)
 
 
+@pytest.mark.parametrize("dim", [64, 20])
+def test_int8_row_ops_give_the_torch_floats(cpu_isa, dim):
+    """kernels `int8_dequantize` / `int8_roundtrip` (kv_format's dequantize and roundtrip of int8 rows on CPU) against
+    code x scale in float32 rounded once, and quantize-then-that, bit for bit: float32 and bf16 in and out, zero rows,
+    subnormal and large scales."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(70, dim, generator=gen) * 10 ** torch.empty(70, 1).uniform_(-7, 4, generator=gen)
+    x[3] = 0.0
+    fmt = kv_format("int8")
+
+    def widened(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (rows[:, :dim].float() * rows[:, dim:].view(torch.float16).float()).to(dtype)
+
+    for source in (x, x.to(torch.bfloat16)):
+        rows = fmt.quantize(source)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = kernels.op("int8_dequantize", x.device, torch.float32)(rows, dtype == torch.bfloat16)
+            assert got.dtype == dtype and torch.equal(got, widened(rows, dtype))
+            got = kernels.op("int8_roundtrip", x.device, torch.float32)(source, dtype == torch.bfloat16)
+            assert got.dtype == dtype and torch.equal(got, widened(rows, source.dtype).to(dtype))
+    with pytest.raises(RuntimeError, match="contiguous int8"):
+        kernels.op("int8_dequantize", x.device, torch.float32)(x, False)
+
+
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (6, 2, 20)])  # the SIMD tiles, the scalar loop
 def test_long_rows_run_in_parts_merged_by_log_sum_exp(cpu_isa, fmt, heads, kv_heads, dim):

@@ -5,8 +5,11 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   paged_decode(q [B,H,D], k_cache [Hkv,S,W], v_cache, slots [B,L] i64, ctx_lens [B] i64, scale) -> out [B,H,D]
                (cache f32/bf16/f16 with W = D, or int8 / fp8-bits uint8 rows with W = D + 2: glmserve/kv/kv_format.py)
   paged_decode_lse(same arguments) -> [out [B,H,D], lse [B,H]]: also each head's log-sum-exp of scores
-  store_kv(k_cache [Hkv,S,D], v_cache, slots [T] i64, k [T,Hkv,D], v) (in place): one layer's KV write into
-               float32 / bf16 caches (k/v float32 or bf16 rows, any row stride), rounded as torch's cast rounds
+  store_kv(k_cache [Hkv,S,W], v_cache, slots [T] i64, k [T,Hkv,D], v) (in place): one layer's KV write into
+               float32 / bf16 caches (k/v float32 or bf16 rows, any row stride), rounded as torch's cast rounds, or
+               int8 ones (W = D + 2), quantized as kv_format.py's KVFormat.quantize
+  int8_dequantize(rows [N,D+2] i8, out_bf16) -> [N,D] f32 or bf16: stored int8 KV rows as code x scale
+  int8_roundtrip(x [N,D] f32 or bf16, out_bf16) -> [N,D] f32 or bf16: x as int8 KV stores and dequantizes it
   bounds_update(slots [T] i64, keys [T,Hkv,D] f32 or bf16, bounds [blocks,2,Hkv,D], block_size) (in place)
   block_scores(q [B,H,D], bounds [blocks,2,Hkv,D], tables [B,W] i64, num_units [B] i64, scale) -> [B,W]
   learned_scores(qi [B,Hi,d], w [B,Hi] (times the scale), keys [slots,d] f32 or bf16, tables [B,W] i64,
@@ -42,8 +45,8 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   rope_neox_(x [T,heads,D] f32 or bf16, cos [T,R], sin [T,R] f32) (in place): neox rope with layers/rotary.py's
                tables, in float32 (bf16 x: rounded once)
   silu_and_mul(x [T,2I] f32 or bf16) -> [T,I]: SwiGLU's silu(gate) * up, rounded once (also for bf16 tensors)
-  rope_store_kv(qkv [T,(H+2Hkv)D] f32, H, cos [T,R], sin [T,R] f32, k_cache, v_cache [Hkv,slots,D] f32 or bf16,
-               slots [T] i64) -> (q [T,H,D], k [T,Hkv,D]) f32: a decode step's rope of q and k and KV write in one
+  rope_store_kv(qkv [T,(H+2Hkv)D] f32, H, cos [T,R], sin [T,R] f32, k_cache, v_cache [Hkv,slots,W] f32 or bf16
+               (W = D) or int8 (W = D + 2), slots [T] i64) -> (q [T,H,D], k [T,Hkv,D]) f32: a decode step's rope of q and k and KV write in one
                pass, k as the cache holds it
   prefill_attention(q [T,Hq,D] bf16, k [B,L,Hk,D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64, scale,
                out_bf16, engine="") -> [T,Hq,D] bf16 or f32: causal attention of rows of q_lens queries packed in q,
@@ -76,6 +79,8 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "paged_decode": "paged_decode",
     "paged_decode_lse": "paged_decode",
     "store_kv": "paged_decode",
+    "int8_dequantize": "paged_decode",
+    "int8_roundtrip": "paged_decode",
     "bounds_update": "sparse",
     "block_scores": "sparse",
     "learned_scores": "sparse",

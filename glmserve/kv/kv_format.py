@@ -27,6 +27,7 @@ is KIVI's / "KV cache int8" per-token quantization (Liu et al., 2024, arXiv:2402
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,9 +72,13 @@ class KVFormat:
 
     def roundtrip(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """x as a reader of the pool sees it after the write (quantized, then dequantized in x's dtype; a float
-        format narrower than x: rounded), in `dtype` (None: x's). A float format that is `dtype` is one cast."""
+        format narrower than x: rounded), in `dtype` (None: x's). A float format that is `dtype` is one cast; int8
+        on CPU one C++ pass (kernels `int8_roundtrip`, the same floats)."""
         dtype = dtype or x.dtype
         if self.quantized:
+            if (self.name == "int8" and (kernel := _int8_op("int8_roundtrip", x, dtype)) is not None
+                    and x.dtype in _KERNEL_DTYPES):
+                return kernel(x.reshape(-1, x.shape[-1]).contiguous(), dtype == torch.bfloat16).view(x.shape)
             return dequantize(self.quantize(x), x.dtype).to(dtype)
         return x.to(self.storage).to(dtype)
 
@@ -134,10 +139,21 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not fmt.quantized:
         return rows.to(dtype)
     d = rows.shape[-1] - SCALE_BYTES
+    if fmt.name == "int8" and (kernel := _int8_op("int8_dequantize", rows, dtype)) is not None:  # one C++ pass
+        flat = rows.reshape(-1, rows.shape[-1]).contiguous()
+        return kernel(flat, dtype == torch.bfloat16).view(*rows.shape[:-1], d)
     codes = rows[..., :d]
     scale = rows[..., d:].view(torch.float16).float()  # rows start at even offsets: the bytes view as float16
     values = codes.float() if fmt.name == "int8" else codes.view(torch.float8_e4m3fn).float()
     return (values * scale).to(dtype)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the int8 ops' value dtypes
+
+
+def _int8_op(name: str, t: torch.Tensor, dtype: torch.dtype) -> Callable | None:
+    """The C++ int8 row op `name` for a CPU tensor `t` and output `dtype` (float32 or bf16), else None."""
+    return kernels.op(name, t.device, torch.float32) if dtype in _KERNEL_DTYPES else None
 
 
 def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:

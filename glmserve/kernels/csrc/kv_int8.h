@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -64,12 +64,32 @@ inline float f16_bits_to_f32(uint16_t h) {
 
 // One row of `d` float32 values into `row` (d codes, then the scale's two bytes); `back` (or null): the values as
 // dequantized.
-inline void quantize_int8_row(const float* x, int8_t* row, float* back, int64_t d) {
+// The largest |x[j]|: lanes of max in SIMD builds (the scalar loop is a chain of dependent maxima: without
+// -ffinite-math-only the compiler does not vectorize it), exact in any order.
+inline float abs_max(const float* x, int64_t d) {
   float amax = 0.f;
-  for (int64_t j = 0; j < d; ++j) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; j + 16 <= d; j += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
+  amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (; j + 8 <= d; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), magnitude));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (const float lane : lanes) amax = lane > amax ? lane : amax;
+#endif
+  for (; j < d; ++j) {
     const float a = std::fabs(x[j]);
     amax = a > amax ? a : amax;  // not std::fmax: a library call without -ffinite-math-only
   }
+  return amax;
+}
+
+inline void quantize_int8_row(const float* x, int8_t* row, float* back, int64_t d) {
+  const float amax = abs_max(x, d);
   float scale = amax / kInt8Max;
   scale = scale < kInt8MinScale ? kInt8MinScale : (scale > kInt8MaxScale ? kInt8MaxScale : scale);
   const uint16_t bits = f32_to_f16_bits(scale);

@@ -746,6 +746,73 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   side(v, v_cache);
 }
 
+// int8 rows as their readers see them, in one pass where torch takes several ops (kv_format.py dequantize /
+// roundtrip): `int8_dequantize` widens stored rows [N, D + 2] (int8, contiguous) to code x scale; `int8_roundtrip`
+// quantizes float32 or bf16 rows [N, D] (contiguous: a copy of a strided view measured faster than reading it in
+// place) as store_kv would store them and returns that; both round the
+// float32 product once to bf16 where the output (or the roundtrip's input, as dequantize(quantize(x), x.dtype)) is
+// bf16, to nearest even as torch's cast. Rows are split over torch's intra-op threads.
+at::Tensor int8_rows_out(int64_t n, int64_t d, bool bf16) {
+  return at::empty({n, d}, at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+}
+
+template <typename F>
+void each_row_into(at::Tensor& out, bool round_bf16, F&& values_of) {
+  const int64_t n = out.size(0), d = out.size(1);
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(d);
+    for (int64_t i = begin; i < end; ++i) {
+      values_of(i, row.data());
+      if (bf16) {
+        auto* o = out.data_ptr<c10::BFloat16>() + i * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = c10::BFloat16(row[j]);  // to nearest even, as torch's cast
+      } else {
+        float* o = out.data_ptr<float>() + i * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = round_bf16 ? static_cast<float>(c10::BFloat16(row[j])) : row[j];
+      }
+    }
+  });
+}
+
+at::Tensor int8_dequantize(const at::Tensor& rows, bool out_bf16) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kChar && rows.is_contiguous() &&
+                  rows.size(1) > glmserve::kInt8ScaleBytes,
+              "int8_dequantize: rows must be a contiguous int8 [N, D + 2] tensor");
+  const int64_t w = rows.size(1), d = w - glmserve::kInt8ScaleBytes;
+  at::Tensor out = int8_rows_out(rows.size(0), d, out_bf16);
+  const int8_t* src = rows.data_ptr<int8_t>();
+  each_row_into(out, false, [&](int64_t i, float* values) {
+    const int8_t* r = src + i * w;
+    const float s = half_at(r + d);
+    for (int64_t j = 0; j < d; ++j) values[j] = static_cast<float>(r[j]) * s;
+  });
+  return out;
+}
+
+at::Tensor int8_roundtrip(const at::Tensor& x, bool out_bf16) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int8_roundtrip: x must be a contiguous float32 or bf16 [N, D] tensor");
+  const int64_t d = x.size(1);
+  const bool in_bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor out = int8_rows_out(x.size(0), d, out_bf16);
+  const float* f32 = in_bf16 ? nullptr : x.data_ptr<float>();
+  const c10::BFloat16* b16 = in_bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;
+  each_row_into(out, in_bf16, [&](int64_t i, float* values) {
+    thread_local std::vector<float> widened;
+    thread_local std::vector<int8_t> stored;
+    stored.resize(d + glmserve::kInt8ScaleBytes);
+    const float* row = in_bf16 ? nullptr : f32 + i * d;
+    if (in_bf16) {
+      widened.resize(d);
+      for (int64_t j = 0; j < d; ++j) widened[j] = static_cast<float>(b16[i * d + j]);
+      row = widened.data();
+    }
+    glmserve::quantize_int8_row(row, stored.data(), values, d);
+  });
+  return out;
+}
+
 // Test-only: the at::get_thread_num() that ran each of `n` items of an at::parallel_for with grain 1, as
 // int64 [n]; tests check that our builds' parallel loops use torch's intra-op threads (build.py, -fopenmp).
 at::Tensor parallel_thread_ids(int64_t n) {
@@ -762,5 +829,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("paged_decode_lse", &paged_decode_lse, "paged decode attention (CPU) and the log-sum-exp per head");
   m.def("store_kv", &store_kv, "KV write of one layer into float32 / bf16 / int8 caches (CPU)");
+  m.def("int8_dequantize", &int8_dequantize, "int8 KV rows widened to code x scale (CPU)");
+  m.def("int8_roundtrip", &int8_roundtrip, "rows as int8 KV stores and dequantizes them (CPU)");
   m.def("parallel_thread_ids", &parallel_thread_ids, "test-only: the intra-op thread that ran each item");
 }
