@@ -46,8 +46,8 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
                tables, in float32 (bf16 x: rounded once)
   silu_and_mul(x [T,2I] f32 or bf16) -> [T,I]: SwiGLU's silu(gate) * up, rounded once (also for bf16 tensors)
   rope_store_kv(qkv [T,(H+2Hkv)D] f32, H, cos [T,R], sin [T,R] f32, k_cache, v_cache [Hkv,slots,W] f32 or bf16
-               (W = D) or int8 (W = D + 2), slots [T] i64) -> (q [T,H,D], k [T,Hkv,D]) f32: a decode step's rope of q and k and KV write in one
-               pass, k as the cache holds it
+               (W = D) or int8 (W = D + 2), slots [T] i64) -> (q [T,H,D], k [T,Hkv,D]) f32: a decode step's rope of
+               q and k and KV write in one pass, k as the cache holds it
   prefill_attention(q [T,Hq,D] bf16, k [B,L,Hk,D] bf16, v (same), q_lens [B] i64, kv_lens [B] i64, scale,
                out_bf16, engine="") -> [T,Hq,D] bf16 or f32: causal attention of rows of q_lens queries packed in q,
                each at the end of its kv_lens keys, on the AMX bf16 tiles or with AVX512-BF16 (bf16 tensors only)
