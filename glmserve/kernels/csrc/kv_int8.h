@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -92,8 +92,13 @@ inline void quantize_int8_row(const float* x, int8_t* row, float* back, int64_t 
   const float amax = abs_max(x, d);
   float scale = amax / kInt8Max;
   scale = scale < kInt8MinScale ? kInt8MinScale : (scale > kInt8MaxScale ? kInt8MaxScale : scale);
+#if defined(__F16C__)
+  const uint16_t bits = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);  // to nearest even, as f32_to_f16_bits
+  const float s = _cvtsh_ss(bits), inv = 1.f / s;
+#else
   const uint16_t bits = f32_to_f16_bits(scale);
   const float s = f16_bits_to_f32(bits), inv = 1.f / s;
+#endif
   int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 vinv = _mm512_set1_ps(inv), vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f),
