@@ -168,8 +168,12 @@ class PagedAttention:
         cache = self.kv_cache
         assert cache is not None, "KV cache not allocated"
         store_kv(cache, meta.slot_mapping, k, v)
+        fmt = format_of(cache)
+        stored = fmt.quantized and meta.prefill is not None
+        if stored:  # the values every later read sees, which fresh prefill rows read too (_prefill): once per layer
+            k, v = fmt.roundtrip(k), fmt.roundtrip(v)
         if self.indexers:  # scorers see the keys as attention reads them back
-            seen = format_of(cache).roundtrip(k)
+            seen = k if stored else fmt.roundtrip(k)
             for indexer in self.indexers.values():
                 indexer.on_kv_written(meta.slot_mapping, seen, cache)
         outs = []
@@ -187,13 +191,15 @@ class PagedAttention:
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def takes_bf16(self, meta: AttentionMetadata) -> bool:
-        """True where this step's q, k, v may come in bf16 and change nothing: prefill rows only, none with
-        offloaded chunks, attention on our bf16 kernel (which rounds q, k, v to bf16 anyway) and a bf16 pool (the
-        KV write rounds k, v to bf16 too). Then a bf16 qkv projection output is never widened to float32: rope
-        (in float32, rounded once), the KV write, the sparse scorers and the kernel read it as it is."""
+        """True where this step's q, k, v may come in bf16: prefill rows only, none with offloaded chunks,
+        attention on our bf16 kernel (which rounds q, k, v to bf16 anyway) and a bf16 pool (the KV write rounds k, v
+        to bf16 too: nothing changes) or an int8 one (k, v are quantized from their bf16 rounding: 2^-9 of a value
+        under codes of 1/127 of its row's largest; the CPU default). Then a bf16 qkv projection output is never
+        widened to float32: rope (in float32, rounded once), the KV write, the sparse scorers and the kernel read it
+        as it is."""
         g, cache = meta.prefill, self.kv_cache
         return (meta.decode is None and g is not None and g.offloaded is None and cache is not None
-                and cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
+                and cache.dtype in (torch.bfloat16, torch.int8) and cache.device.type == "cpu"
                 and bf16_prefill(g.num_tokens, self.head_dim, g.longest_keys)
                 and (g.rows is not None or g.fresh_causal or g.query_lens is not None)
                 and bf16_prefill_kernel(self.head_dim) is not None)
@@ -228,10 +234,11 @@ class PagedAttention:
         dtype = q.dtype if g.offloaded is not None else prefill_compute_dtype(q, g.num_tokens, g.longest_keys)
         fmt = format_of(self.kv_cache)
         if g.rows is None:
-            if g.fresh_causal and fmt.quantized:  # as the rows below: the K/V as stored (rounded float ones: there)
-                k, v = fmt.roundtrip(k, dtype), fmt.roundtrip(v, dtype)
+            if g.fresh_causal and fmt.quantized:  # k, v hold the stored values (__call__), as the rows below read them
+                k, v = k.to(dtype), v.to(dtype)
             return self._prefill_rows(q, k, v, g, dtype)
-        # as in the padded group, every row reads its K/V as stored (a fresh row too: quantized formats round it);
+        # as in the padded group, every row reads its K/V as stored (a fresh row too: a quantized format's k, v arrive
+        # as stored, __call__);
         # the casts run once over all rows, or not at all where our kernel takes every row: the bf16 one rounds
         # float32 q, k, v to bf16 as it packs them, as the casts would, and a fresh row's k, v are cast to a bf16 or
         # float32 pool's dtype on their way to either kernel (_prefill_rows)
@@ -240,9 +247,9 @@ class PagedAttention:
         kernel_rows = kernel is not None and all(row.fresh_causal or row.query_lens is not None for row in g.rows)
         if not kernel_rows:
             q = q.to(dtype)
-        if any(row.fresh_causal for row in g.rows) and not (
-                kernel_rows and not fmt.quantized and fmt.storage in (torch.bfloat16, torch.float32)):
-            k, v = fmt.roundtrip(k, dtype), fmt.roundtrip(v, dtype)
+        if any(row.fresh_causal for row in g.rows) and (
+                fmt.quantized or not (kernel_rows and fmt.storage in (torch.bfloat16, torch.float32))):
+            k, v = (k.to(dtype), v.to(dtype)) if fmt.quantized else (fmt.roundtrip(k, dtype), fmt.roundtrip(v, dtype))
         outs, offset = [], 0
         for row in g.rows:  # a few rows per step: one attention each instead of one over the padded rows
             end = offset + row.num_tokens
