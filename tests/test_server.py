@@ -744,6 +744,8 @@ def test_sigterm_finishes_in_flight_request_and_exits_zero(server: Server) -> No
                 httpx.get(f"{server.base_url}/health", timeout=5)
             except httpx.ConnectError:
                 return True
+            except httpx.RemoteProtocolError:  # connected as the socket closed: dropped unanswered (1 run in ~10)
+                return True
             return False
 
         wait_for(refused, 10, "the server to stop accepting connections", server.log)
