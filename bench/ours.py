@@ -45,7 +45,7 @@ class OursEngine(harness.Engine):
         except importlib.metadata.PackageNotFoundError:
             version = "(source tree)"
         weights = self._quantization or "the GGUF's own blocks"
-        return f"glmserve {version}, dtype {self._dtype}, weights {weights}"
+        return f"glmserve {version}, dtype {self._dtype}, KV {self._llm.engine.kv_format}, weights {weights}"
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
