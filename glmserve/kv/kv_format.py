@@ -3,7 +3,7 @@
 Float formats (float32, bfloat16, float16) store the row as is. `auto` (`default_kv_format`) is int8 for a float32
 model on CPU (bfloat16 where the model's attention does not read quantized rows, e.g. the MLA latent cache, or the C++
 decode kernel is missing): decode attention, which reads every cached row each step, is memory-bound there, and int8
-rows are 0.516x of bfloat16's bytes at +0.04% perplexity (bench/RESULTS.md "int8 KV by default on CPU"); elsewhere
+rows are 0.516x of bfloat16's bytes at +0.11-0.12% perplexity (bench/RESULTS.md "int8 KV by default on CPU"); elsewhere
 the model dtype. `--kv-cache-dtype bfloat16` / `float32` keep float rows. Quantized formats store it as 8-bit codes
 with one scale per (token, kv head), packed into the same row:
 

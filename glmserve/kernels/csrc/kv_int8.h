@@ -6,10 +6,11 @@
 //   code  = round_half_even(clamp(x * (1 / float(scale)), -127, 127))
 //
 // and optionally the values a reader dequantizes (code * float(scale), kv_format.dequantize) into `back`.
-// Bit-exact under the builds' -ffast-math: the float16 rounding is integer arithmetic (c10::Half's conversion leans on
-// float products fast-math may fold), the one division by 127 goes through a volatile (fast-math would turn a division
-// by a constant into a product by its inexact reciprocal), and each value is multiplied by the reciprocal as the
-// Python side does (a division by a loop-invariant divisor may be rewritten so).
+// Includers include vec_math.h first (abs_max; headers include none: kernels/build.py hashes the ones a source
+// includes). Bit-exact under the builds' -ffast-math: the float16 rounding is F16C's or integer arithmetic (c10::Half's
+// conversion leans on float products fast-math may fold), the one division by 127 goes through a volatile (fast-math
+// would turn a division by a constant into a product by its inexact reciprocal), and each value is multiplied by the
+// reciprocal as the Python side does (a division by a loop-invariant divisor may be rewritten so).
 #pragma once
 
 #include <cmath>
@@ -64,30 +65,6 @@ inline float f16_bits_to_f32(uint16_t h) {
 
 // One row of `d` float32 values into `row` (d codes, then the scale's two bytes); `back` (or null): the values as
 // dequantized.
-// The largest |x[j]|: lanes of max in SIMD builds (the scalar loop is a chain of dependent maxima: without
-// -ffinite-math-only the compiler does not vectorize it), exact in any order.
-inline float abs_max(const float* x, int64_t d) {
-  float amax = 0.f;
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 m = _mm512_setzero_ps();
-  for (; j + 16 <= d; j += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
-  amax = _mm512_reduce_max_ps(m);
-#elif defined(__AVX2__)
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 m = _mm256_setzero_ps();
-  for (; j + 8 <= d; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + j), magnitude));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  for (const float lane : lanes) amax = lane > amax ? lane : amax;
-#endif
-  for (; j < d; ++j) {
-    const float a = std::fabs(x[j]);
-    amax = a > amax ? a : amax;  // not std::fmax: a library call without -ffinite-math-only
-  }
-  return amax;
-}
-
 inline void quantize_int8_row(const float* x, int8_t* row, float* back, int64_t d) {
   const float amax = abs_max(x, d);
   float scale = amax / kInt8Max;

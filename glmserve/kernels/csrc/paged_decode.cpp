@@ -34,6 +34,7 @@
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
+#include "vec_math.h"  // abs_max (kv_int8.h)
 #include "kv_int8.h"
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -34,8 +34,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"  // before kv_int8.h: its abs_max
 #include "kv_int8.h"
-#include "vec_math.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

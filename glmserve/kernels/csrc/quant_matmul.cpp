@@ -52,7 +52,7 @@
 #include <torch/extension.h>
 
 #include "bf16_linear_args.h"  // amx_bf16_linear's argument checks and activation rows (shared with bf16_gemm.cpp)
-#include "vec_math.h"  // silu_mul: SwiGLU as silu_and_mul (prefill_ops.cpp) computes it
+#include "vec_math.h"  // silu_mul: SwiGLU as silu_and_mul (prefill_ops.cpp) computes it; abs_max
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -1003,33 +1003,13 @@ int32_t quantize_block(const float* x, int64_t n, float dx, int8_t* q) {
 #endif
 }
 
-// the largest |x| of n floats
-float abs_max(const float* x, int64_t n) {
-  int64_t i = 0;
-  float amax = 0.f;
-#if defined(__AVX512F__)
-  __m512 m = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-  amax = _mm512_reduce_max_ps(m);
-#elif defined(__AVX2__)
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 m = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  for (float v : lanes) amax = std::max(amax, v);
-#endif
-  for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  return amax;
-}
-
 // quantize one row of k floats into kp = ceil(k / 32) * 32 int8 codes (the tail zero)
 void quantize_row(const float* x, int64_t k, int64_t kp, bool per_token, int8_t* q, float* d, float* s, int32_t* isum) {
   const int64_t nb = kp / QK;
-  const float row_amax = per_token ? abs_max(x, k) : 0.f;
+  const float row_amax = per_token ? glmserve::abs_max(x, k) : 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = b * QK, n = std::min(k, lo + QK) - lo;
-    const float dx = (per_token ? row_amax : abs_max(x + lo, n)) * INV127;
+    const float dx = (per_token ? row_amax : glmserve::abs_max(x + lo, n)) * INV127;
     const int32_t sum = quantize_block(x + lo, n, dx, q + lo);
     d[b] = dx;
     isum[b] = sum;

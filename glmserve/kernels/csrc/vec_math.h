@@ -2,17 +2,43 @@
 // bf16 <-> float32 conversion as torch rounds, exp(x) as a scalar function the compiler vectorizes (fast_exp) and, in
 // AVX-512 builds, 2^x on one 16-lane vector (fast_exp2_16, and fast_exp2_16_bf16 for weights rounded to bf16 next)
 // and the bf16 rounding on 16 lanes (f32_to_bf16_16);
-// SwiGLU's silu(g) * u on those (silu_mul, silu_mul_16), so that silu_and_mul and the fused gate-up linear agree.
+// SwiGLU's silu(g) * u on those (silu_mul, silu_mul_16), so that silu_and_mul and the fused gate-up linear agree;
+// a row's largest |x| (abs_max).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace glmserve {
+
+// The largest |x| of n floats: lanes of max in SIMD builds (a scalar loop is a chain of dependent maxima: without
+// -ffinite-math-only the compiler does not vectorize it), exact in any order (quant_matmul.cpp's activation scales,
+// kv_int8.h's row scales).
+inline float abs_max(const float* x, int64_t n) {
+  int64_t i = 0;
+  float amax = 0.f;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float v : lanes) amax = std::max(amax, v);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+}
+
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
