@@ -749,8 +749,7 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
 
 // int8 rows as their readers see them, in one pass where torch takes several ops (kv_format.py dequantize /
 // roundtrip): `int8_dequantize` widens stored rows [N, D + 2] (int8, contiguous) to code x scale; `int8_roundtrip`
-// quantizes float32 or bf16 rows [N, D] (contiguous: a copy of a strided view measured faster than reading it in
-// place) as store_kv would store them and returns that; both round the
+// quantizes float32 or bf16 rows [N, D] (contiguous) as store_kv would store them and returns that; both round the
 // float32 product once to bf16 where the output (or the roundtrip's input, as dequantize(quantize(x), x.dtype)) is
 // bf16, to nearest even as torch's cast. Rows are split over torch's intra-op threads.
 at::Tensor int8_rows_out(int64_t n, int64_t d, bool bf16) {
