@@ -232,10 +232,7 @@ class PagedAttention:
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupMetadata) -> torch.Tensor:
         dtype = q.dtype if g.offloaded is not None else prefill_compute_dtype(q, g.num_tokens, g.longest_keys)
-        fmt = format_of(self.kv_cache)
         if g.rows is None:
-            if g.fresh_causal and fmt.quantized:  # k, v hold the stored values (__call__), as the rows below read them
-                k, v = k.to(dtype), v.to(dtype)
             return self._prefill_rows(q, k, v, g, dtype)
         # as in the padded group, every row reads its K/V as stored (a fresh row too: a quantized format's k, v arrive
         # as stored, __call__);
@@ -247,8 +244,9 @@ class PagedAttention:
         kernel_rows = kernel is not None and all(row.fresh_causal or row.query_lens is not None for row in g.rows)
         if not kernel_rows:
             q = q.to(dtype)
-        if any(row.fresh_causal for row in g.rows) and (
-                fmt.quantized or not (kernel_rows and fmt.storage in (torch.bfloat16, torch.float32))):
+        fmt = format_of(self.kv_cache)
+        if any(row.fresh_causal for row in g.rows) and not (
+                kernel_rows and (fmt.quantized or fmt.storage in (torch.bfloat16, torch.float32))):
             k, v = (k.to(dtype), v.to(dtype)) if fmt.quantized else (fmt.roundtrip(k, dtype), fmt.roundtrip(v, dtype))
         outs, offset = [], 0
         for row in g.rows:  # a few rows per step: one attention each instead of one over the padded rows

@@ -13,6 +13,8 @@
 // reciprocal as the Python side does (a division by a loop-invariant divisor may be rewritten so).
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -50,19 +52,6 @@ inline uint16_t f32_to_f16_bits(float f) {
   return static_cast<uint16_t>(sign | h);
 }
 
-// float16 bits -> float, exactly.
-inline float f16_bits_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  if (exp == 0) {
-    const float v = static_cast<float>(mant) * kInt8MinScale;  // mant x 2^-24: exact
-    return sign ? -v : v;
-  }
-  const uint32_t u = sign | (exp == 0x1fu ? 0x7f800000u : (exp + 112u) << 23) | (mant << 13);
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // One row of `d` float32 values into `row` (d codes, then the scale's two bytes); `back` (or null): the values as
 // dequantized.
 inline void quantize_int8_row(const float* x, int8_t* row, float* back, int64_t d) {
@@ -74,7 +63,7 @@ inline void quantize_int8_row(const float* x, int8_t* row, float* back, int64_t 
   const float s = _cvtsh_ss(bits), inv = 1.f / s;
 #else
   const uint16_t bits = f32_to_f16_bits(scale);
-  const float s = f16_bits_to_f32(bits), inv = 1.f / s;
+  const float s = static_cast<float>(c10::Half(bits, c10::Half::from_bits())), inv = 1.f / s;  // exact
 #endif
   int64_t j = 0;
 #if defined(__AVX512F__)

@@ -691,13 +691,11 @@ void store_rows(const at::Tensor& x, T_out* cache, const int64_t* slot, int64_t 
       for (int64_t h = 0; h < Hkv; ++h) {
         const T_in* row = data + t * st + h * sh;
         T_out* out = cache + (h * num_slots + slot[t]) * W;
-        if constexpr (int8_rows) {
-          const float* values = reinterpret_cast<const float*>(row);
-          if constexpr (!std::is_same_v<T_in, float>) {
-            for (int64_t d = 0; d < D; ++d) widened[d] = static_cast<float>(row[d]);
-            values = widened.data();
-          }
-          glmserve::quantize_int8_row(values, out, nullptr, D);
+        if constexpr (int8_rows && std::is_same_v<T_in, float>) {
+          glmserve::quantize_int8_row(row, out, nullptr, D);
+        } else if constexpr (int8_rows) {
+          for (int64_t d = 0; d < D; ++d) widened[d] = static_cast<float>(row[d]);
+          glmserve::quantize_int8_row(widened.data(), out, nullptr, D);
         } else if constexpr (std::is_same_v<T_in, T_out>) {
           std::memcpy(out, row, D * sizeof(T_out));
         } else {
