@@ -53,8 +53,10 @@ def build_a(source: Path):
     name = f"glmserve_ab_{source.stem}_{isa}_{digest}"
     directory = extensions_root() / name
     directory.mkdir(parents=True, exist_ok=True)
+    # the headers come from this checkout's csrc (a source elsewhere, e.g. main's in /tmp, includes them too)
+    headers = Path(__file__).resolve().parents[1] / "glmserve" / "kernels" / "csrc"
     return load(name=name, sources=[str(source)], extra_cflags=[*BASE_CFLAGS, *BY_NAME[isa].cflags],
-                build_directory=str(directory))
+                extra_include_paths=[str(headers)], build_directory=str(directory))
 
 
 def cpu_and_wall(fn, *args, seconds: float = 0.005) -> tuple[float, float]:

@@ -62,7 +62,8 @@ def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt, dim):
     """The fused KV write (kernels `store_kv`) against `store`'s cast (or quantize) + index_copy_, bit for bit: k and v
     as views of a fused qkv output (strided rows), values at bf16 rounding ties, int8 rows at rounding ties, of zeros
     and with subnormal and large scales, float32 and bf16 k/v, and a slot outside the cache refused (float16 pools
-    take `store`)."""
+    take `store`); with `roundtrip` (int8 pools) the same bytes and k, v as KVFormat.roundtrip reads them back, bit
+    for bit."""
     gen = torch.Generator().manual_seed(3)
     t, kv_heads, slots_n = 11, 3, 40
     qkv = torch.randn(t, (9 + 2 * kv_heads) * dim, generator=gen)
@@ -77,18 +78,22 @@ def test_store_kv_writes_what_the_torch_store_writes(cpu_isa, fmt, dim):
     slots = torch.randperm(slots_n, generator=gen)[:t]
     fmt_ = kv_format(fmt)
     got, want = (torch.zeros(2, kv_heads, slots_n, fmt_.row_width(dim), dtype=fmt_.storage) for _ in range(2))
-    kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots, k, v)
-    store(want[0], slots, k)
-    store(want[1], slots, v)
     bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}.get(fmt_.storage, fmt_.storage)  # bit for bit
-    assert torch.equal(got.view(bits), want.view(bits))
     kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)  # a bf16 prefill's k, v (attention.py `takes_bf16`)
-    got.zero_()
-    want.zero_()
-    kernels.op("store_kv", k.device, torch.bfloat16)(got[0], got[1], slots, kb, vb)
-    store(want[0], slots, kb)
-    store(want[1], slots, vb)
-    assert torch.equal(got.view(bits), want.view(bits))
+    for x, y in ((k, v), (kb, vb)):
+        got.zero_()
+        want.zero_()
+        seen = kernels.op("store_kv", k.device, x.dtype)(got[0], got[1], slots, x, y, fmt == "int8")
+        store(want[0], slots, x)
+        store(want[1], slots, y)
+        assert torch.equal(got.view(bits), want.view(bits))
+        if fmt == "int8":
+            for a, b in zip(seen, (fmt_.roundtrip(x), fmt_.roundtrip(y))):
+                assert a.dtype == x.dtype and torch.equal(a, b)
+        else:
+            assert seen == []
+            with pytest.raises(RuntimeError, match="roundtrip is for int8"):
+                kernels.op("store_kv", k.device, x.dtype)(got[0], got[1], slots, x, y, True)
     with pytest.raises(RuntimeError, match="one dtype"):
         kernels.op("store_kv", k.device, k.dtype)(got[0], got[1], slots, k, vb)
     with pytest.raises(RuntimeError, match="outside the cache"):

@@ -5,9 +5,10 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   paged_decode(q [B,H,D], k_cache [Hkv,S,W], v_cache, slots [B,L] i64, ctx_lens [B] i64, scale) -> out [B,H,D]
                (cache f32/bf16/f16 with W = D, or int8 / fp8-bits uint8 rows with W = D + 2: glmserve/kv/kv_format.py)
   paged_decode_lse(same arguments) -> [out [B,H,D], lse [B,H]]: also each head's log-sum-exp of scores
-  store_kv(k_cache [Hkv,S,W], v_cache, slots [T] i64, k [T,Hkv,D], v) (in place): one layer's KV write into
-               float32 / bf16 caches (k/v float32 or bf16 rows, any row stride), rounded as torch's cast rounds, or
-               int8 ones (W = D + 2), quantized as kv_format.py's KVFormat.quantize
+  store_kv(k_cache [Hkv,S,W], v_cache, slots [T] i64, k [T,Hkv,D], v, roundtrip=False) (in place): one layer's KV
+               write into float32 / bf16 caches (k/v float32 or bf16 rows, any row stride), rounded as torch's cast
+               rounds, or int8 ones (W = D + 2), quantized as kv_format.py's KVFormat.quantize; `roundtrip` (int8
+               caches) -> [k, v [T,Hkv,D]] as their readers see them (int8_roundtrip's floats), else []
   int8_dequantize(rows [N,D+2] i8, out_bf16) -> [N,D] f32 or bf16: stored int8 KV rows as code x scale
   int8_roundtrip(x [N,D] f32 or bf16, out_bf16) -> [N,D] f32 or bf16: x as int8 KV stores and dequantizes it
   bounds_update(slots [T] i64, keys [T,Hkv,D] f32 or bf16, bounds [blocks,2,Hkv,D], block_size) (in place)

@@ -162,14 +162,21 @@ def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     cache.index_copy_(1, slots, format_of(cache).quantize(x).transpose(0, 1))
 
 
-def store_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def store_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             roundtrip: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Writes one layer's k and v [T, Hkv, D] at `slots` [T] of its pool [2, Hkv, slots, W], in the pool's format:
     float32 / bfloat16 / int8 pools in one C++ pass on CPU (kernels `store_kv`: the cast or quantize and both copies,
-    the same bytes), else `store` per side."""
+    the same bytes), else `store` per side. `roundtrip`: also returns k and v as a reader of the pool sees them
+    (KVFormat.roundtrip; for int8 pools on CPU from the same pass: the same floats)."""
+    fmt = format_of(pool)
     fused = pool.dtype in (torch.float32, torch.bfloat16, torch.int8)  # float16 pools: torch's cast (exact at overflow)
     kernel = kernels.op("store_kv", k.device, k.dtype) if fused else None
     if kernel is not None and v.dtype == k.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
-        kernel(pool[0], pool[1], slots, k, v)
-        return
-    store(pool[0], slots, k)
-    store(pool[1], slots, v)
+        fused_roundtrip = roundtrip and fmt.name == "int8"
+        seen = kernel(pool[0], pool[1], slots, k, v, fused_roundtrip)
+        if fused_roundtrip:
+            return seen[0], seen[1]
+    else:
+        store(pool[0], slots, k)
+        store(pool[1], slots, v)
+    return (fmt.roundtrip(k), fmt.roundtrip(v)) if roundtrip else None

@@ -167,11 +167,13 @@ class PagedAttention:
         that takes bf16, so that a bf16 prefill's output is not widened and narrowed again)."""
         cache = self.kv_cache
         assert cache is not None, "KV cache not allocated"
-        store_kv(cache, meta.slot_mapping, k, v)
         fmt = format_of(cache)
         stored = fmt.quantized and meta.prefill is not None
-        if stored:  # the values every later read sees, which fresh prefill rows read too (_prefill): once per layer
-            k, v = fmt.roundtrip(k), fmt.roundtrip(v)
+        # with prefill rows of a quantized pool: the values every later read sees, which fresh prefill rows read too
+        # (_prefill), from the write itself
+        read_back = store_kv(cache, meta.slot_mapping, k, v, roundtrip=stored)
+        if read_back is not None:
+            k, v = read_back
         if self.indexers:  # scorers see the keys as attention reads them back
             seen = k if stored else fmt.roundtrip(k)
             for indexer in self.indexers.values():

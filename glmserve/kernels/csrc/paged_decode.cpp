@@ -676,26 +676,48 @@ std::vector<at::Tensor> paged_decode_lse(const at::Tensor& q, const at::Tensor& 
   return run(q, k_cache, v_cache, slots, ctx_lens, scale, true);
 }
 
+// bf16 rows widened to float32 and float32 rows rounded to bf16 as torch's cast (vec_math.h's 16-lane loops where the
+// build has AVX-512)
+inline void widen_bf16(const c10::BFloat16* x, float* out, int64_t n) {
+#if defined(__AVX512F__)
+  glmserve::bf16_to_f32_n(reinterpret_cast<const uint16_t*>(x), out, n);
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
+#endif
+}
+
+inline void narrow_to_bf16(const float* x, c10::BFloat16* out, int64_t n) {
+#if defined(__AVX512F__)
+  glmserve::f32_to_bf16_n(x, reinterpret_cast<uint16_t*>(out), n);
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = c10::BFloat16(x[i]);  // to nearest even
+#endif
+}
+
 // Rows x [T, Hkv, D] (float32 or bf16, contiguous rows) into cache [Hkv, num_slots, W] at slot[t], cast to T_out
-// (bf16 into bf16: copied), or quantized into int8 rows (T_out int8_t: W = D + 2, kv_int8.h). Tokens are split over
-// torch's intra-op threads (slots are distinct).
+// (bf16 into bf16: copied), or quantized into int8 rows (T_out int8_t: W = D + 2, kv_int8.h), then (`seen`, int8 rows
+// only, else null: [T, Hkv, D] contiguous, x's dtype) the values as a reader dequantizes them (int8_roundtrip's).
+// Tokens are split over torch's intra-op threads (slots are distinct).
 template <typename T_in, typename T_out>
-void store_rows(const at::Tensor& x, T_out* cache, const int64_t* slot, int64_t num_slots) {
+void store_rows(const at::Tensor& x, T_out* cache, const int64_t* slot, int64_t num_slots, T_in* seen) {
   const T_in* data = x.data_ptr<T_in>();
   const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2), st = x.stride(0), sh = x.stride(1);
   constexpr bool int8_rows = std::is_same_v<T_out, int8_t>;
+  constexpr bool f32_in = std::is_same_v<T_in, float>;
   const int64_t W = int8_rows ? D + glmserve::kInt8ScaleBytes : D;
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened(int8_rows && !std::is_same_v<T_in, float> ? D : 0);
+    std::vector<float> widened(int8_rows && !f32_in ? D : 0), back(int8_rows && !f32_in && seen ? D : 0);
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < Hkv; ++h) {
         const T_in* row = data + t * st + h * sh;
         T_out* out = cache + (h * num_slots + slot[t]) * W;
-        if constexpr (int8_rows && std::is_same_v<T_in, float>) {
-          glmserve::quantize_int8_row(row, out, nullptr, D);
+        T_in* seen_row = seen ? seen + (t * Hkv + h) * D : nullptr;
+        if constexpr (int8_rows && f32_in) {
+          glmserve::quantize_int8_row(row, out, seen_row, D);
         } else if constexpr (int8_rows) {
-          for (int64_t d = 0; d < D; ++d) widened[d] = static_cast<float>(row[d]);
-          glmserve::quantize_int8_row(widened.data(), out, nullptr, D);
+          widen_bf16(row, widened.data(), D);
+          glmserve::quantize_int8_row(widened.data(), out, seen ? back.data() : nullptr, D);
+          if (seen) narrow_to_bf16(back.data(), seen_row, D);
         } else if constexpr (std::is_same_v<T_in, T_out>) {
           std::memcpy(out, row, D * sizeof(T_out));
         } else {
@@ -711,8 +733,10 @@ void store_rows(const at::Tensor& x, T_out* cache, const int64_t* slot, int64_t 
 // row quantized as kv_format.py's KVFormat.quantize (int8: W = D + 2, kv_int8.h). One pass instead of a cast (or a
 // quantize's several ops) and an index_copy_ per side. Not float16: c10::Half's float conversion relies on float
 // overflow to reach inf, which this build's -ffast-math folds away (NaN bits came out of 131008.f).
-void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
-              const at::Tensor& v) {
+// `roundtrip` (int8 caches): also returns k and v [T, Hkv, D] contiguous as their readers see them (int8_roundtrip's
+// floats: a prefill attends to its own keys as stored) from the same pass; else nothing.
+std::vector<at::Tensor> store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                                 const at::Tensor& k, const at::Tensor& v, bool roundtrip) {
   TORCH_CHECK(k.dim() == 3 && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) &&
                   k.stride(2) == 1 && v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type() && v.stride(2) == 1,
               "k, v: [T, Hkv, D] float32 or bf16 (one dtype) with contiguous rows");
@@ -722,6 +746,7 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16 ||
                   k_cache.scalar_type() == at::kChar,
               "store_kv: float32, bfloat16 or int8 caches, got ", k_cache.scalar_type());
+  TORCH_CHECK(!roundtrip || k_cache.scalar_type() == at::kChar, "store_kv: roundtrip is for int8 caches");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1, "slots: [T] int64");
   const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2), num_slots = k_cache.size(1);
   const int64_t W = k_cache.scalar_type() == at::kChar ? D + glmserve::kInt8ScaleBytes : D;
@@ -729,20 +754,25 @@ void store_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Te
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the cache's ", num_slots);
-  const auto into = [&](const at::Tensor& x, auto* out) {
+  std::vector<at::Tensor> seen;
+  if (roundtrip) seen = {at::empty({T, Hkv, D}, k.options()), at::empty({T, Hkv, D}, k.options())};
+  const auto into = [&](const at::Tensor& x, auto* out, at::Tensor* back) {
     using Out = std::remove_pointer_t<decltype(out)>;
-    x.scalar_type() == at::kBFloat16 ? store_rows<c10::BFloat16, Out>(x, out, slot, num_slots)
-                                     : store_rows<float, Out>(x, out, slot, num_slots);
+    if (x.scalar_type() == at::kBFloat16)
+      store_rows<c10::BFloat16, Out>(x, out, slot, num_slots, back ? back->data_ptr<c10::BFloat16>() : nullptr);
+    else
+      store_rows<float, Out>(x, out, slot, num_slots, back ? back->data_ptr<float>() : nullptr);
   };
-  const auto side = [&](const at::Tensor& x, const at::Tensor& cache) {
+  const auto side = [&](const at::Tensor& x, const at::Tensor& cache, at::Tensor* back) {
     switch (cache.scalar_type()) {
-      case at::kFloat: into(x, cache.data_ptr<float>()); break;
-      case at::kBFloat16: into(x, cache.data_ptr<c10::BFloat16>()); break;
-      default: into(x, cache.data_ptr<int8_t>());
+      case at::kFloat: into(x, cache.data_ptr<float>(), nullptr); break;
+      case at::kBFloat16: into(x, cache.data_ptr<c10::BFloat16>(), nullptr); break;
+      default: into(x, cache.data_ptr<int8_t>(), back);
     }
   };
-  side(k, k_cache);
-  side(v, v_cache);
+  side(k, k_cache, roundtrip ? &seen[0] : nullptr);
+  side(v, v_cache, roundtrip ? &seen[1] : nullptr);
+  return seen;
 }
 
 // int8 rows as their readers see them, in one pass where torch takes several ops (kv_format.py dequantize /
@@ -763,8 +793,7 @@ void each_row_into(at::Tensor& out, bool round_bf16, F&& values_of) {
     for (int64_t i = begin; i < end; ++i) {
       values_of(i, row.data());
       if (bf16) {
-        auto* o = out.data_ptr<c10::BFloat16>() + i * d;
-        for (int64_t j = 0; j < d; ++j) o[j] = c10::BFloat16(row[j]);  // to nearest even, as torch's cast
+        narrow_to_bf16(row.data(), out.data_ptr<c10::BFloat16>() + i * d, d);
       } else {
         float* o = out.data_ptr<float>() + i * d;
         for (int64_t j = 0; j < d; ++j) o[j] = round_bf16 ? static_cast<float>(c10::BFloat16(row[j])) : row[j];
@@ -803,7 +832,7 @@ at::Tensor int8_roundtrip(const at::Tensor& x, bool out_bf16) {
     const float* row = in_bf16 ? nullptr : f32 + i * d;
     if (in_bf16) {
       widened.resize(d);
-      for (int64_t j = 0; j < d; ++j) widened[j] = static_cast<float>(b16[i * d + j]);
+      widen_bf16(b16 + i * d, widened.data(), d);
       row = widened.data();
     }
     glmserve::quantize_int8_row(row, stored.data(), values, d);
@@ -826,7 +855,8 @@ at::Tensor parallel_thread_ids(int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("paged_decode_lse", &paged_decode_lse, "paged decode attention (CPU) and the log-sum-exp per head");
-  m.def("store_kv", &store_kv, "KV write of one layer into float32 / bf16 / int8 caches (CPU)");
+  m.def("store_kv", &store_kv, "KV write of one layer into float32 / bf16 / int8 caches (CPU)", py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slots"), py::arg("k"), py::arg("v"), py::arg("roundtrip") = false);
   m.def("int8_dequantize", &int8_dequantize, "int8 KV rows widened to code x scale (CPU)");
   m.def("int8_roundtrip", &int8_roundtrip, "rows as int8 KV stores and dequantizes them (CPU)");
   m.def("parallel_thread_ids", &parallel_thread_ids, "test-only: the intra-op thread that ran each item");

@@ -116,6 +116,23 @@ inline __m256i f32_to_bf16_16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// n bf16 values (bits) widened to float32, and float32 values rounded to bf16 (to nearest even, a NaN kept a NaN: torch's
+// cast), 16 lanes at a time where the build has AVX-512
+inline void bf16_to_f32_n(const uint16_t* x, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))), 16)));
+  for (; i < n; ++i) out[i] = bf16_to_f32(x[i]);
+}
+
+inline void f32_to_bf16_n(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), f32_to_bf16_16(_mm512_loadu_ps(x + i)));
+  for (; i < n; ++i) out[i] = f32_to_bf16(x[i]);
+}
+
 // silu(g) * u on 16 lanes: e^-g as 2^(-g log2 e) (inf for g < -88: silu 0)
 inline __m512 silu_mul_16(__m512 g, __m512 u) {
   const __m512 e = fast_exp2_16(_mm512_mul_ps(g, _mm512_set1_ps(-kLog2e)));
