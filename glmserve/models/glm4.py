@@ -30,9 +30,14 @@ class Glm4DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, cos_sin, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, meta).to(x.dtype))
-        return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x: torch.Tensor, cos_sin, meta: AttentionMetadata,
+                delta: torch.Tensor | None = None) -> torch.Tensor:
+        """As LlamaDecoderLayer.forward: x += delta and the attention's normed output in place; returns the MLP's
+        normed output, not yet added."""
+        if delta is not None:
+            x.add_(delta)
+        x.add_(self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, meta).to(x.dtype)))
+        return self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Glm4ForCausalLM(DecoderOnlyLM):

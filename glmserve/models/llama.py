@@ -100,15 +100,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos_sin, meta: AttentionMetadata) -> torch.Tensor:
-        """x: the residual stream [T, hidden] (the model's own tensor), updated in place and returned. Each norm
-        hands its output in the dtype the next projection's GEMM takes (bf16 on AMX prefill); the residual adds
-        are fused into the norms after them where the kernels run (RMSNorm.add_norm)."""
-        h = self.input_layernorm.add_norm(x, None, _gemm_dtype(x, self.self_attn.qkv_proj))
+    def forward(self, x: torch.Tensor, cos_sin, meta: AttentionMetadata,
+                delta: torch.Tensor | None = None) -> torch.Tensor:
+        """x: the residual stream [T, hidden] (the model's own tensor), += delta (the previous layer's output, not
+        yet added; None: nothing) and this layer's attention output in place; returns this layer's MLP output, not
+        yet added (DecoderOnlyLM.forward hands it to the next layer, as the fused decode path does). Each norm hands
+        its output in the dtype the next projection's GEMM takes (bf16 on AMX prefill); the residual adds are fused
+        into the norms after them where the kernels run (RMSNorm.add_norm: the MLP's bf16 output is added in the
+        next norm's pass, not widened and added on its own)."""
+        h = self.input_layernorm.add_norm(x, delta, _gemm_dtype(x, self.self_attn.qkv_proj))
         attn = self.self_attn(h, cos_sin, meta, x.dtype)
         h = self.post_attention_layernorm.add_norm(
             x, attn, _gemm_dtype(x, self.mlp.gate_up_proj, self.mlp.down_proj))
-        return x.add_(self.mlp(h))
+        return self.mlp(h)
 
 
 def _gemm_dtype(x: torch.Tensor, *linears: nn.Module) -> torch.dtype:
@@ -186,10 +190,13 @@ class DecoderOnlyLM(LoadsCheckpoint, nn.Module):
         step = decode_step(self, x, positions, meta)  # decode rows only: the layers' straight-line C++ calls
         if step is None or not run_decode(self, x, step):
             cos_sin = self.rotary.cos_sin(positions)
+            delta = None  # each layer updates x in place and returns its last residual term, not yet added
             for layer in self.layers:
-                x = layer(x, cos_sin, meta)
-        x = self.norm(x[logits_index])
-        return self.lm_head(x).float()
+                delta = layer(x, cos_sin, meta, delta)
+            x = x[logits_index].add_(delta[logits_index])  # only the rows that become logits
+        else:
+            x = x[logits_index]
+        return self.lm_head(self.norm(x)).float()
 
 
 class LlamaForCausalLM(DecoderOnlyLM):
