@@ -614,8 +614,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_block(const uint16_t* a0,
   }
   const uint16_t* b1 = b + bstride;
   for (int64_t k = k0; k < k1; ++k) {
-    if (k + 1 < k1) {  // the next step's B tiles from the L2 panel into L1 while these products run: 1.01-1.08x
-      // at 128-2,048 rows on the 2-vCPU AMX guest (bench/gemm_micro.py --dense --a-source <main's file>), neutral at 64
+    if (k + 1 < k1) {  // the next step's B tiles from the L2 panel into L1 while these products run: mean 1.04x
+      // (0.98-1.11x by shape) at 128-2,048 rows on a 2-vCPU AMX guest (bench/gemm_micro.py --dense --a-source), 64 neutral
       const char* nb = reinterpret_cast<const char*>(b + (k + 1) * B_TILE);
       const char* nb1 = reinterpret_cast<const char*>(b1 + (k + 1) * B_TILE);
       for (int l = 0; l < 1024; l += 64) {
