@@ -172,9 +172,8 @@ def store_kv(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.
     fused = pool.dtype in (torch.float32, torch.bfloat16, torch.int8)  # float16 pools: torch's cast (exact at overflow)
     kernel = kernels.op("store_kv", k.device, k.dtype) if fused else None
     if kernel is not None and v.dtype == k.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
-        fused_roundtrip = roundtrip and fmt.name == "int8"
-        seen = kernel(pool[0], pool[1], slots, k, v, fused_roundtrip)
-        if fused_roundtrip:
+        seen = kernel(pool[0], pool[1], slots, k, v, roundtrip and fmt.name == "int8")  # [] unless asked
+        if seen:
             return seen[0], seen[1]
     else:
         store(pool[0], slots, k)

@@ -676,22 +676,13 @@ std::vector<at::Tensor> paged_decode_lse(const at::Tensor& q, const at::Tensor& 
   return run(q, k_cache, v_cache, slots, ctx_lens, scale, true);
 }
 
-// bf16 rows widened to float32 and float32 rows rounded to bf16 as torch's cast (vec_math.h's 16-lane loops where the
-// build has AVX-512)
+// bf16 rows widened to float32 and float32 rows rounded to bf16 as torch's cast (vec_math.h)
 inline void widen_bf16(const c10::BFloat16* x, float* out, int64_t n) {
-#if defined(__AVX512F__)
   glmserve::bf16_to_f32_n(reinterpret_cast<const uint16_t*>(x), out, n);
-#else
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
-#endif
 }
 
 inline void narrow_to_bf16(const float* x, c10::BFloat16* out, int64_t n) {
-#if defined(__AVX512F__)
   glmserve::f32_to_bf16_n(x, reinterpret_cast<uint16_t*>(out), n);
-#else
-  for (int64_t i = 0; i < n; ++i) out[i] = c10::BFloat16(x[i]);  // to nearest even
-#endif
 }
 
 // Rows x [T, Hkv, D] (float32 or bf16, contiguous rows) into cache [Hkv, num_slots, W] at slot[t], cast to T_out

@@ -1,7 +1,8 @@
 // Small numeric helpers shared by the prefill kernels (prefill_ops.cpp, prefill_attention.cpp, quant_matmul.cpp):
 // bf16 <-> float32 conversion as torch rounds, exp(x) as a scalar function the compiler vectorizes (fast_exp) and, in
 // AVX-512 builds, 2^x on one 16-lane vector (fast_exp2_16, and fast_exp2_16_bf16 for weights rounded to bf16 next)
-// and the bf16 rounding on 16 lanes (f32_to_bf16_16);
+// and the bf16 rounding on 16 lanes (f32_to_bf16_16); in every build both conversions over n values (bf16_to_f32_n,
+// f32_to_bf16_n: 16 lanes at a time where AVX-512);
 // SwiGLU's silu(g) * u on those (silu_mul, silu_mul_16), so that silu_and_mul and the fused gate-up linear agree;
 // a row's largest |x| (abs_max).
 #pragma once
@@ -38,7 +39,6 @@ inline float abs_max(const float* x, int64_t n) {
   for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   return amax;
 }
-
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -116,28 +116,32 @@ inline __m256i f32_to_bf16_16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-// n bf16 values (bits) widened to float32, and float32 values rounded to bf16 (to nearest even, a NaN kept a NaN: torch's
-// cast), 16 lanes at a time where the build has AVX-512
-inline void bf16_to_f32_n(const uint16_t* x, float* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))), 16)));
-  for (; i < n; ++i) out[i] = bf16_to_f32(x[i]);
-}
-
-inline void f32_to_bf16_n(const float* x, uint16_t* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), f32_to_bf16_16(_mm512_loadu_ps(x + i)));
-  for (; i < n; ++i) out[i] = f32_to_bf16(x[i]);
-}
-
 // silu(g) * u on 16 lanes: e^-g as 2^(-g log2 e) (inf for g < -88: silu 0)
 inline __m512 silu_mul_16(__m512 g, __m512 u) {
   const __m512 e = fast_exp2_16(_mm512_mul_ps(g, _mm512_set1_ps(-kLog2e)));
   return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 #endif
+
+// n bf16 values (bits) widened to float32, and n float32 values rounded to bf16 as bf16_to_f32 / f32_to_bf16 (torch's
+// cast), 16 lanes at a time where the build has AVX-512
+inline void bf16_to_f32_n(const uint16_t* x, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))), 16)));
+#endif
+  for (; i < n; ++i) out[i] = bf16_to_f32(x[i]);
+}
+
+inline void f32_to_bf16_n(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), f32_to_bf16_16(_mm512_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) out[i] = f32_to_bf16(x[i]);
+}
 
 }  // namespace glmserve
