@@ -744,7 +744,9 @@ def test_sigterm_finishes_in_flight_request_and_exits_zero(server: Server) -> No
                 httpx.get(f"{server.base_url}/health", timeout=5)
             except httpx.ConnectError:
                 return True
-            except httpx.RemoteProtocolError:  # connected as the socket closed: dropped unanswered (1 run in ~10)
+            # Connected just as the socket closed: dropped unanswered (RemoteProtocolError, ~1 run in 10) or reset
+            # (ReadError "Connection reset by peer", seen in CI 2026-12-06).
+            except (httpx.RemoteProtocolError, httpx.ReadError):
                 return True
             return False
 
