@@ -589,6 +589,47 @@ def test_bf16_gemm_threads_give_the_same_floats(bf16_gemm, out, inp):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("inp", [576, 1536, 100])
+@pytest.mark.parametrize("u4, with_mins", [(False, False), (False, True), (True, True)])
+def test_amx_swiglu_gemm_is_the_gemm_then_silu_and_mul(cpu_isa, u4, with_mins, inp, monkeypatch):
+    """amx_bf16_linear_swiglu (SwiGLU in the AMX GEMM's store: gate tile i and up tile i as one tile pair) gives
+    silu_and_mul(amx_bf16_linear(x)) bit for bit: 2 x 304 outputs (19 gate tiles: an odd count, several panels),
+    batches with partial tiles, 1, 2 and 3 threads; the backend's bound call is that op, and under
+    GLMSERVE_BF16_PREPACK=1 the oneDNN product then silu_and_mul. Outputs that are not two halves of a multiple of
+    16 are refused."""
+    if not kernels.amx_bf16():
+        pytest.skip(f"no AMX-BF16 tiles here ({cpu_isa})")
+    gemm, fused = (kernels.op(name, CPU, torch.float32) for name in ("amx_bf16_linear", "amx_bf16_linear_swiglu"))
+    silu = kernels.op("silu_and_mul", CPU, torch.bfloat16)
+    out, blocks = 2 * 304, -(-inp // 32)
+    g = torch.Generator().manual_seed(inp + 2 * u4 + with_mins)
+    codes = torch.randint(0, 16, (out, inp), generator=g) if u4 else torch.randint(-128, 128, (out, inp), generator=g)
+    d = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
+    m = (torch.randn(out, blocks, generator=g) * 0.05).half() if with_mins else None
+    packed = pack(codes.to(torch.int8), d, m, u4)
+    threads = torch.get_num_threads()
+    try:
+        for batch in (1, 17, 130):
+            x = torch.randn(batch, inp, generator=g).bfloat16()
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                expected = silu(gemm(x, *packed, u4, out))
+                assert torch.equal(fused(x, *packed, u4, out), expected), (batch, n)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="halves"):
+        fused(x, *packed, u4, out - 16)
+    backend = CpuBlockBackend()
+    prepared = backend.prepare(weight("gguf_q4_1", 2 * 48, 576), None, CPU)
+    call, rows = backend.dense_batch_swiglu(prepared)
+    assert rows == backend.dense_batch(prepared)[1]
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    assert torch.equal(call(x), silu(backend.dense_batch(prepared)[0](x)))
+    monkeypatch.setenv(PREPACK_ENV, "1")
+    assert torch.equal(call(x), silu(dense_apply(prepared, x)))
+    assert backend.dense_batch_swiglu(backend.prepare(weight("gguf_q4_1", 2 * 40, 576), None, CPU)) is None
+
+
 @pytest.mark.parametrize("name", list(BF16_GEMMS))
 def test_bf16_gemm_is_an_error_where_the_cpu_lacks_it(cpu_isa, name):
     """Where a bf16 GEMM cannot run (no AMX, no AVX512-BF16, or the avx2 / scalar build) its op is a clear error,

@@ -35,6 +35,9 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   amx_bf16_linear(x [T,in] bf16 or f32, codes, scales, mins, u4, out_features) -> [T,out] bf16: x times the
                packed weight on the AMX bf16 tiles, dequantized panel by panel in the kernel (float32 sums); the
                avx512 build on CPUs with AMX-BF16 only (kernels.amx_bf16()), an error elsewhere
+  amx_bf16_linear_swiglu(same arguments; out_features = 2I, I a multiple of 16) -> [T,I] bf16: silu(gate) * up of
+               a merged gate-up weight's amx_bf16_linear, as silu_and_mul computes it on that bf16 product, in the
+               GEMM's store (no [T,2I] product in memory)
   avx512_bf16_linear(x [T,in] bf16 or f32, codes, scales, mins, u4, out_features) -> [T,out] bf16: amx_bf16_linear's
                contract on AVX512-BF16 (vdpbf16ps; csrc/bf16_gemm.cpp), for CPUs without AMX; the avx512 build on
                CPUs with AVX512-BF16 only (kernels.avx512_bf16()), an error elsewhere
@@ -94,6 +97,7 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "fp8_fake_quantize_rows": "float_quant_matmul",
     "dequantize_packed": "quant_matmul",
     "amx_bf16_linear": "quant_matmul",
+    "amx_bf16_linear_swiglu": "quant_matmul",
     "set_amx": "quant_matmul",
     "avx512_bf16_linear": "bf16_gemm",
     "avx512_bf16_available": "bf16_gemm",

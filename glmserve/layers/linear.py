@@ -195,6 +195,12 @@ class QuantizedLinear(nn.Module):
         no such call."""
         return self._bound_backend_call("small_batch_swiglu")
 
+    def dense_batch_swiglu(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """For a gated MLP's merged gate-up projection: silu(gate) * up of `dense_batch`'s output as one bound call
+        (the backend's `dense_batch_swiglu`) and the same row count; None where the weight is several segments, has
+        a bias or the backend has no such call."""
+        return self._bound_backend_call("dense_batch_swiglu")
+
     def dense_batch(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
         """`forward` of bf16 contiguous [T, in] rows as one bound call returning bf16 (the backend's bf16 GEMM,
         `dense_batch`), and the row count from which `forward` takes that GEMM; None where the weight runs as several
@@ -271,6 +277,13 @@ def swiglu_matmul(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Ten
     call, and the row count from which it does not stand for the module's forward + silu_and_mul: a QuantizedLinear's
     `small_batch_swiglu`; None otherwise (the caller runs the projection, then silu_and_mul)."""
     return linear.small_batch_swiglu() if isinstance(linear, QuantizedLinear) else None
+
+
+def dense_swiglu_matmul(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+    """silu(gate) * up of a merged gate-up projection's output in bf16 for bf16 contiguous CPU rows x [T, in] as one
+    bound call, from the row count where the module's forward runs a bf16 GEMM (returned too): a QuantizedLinear's
+    `dense_batch_swiglu`; None otherwise (the caller runs the projection, then silu_and_mul)."""
+    return linear.dense_batch_swiglu() if isinstance(linear, QuantizedLinear) else None
 
 
 def dense_batch_matmul(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:

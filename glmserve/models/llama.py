@@ -7,6 +7,7 @@ Qwen3 (per-head q/k RMSNorm) reuse these blocks with their flags.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +18,7 @@ from glmserve import kernels
 from glmserve.kv.kv_format import KVFormat, kv_format
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
 from glmserve.layers.embedding import unset_embedding
-from glmserve.layers.linear import MergedLinear, bf16_between, swiglu_matmul
+from glmserve.layers.linear import MergedLinear, bf16_between, dense_swiglu_matmul, swiglu_matmul
 from glmserve.layers.norm import RMSNorm
 from glmserve.layers.paged_metadata import StepRows, paged_metadata
 from glmserve.layers.rotary import RotaryEmbedding
@@ -75,10 +76,21 @@ class GatedMLP(nn.Module):
         """[T, hidden] -> [T, hidden] in x's dtype; computed in bf16 when both projections run a bf16 GEMM
         (AMX prefill: the wide gate-up output is then never widened to float32)."""
         h = x.to(_gemm_dtype(x, self.gate_up_proj, self.down_proj))
-        fused = swiglu_matmul(self.gate_up_proj) if h.dtype == torch.float32 and h.dim() == 2 else None
-        if fused is not None and h.shape[0] < fused[1] and h.is_contiguous() and h.device.type == "cpu":
-            return self.down_proj(fused[0](h)).to(x.dtype)  # the gate-up product never written out
+        gated = self._gated(h)
+        if gated is not None:
+            return self.down_proj(gated(h)).to(x.dtype)  # the gate-up product never written out
         return self.down_proj(silu_and_mul(self.gate_up_proj(h))).to(x.dtype)
+
+    def _gated(self, h: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """gate-up and SwiGLU as one call for the rows h where the backend has one: the int8 tiles' for float32 rows
+        below their limit, the bf16 GEMM's for bf16 rows from where it starts; None otherwise."""
+        if h.dim() != 2 or not h.is_contiguous() or h.device.type != "cpu":
+            return None
+        if h.dtype == torch.float32:
+            fused = swiglu_matmul(self.gate_up_proj)
+            return fused[0] if fused is not None and h.shape[0] < fused[1] else None
+        fused = dense_swiglu_matmul(self.gate_up_proj) if h.dtype == torch.bfloat16 else None
+        return fused[0] if fused is not None and h.shape[0] >= fused[1] else None
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

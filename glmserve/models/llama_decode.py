@@ -39,7 +39,13 @@ import torch
 
 from glmserve import kernels
 from glmserve.layers.attention import AttentionMetadata, PagedAttention
-from glmserve.layers.linear import BF16_ACTIVATIONS_ENV, dense_batch_matmul, small_batch_matmul, swiglu_matmul
+from glmserve.layers.linear import (
+    BF16_ACTIVATIONS_ENV,
+    dense_batch_matmul,
+    dense_swiglu_matmul,
+    small_batch_matmul,
+    swiglu_matmul,
+)
 
 if TYPE_CHECKING:
     from glmserve.models.llama import DecoderOnlyLM, LlamaDecoderLayer
@@ -109,7 +115,7 @@ class DecodeLayer:
     """One LlamaDecoderLayer's decode calls, resolved once (`of`)."""
 
     def __init__(self, layer: LlamaDecoderLayer, matmuls: list[tuple[Matmul, int]], gated: tuple[Matmul, int] | None,
-                 dense: list[tuple[Matmul, int] | None]):
+                 dense: list[tuple[Matmul, int] | None], dense_gated: tuple[Matmul, int] | None):
         attn = layer.self_attn
         self.attn: PagedAttention = attn.attn
         self.heads = attn.num_heads
@@ -122,6 +128,9 @@ class DecodeLayer:
         # qkv, o, gate-up, down as their bf16 GEMMs, and the rows from which every forward takes its GEMM
         self.dense = None if None in dense else tuple(matmul for matmul, _ in dense)
         self.dense_rows = sys.maxsize if self.dense is None else max(rows for _, rows in dense)
+        # gate-up and SwiGLU as one bf16 GEMM where the backend has it (layers/linear.py dense_swiglu_matmul); it
+        # starts where gate-up's GEMM does, at or before dense_rows
+        self.dense_gated = dense_gated[0] if dense_gated is not None else None
         self._pool: torch.Tensor | None = None
         self._halves: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -141,7 +150,8 @@ class DecodeLayer:
         matmuls = [small_batch_matmul(m) for m in linears]
         if any(m is None for m in matmuls):
             return None
-        return cls(layer, matmuls, swiglu_matmul(mlp.gate_up_proj), [dense_batch_matmul(m) for m in linears])
+        return cls(layer, matmuls, swiglu_matmul(mlp.gate_up_proj), [dense_batch_matmul(m) for m in linears],
+                   dense_swiglu_matmul(mlp.gate_up_proj))
 
     def ready(self, rows: int, dense_ok: bool) -> bool:
         """Whether this step's `rows` rows run here: a float32, bf16 or int8 pool (its halves kept while it stays
@@ -174,7 +184,7 @@ class DecodeLayer:
         h = k.add_rms_norm(x, delta, self.norm_in.weight, self.norm_in.eps, True)
         out = self._attend(qkv(h).to(torch.float32), step).to(torch.bfloat16)
         h = k.add_rms_norm(x, o_proj(out), self.norm_post.weight, self.norm_post.eps, True)
-        return down(k.silu_and_mul_bf16(gate_up(h)))
+        return down(self.dense_gated(h) if self.dense_gated is not None else k.silu_and_mul_bf16(gate_up(h)))
 
     def _attend(self, qkv: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """Rope, the KV write and decode attention of the float32 qkv projection [T, (H + 2 Hkv) D] -> [T, H D]."""

@@ -175,6 +175,16 @@ class CpuBlockBackend:
         p = prepared
         return None if p.dense_path is None else ((lambda x: dense_apply(p, x)), p.dense_path.min_rows)
 
+    def dense_batch_swiglu(self, prepared: PackedWeight) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """`dense_batch` of a gated MLP's merged gate-up weight returning silu(gate) * up [T, I] bf16 (kernel
+        amx_bf16_linear_swiglu: silu_and_mul's floats on the bf16 product, computed in the GEMM's store instead of
+        a pass over the [T, 2I] product), and the same row count; None where this CPU has no such GEMM (no AMX) or
+        I is not a multiple of 16."""
+        p = prepared
+        if p.dense_path is None or p.dense_path.gemm_swiglu is None or p.out_features % (2 * ROWS):
+            return None
+        return (lambda x: dense_swiglu_apply(p, x)), p.dense_path.min_rows
+
     def bf16_rows(self, prepared: PackedWeight, rows: int) -> bool:
         """True where `apply` runs `rows` rows as the bf16 GEMM (`dense_apply`): AMX CPUs from DENSE_MIN_ROWS
         rows, CPUs with AVX512-BF16 but no AMX from GLMSERVE_AVX512_BF16_ROWS rows where it is set. There bf16
@@ -209,11 +219,13 @@ def _bound(kernel: Callable, p: PackedWeight) -> tuple[Callable[[torch.Tensor], 
 @dataclass(frozen=True)
 class DensePath:
     """How large batches run as a bf16 GEMM (`dense_apply`) on this CPU: `gemm` our kernel on the packed weight,
-    `dequantize` the kernel's dequantize_packed (the oneDNN options), from `min_rows` rows."""
+    `dequantize` the kernel's dequantize_packed (the oneDNN options), from `min_rows` rows; `gemm_swiglu` the GEMM
+    with SwiGLU in its store (`dense_swiglu_apply`; None: the GEMM, then silu_and_mul)."""
 
     gemm: Callable
     dequantize: Callable
     min_rows: int
+    gemm_swiglu: Callable | None = None
 
 
 def dense_path_for(device: torch.device) -> DensePath | None:
@@ -221,8 +233,10 @@ def dense_path_for(device: torch.device) -> DensePath | None:
     build active (GLMSERVE_CPU_ISA=avx2 or scalar stands for a CPU without either), a CPU with AMX takes our AMX
     GEMM from DENSE_MIN_ROWS rows; one with AVX512-BF16 and no AMX our vdpbf16ps GEMM where GLMSERVE_AVX512_BF16_ROWS
     gives the rows it starts at."""
+    gemm_swiglu = None
     if kernels.amx_bf16():
         gemm, min_rows = kernels.op("amx_bf16_linear", device, torch.float32), DENSE_MIN_ROWS
+        gemm_swiglu = kernels.op("amx_bf16_linear_swiglu", device, torch.float32)
     elif kernels.avx512_bf16() and os.environ.get(AVX512_BF16_ROWS_ENV):
         rows = os.environ[AVX512_BF16_ROWS_ENV]
         if not rows.isdigit() or int(rows) < 1:
@@ -233,7 +247,7 @@ def dense_path_for(device: torch.device) -> DensePath | None:
     dequantize = kernels.op("dequantize_packed", device, torch.float32)
     if gemm is None or dequantize is None:
         return None
-    return DensePath(gemm, dequantize, min_rows)
+    return DensePath(gemm, dequantize, min_rows, gemm_swiglu)
 
 
 _scratch: dict[str, torch.Tensor] = {}  # one bf16 buffer for every layer's dequantized weight (grows)
@@ -270,6 +284,14 @@ def dense_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     if os.environ.get(AMX_GEMM_ENV) != "0":
         return p.gemm(rows, p.codes, p.scales, p.mins, p.u4, p.out_features)
     return F.linear(rows.to(torch.bfloat16).contiguous(), _dequantized(p))
+
+
+def dense_swiglu_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of dense_apply(p, rows) for a merged gate-up weight -> [T, out / 2] bf16: in our AMX GEMM's
+    store, or where GLMSERVE_BF16_PREPACK / GLMSERVE_AMX_GEMM send dense_apply to oneDNN, silu_and_mul after it."""
+    if os.environ.get(PREPACK_ENV) == "1" or os.environ.get(AMX_GEMM_ENV) == "0":
+        return kernels.op("silu_and_mul", rows.device, torch.bfloat16)(dense_apply(p, rows))
+    return p.dense_path.gemm_swiglu(rows, p.codes, p.scales, p.mins, p.u4, p.out_features)
 
 
 def _per_block(t: torch.Tensor, spec: QuantSpec, out: int, blocks: int) -> torch.Tensor:

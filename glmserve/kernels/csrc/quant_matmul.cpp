@@ -556,25 +556,44 @@ __attribute__((target("avx512bf16"))) void store_bf16(const float* c, int rows, 
   }
 }
 
-// The vector work that runs between the AMX tile products (gemm_block): the next panel of output tiles t0..t0+nt-1
+// silu(g) * u of a finished 32 x 32 block of a merged gate-up product (row stride 32: columns 0-15 gate tile i,
+// 16-31 up tile i) into 16 bf16 outputs per row (row stride ldo): the gate and up sums rounded to bf16 as store_bf16
+// rounds them, then vec_math.h's silu_mul_16 and its rounding, as silu_and_mul computes it on those bf16 values
+__attribute__((target("avx512bf16"))) inline __m512 bf16_rounded(const float* x) {  // 16 floats rounded, widened back
+  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+__attribute__((target("avx512bf16"))) void store_swiglu_bf16(const float* c, int rows, uint16_t* out, int64_t ldo) {
+  for (int r = 0; r < rows; ++r) {
+    const float* cr = c + r * 32;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo),
+                        glmserve::f32_to_bf16_16(glmserve::silu_mul_16(bf16_rounded(cr), bf16_rounded(cr + 16))));
+  }
+}
+
+// The vector work that runs between the AMX tile products (gemm_block): the next panel of output slots t0..t0+nt-1
 // dequantized into buf ([nt][nblocks] B tiles), one B tile at a time (`advance`), and the previous block's fp32
-// sums rounded into the output (`defer_store`, done by the next block's `flush_store` once its first tile
-// products are issued), so that neither waits for the tiles nor keeps them waiting
+// sums rounded into the output (`defer_store`, done a few rows at a time during the next block's tile products,
+// `store_some`), so that neither waits for the tiles nor keeps them waiting. A slot is the weight tile of
+// that index, or with `up_offset` (a merged gate-up weight of that many gate tiles, SwiGLU'd in the store) slots 2i
+// and 2i + 1 are gate tile i and up tile i, so that each pair of slots (gemm_block's two B tiles) holds one output tile
 struct VectorWork {
   const uint8_t* cp;
   const uint16_t *dp, *mp;
   bool u4;
-  int64_t nblocks, t0 = 0, total = 0, done = 0;
+  int64_t nblocks, up_offset = 0, t0 = 0, total = 0, done = 0;
   uint16_t* buf = nullptr;
-  const float* c = nullptr;  // a deferred store_bf16 (none while c is null)
-  int rows = 0, cols = 0;
+  const float* c = nullptr;  // a deferred store_bf16 or store_swiglu_bf16 (none while c is null)
+  int rows = 0, cols = 0, stored = 0;  // stored: rows of the deferred store done
   uint16_t* out = nullptr;
   int64_t ldo = 0;
 
-  void start(int64_t first_tile, int64_t tiles, uint16_t* into) { t0 = first_tile, total = tiles * nblocks, done = 0, buf = into; }
+  int64_t tile_of(int64_t slot) const { return up_offset ? slot / 2 + (slot & 1) * up_offset : slot; }
+  void start(int64_t first_slot, int64_t slots, uint16_t* into) { t0 = first_slot, total = slots * nblocks, done = 0, buf = into; }
   void advance(int64_t n) {
     for (const int64_t stop = std::min(total, done + n); done < stop; ++done) {
-      const int64_t t = t0 + done / nblocks, b = done % nblocks, at = t * nblocks + b;
+      const int64_t t = tile_of(t0 + done / nblocks), b = done % nblocks, at = t * nblocks + b;
       const uint16_t* m = mp ? mp + at * ROWS : nullptr;
       if (u4) glmserve::dequantize_bf16_pairs<true>(cp + at * U4_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
       else glmserve::dequantize_bf16_pairs<false>(cp + at * I8_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
@@ -582,25 +601,33 @@ struct VectorWork {
   }
   void defer_store(const float* from, int r, int n, uint16_t* to, int64_t ld) {
     flush_store();
-    c = from, rows = r, cols = n, out = to, ldo = ld;
+    c = from, rows = r, cols = n, out = to, ldo = ld, stored = 0;
   }
-  void flush_store() {
-    if (c) store_bf16(c, rows, cols, out, ldo);
-    c = nullptr;
+  // the deferred store's next n rows (all that are left: flush_store)
+  void store_some(int n) {
+    if (!c) return;
+    n = std::min(n, rows - stored);
+    if (up_offset) store_swiglu_bf16(c + stored * 32, n, out + stored * ldo, ldo);
+    else store_bf16(c + stored * 32, n, cols, out + stored * ldo, ldo);
+    stored += n;
+    if (stored == rows) c = nullptr;
   }
+  void flush_store() { store_some(rows); }
 };
 
 // C [MA * 16 act rows][NB * 16 out rows] fp32 (row stride 32 floats, in c) += A rows (a0: rows 0-15, a1: 16-31,
 // lda elements apart) x B tiles k0..k1-1 of NB out tiles (b: [NB][bstride]); C starts at zero where `first`, else
-// from c. `work`'s deferred store is done after the first tile products, and `units` of its B tiles are dequantized
-// in between, before the stores that wait for the products (a c loaded at the start must not be the deferred
-// store's buffer).
+// from c. `work`'s deferred store is done a share of its rows after each step's tile products (all of them by the
+// end), and `units` of its B tiles are dequantized in between, before the stores that wait for the products (a c
+// loaded at the start must not be the deferred store's buffer).
 template <int MA, int NB>
 __attribute__((target("amx-tile,amx-bf16"))) void gemm_block(const uint16_t* a0, const uint16_t* a1, int64_t lda,
                                                              const uint16_t* b, int64_t bstride, int64_t k0,
                                                              int64_t k1, bool first, float* c, VectorWork& work,
                                                              int64_t units) {
   const int64_t per_step = (units + (k1 - k0) - 1) / (k1 - k0);
+  // SwiGLU's store (a division per 16 outputs) spread over the steps; a plain one at the first (0.97x if spread)
+  const int store_rows = work.up_offset ? static_cast<int>((32 + (k1 - k0) - 1) / (k1 - k0)) : 32;
   if (first) {
     _tile_zero(0);
     if (NB > 1) _tile_zero(1);
@@ -635,7 +662,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_block(const uint16_t* a0,
       _tile_dpbf16ps(2, 5, 6);
       if (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
-    if (k == k0) work.flush_store();  // vector work while the tile products run
+    if (k == k0 || work.up_offset) work.store_some(store_rows);  // vector work while the tile products run
     work.advance(per_step);
   }
   _tile_stored(0, c, 128);
@@ -647,14 +674,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void gemm_block(const uint16_t* a0,
 using GemmBlock = void (*)(const uint16_t*, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
                           bool, float*, VectorWork&, int64_t);
 
-// Output tiles [first, first + count) of out [M, out_features] bf16 = a [M, kp] x the packed weight, on the calling
-// thread, panel by panel: a lead panel of about a quarter of the others (its dequantization is the only one that
-// no tile products hide: per B tile the products of 512 rows take ~4x its dequantization), then panels of equal
-// size, at most BF16_PANEL_BYTES / 2 of B tiles each; a: bf16 rows (zero past the inputs), the rows past the last
-// multiple of 16 from `tail` [16, kp] (zero past M; null where M is a multiple of 16)
+// Output slots [first, first + count) (VectorWork: weight tiles, or with `up_offset` gate and up tiles in turn) of
+// out = a [M, kp] x the packed weight, on the calling thread: out [M, out_features] bf16, or with up_offset
+// [M, out_features / 2] = silu(gate) * up. Panel by panel: a lead panel of about a quarter of the others (its
+// dequantization is the only one that no tile products hide: per B tile the products of 512 rows take ~4x its
+// dequantization), then panels of equal size, at most BF16_PANEL_BYTES / 2 of B tiles each; a: bf16 rows (zero past
+// the inputs), the rows past the last multiple of 16 from `tail` [16, kp] (zero past M; null where M is a multiple
+// of 16)
 void amx_bf16_tiles(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
                     const uint16_t* mp, bool u4, int64_t first, int64_t count, int64_t nblocks, int64_t out_features,
-                    uint16_t* out) {
+                    int64_t up_offset, uint16_t* out) {
   const int64_t kp = nblocks * QK, tile_elems = nblocks * B_TILE;
   const int64_t pt_max = std::max<int64_t>(2, std::min<int64_t>(PANEL_TILES_MAX, BF16_PANEL_BYTES / (2 * tile_elems)) & ~int64_t(1));
   const int64_t lead = std::min(count, std::max<int64_t>(2, (std::min(pt_max, count) / 4 + 1) & ~int64_t(1)));
@@ -669,7 +698,8 @@ void amx_bf16_tiles(const uint16_t* a, const uint16_t* tail, int64_t M, const ui
   uint16_t* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * most * tile_elems * 2));  // two panels
   float* cbuf = static_cast<float*>(std::aligned_alloc(64, (most + 1) / 2 * 32 * 32 * sizeof(float)));
   amx_bf16_config();
-  VectorWork next{cp, dp, mp, u4, nblocks};
+  VectorWork next{cp, dp, mp, u4, nblocks, up_offset};
+  const int64_t ldo = up_offset ? out_features / 2 : out_features;
   next.start(first, lead, bufs);
   next.advance(next.total);
   for (int64_t panel = 0; panel < panels; ++panel) {
@@ -690,10 +720,10 @@ void amx_bf16_tiles(const uint16_t* a, const uint16_t* tail, int64_t M, const ui
           float* c = cbuf + t / 2 * 32 * 32;
           (t + 1 < nt ? two_b : one_b)(a0, a1, kp, bbuf + t * tile_elems, tile_elems, k0, k1, k0 == 0, c, next,
                                        per_call);
-          if (k1 == nblocks) {
-            const int64_t n0 = (t0 + t) * ROWS;
-            next.defer_store(c, rows, static_cast<int>(std::min<int64_t>(32, out_features - n0)),
-                             out + m0 * out_features + n0, out_features);
+          if (k1 == nblocks) {  // SwiGLU: slots t0 + t and t0 + t + 1 give output tile (t0 + t) / 2
+            const int64_t n0 = (up_offset ? (t0 + t) / 2 : t0 + t) * ROWS;
+            next.defer_store(c, rows, static_cast<int>(std::min<int64_t>(up_offset ? ROWS : 32, out_features - n0)),
+                             out + m0 * ldo + n0, ldo);
           }
         }
       }
@@ -706,18 +736,20 @@ void amx_bf16_tiles(const uint16_t* a, const uint16_t* tail, int64_t M, const ui
   std::free(bufs);
 }
 
-// out [M, out_features] bf16 = a [M, kp] x the packed weight (a, tail as amx_bf16_tiles). Threads: the output tiles
-// split into one contiguous share per thread, equal to within a pair of tiles, so that every thread gets the same
-// work and dequantizes only its own tiles (a split over panels of up to 28 tiles left one of two threads 4 of
-// qkv's 60)
+// out [M, out_features] bf16 = a [M, kp] x the packed weight, or with `swiglu` out [M, out_features / 2] = silu(gate)
+// * up of a merged gate-up weight (a, tail as amx_bf16_tiles). Threads: the output slots split into one contiguous
+// share per thread, equal to within a pair of slots, so that every thread gets the same work and dequantizes only
+// its own tiles (a split over panels of up to 28 tiles left one of two threads 4 of qkv's 60)
 void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
-                   const uint16_t* mp, bool u4, int64_t tiles, int64_t nblocks, int64_t out_features, uint16_t* out) {
+                   const uint16_t* mp, bool u4, int64_t tiles, int64_t nblocks, int64_t out_features, bool swiglu,
+                   uint16_t* out) {
   const int64_t pairs = (tiles + 1) / 2;
   const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
   at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const int64_t first = 2 * (pairs * s / shares), last = std::min(tiles, 2 * (pairs * (s + 1) / shares));
-      amx_bf16_tiles(a, tail, M, cp, dp, mp, u4, first, last - first, nblocks, out_features, out);
+      amx_bf16_tiles(a, tail, M, cp, dp, mp, u4, first, last - first, nblocks, out_features, swiglu ? tiles / 2 : 0,
+                     out);
     }
   });
 }
@@ -1182,15 +1214,19 @@ at::Tensor dequantize_packed(const at::Tensor& codes, const at::Tensor& wd, cons
 }
 
 // x [M, in] (bf16 or float32) x the packed weight -> [M, out_features] bf16 with float32 sums, on the AMX bf16
-// tiles (amx_bf16_gemm above); only in the avx512 build on a CPU with AMX-BF16 (an error elsewhere)
-at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm,
-                           bool u4, int64_t out_features) {
-  glmserve::check_bf16_linear_args("amx_bf16_linear", x, codes, wd, wm, u4, out_features);
+// tiles (amx_bf16_gemm above), or with `swiglu` (a merged gate-up weight: out_features = 2I, I a multiple of 16)
+// [M, I] = silu(gate) * up, the floats of silu_and_mul on the unfused product; only in the avx512 build on a CPU with
+// AMX-BF16 (an error elsewhere)
+at::Tensor amx_bf16_gemm_op(const char* name, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& wd,
+                            const at::Tensor& wm, bool u4, int64_t out_features, bool swiglu) {
+  glmserve::check_bf16_linear_args(name, x, codes, wd, wm, u4, out_features);
   const int64_t tiles = codes.size(0), nblocks = codes.size(1), kp = nblocks * QK;
+  TORCH_CHECK(!swiglu || (out_features % (2 * ROWS) == 0 && tiles * ROWS == out_features), name, ": ", out_features,
+              " outputs are not gate and up halves of a multiple of 16 each");
 #ifdef GLMSERVE_AMX
-  TORCH_CHECK(glmserve::amx_bf16_permitted(), "amx_bf16_linear: this CPU (or kernel) has no AMX-BF16 tiles");
+  TORCH_CHECK(glmserve::amx_bf16_permitted(), name, ": this CPU (or kernel) has no AMX-BF16 tiles");
   const int64_t M = x.size(0);
-  auto out = at::empty({M, out_features}, at::kBFloat16);
+  auto out = at::empty({M, swiglu ? out_features / 2 : out_features}, at::kBFloat16);
   if (M == 0) return out;
   const at::Tensor a = glmserve::bf16_rows(x, kp);
   at::Tensor tail;  // the last M % 16 rows, zero-padded to one A tile (none where M is a multiple of 16)
@@ -1203,12 +1239,22 @@ at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const a
                 full < M ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr, M, codes.data_ptr<uint8_t>(),
                 reinterpret_cast<const uint16_t*>(wd.data_ptr<at::Half>()),
                 wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr, u4, tiles, nblocks,
-                out_features, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+                out_features, swiglu, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 #else
-  TORCH_CHECK(false, "amx_bf16_linear: needs the avx512 build on Linux x86-64");
+  TORCH_CHECK(false, name, ": needs the avx512 build on Linux x86-64");
   return {};
 #endif
+}
+
+at::Tensor amx_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& wd, const at::Tensor& wm,
+                           bool u4, int64_t out_features) {
+  return amx_bf16_gemm_op("amx_bf16_linear", x, codes, wd, wm, u4, out_features, false);
+}
+
+at::Tensor amx_bf16_linear_swiglu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& wd,
+                                  const at::Tensor& wm, bool u4, int64_t out_features) {
+  return amx_bf16_gemm_op("amx_bf16_linear_swiglu", x, codes, wd, wm, u4, out_features, true);
 }
 
 }  // namespace
@@ -1221,5 +1267,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quant_linear of a merged gate-up weight, returning silu(gate) * up (CPU)");
   m.def("set_amx", &set_amx, "use the AMX int8 tiles for batches of 6+ (int8) / 10+ (u4) rows (where the CPU has them)");
   m.def("amx_bf16_linear", &amx_bf16_linear, "x [M, in] bf16/f32 x packed block weights -> [M, out] bf16 on AMX (CPU)");
+  m.def("amx_bf16_linear_swiglu", &amx_bf16_linear_swiglu,
+        "amx_bf16_linear of a merged gate-up weight, returning silu(gate) * up [M, out / 2] bf16 (CPU)");
   m.def("dequantize_packed", &dequantize_packed, "packed block weights -> dense [out, blocks*32] bf16 or f32 (CPU)");
 }
