@@ -25,6 +25,8 @@ activations in and bf16 out, on CPUs with AMX or AVX512-BF16 (DENSE_COLUMNS), wi
   amx         our AMX bf16 GEMM reading the packed weight (kernel amx_bf16_linear; AMX CPUs)
   amx_a       with --a-source FILE: amx_bf16_linear of another quant_matmul.cpp (e.g. main's), built under a name
               of its own (bench/ab_quant_kernels.py build_a), for an A/B of the kernel in one process
+  amx+silu    gate_up only: amx, then silu_and_mul on its bf16 product (the MLP before the fused store)
+  amx_swiglu  gate_up only: amx_bf16_linear_swiglu, SwiGLU in the GEMM's store (the same floats as amx+silu)
   avx512bf16  our vdpbf16ps GEMM reading the packed weight (kernel avx512_bf16_linear; CPUs with AVX512-BF16)
   int8        our int8 kernel (quant_linear: AMX int8 tiles from 16 rows, else VNNI; float32 activations,
               quantized per call)
@@ -57,7 +59,7 @@ from glmserve.quant.spec import QuantSpec
 
 Q4_1 = QuantSpec(4, symmetric=False, strategy="group", group_size=32, gguf_type="Q4_1")
 COLUMNS = ("wt", "mkldnn", "bf16", "q4_int8", "q4_dense")
-DENSE_COLUMNS = ("f32", "bf16", "prepacked", "amx", "amx_a", "avx512bf16", "int8")
+DENSE_COLUMNS = ("f32", "bf16", "prepacked", "amx", "amx_a", "amx+silu", "amx_swiglu", "avx512bf16", "int8")
 
 HIDDEN = 576
 SHAPES = {"qkv": (HIDDEN, 960), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 3072), "down": (1536, HIDDEN),
@@ -104,10 +106,11 @@ def per_call_dense(p: PackedWeight, xb: torch.Tensor) -> Callable[[], torch.Tens
                             [:, :p.in_features])
 
 
-def dense_variants(x: torch.Tensor, w: torch.Tensor,
-                   a_module: ModuleType | None = None) -> dict[str, Callable[[], object]]:
+def dense_variants(x: torch.Tensor, w: torch.Tensor, a_module: ModuleType | None = None,
+                   gated: bool = False) -> dict[str, Callable[[], object]]:
     """The Q4_1 weight's paths for prefill-sized batches (the module docstring's --dense columns); amx_a where
-    `a_module` (another build of quant_matmul) is given."""
+    `a_module` (another build of quant_matmul) is given, amx+silu and amx_swiglu where the weight is a merged
+    gate-up (`gated`)."""
     cpu = torch.device("cpu")
     p = CpuBlockBackend().prepare(quantize(w, Q4_1), None, cpu)
     xb = x.bfloat16()
@@ -124,6 +127,11 @@ def dense_variants(x: torch.Tensor, w: torch.Tensor,
     if kernels.amx_bf16():
         amx = kernels.op("amx_bf16_linear", cpu, torch.float32)
         out["amx"] = lambda: amx(xb, p.codes, p.scales, p.mins, p.u4, p.out_features)
+        if gated:
+            silu = kernels.op("silu_and_mul", cpu, torch.bfloat16)
+            swiglu = kernels.op("amx_bf16_linear_swiglu", cpu, torch.float32)
+            out["amx+silu"] = lambda: silu(amx(xb, p.codes, p.scales, p.mins, p.u4, p.out_features))
+            out["amx_swiglu"] = lambda: swiglu(xb, p.codes, p.scales, p.mins, p.u4, p.out_features)
     if kernels.avx512_bf16():
         ours = kernels.op("avx512_bf16_linear", cpu, torch.float32)
         out["avx512bf16"] = lambda: ours(xb, p.codes, p.scales, p.mins, p.u4, p.out_features)
@@ -163,7 +171,7 @@ def main() -> None:
             for name in args.layers.split(","):
                 k, n = SHAPES[name]
                 x, w = torch.randn(tokens, k), torch.randn(n, k) / k**0.5
-                fns = make(x, w)
+                fns = make(x, w, gated=name == "gate_up") if args.dense else make(x, w)
                 times: dict[str, list[float]] = {v: [] for v in fns}
                 for _ in range(args.repeats):
                     for v, fn in fns.items():

@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", help="the engine's KV format (default: its auto)")
+    parser.add_argument("--block-size", type=int, help="tokens per KV block (default: the engine's)")
     parser.add_argument("--log", type=Path, help="write every step as a JSON line here")
     args = parser.parse_args()
 
@@ -164,7 +165,8 @@ def main() -> None:
     prompts = work.throughput[:args.requests]
     max_tokens = args.decode_tokens or work.decode_tokens
     overrides = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
-                                   ("max_num_seqs", args.max_num_seqs), ("kv_cache_dtype", args.kv_cache_dtype))
+                                   ("max_num_seqs", args.max_num_seqs), ("kv_cache_dtype", args.kv_cache_dtype),
+                                   ("block_size", args.block_size))
                  if v is not None}
     llm = LLM(model=None, dtype=args.dtype, enable_prefix_caching=True, num_threads=wl.THREADS, **overrides)
     engine = llm.engine
