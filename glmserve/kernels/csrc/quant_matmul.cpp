@@ -556,14 +556,15 @@ __attribute__((target("avx512bf16"))) void store_bf16(const float* c, int rows, 
   }
 }
 
-// silu(g) * u of a finished 32 x 32 block of a merged gate-up product (row stride 32: columns 0-15 gate tile i,
-// 16-31 up tile i) into 16 bf16 outputs per row (row stride ldo): the gate and up sums rounded to bf16 as store_bf16
-// rounds them, then vec_math.h's silu_mul_16 and its rounding, as silu_and_mul computes it on those bf16 values
-__attribute__((target("avx512bf16"))) inline __m512 bf16_rounded(const float* x) {  // 16 floats rounded, widened back
+// 16 floats rounded to bf16 as store_bf16 rounds them, widened back (exact)
+__attribute__((target("avx512bf16"))) inline __m512 bf16_rounded(const float* x) {
   const __m256i bits = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// silu(g) * u of rows of a finished 32 x 32 block of a merged gate-up product (row stride 32: columns 0-15 gate tile
+// i, 16-31 up tile i) into 16 bf16 outputs per row (row stride ldo): the gate and up sums rounded to bf16, then
+// vec_math.h's silu_mul_16 and its rounding, as silu_and_mul computes it on the bf16 product
 __attribute__((target("avx512bf16"))) void store_swiglu_bf16(const float* c, int rows, uint16_t* out, int64_t ldo) {
   for (int r = 0; r < rows; ++r) {
     const float* cr = c + r * 32;
