@@ -1,10 +1,10 @@
 """A/B of two versions of the paged decode kernel (csrc/paged_decode.cpp) in one process: A compiled from the given
 source under a module name of its own (ab_quant_kernels.build_a), B this checkout's build of the active variant
 (avx512, or avx2 without AVX-512), called in turn on the same queries and the same pools, per KV format, so that
-machine load hits both alike. Batch `--batch`
-sequences of each context, SmolLM2's attention shape (9 query heads, 3 kv heads, head_dim 64), slots in shuffled
-blocks of 16; the calls cycle over layer pools of at least `--pool-mb` MB of float32 K/V, so that the keys come
-from memory as in an engine step. `--mixed`: each sequence's length drawn uniformly from [context / 10, context] (a
+machine load hits both alike. Batch `--batch` sequences of each context, SmolLM2's attention shape (9 query heads,
+3 kv heads, head_dim 64), slots in shuffled blocks of `--block` (16; 0: each sequence's slots in one run); the calls
+cycle over layer pools of at least `--pool-mb` MB of float32 K/V (a quarter of that in int8 pools), so that the keys
+come from memory as in an engine step. `--mixed`: each sequence's length drawn uniformly from [context / 10, context] (a
 server's batch of mixed lengths; the bench's 64 requests of 100..1,000 tokens); `--threads`: intra-op threads. Prints
 ms per call (medians of `--repeats`) and B's speed-up over A.
 
@@ -32,16 +32,18 @@ from glmserve.kv.kv_format import kv_format, store
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 
-def decode_case(context: int, batch: int, pool_mb: int, gen: torch.Generator, mixed: bool):
+def decode_case(context: int, batch: int, pool_mb: int, gen: torch.Generator, mixed: bool = False,
+                block: int = BLOCK):
     """Random q [batch, HEADS, DIM], k, v [slots, KV_HEADS, DIM], each sequence's `context` slots (shuffled blocks
-    of BLOCK), lengths (`context`, or with `mixed` uniform in [context / 10, context]), and how many layer pools make
-    at least `pool_mb` MB of float32 K/V."""
-    slots_per_layer = batch * -(-context // BLOCK) * BLOCK
+    of `block`; 0: one contiguous run per sequence), lengths (`context`, or with `mixed` uniform in [context / 10,
+    context]), and how many layer pools make at least `pool_mb` MB of float32 K/V."""
+    run = block or context
+    slots_per_layer = batch * -(-context // run) * run
     layers = max(1, -(-(pool_mb << 20) // (2 * KV_HEADS * slots_per_layer * DIM * 4)))
     k, v = (torch.randn(slots_per_layer, KV_HEADS, DIM, generator=gen) for _ in range(2))
     q = torch.randn(batch, HEADS, DIM, generator=gen)
-    blocks = torch.randperm(slots_per_layer // BLOCK, generator=gen)
-    slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(batch, -1)[:, :context].contiguous()
+    blocks = torch.randperm(slots_per_layer // run, generator=gen) if block else torch.arange(batch)
+    slots = (blocks[:, None] * run + torch.arange(run)).reshape(batch, -1)[:, :context].contiguous()
     lengths = (torch.randint(max(1, context // 10), context + 1, (batch,), generator=gen) if mixed
                else torch.full((batch,), context))
     return q, k, v, slots, lengths, layers
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=12)
     parser.add_argument("--mixed", action="store_true", help="lengths uniform in [context / 10, context]")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--block", type=int, default=BLOCK, help="slots per shuffled block (0: one run per sequence)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = {"A": build_a(args.a_source).paged_decode, "B": load("paged_decode", active_isa()).paged_decode}
@@ -76,7 +79,8 @@ def main() -> None:
     print("| context | KV format | A ms | B ms | B speed-up |")
     print("|---|---|---|---|---|")
     for context in (int(c) for c in args.contexts.split(",")):
-        q, k, v, slots, lengths, layers = decode_case(context, args.batch, args.pool_mb, gen, args.mixed)
+        q, k, v, slots, lengths, layers = decode_case(context, args.batch, args.pool_mb, gen, args.mixed,
+                                                              args.block)
         for name in args.formats.split(","):
             pools = layer_pools(name, k, v, layers)
             first = pools[0]
