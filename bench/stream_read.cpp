@@ -3,7 +3,11 @@
 // (1) front to back, software-prefetched `dist` bytes ahead into L1 (T0), L2 (T1) or non-temporally (NTA), or not;
 // (2) in segments of `seg` bytes visited in random order (a sequence's rows for one KV head: 1,088 B is a block of
 // 16 int8 rows of 68 B, 40,960 B about 600 rows in one run), 1, 2 (a key and a value stream), 4 or 8 segments at a
-// time read side by side, prefetched `dist` bytes ahead into L2. One thread, one pass per case, wall clock.
+// time read side by side, prefetched `dist` bytes ahead into L2; (3) the decode attention's reads with its
+// arithmetic: 30 layers of 64 sequences x 600 rows of 68 B (64 int8 values and a scale) per KV head, each row widened
+// to float32 and multiplied into 3 query heads' accumulators (12 FMAs), the keys' pass then the values' per task, the
+// 3 KV heads' tasks one at a time or side by side, with the kernel's software prefetch (keys 32 rows ahead, values
+// of the row, into L2) or none. One thread, one pass per case, wall clock.
 //
 //   g++ -O2 -march=native bench/stream_read.cpp -o /tmp/stream_read && taskset -c 1 /tmp/stream_read
 #include <immintrin.h>
@@ -60,6 +64,51 @@ float segments(const int8_t* p, const std::vector<size_t>& order, size_t seg, si
   return _mm512_reduce_add_ps(acc);
 }
 
+constexpr int64_t kRow = 68, kRows = 600, kKvHeads = 3, kSeqs = 64, kLayers = 30;
+
+// one row's 64 int8 values widened and multiplied into 3 heads' accumulators of 4 x 16 lanes
+inline void row_into(const int8_t* row, const __m512 (&q)[3][4], __m512 (&acc)[3][4]) {
+  for (int c = 0; c < 4; ++c) {
+    const __m512 k = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16))));
+    for (int t = 0; t < 3; ++t) acc[t][c] = _mm512_fmadd_ps(q[t][c], k, acc[t][c]);
+  }
+}
+
+// (3): `side` KV heads' tasks at a time (1 or 3), rows prefetched as the kernel does or not; seconds
+double attention_reads(const int8_t* p, int side, bool prefetch, float& sink) {
+  const int64_t per_head = kSeqs * kRows * kRow;  // one layer's K (or V) rows of one KV head
+  __m512 q[3][4], total = _mm512_setzero_ps();
+  for (int t = 0; t < 3; ++t)
+    for (int c = 0; c < 4; ++c) q[t][c] = _mm512_set1_ps(1e-3f * static_cast<float>(t + c));
+  const auto start = Clock::now();
+  for (int64_t layer = 0; layer < kLayers; ++layer) {
+    const int8_t* keys = p + layer * 2 * kKvHeads * per_head;
+    const int8_t* values = keys + kKvHeads * per_head;
+    for (int64_t b = 0; b < kSeqs; ++b) {
+      for (int64_t h0 = 0; h0 < kKvHeads; h0 += side) {
+        __m512 acc[3][3][4] = {};
+        for (int64_t j = 0; j < kRows; ++j) {
+          for (int64_t h = h0; h < h0 + side; ++h) {
+            const int8_t* k = keys + h * per_head + b * kRows * kRow;
+            if (prefetch) {
+              _mm_prefetch(reinterpret_cast<const char*>(k + (j + 32) * kRow), _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(values + h * per_head + (b * kRows + j) * kRow), _MM_HINT_T1);
+            }
+            row_into(k + j * kRow, q, acc[h - h0]);
+          }
+        }
+        for (int64_t j = 0; j < kRows; ++j)
+          for (int64_t h = h0; h < h0 + side; ++h) row_into(values + h * per_head + (b * kRows + j) * kRow, q, acc[h - h0]);
+        for (int h = 0; h < side; ++h)
+          for (int t = 0; t < 3; ++t)
+            for (int c = 0; c < 4; ++c) total = _mm512_add_ps(total, acc[h][t][c]);
+      }
+    }
+  }
+  sink += _mm512_reduce_add_ps(total);
+  return seconds_since(start);
+}
+
 }  // namespace
 
 int main() {
@@ -89,6 +138,14 @@ int main() {
         std::printf("segments of %5zu B, %d at a time, prefetch %4zu B ahead: %.1f GB/s\n", seg, streams, dist,
                     read / seconds_since(start) / 1e9);
       }
+    }
+  }
+  const int64_t attention_bytes = kLayers * 2 * kKvHeads * kSeqs * kRows * kRow;
+  for (int side : {1, 3}) {
+    for (bool prefetch : {false, true}) {
+      const double s = attention_reads(p, side, prefetch, sink);
+      std::printf("attention reads, %d KV head(s) at a time, %s software prefetch: %.2f ms a layer, %.1f GB/s\n", side,
+                  prefetch ? "with" : "no", s / kLayers * 1e3, attention_bytes / s / 1e9);
     }
   }
   std::printf("(checksum %g)\n", sink);
