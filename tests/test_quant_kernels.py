@@ -506,6 +506,19 @@ def test_large_batches_take_the_bf16_gemm(cpu_isa, fmt, monkeypatch):
     assert w8a8.dequantize is None and w8a8.gemm is None  # int8 activations are W8A8's spec: never the bf16 path
 
 
+def random_packed(out: int, inp: int, u4: bool, with_mins: bool, g: torch.Generator) -> tuple[tuple, torch.Tensor]:
+    """A random weight packed directly (`pack` of codes, d and m drawn, no quantization: int8 codes or nibbles, with
+    or without mins), and w = d c + m [out, inp] in float64."""
+    blocks = -(-inp // 32)
+    codes = torch.randint(0, 16, (out, inp), generator=g) if u4 else torch.randint(-128, 128, (out, inp), generator=g)
+    d = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
+    m = (torch.randn(out, blocks, generator=g) * 0.05).half() if with_mins else None
+    w = codes.double() * d.double().repeat_interleave(32, dim=1)[:, :inp]
+    if m is not None:
+        w = w + m.double().repeat_interleave(32, dim=1)[:, :inp]
+    return pack(codes.to(torch.int8), d, m, u4), w
+
+
 # our bf16 GEMMs on the packed weight, one contract: op -> the kernels.isa check of the CPU and build that run it
 BF16_GEMMS = {"amx_bf16_linear": "amx_bf16", "avx512_bf16_linear": "avx512_bf16"}
 
@@ -533,13 +546,7 @@ def test_bf16_gemm_against_the_reference(bf16_gemm, u4, with_mins, inp):
     op = bf16_gemm
     out, blocks = 600, -(-inp // 32)
     g = torch.Generator().manual_seed(inp + 2 * u4 + with_mins)
-    codes = torch.randint(0, 16, (out, inp), generator=g) if u4 else torch.randint(-128, 128, (out, inp), generator=g)
-    d = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
-    m = (torch.randn(out, blocks, generator=g) * 0.05).half() if with_mins else None
-    packed = pack(codes.to(torch.int8), d, m, u4)
-    w = codes.double() * d.double().repeat_interleave(32, dim=1)[:, :inp]
-    if m is not None:
-        w = w + m.double().repeat_interleave(32, dim=1)[:, :inp]
+    packed, w = random_packed(out, inp, u4, with_mins, g)
     for batch in (1, 7, 15, 17, 130):
         x = torch.randn(batch, inp, generator=g)
         y = op(x.bfloat16(), *packed, u4, out)
@@ -565,14 +572,8 @@ def test_bf16_gemm_threads_give_the_same_floats(bf16_gemm, out, inp):
     than threads (40: 3 tiles; 16: one) or a last tile past the outputs; and the one-thread outputs match the
     float64 reference."""
     op = bf16_gemm
-    blocks = -(-inp // 32)
     g = torch.Generator().manual_seed(out + inp)
-    codes = torch.randint(0, 16, (out, inp), generator=g)
-    d = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
-    m = (torch.randn(out, blocks, generator=g) * 0.05).half()
-    packed = pack(codes.to(torch.int8), d, m, True)
-    w = codes.double() * d.double().repeat_interleave(32, dim=1)[:, :inp]
-    w = w + m.double().repeat_interleave(32, dim=1)[:, :inp]
+    packed, w = random_packed(out, inp, True, True, g)
     threads = torch.get_num_threads()
     try:
         for batch in (17, 130):
@@ -601,12 +602,9 @@ def test_amx_swiglu_gemm_is_the_gemm_then_silu_and_mul(cpu_isa, u4, with_mins, i
         pytest.skip(f"no AMX-BF16 tiles here ({cpu_isa})")
     gemm, fused = (kernels.op(name, CPU, torch.float32) for name in ("amx_bf16_linear", "amx_bf16_linear_swiglu"))
     silu = kernels.op("silu_and_mul", CPU, torch.bfloat16)
-    out, blocks = 2 * 304, -(-inp // 32)
+    out = 2 * 304
     g = torch.Generator().manual_seed(inp + 2 * u4 + with_mins)
-    codes = torch.randint(0, 16, (out, inp), generator=g) if u4 else torch.randint(-128, 128, (out, inp), generator=g)
-    d = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
-    m = (torch.randn(out, blocks, generator=g) * 0.05).half() if with_mins else None
-    packed = pack(codes.to(torch.int8), d, m, u4)
+    packed, _ = random_packed(out, inp, u4, with_mins, g)
     threads = torch.get_num_threads()
     try:
         for batch in (1, 17, 130):
