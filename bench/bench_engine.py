@@ -392,6 +392,9 @@ def main() -> None:
                         help="seconds to wait for a llama.cpp program still being built: that runner starts "
                         "before the first metric it takes part in (order them with --metrics)")
     parser.add_argument("--peer-dtype", help="dtype for the transformers/vLLM peers (default bfloat16)")
+    parser.add_argument("--gguf", type=Path, help="the GGUF ours and llama.cpp run (default: the embedded SmolLM2 "
+                        "Q4_1; another SmolLM2 file, e.g. a Q4_K_M from `bench/setup_peers.sh kquant`, keeps the "
+                        "workloads' token ids valid)")
     parser.add_argument("--quantization", help="glmserve's weight format (default: the GGUF's own Q4_1/Q8_0 blocks; "
                         "none: float32, as before the quantized path); results are keyed ours:<format>")
     parser.add_argument("--out", type=Path, help="results JSON (default bench/results/engine-<date>[-quick].json)")
@@ -416,7 +419,7 @@ def main() -> None:
     chosen = [r for r in runners if (not only or r.key in only) and r.key not in skip]
 
     work_path = wl.ensure(args.quick)
-    gguf = wl.embedded_gguf_path()
+    gguf = args.gguf or wl.embedded_gguf_path()
     date = datetime.date.today().isoformat()
     out = args.out or BENCH / "results" / f"engine-{date}{'-quick' if args.quick else ''}.json"
     args.out = out  # the runners' logs are named after it

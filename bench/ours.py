@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/ours.py --workloads W.json
 
-`LLM(model=None)` loads the embedded SmolLM2 GGUF (the same file the peers get) with the
+`LLM(model=None)` loads the embedded SmolLM2 GGUF (the same file the peers get; `--gguf` another one) with the
 engine's default dtype; prefix caching is on. The API contract is docs/ENGINE_API.md.
 """
 
@@ -32,8 +32,9 @@ class OursEngine(harness.Engine):
         self._params = SamplingParams
         self._dtype = args.dtype or "auto"
         self._quantization = args.quantization
-        self._llm = LLM(model=None, dtype=self._dtype, enable_prefix_caching=True, num_threads=wl.THREADS,
-                        quantization=args.quantization)
+        other_file = args.gguf is not None and args.gguf.resolve() != wl.embedded_gguf_path().resolve()
+        self._llm = LLM(model=str(args.gguf) if other_file else None, dtype=self._dtype, enable_prefix_caching=True,
+                        num_threads=wl.THREADS, quantization=args.quantization)
         self._cached_tokens: list[int] = []
         self._ids = itertools.count()
 

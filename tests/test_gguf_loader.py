@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf_random_blocks import k_blocks, q6_k_blocks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers import modeling_gguf_pytorch_utils as gguf_utils
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -29,6 +30,10 @@ from glmserve.models.gguf_loader import (
     embedded_default_gguf,
     load_gguf,
 )
+from glmserve.quant.gguf_kquants import RUNS_AS
+from glmserve.quant.reference import dequantize
+from glmserve.quant.schemes import gguf_spec
+from glmserve.quant.weight import QuantizedWeight
 
 TEXTS = [
     "Hello, 世界! What is the capital of France?",
@@ -274,43 +279,6 @@ def block_absmax(x: np.ndarray, block: int = 32) -> np.ndarray:
     return np.repeat(blocks.max(axis=1), block).reshape(x.shape)
 
 
-def q4_k_blocks(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Raw Q4_K blocks (ggml block_q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128
-    bytes of 4-bit quants) and the values they stand for: d * scale * q - dmin * min per 32."""
-    d, dmin = rng.uniform(1e-3, 1e-2, (2, n, 1)).astype(np.float16)
-    sc, mn = rng.integers(0, 64, (2, n, 8), dtype=np.uint8)
-    q = rng.integers(0, 16, (n, 256), dtype=np.uint8)
-    scales = np.concatenate(
-        [
-            (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
-            (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
-            (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4),
-        ],
-        axis=1,
-    )
-    chunks = q.reshape(n, 4, 2, 32)  # 64 values per 32 bytes: low nibbles then high nibbles
-    qs = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, 128)
-    raw = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, qs], axis=1)
-    per32 = np.repeat(np.arange(8), 32)
-    values = (d.astype(np.float32) * sc[:, per32]) * q - dmin.astype(np.float32) * mn[:, per32]
-    return raw, values.astype(np.float32)
-
-
-def q6_k_blocks(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Raw Q6_K blocks (ggml block_q6_K: 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8
-    scales, f16 d) and their values: d * scale * (q - 32) per 16."""
-    q = rng.integers(0, 64, (n, 256), dtype=np.uint8)
-    sc = rng.integers(-128, 128, (n, 16), dtype=np.int8)
-    d = rng.uniform(1e-4, 1e-3, (n, 1)).astype(np.float16)
-    halves = q.reshape(n, 2, 128)  # each half: ql[i] holds values i and 64+i, qh[l] values l + 32g
-    ql = (halves[:, :, :64] & 15) | ((halves[:, :, 64:] & 15) << 4)
-    groups = (halves.reshape(n, 2, 4, 32) >> 4) & 3
-    qh = groups[:, :, 0] | (groups[:, :, 1] << 2) | (groups[:, :, 2] << 4) | (groups[:, :, 3] << 6)
-    raw = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8)], axis=1)
-    values = (d.astype(np.float32) * sc[:, np.repeat(np.arange(16), 16)]) * (q.astype(np.float32) - 32)
-    return raw, values.astype(np.float32)
-
-
 # type -> (largest error allowed, as a fraction of the largest magnitude in the element's block of
 # that many values; block None: as a fraction of the element's own magnitude)
 QUANTIZED_BY_GGUF = {
@@ -328,7 +296,7 @@ def stored_and_expected(qtype: Q, rows: int, cols: int) -> tuple[np.ndarray, np.
     """(data to write, values the loader must return, allowed absolute error per element)."""
     rng = np.random.default_rng(int(qtype))
     if qtype in (Q.Q4_K, Q.Q6_K):
-        raw, values = (q4_k_blocks if qtype == Q.Q4_K else q6_k_blocks)(rng, rows * cols // 256)
+        raw, values = (k_blocks if qtype == Q.Q4_K else q6_k_blocks)(rng, rows * cols // 256)
         return raw.reshape(rows, -1), values.reshape(rows, cols), 1e-6 * np.abs(values.reshape(rows, cols)) + 1e-7
     x = rng.standard_normal((rows, cols)).astype(np.float32)
     fraction, block = QUANTIZED_BY_GGUF[qtype]
@@ -349,6 +317,35 @@ def test_dequantization(tmp_path, qtype):
     error = np.abs(loaded.numpy() - expected)
     assert np.all(error <= tolerance), f"{qtype.name}: worst excess {np.max(error - tolerance):.3g}"
 
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_five_bit_and_k_quant_matrices_read_natively(tmp_path, qtype):
+    """`tensors(native=True)` yields these types as QuantizedWeights of the block form each runs as
+    (glmserve/quant/gguf_kquants.py; its tests compare the values with gguf-py's), named by `native_formats`;
+    a llama q_proj's rows are unpermuted as the float path's."""
+    rows, cols = 64, 512
+    rng = np.random.default_rng(int(qtype))
+    if qtype in (Q.Q5_0, Q.Q5_1):
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    else:
+        raw = (q6_k_blocks(rng, rows * cols // 256) if qtype == Q.Q6_K else
+               k_blocks(rng, rows * cols // 256, 5 if qtype == Q.Q5_K else 4))[0].reshape(rows, -1)
+    tensors = {"token_embd.weight": rand(VOCAB, cols), "blk.0.attn_q.weight": raw}
+    path = write_gguf(tmp_path / "k.gguf", "llama", tensors, qtypes={"blk.0.attn_q.weight": qtype},
+                      embedding_length=cols, head_count=4, head_count_kv=4)
+    ckpt = load_gguf(path)
+    native = dict(ckpt.tensors(native=True))["model.layers.0.self_attn.q_proj.weight"]
+    runs_as = RUNS_AS[qtype.name]
+    assert isinstance(native, QuantizedWeight) and native.spec == gguf_spec(runs_as)
+    scheme = ckpt.native_formats()["model.layers.0.self_attn.q_proj.weight"]
+    assert (scheme.name, scheme.weight) == (qtype.name, gguf_spec(runs_as))
+    as_float = dict(ckpt.tensors())["model.layers.0.self_attn.q_proj.weight"]
+    ours = dequantize(native)
+    if qtype in (Q.Q5_0, Q.Q5_1):
+        assert torch.equal(ours, as_float)
+    else:  # rounded scales (K) or int8 again (Q6_K): close, and in the same row order
+        assert (ours - as_float).abs().max() <= 5e-3 * as_float.abs().max()
 
 # --- rope metadata -------------------------------------------------------------------------------
 
@@ -434,9 +431,10 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    tensors = {"token_embd.weight": gguf.quants.quantize(rand(VOCAB, HIDDEN), Q.Q5_1)}
-    path = write_gguf(tmp_path / "q51.gguf", "llama", tensors, qtypes={"token_embd.weight": Q.Q5_1})
-    with pytest.raises(UnsupportedGGUFError, match=r"type Q5_1, which is not supported; supported: BF16, F16, F32, "):
+    q2_k = np.random.default_rng(0).integers(0, 256, (8, 84), dtype=np.uint8)  # 8 rows of one 84-byte Q2_K block
+    tensors = {"token_embd.weight": rand(VOCAB, HIDDEN), "blk.0.ffn_up.weight": q2_k}
+    path = write_gguf(tmp_path / "q2k.gguf", "llama", tensors, qtypes={"blk.0.ffn_up.weight": Q.Q2_K})
+    with pytest.raises(UnsupportedGGUFError, match=r"type Q2_K, which is not supported; supported: BF16, F16, F32, "):
         load_gguf(path)
 
 

@@ -70,6 +70,8 @@ FORMATS = {
     "gguf_q8_0": (QuantSpec(8, strategy="group", group_size=32, gguf_type="Q8_0"), None),
     "gguf_q4_0": (QuantSpec(4, strategy="group", group_size=32, gguf_type="Q4_0"), None),
     "gguf_q4_1": (QuantSpec(4, symmetric=False, strategy="group", group_size=32, gguf_type="Q4_1"), None),
+    "gguf_q5_0": (QuantSpec(5, strategy="group", group_size=32, gguf_type="Q5_0"), None),
+    "gguf_q5_1": (QuantSpec(5, symmetric=False, strategy="group", group_size=32, gguf_type="Q5_1"), None),
 }
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (out, in)
 LM_HEAD = (49152, 576)
@@ -89,10 +91,12 @@ def weight(fmt: str, out: int, inp: int) -> QuantizedWeight:
     scales = (torch.rand(out, blocks, generator=g) * 0.01 + 1e-3).half()
     if spec.gguf_type == "Q8_0":
         return QuantizedWeight(spec, torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8), scales)
-    if spec.gguf_type == "Q4_0":
-        return QuantizedWeight(spec, torch.randint(-8, 8, (out, inp), generator=g, dtype=torch.int8), scales)
-    mins = (-8 * scales.float() * (0.5 + torch.rand(out, blocks, generator=g))).half()
-    return QuantizedWeight(spec, torch.randint(0, 16, (out, inp), generator=g, dtype=torch.int8), scales, mins=mins)
+    if spec.symmetric:  # Q4_0 codes in [-8, 7], Q5_0 (as gguf_kquants.py reads them) in [-16, 15]
+        half = 1 << (spec.num_bits - 1)
+        return QuantizedWeight(spec, torch.randint(-half, half, (out, inp), generator=g, dtype=torch.int8), scales)
+    top = 1 << spec.num_bits  # Q4_1 codes 0..15, Q5_1 0..31, with a minimum per block
+    mins = (-(top // 2) * scales.float() * (0.5 + torch.rand(out, blocks, generator=g))).half()
+    return QuantizedWeight(spec, torch.randint(0, top, (out, inp), generator=g, dtype=torch.int8), scales, mins=mins)
 
 
 @functools.lru_cache(maxsize=3)  # an lm_head-sized entry is ~0.5 GB

@@ -123,8 +123,8 @@ TYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q
 @pytest.fixture(scope="module")
 def small_gguf(tmp_path_factory):
     """A llama GGUF (rotary rows permuted by llama.cpp's converter, tied head) with Q8_0, Q4_0, Q4_1, F16
-    matrices and one Q5_0 down projection (no native path: dequantized), plus a tokenizer directory for its
-    vocabulary."""
+    matrices and one Q5_0 down projection (read as 5-bit codes: glmserve/quant/gguf_kquants.py), plus a tokenizer
+    directory for its vocabulary."""
     root = tmp_path_factory.mktemp("small-gguf")
     rng = np.random.default_rng(0)
     shapes = {"token_embd": (VOCAB, HIDDEN), "attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
@@ -153,7 +153,7 @@ def test_native_tensors_equal_the_dequantized_ones(small_gguf, caplog):
     ckpt = load_gguf(small_gguf[0])
     floats = dict(ckpt.tensors())
     with caplog.at_level("INFO", logger="glmserve.quant.gguf_blocks"):
-        native = dict(ckpt.tensors(native=True))
+        native = dict(ckpt.tensors(native=True))  # no block type is dequantized: none logged
     assert native.keys() == floats.keys()
     for name, tensor in native.items():
         as_float = dequantize(tensor) if isinstance(tensor, QuantizedWeight) else tensor
@@ -162,7 +162,8 @@ def test_native_tensors_equal_the_dequantized_ones(small_gguf, caplog):
     assert formats["model.layers.0.self_attn.q_proj.weight"].weight.gguf_type == "Q4_1"
     assert formats["model.embed_tokens.weight"].weight.gguf_type == "Q8_0"
     assert "model.layers.0.mlp.down_proj.weight" not in formats  # F16: float
-    assert "blk.1.ffn_down.weight is Q5_0" in caplog.text and "ffn_down.weight is F16" not in caplog.text
+    assert formats["model.layers.1.mlp.down_proj.weight"].weight.gguf_type == "Q5_0"
+    assert "no native kernel" not in caplog.text
 
 
 def test_native_gguf_engine_equals_the_float_engine(small_gguf):
@@ -173,7 +174,8 @@ def test_native_gguf_engine_equals_the_float_engine(small_gguf):
     model = native.engine.runner.model
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.weight_bytes() == 0
     assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.tied
-    assert type(model.layers[1].mlp.down_proj) is nn.Linear  # F16 / Q5_0: the float path
+    assert type(model.layers[0].mlp.down_proj) is nn.Linear  # F16: the float path
+    assert isinstance(model.layers[1].mlp.down_proj, QuantizedLinear)  # Q5_0: 5-bit codes on the int8 tiles
     assert weight_bytes(model) < weight_bytes(floats.engine.runner.model) / 2.5
     prompts = [list(range(3, 20)), list(range(40, 47))]
     for got, want in zip(native.generate(prompts, PARAMS), floats.generate(prompts, PARAMS)):

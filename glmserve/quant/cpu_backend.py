@@ -41,7 +41,7 @@ from glmserve.quant.weight import QuantizedWeight
 
 QK = 32  # inputs per block (the kernel's)
 ROWS = 16  # output rows per tile (the kernel's)
-GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # bits of each GGUF block format this backend runs
+GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}  # bits of each GGUF block format run here
 DENSE_MIN_ROWS = 64  # rows from which the bf16 GEMM path beats the int8 tiles 1.7-2x (AMX; bench/gemm_micro.py --dense)
 # On CPUs with AVX512-BF16 but no AMX (AMD Zen 4): "N" runs batches from N rows on our vdpbf16ps GEMM on the
 # packed weight (kernel avx512_bf16_linear, bf16 activations between the MLP's GEMMs as on AMX); unset (the

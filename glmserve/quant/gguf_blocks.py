@@ -6,8 +6,9 @@ Block layouts (ggml-common.h, block_q8_0 / block_q4_0 / block_q4_1), 32 weights 
   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles     w = d * q + m       (codes 0..15, m -> `mins`)
 Byte j of the nibbles holds weight j in its low and weight j + 16 in its high half. Round-to-nearest
 quantization follows ggml-quants.c's quantize_row_*_ref (as gguf-py's quants.py does) so the bytes are
-bit-exact with llama.cpp's. Other types (K-quants, Q5_*) have no native path: `dequantize_other` turns
-them into float. Everything is vectorized over all blocks at once.
+bit-exact with llama.cpp's. Q5_0 / Q5_1 and the K-quants Q4_K / Q5_K / Q6_K are mapped onto these forms by
+glmserve/quant/gguf_kquants.py; `dequantize_other` turns the rest (float types, and any block type in a tensor
+that is not a matrix) into float. Everything is vectorized over all blocks at once.
 
 `from_blocks` keeps the blocks as read (`GGUFBlockWeight`) and makes the canonical tensors on first access only:
 the CPU backend packs its tiles straight from the blocks (quant/cpu_backend.py `pack_gguf`), which never unpacks
@@ -47,14 +48,14 @@ def _blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> np.ndarr
     return raw.reshape(out, inp // BLOCK, BLOCK_BYTES[gguf_type])
 
 
-def _fp16(b: np.ndarray, offset: int) -> torch.Tensor:
+def fp16_field(b: np.ndarray, offset: int) -> torch.Tensor:
     """The float16 field at byte `offset` (even) of every block of b [..., block bytes] -> [...] float16: one
     strided copy of 2-byte words (copying the 2-byte slices as bytes first took 1.5x as long; the fields of a
     loaded model are 20% of its from_blocks time)."""
     return torch.from_numpy(np.ascontiguousarray(b.view(np.uint16)[..., offset // 2]).view(np.float16))
 
 
-def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+def unpack_nibbles(qs: np.ndarray) -> np.ndarray:
     """[..., 16] bytes -> [..., 32] uint8 values 0..15 (low halves first, then high halves), each half written in
     place (a concatenation of the two halves, then a cast, copied every code twice more)."""
     q = np.empty((*qs.shape[:-1], BLOCK), dtype=np.uint8)
@@ -91,18 +92,18 @@ class GGUFBlockWeight(QuantizedWeight):
 
     @functools.cached_property
     def scales(self) -> torch.Tensor:  # type: ignore[override]
-        return _fp16(self.blocks, 0)
+        return fp16_field(self.blocks, 0)
 
     @functools.cached_property
     def mins(self) -> torch.Tensor | None:  # type: ignore[override]
-        return _fp16(self.blocks, 2) if self.gguf_type == "Q4_1" else None
+        return fp16_field(self.blocks, 2) if self.gguf_type == "Q4_1" else None
 
     @functools.cached_property
     def codes(self) -> torch.Tensor:  # type: ignore[override]
         """int8 [out, in]: Q8_0's q, Q4_0's q - 8, Q4_1's q."""
         if self.gguf_type == "Q8_0":
             return torch.from_numpy(self.quants.view(np.int8).reshape(self.shape).copy())
-        codes = _unpack_nibbles(self.quants).view(np.int8)
+        codes = unpack_nibbles(self.quants).view(np.int8)
         if self.gguf_type == "Q4_0":
             codes -= 8
         return torch.from_numpy(codes.reshape(self.shape))
@@ -196,8 +197,8 @@ def _half(per_block: np.ndarray) -> torch.Tensor:
 
 def dequantize_other(name: str, raw: np.ndarray, gguf_type: GGMLQuantizationType,
                      shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor of a type with no native path (K-quants, Q5_*; or float) as float32, via gguf-py; a block
-    type gets one log line naming the tensor and its type."""
+    """A tensor with no native path (a float type, or blocks outside a matrix) as float32, via gguf-py; a
+    block type gets one log line naming the tensor and its type."""
     if gguf_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
         log.info("GGUF tensor %s is %s, which has no native kernel: dequantized to float", name, gguf_type.name)
     values = gguf_dequantize(raw, gguf_type).reshape(shape)
