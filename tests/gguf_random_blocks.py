@@ -1,10 +1,13 @@
-"""Raw llama.cpp K-quant blocks of random codes and scales, with the values they stand for (written from
-ggml-common.h's block layouts and ggml-quants.c's dequantize_row_q4_K / q5_K / q6_K), for tests of readers that
-gguf-py cannot quantize for (it only dequantizes K-quants)."""
+"""Raw llama.cpp blocks of random codes and scales for tests of readers of types gguf-py cannot quantize to (it
+only dequantizes K-quants and i-quants): K-quants with the values they stand for (written from ggml-common.h's
+block layouts and ggml-quants.c's dequantize_row_q4_K / q5_K / q6_K), and random bytes of any type."""
 
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
 
 
 def k_blocks(rng: np.random.Generator, n: int, bits: int = 4) -> tuple[np.ndarray, np.ndarray]:
@@ -46,3 +49,18 @@ def q6_k_blocks(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarra
     raw = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8)], axis=1)
     values = (d.astype(np.float32) * sc[:, np.repeat(np.arange(16), 16)]) * (q.astype(np.float32) - 32)
     return raw, values.astype(np.float32)
+
+
+def random_blocks(rng: np.random.Generator, gguf_type: str, rows: int, cols: int) -> np.ndarray:
+    """[rows, bytes a row] of random bytes as blocks of any type gguf-py dequantizes; a block whose values are not
+    finite, or whose largest magnitude is outside [1e-3, 1e3] (random fp16 scales span 1e-8..6e4), is zeroed."""
+    qtype = GGMLQuantizationType[gguf_type]
+    size, type_size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // size * type_size), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        values = gguf_dequantize(raw, qtype).reshape(rows, cols // size, size)
+        largest = np.abs(values).max(axis=-1)
+    bad = ~np.isfinite(largest) | (largest < 1e-3) | (largest > 1e3)
+    blocks = raw.reshape(rows, cols // size, type_size)
+    blocks[bad] = 0
+    return raw

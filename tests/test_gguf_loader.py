@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_random_blocks import k_blocks, q6_k_blocks
+from gguf_random_blocks import k_blocks, q6_k_blocks, random_blocks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers import modeling_gguf_pytorch_utils as gguf_utils
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -30,7 +30,7 @@ from glmserve.models.gguf_loader import (
     embedded_default_gguf,
     load_gguf,
 )
-from glmserve.quant.gguf_kquants import RUNS_AS
+from glmserve.quant.gguf_mapped import RUNS_AS
 from glmserve.quant.reference import dequantize
 from glmserve.quant.schemes import gguf_spec
 from glmserve.quant.weight import QuantizedWeight
@@ -319,18 +319,17 @@ def test_dequantization(tmp_path, qtype):
 
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
-def test_five_bit_and_k_quant_matrices_read_natively(tmp_path, qtype):
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q3_K], ids=lambda t: t.name)
+def test_other_block_types_read_natively(tmp_path, qtype):
     """`tensors(native=True)` yields these types as QuantizedWeights of the block form each runs as
-    (glmserve/quant/gguf_kquants.py; its tests compare the values with gguf-py's), named by `native_formats`;
+    (glmserve/quant/gguf_mapped.py; its tests compare the values with gguf-py's), named by `native_formats`;
     a llama q_proj's rows are unpermuted as the float path's."""
     rows, cols = 64, 512
     rng = np.random.default_rng(int(qtype))
     if qtype in (Q.Q5_0, Q.Q5_1):
         raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
     else:
-        raw = (q6_k_blocks(rng, rows * cols // 256) if qtype == Q.Q6_K else
-               k_blocks(rng, rows * cols // 256, 5 if qtype == Q.Q5_K else 4))[0].reshape(rows, -1)
+        raw = random_blocks(rng, qtype.name, rows, cols)
     tensors = {"token_embd.weight": rand(VOCAB, cols), "blk.0.attn_q.weight": raw}
     path = write_gguf(tmp_path / "k.gguf", "llama", tensors, qtypes={"blk.0.attn_q.weight": qtype},
                       embedding_length=cols, head_count=4, head_count_kv=4)
@@ -344,7 +343,7 @@ def test_five_bit_and_k_quant_matrices_read_natively(tmp_path, qtype):
     ours = dequantize(native)
     if qtype in (Q.Q5_0, Q.Q5_1):
         assert torch.equal(ours, as_float)
-    else:  # rounded scales (K) or int8 again (Q6_K): close, and in the same row order
+    else:  # rounded scales (K, IQ4_XS) or int8 again (Q6_K, Q3_K): close, and in the same row order
         assert (ours - as_float).abs().max() <= 5e-3 * as_float.abs().max()
 
 # --- rope metadata -------------------------------------------------------------------------------
@@ -431,10 +430,9 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    q2_k = np.random.default_rng(0).integers(0, 256, (8, 84), dtype=np.uint8)  # 8 rows of one 84-byte Q2_K block
-    tensors = {"token_embd.weight": rand(VOCAB, HIDDEN), "blk.0.ffn_up.weight": q2_k}
-    path = write_gguf(tmp_path / "q2k.gguf", "llama", tensors, qtypes={"blk.0.ffn_up.weight": Q.Q2_K})
-    with pytest.raises(UnsupportedGGUFError, match=r"type Q2_K, which is not supported; supported: BF16, F16, F32, "):
+    tensors = {"token_embd.weight": rand(VOCAB, HIDDEN), "blk.0.ffn_up.weight": np.ones((FFN, HIDDEN), np.int32)}
+    path = write_gguf(tmp_path / "i32.gguf", "llama", tensors)
+    with pytest.raises(UnsupportedGGUFError, match=r"type I32, which is not supported; supported: BF16, F16, F32, IQ"):
         load_gguf(path)
 
 

@@ -91,7 +91,7 @@ def weight(fmt: str, out: int, inp: int) -> QuantizedWeight:
     scales = (torch.rand(out, blocks, generator=g) * 0.01 + 1e-3).half()
     if spec.gguf_type == "Q8_0":
         return QuantizedWeight(spec, torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8), scales)
-    if spec.symmetric:  # Q4_0 codes in [-8, 7], Q5_0 (as gguf_kquants.py reads them) in [-16, 15]
+    if spec.symmetric:  # Q4_0 codes in [-8, 7], Q5_0 (as gguf_mapped.py reads them) in [-16, 15]
         half = 1 << (spec.num_bits - 1)
         return QuantizedWeight(spec, torch.randint(-half, half, (out, inp), generator=g, dtype=torch.int8), scales)
     top = 1 << spec.num_bits  # Q4_1 codes 0..15, Q5_1 0..31, with a minimum per block

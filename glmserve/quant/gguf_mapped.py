@@ -1,0 +1,138 @@
+"""GGUF block types beyond Q8_0 / Q4_0 / Q4_1, as the block forms our kernels run (codes, an fp16 scale (and min)
+per 32 inputs), so that every llama.cpp quantization mix loads without a float copy of its matrices.
+
+llama.cpp's Q4_K_M / Q5_K_M / Q3_K_M / IQ4_XS ... files (the GGUFs most people download) hold K-quant and i-quant
+matrices, and Q5_0 / Q5_1 / Q8_0 where a matrix's inputs are not a multiple of 256 (SmolLM2's 576). Each becomes a
+canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_q5_0`, `block_q5_1`, `block_q4_K`,
+`block_q5_K`, `block_iq4_nl`, `block_iq4_xs` and ggml-quants.c's `dequantize_row_*`, read, not copied):
+
+  Q5_0    d, 5-bit q                      w = d * (q - 16)      -> codes q - 16 in [-16, 15], scale d: exact
+  Q5_1    d, m, 5-bit q                   w = d * q + m         -> codes q, scale d, min m: exact
+  Q4_K    d, dmin, 6-bit (sc, m) per 32   w = d*sc*q - dmin*m   -> Q4_1: codes q, scale fp16(d*sc), min fp16(-dmin*m)
+  Q5_K    as Q4_K with 5-bit q                                   -> Q5_1 the same way
+  IQ4_NL  d, 4-bit index into kvalues     w = d * kvalues[q]    -> Q8_0: codes kvalues[q] (int8), scale d: exact
+  IQ4_XS  d, 6-bit ls per 32, as IQ4_NL   w = d*(ls-32)*kvalues[q] -> Q8_0: scale fp16(d * (ls - 32))
+  others  (Q6_K, Q2_K, Q3_K, IQ1-IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: scales per 16, grids, or per-64 tensors)
+          gguf-py's dequantization, quantized again to Q8_0 by ggml's round to nearest
+
+Q4_K / Q5_K / IQ4_XS's two-level scales are flattened into one fp16 per 32 (relative rounding <= 2^-11 of a block's
+scale and min, next to a 4-bit step's 1/15 of its range). The re-quantized types gain at most half an int8 step,
+absmax / 254 of a block (Q6_K's own step is absmax / 32, a 2-bit type's absmax / 2). 5-bit codes and IQ4's table
+values run on the int8 tiles (1 byte a weight), 4-bit on the nibble tiles. Everything is vectorized over all blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
+
+from glmserve.quant.gguf_blocks import BLOCK, fp16_field, quantize_blocks, unpack_nibbles
+from glmserve.quant.schemes import gguf_spec
+from glmserve.quant.weight import QuantizedWeight
+
+SUPER = 256  # inputs per K-quant superblock (ggml's QK_K)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+EXACT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
+REQUANTIZED = tuple(name for name in ("Q6_K", "Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                                      "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+                    if name in GGMLQuantizationType.__members__)  # (older gguf-py versions lack the newest)
+RUNS_AS = EXACT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the native block form it runs as
+
+
+def maps(gguf_type: str, in_features: int) -> bool:
+    """True where this module turns a matrix of `gguf_type` with `in_features` inputs into a native block form."""
+    return gguf_type in RUNS_AS and in_features % BLOCK == 0
+
+
+def convert_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """A matrix's raw GGUF bytes ([out, in] in Hugging Face order) of a type in RUNS_AS as the canonical
+    QuantizedWeight of its native form: see the module docstring for each mapping."""
+    out, inp = shape
+    qtype = GGMLQuantizationType[gguf_type]
+    group, block_bytes = GGML_QUANT_SIZES[qtype]
+    if inp % group or inp % BLOCK:
+        raise ValueError(f"{gguf_type}: in_features {inp} is not a multiple of {max(group, BLOCK)}")
+    raw = np.asarray(raw).view(np.uint8)
+    if raw.size != out * (inp // group) * block_bytes:
+        raise ValueError(f"{gguf_type} {shape}: {raw.size} bytes, expected {out * (inp // group) * block_bytes}")
+    blocks = raw.reshape(out, inp // group, block_bytes)
+    spec = gguf_spec(RUNS_AS[gguf_type])
+    if gguf_type in REQUANTIZED:
+        values = gguf_dequantize(raw, qtype).reshape(out, inp)
+        return quantize_blocks(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), spec)
+    if gguf_type == "IQ4_NL":  # fp16 d, then 16 bytes of indices laid out as Q4_0's nibbles
+        return QuantizedWeight(spec, _codes(IQ4_VALUES[unpack_nibbles(blocks[..., 2:])], shape),
+                               fp16_field(blocks, 0))
+    if gguf_type == "IQ4_XS":
+        return QuantizedWeight(spec, _codes(IQ4_VALUES[unpack_nibbles(_per_32(blocks[..., 8:], 16))], shape),
+                               _iq4_xs_scales(blocks).reshape(out, -1))
+    if gguf_type in ("Q5_0", "Q5_1"):
+        has_min = gguf_type == "Q5_1"
+        header = 4 if has_min else 2
+        codes = _five_bit(unpack_nibbles(blocks[..., header + 4:]), blocks[..., header:header + 4])
+        if not has_min:
+            codes = codes.view(np.int8) - np.int8(16)
+        return QuantizedWeight(spec, _codes(codes, shape), fp16_field(blocks, 0),
+                               mins=fp16_field(blocks, 2) if has_min else None)
+    d = fp16_field(blocks, 0).to(torch.float32)[..., None]  # [out, supers, 1]
+    dmin = fp16_field(blocks, 2).to(torch.float32)[..., None]
+    sc, m = _scales_and_mins(blocks[..., 4:16])  # [out, supers, 8] each
+    codes = _k_nibbles(blocks[..., -128:])
+    if gguf_type == "Q5_K":
+        codes |= _k_high_bits(blocks[..., 16:48])
+    scales = (d * torch.from_numpy(sc).to(torch.float32)).to(torch.float16).reshape(out, -1)
+    mins = (-dmin * torch.from_numpy(m).to(torch.float32)).to(torch.float16).reshape(out, -1)
+    return QuantizedWeight(spec, _codes(codes, shape), scales, mins=mins)
+
+
+def _per_32(qs: np.ndarray, bytes_per_32: int) -> np.ndarray:
+    """A superblock's [..., 8 * bytes_per_32] quants as [..., 8, bytes_per_32]: one row per 32 inputs."""
+    return qs.reshape(*qs.shape[:-1], SUPER // BLOCK, bytes_per_32)
+
+
+def _iq4_xs_scales(blocks: np.ndarray) -> torch.Tensor:
+    """IQ4_XS's per-32 scales d * (ls - 32) as fp16 [..., 8]: ls's low 4 bits are the nibbles of bytes 4-7 (sub-block
+    2i low, 2i + 1 high), its top 2 bits bits 2i..2i+1 of the 16-bit word at bytes 2-3."""
+    low = (blocks[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F  # [..., 4, 2]
+    high = (blocks[..., 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [..., 8]
+    ls = low.reshape(*low.shape[:-2], 8).astype(np.int16) | (high.astype(np.int16) << 4)
+    d = fp16_field(blocks, 0).to(torch.float32)[..., None]
+    return (d * torch.from_numpy((ls - 32).astype(np.float32))).to(torch.float16)
+
+
+def _codes(codes: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(codes).view(np.int8).reshape(shape))
+
+
+def _five_bit(low: np.ndarray, high_words: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: the low nibbles [..., 32] (element j of a block) with bit j of the block's 32-bit `qh` as
+    bit 4 -> q in [0, 31] uint8."""
+    bits = np.unpackbits(high_words, axis=-1, bitorder="little")  # [..., 32]: bit j of the little-endian word
+    return low | (bits << np.uint8(4))
+
+
+def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of eight 6-bit (scale, min) pairs per superblock (ggml-quants.c
+    get_scale_min_k4): pairs 0-3 in the low 6 bits of bytes 0-3 / 4-7; pairs 4-7 take their low 4 bits from
+    bytes 8-11 (scale low nibble, min high nibble) and their top 2 bits from the top of bytes 0-3 / 4-7."""
+    first, second, third = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([first & 0x3F, (third & 0x0F) | ((first >> 6) << 4)], axis=-1)
+    m = np.concatenate([second & 0x3F, (third >> 4) | ((second >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 128 bytes per superblock -> [..., 256] values 0..15: 32-byte chunk c holds sub-block 2c in
+    its low nibbles and sub-block 2c + 1 in its high ones."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return ((chunks >> np.array([[0], [4]], dtype=np.uint8)) & 0x0F).reshape(*qs.shape[:-1], SUPER)
+
+
+def _k_high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_K's 32 bytes of fifth bits per superblock -> [..., 256] values 0 or 16: bit j of byte l is the fifth
+    bit of element l of sub-block j."""
+    bits = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., 8 sub-blocks, 32]
+    return (bits << np.uint8(4)).reshape(*qh.shape[:-1], SUPER)

@@ -1,0 +1,96 @@
+"""GGUF block types beyond Q8_0 / Q4_0 / Q4_1 read into the block forms our kernels run
+(glmserve/quant/gguf_mapped.py), against gguf-py's dequantization of the same bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from gguf_random_blocks import random_blocks
+
+from glmserve.quant.cpu_backend import CpuBlockBackend
+from glmserve.quant.gguf_mapped import EXACT, REQUANTIZED, RUNS_AS, convert_blocks, maps
+from glmserve.quant.reference import dequantize
+from glmserve.quant.schemes import gguf_spec
+
+ROWS, COLS = 12, 768  # three superblocks a row
+FLATTENED = ("Q4_K", "Q5_K", "IQ4_XS")  # two-level scales rounded into one fp16 per 32
+CODE_RANGE = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q4_K": (0, 15), "Q5_K": (0, 31), "IQ4_NL": (-127, 113),
+              "IQ4_XS": (-127, 113)}
+
+
+def raw_blocks(gguf_type: str) -> np.ndarray:
+    """[ROWS, bytes a row]: llama.cpp's quantization of random weights where gguf-py has it (Q5_0, Q5_1; with an
+    all-zero block), else random bytes (tests/gguf_random_blocks.py)."""
+    rng = np.random.default_rng(sum(map(ord, gguf_type)))
+    if gguf_type in ("Q5_0", "Q5_1"):
+        w = rng.standard_normal((ROWS, COLS)).astype(np.float32) * 0.05
+        w[0, :32] = 0
+        return gguf_quantize(w, GGMLQuantizationType[gguf_type])
+    return random_blocks(rng, gguf_type, ROWS, COLS)
+
+
+def block_absmax(x: np.ndarray) -> np.ndarray:
+    return np.repeat(np.abs(x).reshape(ROWS, -1, 32).max(axis=-1), 32, axis=-1)
+
+
+@pytest.mark.parametrize("gguf_type", list(RUNS_AS))
+def test_values_are_gguf_py_dequantization(gguf_type):
+    raw = raw_blocks(gguf_type)
+    weight = convert_blocks(raw, gguf_type, (ROWS, COLS))
+    assert weight.spec == gguf_spec(RUNS_AS[gguf_type]) and weight.shape == (ROWS, COLS)
+    expected = gguf_dequantize(raw, GGMLQuantizationType[gguf_type]).reshape(ROWS, COLS)
+    assert np.abs(expected).max() > 0
+    ours = dequantize(weight).numpy()
+    error = np.abs(ours - expected)
+    if gguf_type in REQUANTIZED:  # int8 again per 32: half a step, plus the fp16 rounding of the new d (absolute
+        # under fp16's smallest normal, 6.1e-5, as Q8_0's d of blocks below 0.0078 is: half its 2^-24 spacing x 127)
+        assert np.all(error <= (1 / 254 + 2 ** -10) * block_absmax(expected) + 127 * 2 ** -25)
+        return
+    codes = weight.codes.numpy()
+    low, high = CODE_RANGE[gguf_type]
+    assert codes.min() >= low and codes.max() <= high
+    if gguf_type not in FLATTENED:  # the file's codes, scales and mins as they are
+        assert np.array_equal(ours, expected)
+        return
+    scale = np.repeat(weight.scales.float().numpy(), 32, axis=-1)
+    minimum = 0 if weight.mins is None else np.repeat(weight.mins.float().numpy(), 32, axis=-1)
+    bound = 2 ** -11 * (1 + 2 ** -10) * (np.abs(scale * codes) + np.abs(minimum))  # each fp16 rounded once
+    assert np.all(error <= bound + 1e-9)
+    assert error.max() > 0  # the two-level scales really were flattened, not kept
+
+
+def test_every_type_is_exact_flattened_or_requantized():
+    assert set(RUNS_AS) == set(EXACT) | set(REQUANTIZED) and set(FLATTENED) <= set(EXACT)
+    assert {"Q6_K", "Q2_K", "Q3_K", "IQ2_XXS", "IQ3_S", "TQ2_0", "MXFP4"} <= set(REQUANTIZED)
+    assert maps("Q4_K", 512) and not maps("Q4_K", 512 + 16) and not maps("F16", 512) and not maps("Q4_1", 512)
+
+
+@pytest.mark.parametrize("gguf_type, shape, cut, match", [
+    ("Q4_K", (ROWS, COLS), 1, "5183 bytes, expected 5184"),
+    ("Q6_K", (ROWS, 512 + 32), 0, "not a multiple of 256"),
+    ("Q5_1", (ROWS, COLS + 16), 0, "not a multiple of 32"),
+])
+def test_wrong_sizes_are_refused(gguf_type, shape, cut, match):
+    raw = raw_blocks(gguf_type).reshape(-1)
+    with pytest.raises(ValueError, match=match):
+        convert_blocks(raw[:raw.size - cut], gguf_type, shape)
+
+
+@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_0", "IQ4_XS", "Q3_K"])  # nibble tiles, int8 tiles (5-bit, table)
+def test_converted_weight_runs_on_the_cpu_kernel_as_its_dequantization(gguf_type):
+    """Converted blocks through the backend: the float product of the dequantized weight, up to the kernel's int8
+    activations (per 32, as llama.cpp's)."""
+    backend = CpuBlockBackend()
+    weight = convert_blocks(raw_blocks(gguf_type), gguf_type, (ROWS, COLS))
+    if not backend.supports(weight.spec, None, torch.device("cpu")):
+        pytest.skip("no compiled kernel")
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(0))
+    y = backend.apply(backend.prepare(weight, None, torch.device("cpu")), x, None)
+    w = dequantize(weight)
+    x_block_max = x.abs().reshape(3, -1, 32).amax(dim=-1).repeat_interleave(32, dim=1)
+    bound = (x_block_max / 254 + 1e-6 * x.abs()) @ w.abs().T  # each activation within half its int8 step
+    assert ((y - x @ w.T).abs() <= 1.01 * bound + 1e-4).all()
