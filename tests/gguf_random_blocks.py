@@ -10,11 +10,11 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
 
-def k_blocks(rng: np.random.Generator, n: int, bits: int = 4) -> tuple[np.ndarray, np.ndarray]:
+def k_blocks(rng: np.random.Generator, n: int, bits: int = 4, d_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Raw Q4_K (bits 4) or Q5_K (bits 5) blocks (ggml block_q4_K / block_q5_K: f16 d, f16 dmin, 12 bytes of
     6-bit scales and mins, Q5_K's 32 bytes of fifth bits, 128 bytes of low 4 bits) and the values they stand
-    for: d * scale * q - dmin * min per 32."""
-    d, dmin = rng.uniform(1e-3, 1e-2, (2, n, 1)).astype(np.float16)
+    for: d * scale * q - dmin * min per 32, with d and dmin in d_scale * [1e-3, 1e-2]."""
+    d, dmin = (d_scale * rng.uniform(1e-3, 1e-2, (2, n, 1))).astype(np.float16)
     sc, mn = rng.integers(0, 64, (2, n, 8), dtype=np.uint8)
     q = rng.integers(0, 1 << bits, (n, 256), dtype=np.uint8)
     scales = np.concatenate(
@@ -36,12 +36,12 @@ def k_blocks(rng: np.random.Generator, n: int, bits: int = 4) -> tuple[np.ndarra
     return raw, values.astype(np.float32)
 
 
-def q6_k_blocks(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+def q6_k_blocks(rng: np.random.Generator, n: int, d_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Raw Q6_K blocks (ggml block_q6_K: 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8
-    scales, f16 d) and their values: d * scale * (q - 32) per 16."""
+    scales, f16 d) and their values: d * scale * (q - 32) per 16, with d in d_scale * [1e-4, 1e-3]."""
     q = rng.integers(0, 64, (n, 256), dtype=np.uint8)
     sc = rng.integers(-128, 128, (n, 16), dtype=np.int8)
-    d = rng.uniform(1e-4, 1e-3, (n, 1)).astype(np.float16)
+    d = (d_scale * rng.uniform(1e-4, 1e-3, (n, 1))).astype(np.float16)
     halves = q.reshape(n, 2, 128)  # each half: ql[i] holds values i and 64+i, qh[l] values l + 32g
     ql = (halves[:, :, :64] & 15) | ((halves[:, :, 64:] & 15) << 4)
     groups = (halves.reshape(n, 2, 4, 32) >> 4) & 3

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf_random_blocks import k_blocks, q6_k_blocks
 from parity import assert_same_output, reference_logprobs
 from test_gguf_loader import write_gguf
 from test_quantize_cli import fake_quantized_model
@@ -205,6 +206,61 @@ def test_each_quantized_module_is_finalized_once_its_weights_arrived(small_gguf,
     first_finalize = events.index("finalize")
     assert first_finalize < last_layer
     assert all(not e.startswith(f"model.layers.{LAYERS - 1}.") for e in events[:first_finalize])
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory):
+    """A llama GGUF of llama.cpp's other block types (K-quants, 5-bit, a re-quantized Q6_K tied embedding) at widths
+    K-quants allow (256 inputs), weights of a trained model's size (|w| ~ 0.03), and its tokenizer directory."""
+    root = tmp_path_factory.mktemp("k-quant-gguf")
+    rng = np.random.default_rng(1)
+    hidden, ffn, heads, kv_heads = 256, 512, 4, 2
+    kinds = {"attn_q": (hidden, hidden, Q.Q4_K), "attn_k": (kv_heads * 64, hidden, Q.Q5_K),
+             "attn_v": (kv_heads * 64, hidden, Q.Q6_K), "attn_output": (hidden, hidden, Q.Q5_1),
+             "ffn_gate": (ffn, hidden, Q.Q5_0), "ffn_up": (ffn, hidden, Q.Q4_K), "ffn_down": (hidden, ffn, Q.Q5_K)}
+
+    def blocks(rows: int, cols: int, qtype: Q) -> np.ndarray:
+        n = rows * cols // 256
+        if qtype in (Q.Q5_0, Q.Q5_1):
+            return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.03).astype(np.float32), qtype)
+        if qtype == Q.Q6_K:
+            return q6_k_blocks(rng, n, d_scale=0.1)[0].reshape(rows, -1)
+        return k_blocks(rng, n, 5 if qtype == Q.Q5_K else 4, d_scale=0.02)[0].reshape(rows, -1)
+
+    tensors = {"output_norm.weight": np.ones(hidden, np.float32), "token_embd.weight": blocks(VOCAB, hidden, Q.Q6_K)}
+    qtypes = {"token_embd.weight": Q.Q6_K}
+    for b in range(LAYERS):
+        tensors[f"blk.{b}.attn_norm.weight"] = np.ones(hidden, np.float32)
+        tensors[f"blk.{b}.ffn_norm.weight"] = np.ones(hidden, np.float32)
+        for kind, (rows, cols, qtype) in kinds.items():
+            tensors[f"blk.{b}.{kind}.weight"], qtypes[f"blk.{b}.{kind}.weight"] = blocks(rows, cols, qtype), qtype
+    path = write_gguf(root / "k.gguf", "llama", tensors, qtypes, embedding_length=hidden, feed_forward_length=ffn,
+                      head_count=heads, head_count_kv=kv_heads, block_count=LAYERS, context_length=512,
+                      bos_token_id=0, eos_token_id=1)
+    tiny_tokenizer(VOCAB).save_pretrained(root / "tokenizer")
+    return path, root / "tokenizer"
+
+
+def test_k_quant_gguf_engine_runs_from_blocks_as_the_float_engine(k_quant_gguf):
+    """Every matrix of the K-quant file runs on the block kernels (none in float), at a quarter of the float
+    engine's weight bytes, and generates what the float engine (gguf-py's dequantization) does: the same greedy
+    tokens and top two, logprobs within what the flattened scales, Q6_K's int8 and the int8 activations move
+    (measured: at most 0.03)."""
+    path, tokenizer = k_quant_gguf
+    native = LLM(model=str(path), tokenizer=str(tokenizer), block_size=4, kv_cache_memory_bytes=4 << 20)
+    floats = LLM(model=str(path), tokenizer=str(tokenizer), quantization="none", block_size=4,
+                 kv_cache_memory_bytes=4 << 20)
+    model = native.engine.runner.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.lm_head.tied
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert weight_bytes(model) < weight_bytes(floats.engine.runner.model) / 3
+    prompts = [list(range(3, 20)), list(range(40, 47))]
+    for got, want in zip(native.generate(prompts, PARAMS), floats.generate(prompts, PARAMS)):
+        ours, theirs = got.outputs[0], want.outputs[0]
+        assert ours.token_ids == theirs.token_ids
+        for x, y in zip(ours.logprobs, theirs.logprobs, strict=True):
+            assert abs(x.logprob - y.logprob) < 0.06
+            assert [t for t, _ in x.top[:2]] == [t for t, _ in y.top[:2]]
 
 
 # --- the embedded default model -----------------------------------------------------------------------------
