@@ -12,7 +12,7 @@ from gguf.quants import quantize as gguf_quantize
 from gguf_random_blocks import random_blocks
 
 from glmserve.quant.cpu_backend import CpuBlockBackend
-from glmserve.quant.gguf_mapped import EXACT, REQUANTIZED, RUNS_AS, convert_blocks, maps
+from glmserve.quant.gguf_mapped import CODES_KEPT, REQUANTIZED, RUNS_AS, convert_blocks, maps
 from glmserve.quant.reference import dequantize
 from glmserve.quant.schemes import gguf_spec
 
@@ -64,7 +64,7 @@ def test_values_are_gguf_py_dequantization(gguf_type):
 
 
 def test_every_type_is_exact_flattened_or_requantized():
-    assert set(RUNS_AS) == set(EXACT) | set(REQUANTIZED) and set(FLATTENED) <= set(EXACT)
+    assert set(RUNS_AS) == set(CODES_KEPT) | set(REQUANTIZED) and set(FLATTENED) <= set(CODES_KEPT)
     assert {"Q6_K", "Q2_K", "Q3_K", "IQ2_XXS", "IQ3_S", "TQ2_0", "MXFP4"} <= set(REQUANTIZED)
     assert maps("Q4_K", 512) and not maps("Q4_K", 512 + 16) and not maps("F16", 512) and not maps("Q4_1", 512)
 

@@ -6,9 +6,9 @@ Block layouts (ggml-common.h, block_q8_0 / block_q4_0 / block_q4_1), 32 weights 
   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles     w = d * q + m       (codes 0..15, m -> `mins`)
 Byte j of the nibbles holds weight j in its low and weight j + 16 in its high half. Round-to-nearest
 quantization follows ggml-quants.c's quantize_row_*_ref (as gguf-py's quants.py does) so the bytes are
-bit-exact with llama.cpp's. Q5_0 / Q5_1 and the K-quants Q4_K / Q5_K / Q6_K are mapped onto these forms by
-glmserve/quant/gguf_mapped.py; `dequantize_other` turns the rest (float types, and any block type in a tensor
-that is not a matrix) into float. Everything is vectorized over all blocks at once.
+bit-exact with llama.cpp's. The other block types (Q5_0 / Q5_1, K-quants, i-quants, ...) are mapped onto these
+forms by glmserve/quant/gguf_mapped.py; `dequantize_other` turns the rest (float types, and any block type in a
+tensor that is not a matrix) into float. Everything is vectorized over all blocks at once.
 
 `from_blocks` keeps the blocks as read (`GGUFBlockWeight`) and makes the canonical tensors on first access only:
 the CPU backend packs its tiles straight from the blocks (quant/cpu_backend.py `pack_gguf`), which never unpacks

@@ -12,7 +12,7 @@ canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_
   Q5_K    as Q4_K with 5-bit q                                   -> Q5_1 the same way
   IQ4_NL  d, 4-bit index into kvalues     w = d * kvalues[q]    -> Q8_0: codes kvalues[q] (int8), scale d: exact
   IQ4_XS  d, 6-bit ls per 32, as IQ4_NL   w = d*(ls-32)*kvalues[q] -> Q8_0: scale fp16(d * (ls - 32))
-  others  (Q6_K, Q2_K, Q3_K, IQ1-IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: scales per 16, grids, or per-64 tensors)
+  others  (Q6_K, Q2_K, Q3_K, IQ1-IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: scales per 16, codebook grids, FP4 values)
           gguf-py's dequantization, quantized again to Q8_0 by ggml's round to nearest
 
 Q4_K / Q5_K / IQ4_XS's two-level scales are flattened into one fp16 per 32 (relative rounding <= 2^-11 of a block's
@@ -35,11 +35,12 @@ from glmserve.quant.weight import QuantizedWeight
 
 SUPER = 256  # inputs per K-quant superblock (ggml's QK_K)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-EXACT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
+# types whose codes are kept as stored (their scales as stored, or flattened: Q4_K, Q5_K, IQ4_XS) -> the form
+CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
 REQUANTIZED = tuple(name for name in ("Q6_K", "Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                                       "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
                     if name in GGMLQuantizationType.__members__)  # (older gguf-py versions lack the newest)
-RUNS_AS = EXACT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the native block form it runs as
+RUNS_AS = CODES_KEPT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the native block form it runs as
 
 
 def maps(gguf_type: str, in_features: int) -> bool:
