@@ -11,7 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from glmserve.errors import InvalidRequestError
-from glmserve.quant.gguf_blocks import NATIVE, dequantize_other, from_blocks, to_blocks
+from glmserve.quant.gguf_blocks import NATIVE, _round_away, dequantize_other, from_blocks, to_blocks
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, expand_to
 from glmserve.quant.schemes import SCHEMES, gguf_spec, scheme
@@ -90,6 +90,17 @@ def test_gguf_blocks_equal_gguf_py(gguf_type):
     assert np.array_equal(to_blocks(ours), raw.reshape(w.shape[0], -1))  # lossless both ways
     quantized = quantize(torch.from_numpy(w), gguf_spec(gguf_type))
     assert np.array_equal(to_blocks(quantized), raw.reshape(w.shape[0], -1))  # llama.cpp's rounding
+
+
+def test_q8_0_rounding_is_half_away_from_zero():
+    """ggml's roundf on every float32 the Q8_0 quantizer may meet: exact halves away from zero, the float below 0.5
+    to 0 (where adding 0.5 in float32 would round up), against the same in float64 (exact for these inputs)."""
+    ties = np.array([0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5, 0.0, -0.0], dtype=np.float32)
+    below_half = np.nextafter(np.float32(0.5), np.float32(0))
+    x = np.concatenate([ties, [below_half, -below_half],
+                        np.random.default_rng(0).uniform(-127, 127, 10_000).astype(np.float32)])
+    wide = x.astype(np.float64)
+    assert np.array_equal(_round_away(x), np.sign(wide) * np.floor(np.abs(wide) + 0.5))
 
 
 def test_canonical_codes_ranges():
