@@ -320,7 +320,7 @@ def test_dequantization(tmp_path, qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q3_K], ids=lambda t: t.name)
-def test_other_block_types_read_natively(tmp_path, qtype):
+def test_other_block_types_read_natively(tmp_path, qtype, caplog):
     """`tensors(native=True)` yields these types as QuantizedWeights of the block form each runs as
     (glmserve/quant/gguf_mapped.py; its tests compare the values with gguf-py's), named by `native_formats`;
     a llama q_proj's rows are unpermuted as the float path's."""
@@ -337,8 +337,10 @@ def test_other_block_types_read_natively(tmp_path, qtype):
     native = dict(ckpt.tensors(native=True))["model.layers.0.self_attn.q_proj.weight"]
     runs_as = RUNS_AS[qtype.name]
     assert isinstance(native, QuantizedWeight) and native.spec == gguf_spec(runs_as)
-    scheme = ckpt.native_formats()["model.layers.0.self_attn.q_proj.weight"]
+    with caplog.at_level("INFO", logger="glmserve.models.gguf_loader"):
+        scheme = ckpt.native_formats()["model.layers.0.self_attn.q_proj.weight"]
     assert (scheme.name, scheme.weight) == (qtype.name, gguf_spec(runs_as))
+    assert f"mapped onto our block forms: 1 {qtype.name} (" in caplog.text
     as_float = dict(ckpt.tensors())["model.layers.0.self_attn.q_proj.weight"]
     ours = dequantize(native)
     if qtype in (Q.Q5_0, Q.Q5_1):

