@@ -318,7 +318,6 @@ def test_dequantization(tmp_path, qtype):
     assert np.all(error <= tolerance), f"{qtype.name}: worst excess {np.max(error - tolerance):.3g}"
 
 
-
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q3_K], ids=lambda t: t.name)
 def test_other_block_types_read_natively(tmp_path, qtype, caplog):
     """`tensors(native=True)` yields these types as QuantizedWeights of the block form each runs as
@@ -347,6 +346,7 @@ def test_other_block_types_read_natively(tmp_path, qtype, caplog):
         assert torch.equal(ours, as_float)
     else:  # rounded scales (K, IQ4_XS) or int8 again (Q6_K, Q3_K): close, and in the same row order
         assert (ours - as_float).abs().max() <= 5e-3 * as_float.abs().max()
+
 
 # --- rope metadata -------------------------------------------------------------------------------
 
