@@ -55,7 +55,7 @@ def plot_ratios(runs: list[tuple[str, dict[str, Any]]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     per_run = [(label, advantages(engines)) for label, engines in runs]
-    rows = [key for key in dict.fromkeys(k for _, adv in per_run for k in adv)]  # first-seen order
+    rows = list(dict.fromkeys(k for _, adv in per_run for k in adv))  # first-seen order
     fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) * max(1, len(runs)) + 1.2))
     height = 0.8 / len(runs)
     for i, (label, adv) in enumerate(per_run):

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from gguf_random_blocks import random_blocks
+from test_gguf_loader import block_absmax
 
 from glmserve.quant.cpu_backend import CpuBlockBackend
 from glmserve.quant.gguf_mapped import CODES_KEPT, REQUANTIZED, RUNS_AS, convert_blocks, maps
@@ -31,10 +32,6 @@ def raw_blocks(gguf_type: str) -> np.ndarray:
         w[0, :32] = 0
         return gguf_quantize(w, GGMLQuantizationType[gguf_type])
     return random_blocks(rng, gguf_type, ROWS, COLS)
-
-
-def block_absmax(x: np.ndarray) -> np.ndarray:
-    return np.repeat(np.abs(x).reshape(ROWS, -1, 32).max(axis=-1), 32, axis=-1)
 
 
 @pytest.mark.parametrize("gguf_type", list(RUNS_AS))

@@ -273,25 +273,31 @@ def prepacked(p: PackedWeight) -> torch.Tensor:
     return p.dense
 
 
+def _our_gemm() -> bool:
+    """False where GLMSERVE_BF16_PREPACK=1 or GLMSERVE_AMX_GEMM=0 sends the dense path to oneDNN (read per call: the
+    A/B benchmarks and tests switch it in a running process)."""
+    return os.environ.get(PREPACK_ENV) != "1" and os.environ.get(AMX_GEMM_ENV) != "0"
+
+
 def dense_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """rows [T, in] (float32 or bf16) x the bf16 weight -> [T, out] bf16 (sums in float32, rounded once): our AMX
     (or, without AMX, AVX512-BF16) GEMM on the packed weight (dequantized panel by panel inside the kernel, nothing
     kept), or with GLMSERVE_BF16_PREPACK=1 oneDNN on the prepacked weight, or with GLMSERVE_AMX_GEMM=0 the weight
     dequantized whole at this call and oneDNN."""
+    if _our_gemm():
+        return p.gemm(rows, p.codes, p.scales, p.mins, p.u4, p.out_features)
     if os.environ.get(PREPACK_ENV) == "1":
         x = rows.to(torch.bfloat16).contiguous()
         return torch.ops.mkldnn._linear_pointwise(x, prepacked(p), None, "none", [], "")
-    if os.environ.get(AMX_GEMM_ENV) != "0":
-        return p.gemm(rows, p.codes, p.scales, p.mins, p.u4, p.out_features)
     return F.linear(rows.to(torch.bfloat16).contiguous(), _dequantized(p))
 
 
 def dense_swiglu_apply(p: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of dense_apply(p, rows) for a merged gate-up weight -> [T, out / 2] bf16: in our AMX GEMM's
     store, or where GLMSERVE_BF16_PREPACK / GLMSERVE_AMX_GEMM send dense_apply to oneDNN, silu_and_mul after it."""
-    if os.environ.get(PREPACK_ENV) == "1" or os.environ.get(AMX_GEMM_ENV) == "0":
-        return kernels.op("silu_and_mul", rows.device, torch.bfloat16)(dense_apply(p, rows))
-    return p.dense_path.gemm_swiglu(rows, p.codes, p.scales, p.mins, p.u4, p.out_features)
+    if _our_gemm():
+        return p.dense_path.gemm_swiglu(rows, p.codes, p.scales, p.mins, p.u4, p.out_features)
+    return kernels.op("silu_and_mul", rows.device, torch.bfloat16)(dense_apply(p, rows))
 
 
 def _per_block(t: torch.Tensor, spec: QuantSpec, out: int, blocks: int) -> torch.Tensor:
