@@ -124,3 +124,18 @@ def float32_prefill():
         patch.setenv("GLMSERVE_BF16_ATTENTION", "0")
         patch.setenv("GLMSERVE_BF16_ACTIVATIONS", "0")
         yield
+
+
+@pytest.fixture
+def bf16_gemm_from_two_rows(monkeypatch) -> None:
+    """Batches of 2+ rows take the linears' bf16 GEMM (decode batches too, as 64+ rows do on AMX), where this CPU has
+    one (AMX, or AVX512-BF16 with GLMSERVE_AVX512_BF16_ROWS); the GEMM rows are read as the weights load."""
+    from glmserve import kernels
+    from glmserve.quant import cpu_backend
+
+    if kernels.amx_bf16():
+        monkeypatch.setattr(cpu_backend, "DENSE_MIN_ROWS", 2)
+    elif kernels.avx512_bf16():
+        monkeypatch.setenv(cpu_backend.AVX512_BF16_ROWS_ENV, "2")
+    else:
+        pytest.skip("no bf16 GEMM on this CPU (AMX or AVX512-BF16)")

@@ -33,7 +33,7 @@ def _gguf(gguf_type: str, out: int, inp: int, seed: int = 0) -> GGUFBlockWeight:
 def _generic(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The path of every other weight: the canonical tensors (made from the blocks), block_form, pack."""
     canonical = QuantizedWeight(weight.spec, weight.codes, weight.scales, None, weight.mins)
-    return pack(*block_form(canonical), weight.spec.num_bits == 4)
+    return pack(*block_form(canonical), weight.spec.num_bits)
 
 
 def _assert_same_bits(fast: tuple[torch.Tensor, ...], generic: tuple[torch.Tensor, ...]) -> None:

@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glmserve import LLM, SamplingParams, kernels
+from glmserve import LLM, SamplingParams
 from glmserve.layers.linear import BF16_ACTIVATIONS_ENV
 from glmserve.models import llama_decode
 from glmserve.models.llama_decode import FUSED_DECODE_ENV
-from glmserve.quant import cpu_backend
 
 GREEDY = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2)
 FRESH = {"enable_prefix_caching": False}  # both sides prefill alike (a cache hit attends over gathered context)
@@ -25,7 +24,7 @@ def _outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[f
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
-def _fused_and_modules(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple[list, list, list[int]]:
+def fused_and_module_outputs(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple[list, list, list[int]]:
     """Outputs with the fused decode, with the module path, and the rows of each step the fused decode ran."""
     ran = []
     real = llama_decode.run_decode
@@ -55,21 +54,9 @@ def _fused_and_modules(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple
 def test_fused_decode_equals_module_path(arch, quantization, kv, tiny_model_dir, cpu_isa, monkeypatch):
     llm = LLM(model=str(tiny_model_dir(arch)), block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
               kv_cache_memory_bytes=4 << 20, kv_cache_dtype=kv, quantization=quantization, **FRESH)
-    fused, modules, ran = _fused_and_modules(llm, PROMPTS, monkeypatch)
+    fused, modules, ran = fused_and_module_outputs(llm, PROMPTS, monkeypatch)
     assert fused == modules
     assert len(ran) >= GREEDY.max_tokens - 1  # every decode-only step took the fused path
-
-
-@pytest.fixture
-def bf16_gemm_from_two_rows(monkeypatch) -> None:
-    """Batches of 2+ rows take the linears' bf16 GEMM (decode batches too, as 64+ rows do on AMX), where this CPU has
-    one (AMX, or AVX512-BF16 with GLMSERVE_AVX512_BF16_ROWS); the GEMM rows are read as the weights load."""
-    if kernels.amx_bf16():
-        monkeypatch.setattr(cpu_backend, "DENSE_MIN_ROWS", 2)
-    elif kernels.avx512_bf16():
-        monkeypatch.setenv(cpu_backend.AVX512_BF16_ROWS_ENV, "2")
-    else:
-        pytest.skip("no bf16 GEMM on this CPU (AMX or AVX512-BF16)")
 
 
 @pytest.mark.parametrize(("quantization", "kv"), [("int8", "bfloat16"), ("w4a16-asym", "float32"), ("int8", "int8")])
@@ -78,13 +65,13 @@ def test_bf16_gemm_rows_equal_module_path(quantization, kv, tiny_model_dir, bf16
     GLMSERVE_BF16_ACTIVATIONS=0 (float32 activations between the GEMMs) they stay on the module path."""
     llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
               kv_cache_memory_bytes=4 << 20, kv_cache_dtype=kv, quantization=quantization, **FRESH)
-    fused, modules, ran = _fused_and_modules(llm, PROMPTS, monkeypatch)
+    fused, modules, ran = fused_and_module_outputs(llm, PROMPTS, monkeypatch)
     assert fused == modules
     assert len(ran) >= GREEDY.max_tokens - 1 and max(ran) == len(PROMPTS)
     assert all(layer.dense is not None and layer.dense_rows == 2 for layer in llama_decode.decode_layers(
         llm.engine.runner.model))
     monkeypatch.setenv(BF16_ACTIVATIONS_ENV, "0")
-    fused, modules, ran = _fused_and_modules(llm, PROMPTS, monkeypatch)
+    fused, modules, ran = fused_and_module_outputs(llm, PROMPTS, monkeypatch)
     assert fused == modules and set(ran) == {1}  # single rows still take the int8 tiles' calls
 
 
@@ -92,7 +79,7 @@ def test_embedded_gguf_bf16_gemm_rows_equal_module_path(bf16_gemm_from_two_rows,
     """SmolLM2-135M's Q4_1 / Q8_0 blocks on the bf16 GEMM at three decode rows: the same tokens and logprobs."""
     llm = LLM(model=None, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512,
               kv_cache_memory_bytes=64 << 20, **FRESH)
-    fused, modules, ran = _fused_and_modules(llm, PROMPTS, monkeypatch)
+    fused, modules, ran = fused_and_module_outputs(llm, PROMPTS, monkeypatch)
     assert fused == modules and len(ran) >= GREEDY.max_tokens - 1 and max(ran) == len(PROMPTS)
 
 
@@ -100,7 +87,7 @@ def test_embedded_gguf_bf16_gemm_rows_equal_module_path(bf16_gemm_from_two_rows,
 def test_models_it_does_not_take_run_the_module_path(arch, tiny_model_dir, monkeypatch):
     llm = LLM(model=str(tiny_model_dir(arch)), block_size=4, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20,
               **FRESH)
-    fused, modules, ran = _fused_and_modules(llm, PROMPTS[:2], monkeypatch)
+    fused, modules, ran = fused_and_module_outputs(llm, PROMPTS[:2], monkeypatch)
     assert fused == modules and not ran
     assert llama_decode.decode_layers(llm.engine.runner.model) is None
 
@@ -110,7 +97,7 @@ def test_embedded_gguf_fused_decode_equals_module_path(cpu_isa, monkeypatch):
     llm = LLM(model=None, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512,
               kv_cache_memory_bytes=64 << 20, **FRESH)
     for prompts in (PROMPTS[:1], PROMPTS):
-        fused, modules, ran = _fused_and_modules(llm, prompts, monkeypatch)
+        fused, modules, ran = fused_and_module_outputs(llm, prompts, monkeypatch)
         assert fused == modules and len(ran) >= GREEDY.max_tokens - 1
 
 

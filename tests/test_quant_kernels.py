@@ -510,17 +510,18 @@ def test_large_batches_take_the_bf16_gemm(cpu_isa, fmt, monkeypatch):
     assert w8a8.dequantize is None and w8a8.gemm is None  # int8 activations are W8A8's spec: never the bf16 path
 
 
-def random_packed(out: int, inp: int, u4: bool, with_mins: bool, g: torch.Generator) -> tuple[tuple, torch.Tensor]:
-    """A random weight packed directly (`pack` of codes, d and m drawn, no quantization: int8 codes or nibbles, with
-    or without mins), and w = d c + m [out, inp] in float64."""
+def random_packed(out: int, inp: int, bits: int, with_mins: bool, g: torch.Generator) -> tuple[tuple, torch.Tensor]:
+    """A random weight packed directly (`pack` of codes, d and m drawn, no quantization: `bits` 8 (int8 codes), 4
+    (nibbles) or 5 (nibbles and fifth bits), with or without mins), and w = d c + m [out, inp] in float64."""
     blocks = -(-inp // 32)
-    codes = torch.randint(0, 16, (out, inp), generator=g) if u4 else torch.randint(-128, 128, (out, inp), generator=g)
+    low, high = (-128, 128) if bits == 8 else (0, 1 << bits)
+    codes = torch.randint(low, high, (out, inp), generator=g)
     d = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
     m = (torch.randn(out, blocks, generator=g) * 0.05).half() if with_mins else None
     w = codes.double() * d.double().repeat_interleave(32, dim=1)[:, :inp]
     if m is not None:
         w = w + m.double().repeat_interleave(32, dim=1)[:, :inp]
-    return pack(codes.to(torch.int8), d, m, u4), w
+    return pack(codes.to(torch.int8), d, m, bits), w
 
 
 # our bf16 GEMMs on the packed weight, one contract: op -> the kernels.isa check of the CPU and build that run it
@@ -538,19 +539,20 @@ def bf16_gemm(request) -> Callable:
 
 
 @pytest.mark.parametrize("inp", [576, 1536, 100])
-@pytest.mark.parametrize("u4, with_mins", [(False, False), (False, True), (True, False), (True, True)])
-def test_bf16_gemm_against_the_reference(bf16_gemm, u4, with_mins, inp):
+@pytest.mark.parametrize("bits, with_mins", [(8, False), (8, True), (4, False), (4, True), (5, False), (5, True)])
+def test_bf16_gemm_against_the_reference(bf16_gemm, bits, with_mins, inp):
     """Our bf16 GEMMs (amx_bf16_linear, avx512_bf16_linear) on random packed weights (`pack` of codes, d and m
-    drawn directly: int8 codes or nibbles, with and without mins), 600 outputs (38 tiles, the last padded: several
-    panels; tiles not a multiple of the register block's 3), odd batches (1, and rows past multiples of 8 and 16),
+    drawn directly: int8 codes, nibbles, or nibbles and fifth bits, with and without mins), 600 outputs (38 tiles,
+    the last padded: several panels; tiles not a multiple of the register block's 3), odd batches (1, and rows past
+    multiples of 8 and 16),
     inputs padded to 32 (100: the padded inputs' weight is m, the kernel must zero their activations). Each output
     is within 2^-8 of sum |x w| (the weight's bf16 rounding, 2^-9 each) plus 2^-8 of itself (its own rounding) of
     the float64 product of the bf16 activations and w = d c + m; float32 activations are rounded to bf16 first
     (the same result)."""
     op = bf16_gemm
-    out, blocks = 600, -(-inp // 32)
-    g = torch.Generator().manual_seed(inp + 2 * u4 + with_mins)
-    packed, w = random_packed(out, inp, u4, with_mins, g)
+    out, blocks, u4 = 600, -(-inp // 32), bits < 8
+    g = torch.Generator().manual_seed(inp + 2 * bits + with_mins)
+    packed, w = random_packed(out, inp, bits, with_mins, g)
     for batch in (1, 7, 15, 17, 130):
         x = torch.randn(batch, inp, generator=g)
         y = op(x.bfloat16(), *packed, u4, out)
@@ -577,7 +579,7 @@ def test_bf16_gemm_threads_give_the_same_floats(bf16_gemm, out, inp):
     float64 reference."""
     op = bf16_gemm
     g = torch.Generator().manual_seed(out + inp)
-    packed, w = random_packed(out, inp, True, True, g)
+    packed, w = random_packed(out, inp, 4, True, g)
     threads = torch.get_num_threads()
     try:
         for batch in (17, 130):
@@ -595,8 +597,8 @@ def test_bf16_gemm_threads_give_the_same_floats(bf16_gemm, out, inp):
 
 
 @pytest.mark.parametrize("inp", [576, 1536, 100])
-@pytest.mark.parametrize("u4, with_mins", [(False, False), (False, True), (True, True)])
-def test_amx_swiglu_gemm_is_the_gemm_then_silu_and_mul(cpu_isa, u4, with_mins, inp, monkeypatch):
+@pytest.mark.parametrize("bits, with_mins", [(8, False), (8, True), (4, True), (5, True)])
+def test_amx_swiglu_gemm_is_the_gemm_then_silu_and_mul(cpu_isa, bits, with_mins, inp, monkeypatch):
     """amx_bf16_linear_swiglu (SwiGLU in the AMX GEMM's store: gate tile i and up tile i as one tile pair) gives
     silu_and_mul(amx_bf16_linear(x)) bit for bit: 2 x 304 outputs (19 gate tiles: an odd count, several panels),
     batches with partial tiles, 1, 2 and 3 threads; the backend's bound call is that op, and under
@@ -606,9 +608,9 @@ def test_amx_swiglu_gemm_is_the_gemm_then_silu_and_mul(cpu_isa, u4, with_mins, i
         pytest.skip(f"no AMX-BF16 tiles here ({cpu_isa})")
     gemm, fused = (kernels.op(name, CPU, torch.float32) for name in ("amx_bf16_linear", "amx_bf16_linear_swiglu"))
     silu = kernels.op("silu_and_mul", CPU, torch.bfloat16)
-    out = 2 * 304
-    g = torch.Generator().manual_seed(inp + 2 * u4 + with_mins)
-    packed, _ = random_packed(out, inp, u4, with_mins, g)
+    out, u4 = 2 * 304, bits < 8
+    g = torch.Generator().manual_seed(inp + 2 * bits + with_mins)
+    packed, _ = random_packed(out, inp, bits, with_mins, g)
     threads = torch.get_num_threads()
     try:
         for batch in (1, 17, 130):
@@ -639,7 +641,7 @@ def test_bf16_gemm_is_an_error_where_the_cpu_lacks_it(cpu_isa, name):
     if getattr(kernels, BF16_GEMMS[name])():
         pytest.skip(f"{cpu_isa} runs {name} here")
     op = kernels.op(name, CPU, torch.float32)
-    packed = pack(torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1).half(), None, False)
+    packed = pack(torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1).half(), None, 8)
     if op is not None:
         with pytest.raises(RuntimeError, match="AMX|AVX512-BF16|avx512"):
             op(torch.randn(2, 32), *packed, False, 16)

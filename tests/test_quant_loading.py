@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf_random_blocks import k_blocks, q6_k_blocks
 from parity import assert_same_output, reference_logprobs
 from test_gguf_loader import write_gguf
+from test_llama_decode import GREEDY, PROMPTS, fused_and_module_outputs
 from test_quantize_cli import fake_quantized_model
 from tiny_models import COMMON, tiny_tokenizer
 from torch import nn
@@ -176,11 +177,40 @@ def test_native_gguf_engine_equals_the_float_engine(small_gguf):
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.embed_tokens.weight_bytes() == 0
     assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.tied
     assert type(model.layers[0].mlp.down_proj) is nn.Linear  # F16: the float path
-    assert isinstance(model.layers[1].mlp.down_proj, QuantizedLinear)  # Q5_0: 5-bit codes on the int8 tiles
+    assert isinstance(model.layers[1].mlp.down_proj, QuantizedLinear)  # Q5_0: 5-bit codes as nibbles and fifth bits
     assert weight_bytes(model) < weight_bytes(floats.engine.runner.model) / 2.5
     prompts = [list(range(3, 20)), list(range(40, 47))]
     for got, want in zip(native.generate(prompts, PARAMS), floats.generate(prompts, PARAMS)):
         assert_same_output(got, want, tol=1e-5)
+
+
+def test_mixed_format_projections_run_the_fused_decode_as_the_module_path(small_gguf, cpu_isa, monkeypatch):
+    """q and k in Q4_1 and v in Q8_0 make qkv_proj two segments (as a Q4_K_M file's Q4_K q, k and Q6_K v do), layer
+    1's down projection is Q5_0 and layer 0's float: the fused decode step runs the segments side by side, with the
+    module path's tokens and logprobs bit for bit (before, such a model decoded on the module path only). On the
+    kernels, not this module's reference backend."""
+    monkeypatch.delenv("GLMSERVE_QUANT_BACKEND")
+    path, tokenizer = small_gguf
+    llm = LLM(model=str(path), tokenizer=str(tokenizer), block_size=4, kv_cache_memory_bytes=4 << 20,
+              enable_prefix_caching=False)
+    assert len(llm.engine.runner.model.layers[0].self_attn.qkv_proj._segments) == 2
+    fused, modules, ran = fused_and_module_outputs(llm, PROMPTS, monkeypatch)
+    assert fused == modules
+    assert len(ran) >= GREEDY.max_tokens - 1  # every decode-only step took the fused path
+
+
+def test_mixed_format_projection_on_the_bf16_gemm_rows(small_gguf, bf16_gemm_from_two_rows, monkeypatch):
+    """The two-segment qkv_proj's bound bf16 GEMM call (`dense_batch`: the segments' GEMMs side by side, as the fused
+    decode step runs batches of 64+ rows on AMX) is its forward on bf16 rows bit for bit, from the rows where both
+    segments take their GEMM."""
+    monkeypatch.delenv("GLMSERVE_QUANT_BACKEND")
+    path, tokenizer = small_gguf
+    llm = LLM(model=str(path), tokenizer=str(tokenizer), block_size=4, kv_cache_memory_bytes=4 << 20)
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    call, rows = qkv.dense_batch()
+    x = torch.randn(rows + 3, HIDDEN, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert rows == 2 and qkv.takes_bf16(rows + 3)
+    assert torch.equal(call(x), qkv(x))
 
 
 def test_each_quantized_module_is_finalized_once_its_weights_arrived(small_gguf, monkeypatch):

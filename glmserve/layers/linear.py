@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,15 +177,18 @@ class QuantizedLinear(nn.Module):
         return y.split(self.output_sizes, dim=-1)
 
     def small_batch(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
-        """`forward` of float32 contiguous [T, in] rows as one bound call, bias added in place (the float32 add
-        `apply` makes), and the row count from which `forward` takes another path; None where the weight runs as
-        several segments, a float bias is not float32 or the backend has no `small_batch` (quant/cpu_backend.py)."""
-        if len(self._segments) != 1 or not hasattr(self._segments[0].backend, "small_batch"):
-            return None
-        segment, bias = self._segments[0], self.bias
+        """`forward` of float32 contiguous [T, in] rows as one bound call (several segments, e.g. a GGUF's q and k
+        in one block type and v in another: their calls' outputs side by side, as forward concatenates them), bias
+        added in place (the float32 add `apply` and forward make), and the row count from which `forward` takes
+        another path; None where a float bias is not float32 or a segment's backend has no `small_batch`
+        (quant/cpu_backend.py)."""
+        bias = self.bias
         if bias is not None and bias.dtype != torch.float32:
             return None
-        matmul, limit = segment.backend.small_batch(segment.prepared)
+        bound = self._segment_calls("small_batch")
+        if bound is None:
+            return None
+        matmul, limit = _side_by_side(bound, min)
         return (matmul if bias is None else lambda x: matmul(x).add_(bias)), limit
 
     def small_batch_swiglu(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
@@ -203,18 +206,32 @@ class QuantizedLinear(nn.Module):
 
     def dense_batch(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
         """`forward` of bf16 contiguous [T, in] rows as one bound call returning bf16 (the backend's bf16 GEMM,
-        `dense_batch`), and the row count from which `forward` takes that GEMM; None where the weight runs as several
-        segments, has a bias or runs every batch on one path."""
-        return self._bound_backend_call("dense_batch")
+        `dense_batch`; several segments side by side, from the rows where each takes its GEMM), and the row count
+        from which `forward` takes that GEMM; None where the weight has a bias or a segment runs every batch on one
+        path."""
+        if self.bias is not None:
+            return None
+        bound = self._segment_calls("dense_batch")
+        return None if bound is None else _side_by_side(bound, max)
+
+    def _segment_calls(self, name: str) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] | None:
+        """Each segment's backend `name(prepared)` (a bound call and its row limit), or None where one has none."""
+        bound = []
+        for segment in self._segments:
+            method = getattr(segment.backend, name, None)
+            call = None if method is None else method(segment.prepared)
+            if call is None:
+                return None
+            bound.append(call)
+        return bound
 
     def _bound_backend_call(self, name: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
         """The backend's `name(prepared)` (a bound call and its row limit) of a single-segment weight without bias;
         None otherwise or where the backend has no such method (or gives none)."""
         if len(self._segments) != 1 or self.bias is not None:
             return None
-        segment = self._segments[0]
-        method = getattr(segment.backend, name, None)
-        return None if method is None else method(segment.prepared)
+        bound = self._segment_calls(name)
+        return None if bound is None else bound[0]
 
     def takes_bf16(self, rows: int) -> bool:
         """True where every segment runs `rows` rows as a bf16 GEMM (its backend's `bf16_rows`, without bias):
@@ -258,6 +275,17 @@ def bf16_between(x: torch.Tensor, *linears: nn.Module) -> bool:
     rows = x.numel() // x.shape[-1]  # the environment read last: decode batches stop at takes_bf16's row count
     return (all(isinstance(linear, QuantizedLinear) and linear.takes_bf16(rows) for linear in linears)
             and os.environ.get(BF16_ACTIVATIONS_ENV) != "0")
+
+
+def _side_by_side(bound: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]],
+                  limit_of: Callable[[Iterable[int]], int]) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """Segments' bound calls as one: the only one, or their outputs concatenated along the features (forward's
+    torch.cat); the row limit is `limit_of` theirs (min: from where any of them differs; max: where all take it)."""
+    calls = [call for call, _ in bound]
+    limit = limit_of(rows for _, rows in bound)
+    if len(calls) == 1:
+        return calls[0], limit
+    return (lambda x: torch.cat([call(x) for call in calls], dim=-1)), limit
 
 
 def small_batch_matmul(linear: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:

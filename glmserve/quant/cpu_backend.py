@@ -1,9 +1,10 @@
 """`cpu_block`: our own CPU kernels (kernels/csrc/quant_matmul.cpp) for int8 and int4 weights, priority 10.
 
 Formats: int8 by tensor, channel or group (a multiple of 32), symmetric or with zero points; int4 by group
-(32, 64, any multiple of 32), symmetric or asymmetric; GGUF Q8_0, Q4_0 and Q4_1 (canonical form). Each runs
-in blocks of 32 inputs: at `prepare` every block of an output row becomes w = d * c + m with fp16 d and m
-(c: signed int8, or an unsigned nibble; int4 symmetric codes are stored as c + 8 with m = -8 d, integer zero
+(32, 64, any multiple of 32), symmetric or asymmetric; GGUF Q8_0, Q4_0, Q4_1 (canonical form) and Q5_0, Q5_1
+(quant/gguf_mapped.py). Each runs in blocks of 32 inputs: at `prepare` every block of an output row becomes
+w = d * c + m with fp16 d and m (c: signed int8, an unsigned nibble, or for 5 bits a nibble and a fifth bit kept in
+a plane of its own; symmetric int4 / 5-bit codes are stored as c + 8 / c + 16 with m = -8 d / -16 d, integer zero
 points become m = -d * zero, Q4_1's min is m itself, a per-channel or per-tensor scale or a group of 64 is
 repeated on every block it covers), rows are interleaved in tiles of 16 and the canonical tensors are not
 kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`). in_features is padded to a multiple of
@@ -41,6 +42,7 @@ from glmserve.quant.weight import QuantizedWeight
 
 QK = 32  # inputs per block (the kernel's)
 ROWS = 16  # output rows per tile (the kernel's)
+U4_BYTES = ROWS * QK // 2  # nibble bytes per tile and block; 5-bit blocks add 8 masks of 64 fifth bits after them
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}  # bits of each GGUF block format run here
 DENSE_MIN_ROWS = 64  # rows from which the bf16 GEMM path beats the int8 tiles 1.7-2x (AMX; bench/gemm_micro.py --dense)
 # On CPUs with AVX512-BF16 but no AMX (AMD Zen 4): "N" runs batches from N rows on our vdpbf16ps GEMM on the
@@ -61,8 +63,9 @@ AMX_GEMM_ENV = "GLMSERVE_AMX_GEMM"
 
 @dataclass
 class PackedWeight:
-    """A weight in the kernel's layout (csrc/quant_matmul.cpp): codes [tiles, blocks, 512 (int8) or 256
-    (int4)] uint8, scales and mins [tiles, blocks, 16] float16 (mins empty when every m is 0)."""
+    """A weight in the kernel's layout (csrc/quant_matmul.cpp): codes [tiles, blocks, 512 (int8), 256 (int4) or 320
+    (5 bits: the nibbles, then the fifth bits)] uint8, scales and mins [tiles, blocks, 16] float16 (mins empty when
+    every m is 0). `u4`: the codes are nibbles (int4 or 5 bits; the kernels' argument of that name)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -129,10 +132,10 @@ class CpuBlockBackend:
         if not self.supports(weight.spec, activations, device):
             raise InvalidRequestError(f"{self.name} does not run {weight.spec} (activations {activations}) on {device}")
         out_features, in_features = weight.shape
-        u4 = weight.spec.num_bits == 4
+        bits = weight.spec.num_bits
         per_token = bool(_activations_per_token(activations))
-        packed = pack_gguf(weight) if isinstance(weight, GGUFBlockWeight) else pack(*block_form(weight), u4)
-        return PackedWeight(*packed, u4=u4, in_features=in_features,
+        packed = pack_gguf(weight) if isinstance(weight, GGUFBlockWeight) else pack(*block_form(weight), bits)
+        return PackedWeight(*packed, u4=bits < 8, in_features=in_features,
                             out_features=out_features, per_token=per_token,
                             linear=kernels.op("quant_linear", device, torch.float32),
                             dense_path=None if per_token else dense_path_for(device))
@@ -197,10 +200,16 @@ class CpuBlockBackend:
         no canonical copy of the weight is kept (a tied embedding's lookup, weight inspection)."""
         p = prepared
         tile, row = ids // ROWS, ids % ROWS
-        tiles = p.codes.view(*p.codes.shape[:2], 4 if p.u4 else 8, ROWS, 4)  # [tiles, blocks, j, row, t]
+        groups = 4 if p.u4 else 8
+        tiles = p.codes[..., :groups * ROWS * 4].view(*p.codes.shape[:2], groups, ROWS, 4)  # [tiles, blocks, j, row, t]
         codes = tiles[tile, :, :, row]  # [n, blocks, j, t]: only the rows asked for are gathered
         if p.u4:  # byte j*4+t holds input j*4+t (low nibble) and 16 + j*4+t (high nibble)
             c = torch.cat((codes & 15, codes >> 4), dim=-2).to(torch.float32)
+            if p.codes.shape[2] > U4_BYTES:  # 5 bits: bit 4 row + t of mask i is the fifth bit of input 4i + t
+                masks = p.codes[tile, :, U4_BYTES:].reshape(len(ids), -1, 8, 8)  # [n, blocks, i, 8 bytes]
+                bits = torch.from_numpy(np.unpackbits(masks.numpy(), axis=-1, bitorder="little"))
+                bits = bits.view(*masks.shape[:3], ROWS, 4)[torch.arange(len(ids)), :, :, row]  # [n, blocks, i, t]
+                c += 16 * bits.to(torch.float32)
         else:
             c = codes.view(torch.int8).to(torch.float32)
         w = c.flatten(2) * p.scales[tile, :, row].to(torch.float32).unsqueeze(-1)  # [n, blocks, 32]
@@ -310,16 +319,16 @@ def _per_block(t: torch.Tensor, spec: QuantSpec, out: int, blocks: int) -> torch
 
 
 def block_form(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The weight as stored codes c [out, in] (int8 signed, or 0..15 for int4) and per-block d, m [out,
-    ceil(in / 32)] fp16 with w = d * c + m (m None when it is 0 everywhere). Raises InvalidRequestError
+    """The weight as stored codes c [out, in] (int8 signed, or 0..15 for int4, 0..31 for 5 bits) and per-block
+    d, m [out, ceil(in / 32)] fp16 with w = d * c + m (m None when it is 0 everywhere). Raises InvalidRequestError
     where a code is out of its format's range or a scale does not fit fp16."""
     spec, (out, inp) = weight.spec, weight.shape
     blocks = -(-inp // QK)
     c = weight.codes
     least, most = (int(v) for v in torch.aminmax(c))  # one pass for the offset and the range check
-    if spec.num_bits == 4:  # stored as unsigned nibbles: signed codes [-8, 7] move up by 8
-        offset = 8 if least < 0 else 0
-        lo, hi = 0, 15
+    if spec.num_bits in (4, 5):  # stored unsigned: signed codes [-8, 7] / [-16, 15] move up by 8 / 16
+        offset = 1 << (spec.num_bits - 1) if least < 0 else 0
+        lo, hi = 0, (1 << spec.num_bits) - 1
     else:  # stored signed: uint8 codes (asymmetric int8) move down by 128
         offset = -128 if weight.codes.dtype == torch.uint8 else 0
         lo, hi = -128, 127
@@ -347,9 +356,9 @@ def _finite(half: torch.Tensor) -> bool:
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-         u4: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """block_form's tensors in the kernel's tile layout (csrc/quant_matmul.cpp's header), padded to whole
-    blocks of 32 inputs and tiles of 16 rows."""
+         bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_form's tensors of a `bits`-bit format (8, 4 or 5) in the kernel's tile layout (csrc/quant_matmul.cpp's
+    header), padded to whole blocks of 32 inputs and tiles of 16 rows."""
     out, inp = codes.shape
     blocks = scales.shape[1]
     tiles = -(-out // ROWS)
@@ -358,14 +367,27 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
     c = c.view(torch.uint8)  # the same bits: int8 codes, or nibbles 0..15
     if c.storage_offset() % 4:  # a view into another tensor: int32 words below need aligned storage
         c = c.clone()
-    if u4:  # [tile, row, block, half, 16] -> byte = low half | high half << 4: [tile, row, block, 16 bytes]
+    fifth = _fifth_bits(c, tiles, blocks) if bits == 5 else None
+    if bits < 8:  # [tile, row, block, half, 16] -> byte = low half | high half << 4: [tile, row, block, 16 bytes]
         c = c.reshape(tiles, ROWS, blocks, 2, 16)
+        if fifth is not None:
+            c = c & 15
         c = (c[:, :, :, 1] << 4).bitwise_or_(c[:, :, :, 0])  # one temporary, or'ed into in place
     # [tile, row, block, j, t] -> [tile, block, j, row, t], the 4 bytes t moved as one int32 (a quarter of the
     # elements to permute: 8x faster on the 49K-row embedding, bench/RESULTS.md)
     words = c.reshape(tiles, ROWS, blocks, -1, 4).view(torch.int32)[..., 0]
     packed = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(tiles, blocks, -1)
+    if fifth is not None:
+        packed = torch.cat((packed, fifth), dim=2)
     return packed, _tiled(scales, tiles), _tiled(mins, tiles) if mins is not None else _NO_MINS
+
+
+def _fifth_bits(c: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:
+    """The fifth bits of 5-bit codes c [tiles * 16, blocks * 32] (uint8) as the u5 layout keeps them: per tile and
+    block 8 masks of 64 bits [tiles, blocks, 64 bytes], bit 4 r + t of mask i the fifth bit of row r's input 4 i + t."""
+    high = (c.reshape(tiles, ROWS, blocks, 8, 4) >> 4) & 1  # [tile, row r, block, i, t]
+    high = high.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 8, ROWS * 4)  # [tile, block, i, 4 r + t]
+    return torch.from_numpy(np.packbits(high.numpy(), axis=-1, bitorder="little")).reshape(tiles, blocks, 64)
 
 
 _NO_MINS = torch.empty(0, dtype=torch.float16)

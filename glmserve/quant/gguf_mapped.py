@@ -17,8 +17,9 @@ canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_
 
 Q4_K / Q5_K / IQ4_XS's two-level scales are flattened into one fp16 per 32 (relative rounding <= 2^-11 of a block's
 scale and min, next to a 4-bit step's 1/15 of its range). The re-quantized types gain at most half an int8 step,
-absmax / 254 of a block (Q6_K's own step is absmax / 32, a 2-bit type's absmax / 2). 5-bit codes and IQ4's table
-values run on the int8 tiles (1 byte a weight), 4-bit on the nibble tiles. Everything is vectorized over all blocks.
+absmax / 254 of a block (Q6_K's own step is absmax / 32, a 2-bit type's absmax / 2). 5-bit codes run as nibbles
+and a plane of fifth bits (5 bits a weight, as the file keeps them), 4-bit ones as nibbles, IQ4's table values on
+the int8 tiles (1 byte a weight). Everything is vectorized over all blocks.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def how_it_runs(gguf_type: str) -> str:
         return "re-quantized to Q8_0"
     if gguf_type in ("Q4_K", "Q5_K", "IQ4_XS"):
         return f"as {RUNS_AS[gguf_type]} blocks, scales rounded to one fp16 per 32"
-    return "5-bit codes on the int8 tiles" if gguf_type.startswith("Q5_") else "its table's values as Q8_0 codes"
+    if gguf_type.startswith("Q5_"):
+        return "5-bit codes as nibbles and fifth bits"
+    return "its table's values as Q8_0 codes"
 
 
 def maps(gguf_type: str, in_features: int) -> bool:

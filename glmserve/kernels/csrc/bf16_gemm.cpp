@@ -29,7 +29,9 @@ namespace {
 
 constexpr int64_t QK = 32;    // inputs per block of the packed weight
 constexpr int64_t ROWS = 16;  // output rows per tile
-constexpr int64_t I8_BLOCK = ROWS * QK, U4_BLOCK = ROWS * QK / 2;  // code bytes per tile and block
+// code bytes per tile and block of nibbles, and of nibbles and fifth bits (int8 codes: the others; quant_matmul.cpp's
+// header)
+constexpr int64_t U4_BLOCK = ROWS * QK / 2, U5_BLOCK = U4_BLOCK + 64;
 
 #ifdef GLMSERVE_BF16_TARGET
 constexpr int MR = 8;  // activation rows per register block
@@ -83,21 +85,25 @@ MicroKernel micro_for(int r, int c) {
   }
 }
 
-// tiles [t0, t0 + nt) of the packed weight (nblocks blocks each) as bf16 pairs into buf ([nt][nblocks] PAIR_TILE)
-GLMSERVE_BF16_TARGET void dequantize_panel(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, bool u4, int64_t t0, int64_t nt,
-                      int64_t nblocks, uint16_t* buf) {
+// tiles [t0, t0 + nt) of the packed weight (nblocks blocks of `block_bytes` each) as bf16 pairs into buf ([nt][nblocks]
+// PAIR_TILE)
+GLMSERVE_BF16_TARGET void dequantize_panel(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp,
+                                           int64_t block_bytes, int64_t t0, int64_t nt, int64_t nblocks, uint16_t* buf) {
   for (int64_t i = 0; i < nt * nblocks; ++i) {
     const int64_t at = t0 * nblocks + i;
+    const uint8_t* c = cp + at * block_bytes;
     const uint16_t* m = mp ? mp + at * ROWS : nullptr;
-    if (u4) glmserve::dequantize_bf16_pairs<true>(cp + at * U4_BLOCK, dp + at * ROWS, m, buf + i * glmserve::PAIR_TILE);
-    else glmserve::dequantize_bf16_pairs<false>(cp + at * I8_BLOCK, dp + at * ROWS, m, buf + i * glmserve::PAIR_TILE);
+    uint16_t* o = buf + i * glmserve::PAIR_TILE;
+    if (block_bytes == U5_BLOCK) glmserve::dequantize_bf16_pairs<true, true>(c, dp + at * ROWS, m, o);
+    else if (block_bytes == U4_BLOCK) glmserve::dequantize_bf16_pairs<true>(c, dp + at * ROWS, m, o);
+    else glmserve::dequantize_bf16_pairs<false>(c, dp + at * ROWS, m, o);
   }
 }
 
 // output tiles [first, first + count) of out [M, out_features] bf16 = a [M, kp] bf16 x the packed weight, on the
 // calling thread, panel by panel
-void bf16_tiles(const uint16_t* a, int64_t M, const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, bool u4,
-                int64_t first, int64_t count, int64_t nblocks, int64_t out_features, uint16_t* out) {
+void bf16_tiles(const uint16_t* a, int64_t M, const uint8_t* cp, const uint16_t* dp, const uint16_t* mp,
+                int64_t block_bytes, int64_t first, int64_t count, int64_t nblocks, int64_t out_features, uint16_t* out) {
   const int64_t kp = nblocks * QK, pairs = kp / 2, tile_elems = nblocks * glmserve::PAIR_TILE;
   const int64_t pt_max = std::max<int64_t>(NC, PANEL_BYTES / (2 * tile_elems) / NC * NC);
   const int64_t panels = (count + pt_max - 1) / pt_max;
@@ -105,7 +111,7 @@ void bf16_tiles(const uint16_t* a, int64_t M, const uint8_t* cp, const uint16_t*
   uint16_t* buf = static_cast<uint16_t*>(std::aligned_alloc(64, pt * tile_elems * 2));
   for (int64_t t0 = first; t0 < first + count; t0 += pt) {
     const int64_t nt = std::min(pt, first + count - t0);
-    dequantize_panel(cp, dp, mp, u4, t0, nt, nblocks, buf);
+    dequantize_panel(cp, dp, mp, block_bytes, t0, nt, nblocks, buf);
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
       const int r = static_cast<int>(std::min<int64_t>(MR, M - m0));
       for (int64_t j = 0; j < nt; j += NC) {
@@ -143,7 +149,7 @@ at::Tensor avx512_bf16_linear(const at::Tensor& x, const at::Tensor& codes, cons
   at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const int64_t lo = NC * (groups * s / shares), hi = std::min(tiles, NC * (groups * (s + 1) / shares));
-      bf16_tiles(ap, M, cp, dp, mp, u4, lo, hi - lo, nblocks, out_features, op);
+      bf16_tiles(ap, M, cp, dp, mp, codes.size(2), lo, hi - lo, nblocks, out_features, op);
     }
   });
   return out;

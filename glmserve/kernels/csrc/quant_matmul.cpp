@@ -3,13 +3,19 @@
 // the weights and documents the formats).
 //
 // Weights, per block of 32 inputs of an output row: w = d * c + m, with d (and the optional m) fp16 and
-// c either a signed int8 code ("i8") or an unsigned nibble 0..15 ("u4": int4 symmetric codes are stored
-// as c + 8 with m = -8 d; Q4_1 and asymmetric int4 keep their codes, m = their min or -d * zero).
+// c either a signed int8 code ("i8"), an unsigned nibble 0..15 ("u4": int4 symmetric codes are stored
+// as c + 8 with m = -8 d; Q4_1 and asymmetric int4 keep their codes, m = their min or -d * zero), or a nibble
+// and a fifth bit, 0..31 ("u5": GGUF Q5_0's codes stored as c + 16 with m = -16 d, Q5_1's as they are).
 // Rows are interleaved in tiles of 16 output rows so that one SIMD register holds the same 4 inputs of 16
 // (AVX-512) or 8 (AVX2) rows: a dot product then accumulates one row per 32-bit lane, with no horizontal
 // sum, and the tile's 16 scales are one contiguous fp16 vector. Per tile and block:
 //   i8: 8 groups j of [16 rows][4 bytes] (512 bytes): inputs 4j..4j+3 of each row
 //   u4: 4 groups j of [16 rows][4 bytes] (256 bytes): low nibbles inputs 4j..4j+3, high nibbles 16+4j..
+//   u5: the u4 bytes, then the fifth bits as 8 masks of 64 bits (320 bytes): bit 4r + t of mask i is the fifth
+//       bit of row r's input 4i + t, i.e. mask i flags the bytes of i8 group i that the nibbles unpack into (the
+//       low nibbles of group i for i < 4, the high nibbles of group i - 4 after), so one masked byte add per
+//       64 unpacked bytes (AVX-512: vpaddb with the mask; AVX2: the mask's bits spread into bytes) restores them.
+//       The kernels' `u4` argument means nibble codes; 320-byte blocks carry the fifth bits.
 //   d, m: [16] fp16 each (arrays of their own, [tiles, blocks, 16])
 //
 // Activations are quantized once per input row (quantize_activations): int8 codes q = round(x / dx) with
@@ -81,6 +87,33 @@ constexpr int64_t QK = 32;     // inputs per block
 constexpr int64_t ROWS = 16;   // output rows per tile
 constexpr int64_t I8_BLOCK = ROWS * QK;      // bytes per tile and block
 constexpr int64_t U4_BLOCK = ROWS * QK / 2;
+constexpr int64_t U5_BLOCK = U4_BLOCK + 8 * 8;  // the nibbles, then 8 masks of 64 fifth bits
+
+enum Codes { I8, U4, U5 };  // a packed weight's code format (the header's i8 / u4 / u5)
+
+constexpr int64_t block_bytes_of(Codes c) { return c == I8 ? I8_BLOCK : c == U4 ? U4_BLOCK : U5_BLOCK; }
+
+// the format of codes [tiles, blocks, bytes] passed with the kernels' `u4` flag (nibble codes): an error where the
+// bytes per tile and block are not one of the format's
+Codes codes_of(bool u4, int64_t bytes, const char* name) {
+  TORCH_CHECK(u4 ? bytes == U4_BLOCK || bytes == U5_BLOCK : bytes == I8_BLOCK, name, ": block bytes ", bytes,
+              u4 ? " (nibble codes: 256, or 320 with fifth bits)" : " (int8 codes: 512)");
+  return !u4 ? I8 : bytes == U4_BLOCK ? U4 : U5;
+}
+
+// mask i of a u5 block's fifth bits (bit 4r + t: row r's input 4i + t)
+inline uint64_t fifth_mask(const uint8_t* block, int i) {
+  uint64_t m;
+  std::memcpy(&m, block + U4_BLOCK + 8 * i, 8);
+  return m;
+}
+
+// row r's code t of i8 group i of a nibble block, given its nibble: with its fifth bit where C is U5
+template <Codes C>
+inline int32_t nibble_code(const uint8_t* block, int i, int r, int t, uint8_t nibble) {
+  if constexpr (C == U5) return nibble | static_cast<int32_t>((fifth_mask(block, i) >> (4 * r + t)) & 1) << 4;
+  return nibble;
+}
 constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
 constexpr int VNNI_NB = 8;                  // activation rows per AVX-512 VNNI tile
 
@@ -112,22 +145,23 @@ inline int32_t load_i32(const int8_t* p) {
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // ---------------------------------------------------------------------------------------------- scalar
-template <bool U4>
+template <Codes C>
 void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64_t nblocks, float* out /*[nb_rows,16]*/) {
   for (int n = 0; n < nb_rows; ++n) {
     const int8_t* q = a.q + (n0 + n) * a.kp;
     float acc[ROWS] = {0.f};
     for (int64_t b = 0; b < nblocks; ++b) {
-      const uint8_t* c = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
+      const uint8_t* c = w.codes + b * block_bytes_of(C);
       const int8_t* qb = q + b * QK;
       const float dx = a.d[(n0 + n) * a.nb + b], sx = a.s[(n0 + n) * a.nb + b];
       for (int64_t r = 0; r < ROWS; ++r) {
         int32_t sum = 0;
-        if (U4) {
+        if constexpr (C != I8) {
           for (int j = 0; j < 4; ++j)
             for (int t = 0; t < 4; ++t) {
               const uint8_t byte = c[(j * ROWS + r) * 4 + t];
-              sum += static_cast<int32_t>(byte & 0x0F) * qb[4 * j + t] + static_cast<int32_t>(byte >> 4) * qb[16 + 4 * j + t];
+              sum += nibble_code<C>(c, j, r, t, byte & 0x0F) * qb[4 * j + t] +
+                     nibble_code<C>(c, 4 + j, r, t, byte >> 4) * qb[16 + 4 * j + t];
             }
         } else {
           for (int j = 0; j < 8; ++j)
@@ -172,16 +206,29 @@ inline void prefetch_lines(const void* base, int64_t offset, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(at + l), _MM_HINT_T0);
 }
 
-template <int NB, int H, bool U4, bool MINS>
+// bytes 32h..32h+31 of i8 group i of a u5 block as 0 or 16: their fifth bits (bits 32h.. of mask i) spread one per
+// byte (each byte takes its bit's byte of the mask, then compares its own bit)
+inline __m256i fifth_bits_avx2(const uint8_t* block, int i, int h) {
+  uint32_t bits;
+  std::memcpy(&bits, block + U4_BLOCK + 8 * i + 4 * h, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+template <int NB, int H, Codes C, bool MINS>
 void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, int h0, float* out) {
   __m256 acc[NB][H];
   for (int n = 0; n < NB; ++n)
     for (int h = 0; h < H; ++h) acc[n][h] = _mm256_setzero_ps();
   const __m256i ones16 = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
   const int8_t* q0 = a.q + n0 * a.kp;
-  constexpr int64_t block_bytes = U4 ? U4_BLOCK : I8_BLOCK;
+  constexpr int64_t block_bytes = block_bytes_of(C);
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* c = w.codes + b * block_bytes + h0 * 32;
+    const uint8_t* block = w.codes + b * block_bytes;
+    const uint8_t* c = block + h0 * 32;
     if (w.first_read && h0 == 0) {  // the codes PF_BLOCKS blocks ahead (past this tile's last: the next tile's), the scales every other
       prefetch_lines(w.codes, (b + PF_BLOCKS) * block_bytes, block_bytes);  // block
       if (b % 2 == 0) {
@@ -190,15 +237,19 @@ void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nbloc
       }
     }
     __m256i isum[NB][H];
-    if (U4) {
+    if constexpr (C != I8) {
       __m256i s16[NB][H];
       for (int n = 0; n < NB; ++n)
-        for (int h = 0; h < H; ++h) s16[n][h] = _mm256_setzero_si256();
+        for (int h = 0; h < H; ++h) s16[n][h] = _mm256_setzero_si256(), isum[n][h] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
         __m256i lo[H], hi[H];
         for (int h = 0; h < H; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64 + h * 32));
           lo[h] = _mm256_and_si256(v, low4), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if constexpr (C == U5) {
+            lo[h] = _mm256_or_si256(lo[h], fifth_bits_avx2(block, j, h0 + h));
+            hi[h] = _mm256_or_si256(hi[h], fifth_bits_avx2(block, 4 + j, h0 + h));
+          }
         }
         for (int n = 0; n < NB; ++n) {
           const int8_t* qb = q0 + n * a.kp + b * QK;
@@ -209,9 +260,15 @@ void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nbloc
             in_register(s16[n][h]);
           }
         }
+        // u5: codes up to 31 make a pair's products up to 7,874, so the int16 sums take two steps (31,496) at most
+        if (C == U5 && j == 1) {
+          for (int n = 0; n < NB; ++n)
+            for (int h = 0; h < H; ++h)
+              isum[n][h] = _mm256_madd_epi16(s16[n][h], ones16), s16[n][h] = _mm256_setzero_si256();
+        }
       }
       for (int n = 0; n < NB; ++n)
-        for (int h = 0; h < H; ++h) isum[n][h] = _mm256_madd_epi16(s16[n][h], ones16);
+        for (int h = 0; h < H; ++h) isum[n][h] = _mm256_add_epi32(isum[n][h], _mm256_madd_epi16(s16[n][h], ones16));
     } else {
       for (int n = 0; n < NB; ++n)
         for (int h = 0; h < H; ++h) isum[n][h] = _mm256_setzero_si256();
@@ -246,13 +303,13 @@ void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nbloc
 }
 
 // NB activation rows x one tile (16 output rows) into out [NB][16]
-template <int NB, bool U4, bool MINS>
+template <int NB, Codes C, bool MINS>
 void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
   if constexpr (NB == 1) {
-    tile_avx2_halves<1, 2, U4, MINS>(w, a, n0, nblocks, 0, out);
+    tile_avx2_halves<1, 2, C, MINS>(w, a, n0, nblocks, 0, out);
   } else {
-    tile_avx2_halves<NB, 1, U4, MINS>(w, a, n0, nblocks, 0, out);
-    tile_avx2_halves<NB, 1, U4, MINS>(w, a, n0, nblocks, 1, out);
+    tile_avx2_halves<NB, 1, C, MINS>(w, a, n0, nblocks, 0, out);
+    tile_avx2_halves<NB, 1, C, MINS>(w, a, n0, nblocks, 1, out);
   }
 }
 #endif
@@ -316,21 +373,26 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
 // x code; i8: (c + 128) x code from -128 sum(q)) and the same fp32 operations in the same order as before the
 // regrouping, the scalar and AVX2 tiles and the AMX tiles: the floats are unchanged. Each 4-byte piece of the
 // activations is broadcast by vpdpbusd from memory (the pieces j of the group's rows: NB words side by side).
-template <int NB, bool U4, bool MINS>
+template <int NB, Codes C, bool MINS>
 void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* out) {
   __m512 acc[NB];
   for (int n = 0; n < NB; ++n) acc[n] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* c = w.codes + b * (U4 ? U4_BLOCK : I8_BLOCK);
+    const uint8_t* c = w.codes + b * block_bytes_of(C);
     const GroupWord* x = g + b * GROUP_WORDS * NB;
     const GroupWord *dx = x + 8 * NB, *sx = x + 9 * NB, *bias = x + 10 * NB;
     __m512i isum[NB];
-    for (int n = 0; n < NB; ++n) isum[n] = U4 ? _mm512_setzero_si512() : _mm512_set1_epi32(bias[n].i);
-    if (U4) {
+    for (int n = 0; n < NB; ++n) isum[n] = C != I8 ? _mm512_setzero_si512() : _mm512_set1_epi32(bias[n].i);
+    if constexpr (C != I8) {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(c + j * 64);
-        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (C == U5) {
+          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(fifth_mask(c, j)), lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fifth_mask(c, 4 + j)), hi, sixteen);
+        }
         for (int n = 0; n < NB; ++n) {
           isum[n] = dpbusd_broadcast(isum[n], lo, &x[j * NB + n].i);
           isum[n] = dpbusd_broadcast(isum[n], hi, &x[(4 + j) * NB + n].i);
@@ -362,7 +424,7 @@ constexpr int64_t AMX_ROWS = 16;       // activation rows per A tile (a group)
 // rows, the VNNI tiles cost per row; the break-even measured at about 6 rows for int8 blocks and 9-10 for u4 ones,
 // which pay the nibble unpacking per group too (bench/RESULTS.md, "AMX int8 tiles for decode batches")
 constexpr int64_t AMX_GROUP_MIN_I8 = 6, AMX_GROUP_MIN_U4 = 10;
-constexpr int64_t AMX_UNPACK_ONCE = 24;  // u4 tiles of up to this many blocks: unpacked once for all groups (amx_tiles)
+constexpr int64_t AMX_UNPACK_ONCE = 24;  // u4 / u5 tiles of up to this many blocks: unpacked once for all groups (amx_tiles)
 // outputs of at least this many bytes are written with non-temporal stores (amx_tiles): the lm_head at 64 rows
 // (12.6 MB) 0.65x the time alone, 0.77-0.80x with an argmax or softmax over the logits after it; at 32 rows (6.3 MB)
 // even, at 8-16 rows slower (1.06-1.27x with the reduction after it), hence 8 MB
@@ -401,14 +463,19 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_config() {
                  : "r"(dst), "r"(int64_t{64}));                                                          \
   } while (0)
 
-// A u4 block unpacked into an AMX B tile (low nibbles rows 0-3, high nibbles rows 4-7): the signed int8
-// layout, codes 0..15
-inline void amx_unpack_u4(const uint8_t* codes, uint8_t* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+// A u4 / u5 block unpacked into an AMX B tile (low nibbles rows 0-3, high nibbles rows 4-7; u5: row i's bytes
+// plus 16 where mask i says): the signed int8 layout, codes 0..15 / 0..31
+inline void amx_unpack(Codes kind, const uint8_t* codes, uint8_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int j = 0; j < 4; ++j) {
     const __m512i v = _mm512_loadu_si512(codes + j * 64);
-    _mm512_store_si512(out + j * 64, _mm512_and_si512(v, low4));
-    _mm512_store_si512(out + (4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if (kind == U5) {
+      lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(fifth_mask(codes, j)), lo, sixteen);
+      hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fifth_mask(codes, 4 + j)), hi, sixteen);
+    }
+    _mm512_store_si512(out + j * 64, lo);
+    _mm512_store_si512(out + (4 + j) * 64, hi);
   }
 }
 
@@ -422,17 +489,18 @@ inline void amx_unpack_u4(const uint8_t* codes, uint8_t* out) {
 // nullptr) is prefetched, `next_bytes` of it spread over the blocks; `stream`: whole 16-column rows of out are
 // written with non-temporal stores (amx_tiles). The pipelining and the store-then-scale per block of 32 follow
 // llama.cpp's ggml/src/ggml-cpu/amx/mmq.cpp (its tinygemm_kernel_amx); the layout and the code are our own.
-template <int R, bool U4, bool MINS>  // R: the rows computed (rows rounded up to 4; the padded rows' scales are 0)
+template <int R, Codes C, bool MINS>  // R: the rows computed (rows rounded up to 4; the padded rows' scales are 0)
 __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, const Acts& a, int64_t n0, int rows,
                                                              int64_t nblocks, const uint8_t* next,
                                                              int64_t next_bytes, float* out, int64_t ldo,
                                                              int cols, bool stream) {
   alignas(64) int32_t ring[AMX_RING][AMX_ROWS * ROWS];
-  // u4: block b is unpacked AMX_AHEAD blocks before its tile load (a tile load right after the vector stores of
-  // its data stalls until they reach L1), into a ring of 2 AMX_RING blocks
-  alignas(64) uint8_t unpacked[U4 ? 2 * AMX_RING : 1][I8_BLOCK];
+  // u4 / u5: block b is unpacked AMX_AHEAD blocks before its tile load (a tile load right after the vector stores
+  // of its data stalls until they reach L1), into a ring of 2 AMX_RING blocks
+  constexpr bool nibbles = C != I8;
+  alignas(64) uint8_t unpacked[nibbles ? 2 * AMX_RING : 1][I8_BLOCK];
   auto unpack = [&](int64_t b) {
-    if (U4 && b < nblocks) amx_unpack_u4(w.codes + b * U4_BLOCK, unpacked[b % (2 * AMX_RING)]);
+    if (nibbles && b < nblocks) amx_unpack(C, w.codes + b * block_bytes_of(C), unpacked[b % (2 * AMX_RING)]);
   };
   const uint16_t *wd = w.d, *wm = w.m;
   // one named accumulator per row: GCC does not keep an array of 16 zmm (1 KB) in registers
@@ -445,7 +513,7 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
   const int64_t stride = a.kp;
   auto issue = [&](int64_t b) {
     const int8_t* act = q + b * QK;
-    const uint8_t* codes = U4 ? unpacked[b % (2 * AMX_RING)] : w.codes + b * I8_BLOCK;
+    const uint8_t* codes = nibbles ? unpacked[b % (2 * AMX_RING)] : w.codes + b * I8_BLOCK;
     int32_t* dst = ring[b % AMX_RING];
     switch (b % AMX_AHEAD) {
       case 0: GLMSERVE_AMX_BLOCK(0, 4, 6, act, stride, codes, dst); break;
@@ -502,14 +570,14 @@ __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const Weights& w, con
 }
 
 // tile_amx for `rows` rows, R = rows rounded up to 4
-template <bool U4, bool MINS>
+template <Codes C, bool MINS>
 void tile_amx_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nblocks, const uint8_t* next,
                    int64_t next_bytes, float* out, int64_t ldo, int cols, bool stream) {
   switch ((rows + 3) / 4) {
-    case 1: return tile_amx<4, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
-    case 2: return tile_amx<8, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
-    case 3: return tile_amx<12, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
-    default: return tile_amx<16, U4, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
+    case 1: return tile_amx<4, C, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
+    case 2: return tile_amx<8, C, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
+    case 3: return tile_amx<12, C, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
+    default: return tile_amx<16, C, MINS>(w, a, n0, rows, nblocks, next, next_bytes, out, ldo, cols, stream);
   }
 }
 #undef GLMSERVE_AMX_BLOCK
@@ -582,7 +650,7 @@ __attribute__((target("avx512bf16"))) void store_swiglu_bf16(const float* c, int
 struct VectorWork {
   const uint8_t* cp;
   const uint16_t *dp, *mp;
-  bool u4;
+  Codes kind;
   int64_t nblocks, up_offset = 0, t0 = 0, total = 0, done = 0;
   uint16_t* buf = nullptr;
   const float* c = nullptr;  // a deferred store_bf16 or store_swiglu_bf16 (none while c is null)
@@ -596,8 +664,10 @@ struct VectorWork {
     for (const int64_t stop = std::min(total, done + n); done < stop; ++done) {
       const int64_t t = tile_of(t0 + done / nblocks), b = done % nblocks, at = t * nblocks + b;
       const uint16_t* m = mp ? mp + at * ROWS : nullptr;
-      if (u4) glmserve::dequantize_bf16_pairs<true>(cp + at * U4_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
-      else glmserve::dequantize_bf16_pairs<false>(cp + at * I8_BLOCK, dp + at * ROWS, m, buf + done * B_TILE);
+      const uint8_t* c = cp + at * block_bytes_of(kind);
+      if (kind == U5) glmserve::dequantize_bf16_pairs<true, true>(c, dp + at * ROWS, m, buf + done * B_TILE);
+      else if (kind == U4) glmserve::dequantize_bf16_pairs<true>(c, dp + at * ROWS, m, buf + done * B_TILE);
+      else glmserve::dequantize_bf16_pairs<false>(c, dp + at * ROWS, m, buf + done * B_TILE);
     }
   }
   void defer_store(const float* from, int r, int n, uint16_t* to, int64_t ld) {
@@ -683,7 +753,7 @@ using GemmBlock = void (*)(const uint16_t*, const uint16_t*, int64_t, const uint
 // the inputs), the rows past the last multiple of 16 from `tail` [16, kp] (zero past M; null where M is a multiple
 // of 16)
 void amx_bf16_tiles(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
-                    const uint16_t* mp, bool u4, int64_t first, int64_t count, int64_t nblocks, int64_t out_features,
+                    const uint16_t* mp, Codes kind, int64_t first, int64_t count, int64_t nblocks, int64_t out_features,
                     int64_t up_offset, uint16_t* out) {
   const int64_t kp = nblocks * QK, tile_elems = nblocks * B_TILE;
   const int64_t pt_max = std::max<int64_t>(2, std::min<int64_t>(PANEL_TILES_MAX, BF16_PANEL_BYTES / (2 * tile_elems)) & ~int64_t(1));
@@ -699,7 +769,7 @@ void amx_bf16_tiles(const uint16_t* a, const uint16_t* tail, int64_t M, const ui
   uint16_t* bufs = static_cast<uint16_t*>(std::aligned_alloc(64, 2 * most * tile_elems * 2));  // two panels
   float* cbuf = static_cast<float*>(std::aligned_alloc(64, (most + 1) / 2 * 32 * 32 * sizeof(float)));
   amx_bf16_config();
-  VectorWork next{cp, dp, mp, u4, nblocks, up_offset};
+  VectorWork next{cp, dp, mp, kind, nblocks, up_offset};
   const int64_t ldo = up_offset ? out_features / 2 : out_features;
   next.start(first, lead, bufs);
   next.advance(next.total);
@@ -742,14 +812,14 @@ void amx_bf16_tiles(const uint16_t* a, const uint16_t* tail, int64_t M, const ui
 // share per thread, equal to within a pair of slots, so that every thread gets the same work and dequantizes only
 // its own tiles (a split over panels of up to 28 tiles left one of two threads 4 of qkv's 60)
 void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uint8_t* cp, const uint16_t* dp,
-                   const uint16_t* mp, bool u4, int64_t tiles, int64_t nblocks, int64_t out_features, bool swiglu,
+                   const uint16_t* mp, Codes kind, int64_t tiles, int64_t nblocks, int64_t out_features, bool swiglu,
                    uint16_t* out) {
   const int64_t pairs = (tiles + 1) / 2;
   const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
   at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const int64_t first = 2 * (pairs * s / shares), last = std::min(tiles, 2 * (pairs * (s + 1) / shares));
-      amx_bf16_tiles(a, tail, M, cp, dp, mp, u4, first, last - first, nblocks, out_features, swiglu ? tiles / 2 : 0,
+      amx_bf16_tiles(a, tail, M, cp, dp, mp, kind, first, last - first, nblocks, out_features, swiglu ? tiles / 2 : 0,
                      out);
     }
   });
@@ -760,36 +830,36 @@ void amx_bf16_gemm(const uint16_t* a, const uint16_t* tail, int64_t M, const uin
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr int MAX_NB = VNNI_NB;
 // rows n0..n0+NB-1: one of the groups of a.groups (n0 = a.row0 + a multiple of VNNI_NB; NB its rows)
-template <int NB, bool U4>
+template <int NB, Codes C>
 void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
   const GroupWord* g = a.groups + (n0 - a.row0) * a.nb * GROUP_WORDS;
-  if (w.m) tile_avx512<NB, U4, true>(w, g, nblocks, out);
-  else tile_avx512<NB, U4, false>(w, g, nblocks, out);
+  if (w.m) tile_avx512<NB, C, true>(w, g, nblocks, out);
+  else tile_avx512<NB, C, false>(w, g, nblocks, out);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int MAX_NB = 4;
-template <int NB, bool U4>
+template <int NB, Codes C>
 void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
-  if (w.m) tile_avx2<NB, U4, true>(w, a, n0, nblocks, out);
-  else tile_avx2<NB, U4, false>(w, a, n0, nblocks, out);
+  if (w.m) tile_avx2<NB, C, true>(w, a, n0, nblocks, out);
+  else tile_avx2<NB, C, false>(w, a, n0, nblocks, out);
 }
 #else
 constexpr int MAX_NB = 1;
-template <int NB, bool U4>
-void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) { tile_scalar<U4>(w, a, n0, NB, nblocks, out); }
+template <int NB, Codes C>
+void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) { tile_scalar<C>(w, a, n0, NB, nblocks, out); }
 #endif
 
-template <bool U4, int NB>
+template <Codes C, int NB>
 void tile_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nblocks, float* out) {
   if constexpr (NB > 1) {
-    if (rows < NB) return tile_rows<U4, NB - 1>(w, a, n0, rows, nblocks, out);
+    if (rows < NB) return tile_rows<C, NB - 1>(w, a, n0, rows, nblocks, out);
   }
-  tile<NB, U4>(w, a, n0, nblocks, out);
+  tile<NB, C>(w, a, n0, nblocks, out);
 }
 
 // rows n0..n0+count-1 of one weight tile's 16 output rows, on the variant's own tiles (MAX_NB rows at a time), into
 // out (row n0's first output of the tile; rows ldo apart): the first `cols` (<= 16) of each row
-void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64_t nblocks, bool u4, float* out,
+void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64_t nblocks, Codes kind, float* out,
                int64_t ldo, int cols) {
   float buf[MAX_NB * ROWS];
   Weights first = w;
@@ -797,23 +867,25 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
   for (int64_t n = n0; n < n0 + count; n += MAX_NB) {
     const int rows = static_cast<int>(std::min<int64_t>(MAX_NB, n0 + count - n));
     const Weights& tile_w = n == n0 ? first : w;
-    if (u4) tile_rows<true, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
-    else tile_rows<false, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
+    if (kind == U5) tile_rows<U5, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
+    else if (kind == U4) tile_rows<U4, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
+    else tile_rows<I8, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
     for (int i = 0; i < rows; ++i) std::memcpy(out + (n - n0 + i) * ldo, buf + i * ROWS, cols * sizeof(float));
   }
 }
 
 #ifdef GLMSERVE_AMX
 // weight tiles [begin, end) on the AMX tiles, groups of 16 activation rows (a group of fewer than AMX_GROUP_MIN_*
-// real rows on the VNNI tiles). u4 weights of up to AMX_UNPACK_ONCE blocks run by more than one group are
+// real rows on the VNNI tiles). u4 / u5 weights of up to AMX_UNPACK_ONCE blocks run by more than one group are
 // unpacked once per tile for all its groups (12 KB at most, which leaves L1 room for the activations; 0.88-0.96x
 // the time at 32-63 rows for 576 inputs, and a loss at 1,536 inputs, where a whole tile is 24 KB) instead of
 // once per group. Outputs of AMX_STREAM_BYTES or more (the lm_head from 43 rows) bypass the caches (non-temporal
 // stores of whole 64-byte rows of a tile): their row stride, a multiple of 4 KB there, maps every batch row's
 // 64 bytes of a tile onto a few cache sets, and the regular stores cost up to 46% of the lm_head at 64 rows
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
-               int64_t end, int64_t nblocks, bool u4, float* o, int64_t out_features) {
-  const int64_t tile_bytes = nblocks * (u4 ? U4_BLOCK : I8_BLOCK);
+               int64_t end, int64_t nblocks, Codes kind, float* o, int64_t out_features) {
+  const int64_t tile_bytes = nblocks * block_bytes_of(kind);
+  const bool u4 = kind != I8;  // nibble codes
   const bool unpack_once = u4 && N > AMX_ROWS && nblocks <= AMX_UNPACK_ONCE;
   const bool stream = out_features % ROWS == 0 && reinterpret_cast<uintptr_t>(o) % 64 == 0 &&
                       N * out_features * static_cast<int64_t>(sizeof(float)) >= AMX_STREAM_BYTES;
@@ -826,22 +898,24 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
     const uint8_t* next = t + 1 < end ? w.codes + tile_bytes : nullptr;
     Weights wt = w;  // unpacked once: the int8 B tiles as they are
     if (unpack_once) {
-      for (int64_t b = 0; b < nblocks; ++b) amx_unpack_u4(w.codes + b * U4_BLOCK, unpacked + b * I8_BLOCK);
+      for (int64_t b = 0; b < nblocks; ++b) amx_unpack(kind, w.codes + b * block_bytes_of(kind), unpacked + b * I8_BLOCK);
       wt.codes = unpacked;
     }
     for (int64_t n0 = 0; n0 < N; n0 += AMX_ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(AMX_ROWS, N - n0));
       if (rows < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8)) {
-        simd_rows(w, a, n0, rows, nblocks, u4, o + n0 * out_features + r0, out_features, cols);
+        simd_rows(w, a, n0, rows, nblocks, kind, o + n0 * out_features + r0, out_features, cols);
         continue;
       }
       const uint8_t* ahead = n0 == 0 ? next : nullptr;  // the next tile's codes, prefetched during the first group
       float* dst = o + n0 * out_features + r0;
-      const bool nibbles = u4 && !unpack_once;
-      if (nibbles && w.m) tile_amx_rows<true, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (nibbles) tile_amx_rows<true, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (w.m) tile_amx_rows<false, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else tile_amx_rows<false, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      const Codes tiles_of = unpack_once ? I8 : kind;  // unpacked once: the i8 layout
+      if (tiles_of == U5 && w.m) tile_amx_rows<U5, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (tiles_of == U5) tile_amx_rows<U5, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (tiles_of == U4 && w.m) tile_amx_rows<U4, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (tiles_of == U4) tile_amx_rows<U4, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (w.m) tile_amx_rows<I8, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else tile_amx_rows<I8, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
     }
   }
   if (stream) _mm_sfence();
@@ -892,7 +966,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
   const int64_t tiles = codes.size(0), nblocks = codes.size(1);
   TORCH_CHECK(nblocks == a_in.nb, "quant_matmul: the weight has ", nblocks, " blocks of 32 inputs, the activations ", a_in.nb);
   TORCH_CHECK(tiles * ROWS >= out_features, "quant_matmul: ", tiles, " tiles of 16 rows hold fewer than ", out_features);
-  TORCH_CHECK(codes.size(2) == (u4 ? U4_BLOCK : I8_BLOCK), "quant_matmul: block bytes ", codes.size(2));
+  const Codes kind = codes_of(u4, codes.size(2), "quant_matmul");
   TORCH_CHECK(!swiglu || out_features % (2 * ROWS) == 0, "quant_linear_swiglu: ", out_features,
               " outputs are not gate and up halves of a multiple of 16 each");
   const int64_t half = out_features / 2;
@@ -933,7 +1007,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
     at::Tensor full = swiglu ? at::empty({N, out_features}, at::kFloat) : out;
     float* y = full.data_ptr<float>();
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-      amx_tiles(cp, dp, mp, a, N, begin, end, nblocks, u4, y, out_features);
+      amx_tiles(cp, dp, mp, a, N, begin, end, nblocks, kind, y, out_features);
     });
     if (swiglu) {
       at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -953,7 +1027,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
       for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t rows = std::min(chunk, N - n0);
         for (int64_t t = begin; t < end; ++t)
-          simd_rows(weights(t), a, n0, rows, nblocks, u4, o + n0 * out_features + t * ROWS, out_features,
+          simd_rows(weights(t), a, n0, rows, nblocks, kind, o + n0 * out_features + t * ROWS, out_features,
                     static_cast<int>(std::min<int64_t>(ROWS, out_features - t * ROWS)));
       }
     });
@@ -971,9 +1045,9 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
       for (int64_t t0 = begin; t0 < end; t0 += longest) {
         const int64_t run = std::min(longest, end - t0), ld = 2 * run * ROWS;
         for (int64_t t = t0; t < t0 + run; ++t)  // (weights read in order: the run's gate tiles, then its up tiles)
-          simd_rows(weights(t), a, n0, rows, nblocks, u4, pair.data() + (t - t0) * ROWS, ld, ROWS);
+          simd_rows(weights(t), a, n0, rows, nblocks, kind, pair.data() + (t - t0) * ROWS, ld, ROWS);
         for (int64_t t = t0; t < t0 + run; ++t)
-          simd_rows(weights(gate_tiles + t), a, n0, rows, nblocks, u4, pair.data() + (run + t - t0) * ROWS, ld, ROWS);
+          simd_rows(weights(gate_tiles + t), a, n0, rows, nblocks, kind, pair.data() + (run + t - t0) * ROWS, ld, ROWS);
         silu_mul_rows(pair.data(), ld, rows, run * ROWS, o + n0 * half + t0 * ROWS, half);
       }
     }
@@ -1148,20 +1222,20 @@ at::Tensor quant_linear_swiglu(const at::Tensor& x, bool per_token, const at::Te
 // (rounded to nearest even) or float32, written into `out` (a reused scratch): large batches (prefill) run it
 // through torch's GEMM (oneDNN: AMX or AVX512-BF16 where the CPU has them), one layer at a time
 // (quant/cpu_backend.py `dense_apply`).
-template <typename T, bool U4>
+template <typename T, Codes C>
 void dequantize_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* m, int64_t nblocks, int rows,
                      int64_t kp, T* out) {
-  constexpr int64_t bytes = U4 ? U4_BLOCK : I8_BLOCK;
+  constexpr int64_t bytes = block_bytes_of(C);
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* c = codes + b * bytes;
     float v[ROWS][QK];
-    for (int j = 0; j < (U4 ? 4 : 8); ++j)
+    for (int j = 0; j < (C != I8 ? 4 : 8); ++j)
       for (int r = 0; r < ROWS; ++r)
         for (int t = 0; t < 4; ++t) {
           const uint8_t byte = c[(j * ROWS + r) * 4 + t];
-          if (U4) {
-            v[r][4 * j + t] = static_cast<float>(byte & 0x0F);
-            v[r][16 + 4 * j + t] = static_cast<float>(byte >> 4);
+          if constexpr (C != I8) {
+            v[r][4 * j + t] = static_cast<float>(nibble_code<C>(c, j, r, t, byte & 0x0F));
+            v[r][16 + 4 * j + t] = static_cast<float>(nibble_code<C>(c, 4 + j, r, t, byte >> 4));
           } else {
             v[r][4 * j + t] = static_cast<float>(static_cast<int8_t>(byte));
           }
@@ -1188,7 +1262,7 @@ at::Tensor dequantize_packed(const at::Tensor& codes, const at::Tensor& wd, cons
   check_weights(codes, wd, wm);
   const int64_t tiles = codes.size(0), nblocks = codes.size(1), kp = nblocks * QK;
   TORCH_CHECK(tiles * ROWS >= out_features, "dequantize_packed: ", tiles, " tiles of 16 rows hold fewer than ", out_features);
-  TORCH_CHECK(codes.size(2) == (u4 ? U4_BLOCK : I8_BLOCK), "dequantize_packed: block bytes ", codes.size(2));
+  const Codes kind = codes_of(u4, codes.size(2), "dequantize_packed");
   const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
   TORCH_CHECK(out.scalar_type() == dtype && out.is_contiguous() && out.numel() >= out_features * kp,
               "dequantize_packed: out must be a contiguous ", dtype, " buffer of at least ", out_features * kp);
@@ -1205,10 +1279,17 @@ at::Tensor dequantize_packed(const at::Tensor& codes, const at::Tensor& wd, cons
       const uint16_t* d = dp + t * nblocks * ROWS;
       const uint16_t* m = mp ? mp + t * nblocks * ROWS : nullptr;
       const int64_t at = t * ROWS * kp;
-      if (bf16 && u4) dequantize_tile<uint16_t, true>(c, d, m, nblocks, rows, kp, static_cast<uint16_t*>(op) + at);
-      else if (bf16) dequantize_tile<uint16_t, false>(c, d, m, nblocks, rows, kp, static_cast<uint16_t*>(op) + at);
-      else if (u4) dequantize_tile<float, true>(c, d, m, nblocks, rows, kp, static_cast<float*>(op) + at);
-      else dequantize_tile<float, false>(c, d, m, nblocks, rows, kp, static_cast<float*>(op) + at);
+      if (bf16) {
+        uint16_t* o = static_cast<uint16_t*>(op) + at;
+        if (kind == U5) dequantize_tile<uint16_t, U5>(c, d, m, nblocks, rows, kp, o);
+        else if (kind == U4) dequantize_tile<uint16_t, U4>(c, d, m, nblocks, rows, kp, o);
+        else dequantize_tile<uint16_t, I8>(c, d, m, nblocks, rows, kp, o);
+      } else {
+        float* o = static_cast<float*>(op) + at;
+        if (kind == U5) dequantize_tile<float, U5>(c, d, m, nblocks, rows, kp, o);
+        else if (kind == U4) dequantize_tile<float, U4>(c, d, m, nblocks, rows, kp, o);
+        else dequantize_tile<float, I8>(c, d, m, nblocks, rows, kp, o);
+      }
     }
   });
   return w;
@@ -1239,8 +1320,8 @@ at::Tensor amx_bf16_gemm_op(const char* name, const at::Tensor& x, const at::Ten
   amx_bf16_gemm(reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
                 full < M ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr, M, codes.data_ptr<uint8_t>(),
                 reinterpret_cast<const uint16_t*>(wd.data_ptr<at::Half>()),
-                wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr, u4, tiles, nblocks,
-                out_features, swiglu, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+                wm.numel() ? reinterpret_cast<const uint16_t*>(wm.data_ptr<at::Half>()) : nullptr,
+                codes_of(u4, codes.size(2), name), tiles, nblocks, out_features, swiglu, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
 #else
   TORCH_CHECK(false, name, ": needs the avx512 build on Linux x86-64");
@@ -1266,7 +1347,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "quantize_activations, then quant_matmul (CPU)");
   m.def("quant_linear_swiglu", &quant_linear_swiglu,
         "quant_linear of a merged gate-up weight, returning silu(gate) * up (CPU)");
-  m.def("set_amx", &set_amx, "use the AMX int8 tiles for batches of 6+ (int8) / 10+ (u4) rows (where the CPU has them)");
+  m.def("set_amx", &set_amx, "use the AMX int8 tiles for batches of 6+ (int8) / 10+ (u4, u5) rows (where the CPU has them)");
   m.def("amx_bf16_linear", &amx_bf16_linear, "x [M, in] bf16/f32 x packed block weights -> [M, out] bf16 on AMX (CPU)");
   m.def("amx_bf16_linear_swiglu", &amx_bf16_linear_swiglu,
         "amx_bf16_linear of a merged gate-up weight, returning silu(gate) * up [M, out / 2] bf16 (CPU)");
