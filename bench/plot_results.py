@@ -7,8 +7,8 @@
 
 `ratios`: for every metric a run measured on ours and a peer, how many times better ours is (ours / peer for speeds,
 peer / ours where lower is better), one bar per run, with issue 12's target for the metric marked. `gguf`: runs of
-`bench_engine.py --only ours,llamacpp --gguf F`: ours' and llama.cpp's decode batch 1 per file. Only what the JSONs
-hold is drawn; a metric a run lacks has no bar.
+`bench_engine.py --only ours,llamacpp --gguf F` (and `base` with `--baseline DIR`): ours', llama.cpp's (and the
+baseline checkout's) decode batch 1 per file. Only what the JSONs hold is drawn; a metric a run lacks has no bar.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from bench_engine import LOWER_IS_BETTER, OURS
+from bench_engine import BASE, LOWER_IS_BETTER, OURS
 
 # issue 12's targets (ours / peer) by metric, and the peer each is against
 TARGETS = {"decode_b1_tok_s": ("llamacpp", 1.2), "decode_b32_tok_s": ("vllm", 1.5),
@@ -88,10 +88,15 @@ def plot_gguf(runs: list[tuple[str, dict[str, Any]]], out: Path) -> None:
 
     names = [gguf_file(engines).removesuffix(".gguf") for _, engines in runs]
     fig, ax = plt.subplots(figsize=(1.3 * len(runs) + 2, 3.6))
-    for offset, key, label in ((-0.2, OURS, "glmserve"), (0.2, "llamacpp", "llama.cpp (llama-server)")):
+    series = [(key, label) for key, label in ((BASE, "glmserve before (--baseline)"), (OURS, "glmserve"),
+                                              ("llamacpp", "llama.cpp (llama-server)"))
+              if any(engines.get(key, {}).get("decode_b1_tok_s") for _, engines in runs)]
+    width = 0.8 / len(series)
+    for n, (key, label) in enumerate(series):
         values = [engines.get(key, {}).get("decode_b1_tok_s") or 0 for _, engines in runs]
-        bars = ax.bar([i + offset for i in range(len(runs))], values, width=0.38, label=label)
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        bars = ax.bar([i + (n - (len(series) - 1) / 2) * width for i in range(len(runs))], values, width=width * 0.95,
+                      label=label)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
     ax.set_xticks(range(len(runs)), names, fontsize=8)
     ax.set_ylabel("decode batch 1, tok/s (1 thread)")
     ax.legend(fontsize=8)
