@@ -13,9 +13,18 @@ from gguf_random_blocks import random_blocks
 from test_gguf_loader import block_absmax
 
 from glmserve.quant.cpu_backend import CpuBlockBackend
-from glmserve.quant.gguf_mapped import CODES_KEPT, REQUANTIZED, RUNS_AS, convert_blocks, maps
+from glmserve.quant.gguf_mapped import (
+    CODES_KEPT,
+    IQ4_VALUES,
+    REQUANTIZED,
+    RUNS_AS,
+    TableCodesWeight,
+    convert_blocks,
+    maps,
+)
 from glmserve.quant.reference import dequantize
 from glmserve.quant.schemes import gguf_spec
+from glmserve.quant.weight import QuantizedWeight, concat_rows
 
 ROWS, COLS = 12, 768  # three superblocks a row
 FLATTENED = ("Q4_K", "Q5_K", "IQ4_XS")  # two-level scales rounded into one fp16 per 32
@@ -91,3 +100,26 @@ def test_converted_weight_runs_on_the_cpu_kernel_as_its_dequantization(gguf_type
     x_block_max = x.abs().reshape(3, -1, 32).amax(dim=-1).repeat_interleave(32, dim=1)
     bound = (x_block_max / 254 + 1e-6 * x.abs()) @ w.abs().T  # each activation within half its int8 step
     assert ((y - x @ w.T).abs() <= 1.01 * bound + 1e-4).all()
+
+
+def test_iq4_weights_pack_as_nibble_indices_and_their_table():
+    """IQ4_NL / IQ4_XS weights (TableCodesWeight: the table's values as Q8_0 codes) pack as 272-byte tile blocks
+    (nibble indices, then the table: 4.25 bits a weight before scales, where Q8_0's codes take 8); they keep the
+    table when stacked with each other, moved or row-selected, and become plain Q8_0 stacked with one; codes outside
+    the table pack as int8 codes."""
+    backend = CpuBlockBackend()
+    nl, xs = (convert_blocks(raw_blocks(t), t, (ROWS, COLS)) for t in ("IQ4_NL", "IQ4_XS"))
+    assert isinstance(nl, TableCodesWeight) and isinstance(xs.to(torch.device("cpu")), TableCodesWeight)
+    if not backend.supports(nl.spec, None, torch.device("cpu")):
+        pytest.skip("no compiled kernel")
+    packed = backend.prepare(nl, None, torch.device("cpu"))
+    assert packed.u4 and packed.codes.shape[2] == 272
+    assert torch.equal(packed.codes[..., 256:].view(torch.int8), torch.from_numpy(IQ4_VALUES).expand(1, 24, 16))
+    assert isinstance(concat_rows([nl, xs]), TableCodesWeight)
+    plain = concat_rows([nl, QuantizedWeight(nl.spec, nl.codes, nl.scales)])
+    assert type(plain) is QuantizedWeight and backend.prepare(plain, None, torch.device("cpu")).codes.shape[2] == 512
+    odd = TableCodesWeight(nl.spec, nl.codes.clone(), nl.scales, nl.table)
+    odd.codes[3, 5] = 0  # not one of IQ4's values
+    assert backend.prepare(odd, None, torch.device("cpu")).codes.shape[2] == 512
+    ids = torch.arange(ROWS)
+    assert torch.equal(backend.dequantize_rows(packed, ids, torch.float32), dequantize(nl))

@@ -46,6 +46,7 @@ from glmserve.quant.cpu_backend import (
     dense_path_for,
     pack,
 )
+from glmserve.quant.gguf_mapped import IQ4_VALUES, TableCodesWeight
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
 from glmserve.quant.schemes import Scheme
@@ -72,6 +73,8 @@ FORMATS = {
     "gguf_q4_1": (QuantSpec(4, symmetric=False, strategy="group", group_size=32, gguf_type="Q4_1"), None),
     "gguf_q5_0": (QuantSpec(5, strategy="group", group_size=32, gguf_type="Q5_0"), None),
     "gguf_q5_1": (QuantSpec(5, symmetric=False, strategy="group", group_size=32, gguf_type="Q5_1"), None),
+    # IQ4_NL / IQ4_XS as gguf_mapped.py reads them: Q8_0 codes from a 16-value table, run as nibble indices (t4)
+    "gguf_iq4": (QuantSpec(8, strategy="group", group_size=32, gguf_type="Q8_0"), None),
 }
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (out, in)
 LM_HEAD = (49152, 576)
@@ -89,6 +92,9 @@ def weight(fmt: str, out: int, inp: int) -> QuantizedWeight:
         return quantize(w, spec)
     blocks = inp // 32
     scales = (torch.rand(out, blocks, generator=g) * 0.01 + 1e-3).half()
+    if fmt == "gguf_iq4":
+        table = torch.from_numpy(IQ4_VALUES)
+        return TableCodesWeight(spec, table[torch.randint(0, 16, (out, inp), generator=g)], scales, table)
     if spec.gguf_type == "Q8_0":
         return QuantizedWeight(spec, torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8), scales)
     if spec.symmetric:  # Q4_0 codes in [-8, 7], Q5_0 (as gguf_mapped.py reads them) in [-16, 15]
@@ -447,7 +453,8 @@ def test_prepare_keeps_only_the_packed_layout(cpu_isa):
                for t in (prepared.codes, prepared.scales, prepared.mins))
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "int8_channel_asym"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "int8_channel_asym", "gguf_q5_1",
+                                 "gguf_iq4"])
 def test_dequantize_packed_is_the_stored_weight(cpu_isa, fmt):
     """The dense form of the packed layout: d * c + m in float32 (one rounding of the sum), and that value
     rounded to bfloat16 as torch rounds it (nearest even)."""

@@ -3,9 +3,10 @@
 Formats: int8 by tensor, channel or group (a multiple of 32), symmetric or with zero points; int4 by group
 (32, 64, any multiple of 32), symmetric or asymmetric; GGUF Q8_0, Q4_0, Q4_1 (canonical form) and Q5_0, Q5_1
 (quant/gguf_mapped.py). Each runs in blocks of 32 inputs: at `prepare` every block of an output row becomes
-w = d * c + m with fp16 d and m (c: signed int8, an unsigned nibble, or for 5 bits a nibble and a fifth bit kept in
-a plane of its own; symmetric int4 / 5-bit codes are stored as c + 8 / c + 16 with m = -8 d / -16 d, integer zero
-points become m = -d * zero, Q4_1's min is m itself, a per-channel or per-tensor scale or a group of 64 is
+w = d * c + m with fp16 d and m (c: signed int8, an unsigned nibble, for 5 bits a nibble and a fifth bit kept in
+a plane of its own, or for int8 codes drawn from a 16-value table (IQ4: TableCodesWeight) a nibble index into the
+table kept with each block; symmetric int4 / 5-bit codes are stored as c + 8 / c + 16 with m = -8 d / -16 d,
+integer zero points become m = -d * zero, Q4_1's min is m itself, a per-channel or per-tensor scale or a group of 64 is
 repeated on every block it covers), rows are interleaved in tiles of 16 and the canonical tensors are not
 kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`). in_features is padded to a multiple of
 32 and out_features to 16 (zero codes and scales). FP8 and NVFP4 weights are not run here: `cpu_float_block`
@@ -37,12 +38,15 @@ from glmserve import kernels
 from glmserve.errors import InvalidRequestError
 from glmserve.quant.backend import register
 from glmserve.quant.gguf_blocks import GGUFBlockWeight
+from glmserve.quant.gguf_mapped import TableCodesWeight
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
 QK = 32  # inputs per block (the kernel's)
 ROWS = 16  # output rows per tile (the kernel's)
-U4_BYTES = ROWS * QK // 2  # nibble bytes per tile and block; 5-bit blocks add 8 masks of 64 fifth bits after them
+U4_BYTES = ROWS * QK // 2  # nibble bytes per tile and block
+FIFTH_BYTES = 64  # after them in 5-bit blocks: 8 masks of 64 fifth bits
+TABLE_BYTES = 16  # after them in table blocks: the 16 int8 values their nibbles index
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}  # bits of each GGUF block format run here
 DENSE_MIN_ROWS = 64  # rows from which the bf16 GEMM path beats the int8 tiles 1.7-2x (AMX; bench/gemm_micro.py --dense)
 # On CPUs with AVX512-BF16 but no AMX (AMD Zen 4): "N" runs batches from N rows on our vdpbf16ps GEMM on the
@@ -63,9 +67,10 @@ AMX_GEMM_ENV = "GLMSERVE_AMX_GEMM"
 
 @dataclass
 class PackedWeight:
-    """A weight in the kernel's layout (csrc/quant_matmul.cpp): codes [tiles, blocks, 512 (int8), 256 (int4) or 320
-    (5 bits: the nibbles, then the fifth bits)] uint8, scales and mins [tiles, blocks, 16] float16 (mins empty when
-    every m is 0). `u4`: the codes are nibbles (int4 or 5 bits; the kernels' argument of that name)."""
+    """A weight in the kernel's layout (csrc/quant_matmul.cpp): codes [tiles, blocks, 512 (int8), 256 (int4), 320
+    (5 bits: the nibbles, then the fifth bits) or 272 (table indices: the nibbles, then the table)] uint8, scales and
+    mins [tiles, blocks, 16] float16 (mins empty when every m is 0). `u4`: the codes are nibbles (int4, 5 bits or
+    table indices; the kernels' argument of that name)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -134,7 +139,13 @@ class CpuBlockBackend:
         out_features, in_features = weight.shape
         bits = weight.spec.num_bits
         per_token = bool(_activations_per_token(activations))
-        packed = pack_gguf(weight) if isinstance(weight, GGUFBlockWeight) else pack(*block_form(weight), bits)
+        table = _table_indices(weight) if isinstance(weight, TableCodesWeight) and not per_token else None
+        if table is not None:  # codes from a 16-value table (IQ4): their indices as nibbles, the table per block
+            packed, bits = pack_table(*table, *block_form(weight)[1:]), 4
+        elif isinstance(weight, GGUFBlockWeight):
+            packed = pack_gguf(weight)
+        else:
+            packed = pack(*block_form(weight), bits)
         return PackedWeight(*packed, u4=bits < 8, in_features=in_features,
                             out_features=out_features, per_token=per_token,
                             linear=kernels.op("quant_linear", device, torch.float32),
@@ -204,12 +215,15 @@ class CpuBlockBackend:
         tiles = p.codes[..., :groups * ROWS * 4].view(*p.codes.shape[:2], groups, ROWS, 4)  # [tiles, blocks, j, row, t]
         codes = tiles[tile, :, :, row]  # [n, blocks, j, t]: only the rows asked for are gathered
         if p.u4:  # byte j*4+t holds input j*4+t (low nibble) and 16 + j*4+t (high nibble)
-            c = torch.cat((codes & 15, codes >> 4), dim=-2).to(torch.float32)
-            if p.codes.shape[2] > U4_BYTES:  # 5 bits: bit 4 row + t of mask i is the fifth bit of input 4i + t
-                masks = p.codes[tile, :, U4_BYTES:].reshape(len(ids), -1, 8, 8)  # [n, blocks, i, 8 bytes]
+            c = torch.cat((codes & 15, codes >> 4), dim=-2)  # [n, blocks, i, t]: input 4i + t
+            extra = p.codes[tile, :, U4_BYTES:]  # [n, blocks, fifth bits or table]
+            if extra.shape[2] == FIFTH_BYTES:  # bit 4 row + t of mask i is the fifth bit of input 4i + t
+                masks = extra.reshape(len(ids), -1, 8, 8)  # [n, blocks, i, 8 bytes]
                 bits = torch.from_numpy(np.unpackbits(masks.numpy(), axis=-1, bitorder="little"))
-                bits = bits.view(*masks.shape[:3], ROWS, 4)[torch.arange(len(ids)), :, :, row]  # [n, blocks, i, t]
-                c += 16 * bits.to(torch.float32)
+                c = c + 16 * bits.view(*masks.shape[:3], ROWS, 4)[torch.arange(len(ids)), :, :, row]
+            elif extra.shape[2] == TABLE_BYTES:  # each nibble indexes its block's table
+                c = torch.gather(extra.view(torch.int8), 2, c.flatten(2).long()).view(c.shape)
+            c = c.to(torch.float32)
         else:
             c = codes.view(torch.int8).to(torch.float32)
         w = c.flatten(2) * p.scales[tile, :, row].to(torch.float32).unsqueeze(-1)  # [n, blocks, 32]
@@ -380,6 +394,31 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
     if fifth is not None:
         packed = torch.cat((packed, fifth), dim=2)
     return packed, _tiled(scales, tiles), _tiled(mins, tiles) if mins is not None else _NO_MINS
+
+
+def _table_indices(weight: TableCodesWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The weight's codes as indices (uint8 [out, in], 0..15) into its table, and the table (int8 [16]); None where
+    some code is not one of the table's values."""
+    position = torch.full((256,), -1, dtype=torch.int16)
+    position[weight.table.long() + 128] = torch.arange(len(weight.table), dtype=torch.int16)
+    codes = weight.codes.view(torch.uint8)  # c + 128 is its bits with the sign bit flipped
+    indices = torch.empty(codes.shape, dtype=torch.uint8)
+    rows = max(1, (1 << 20) // max(1, codes.shape[1]))  # in chunks: the index tensors are int32 (an embedding's 28M)
+    for r in range(0, codes.shape[0], rows):
+        found = position[(codes[r:r + rows] ^ 0x80).to(torch.int32)]
+        if bool((found < 0).any()):
+            return None
+        indices[r:r + rows] = found.to(torch.uint8)
+    return indices, weight.table
+
+
+def pack_table(indices: torch.Tensor, table: torch.Tensor, scales: torch.Tensor,
+               mins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Table codes in the kernel's t4 layout: `pack` of the indices as nibbles, then the table's 16 int8 values
+    after each tile block's 256 bytes (272 bytes a block)."""
+    codes, d, m = pack(indices.view(torch.int8), scales, mins, 4)
+    per_block = table.view(torch.uint8).expand(*codes.shape[:2], TABLE_BYTES)
+    return torch.cat((codes, per_block), dim=2), d, m
 
 
 def _fifth_bits(c: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:

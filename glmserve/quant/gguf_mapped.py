@@ -18,11 +18,14 @@ canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_
 Q4_K / Q5_K / IQ4_XS's two-level scales are flattened into one fp16 per 32 (relative rounding <= 2^-11 of a block's
 scale and min, next to a 4-bit step's 1/15 of its range). The re-quantized types gain at most half an int8 step,
 absmax / 254 of a block (Q6_K's own step is absmax / 32, a 2-bit type's absmax / 2). 5-bit codes run as nibbles
-and a plane of fifth bits (5 bits a weight, as the file keeps them), 4-bit ones as nibbles, IQ4's table values on
-the int8 tiles (1 byte a weight). Everything is vectorized over all blocks.
+and a plane of fifth bits (5 bits a weight, as the file keeps them), 4-bit ones as nibbles, IQ4's as nibble indices
+into the table kept with each block (TableCodesWeight: its canonical codes are the table's values). Everything is
+vectorized over all blocks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -32,6 +35,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from glmserve.quant.gguf_blocks import BLOCK, fp16_field, quantize_blocks, unpack_nibbles
 from glmserve.quant.schemes import gguf_spec
+from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
 SUPER = 256  # inputs per K-quant superblock (ggml's QK_K)
@@ -44,6 +48,27 @@ REQUANTIZED = tuple(name for name in ("Q6_K", "Q2_K", "Q3_K", "IQ1_S", "IQ1_M", 
 RUNS_AS = CODES_KEPT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the native block form it runs as
 
 
+class TableCodesWeight(QuantizedWeight):
+    """A Q8_0-form weight whose int8 codes are all values of `table` (int8 [16]; IQ4_NL / IQ4_XS: IQ4_VALUES): the
+    reference runs the codes as they are, the CPU backend keeps them as nibble indices and the table
+    (quant/cpu_backend.py `pack_table`: 4.5 bits a weight instead of 8.5). It keeps its table across devices and row
+    selections, and stacks into one only with weights of the same table (else as a plain Q8_0 weight)."""
+
+    def __init__(self, spec: QuantSpec, codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor):
+        super().__init__(spec, codes, scales)
+        self.table = table
+
+    def _per_row(self, fn: Callable[[torch.Tensor], torch.Tensor], global_scale: torch.Tensor | None
+                 ) -> QuantizedWeight:
+        return TableCodesWeight(self.spec, fn(self.codes), fn(self.scales), self.table)
+
+    def _stack(self, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        plain = super()._stack(parts)
+        if all(isinstance(p, TableCodesWeight) and torch.equal(p.table, self.table) for p in parts):
+            return TableCodesWeight(plain.spec, plain.codes, plain.scales, self.table)
+        return plain
+
+
 def how_it_runs(gguf_type: str) -> str:
     """A few words for the load log: how a matrix of `gguf_type` runs (the module docstring's table)."""
     if gguf_type in REQUANTIZED:
@@ -52,7 +77,7 @@ def how_it_runs(gguf_type: str) -> str:
         return f"as {RUNS_AS[gguf_type]} blocks, scales rounded to one fp16 per 32"
     if gguf_type.startswith("Q5_"):
         return "5-bit codes as nibbles and fifth bits"
-    return "its table's values as Q8_0 codes"
+    return "nibble indices into its table"
 
 
 def maps(gguf_type: str, in_features: int) -> bool:
@@ -76,12 +101,13 @@ def convert_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Q
     if gguf_type in REQUANTIZED:
         values = gguf_dequantize(raw, qtype).reshape(out, inp)
         return quantize_blocks(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), spec)
+    table = torch.from_numpy(IQ4_VALUES)
     if gguf_type == "IQ4_NL":  # fp16 d, then 16 bytes of indices laid out as Q4_0's nibbles
-        return QuantizedWeight(spec, _codes(IQ4_VALUES[unpack_nibbles(blocks[..., 2:])], shape),
-                               fp16_field(blocks, 0))
+        return TableCodesWeight(spec, _codes(IQ4_VALUES[unpack_nibbles(blocks[..., 2:])], shape),
+                                fp16_field(blocks, 0), table)
     if gguf_type == "IQ4_XS":
-        return QuantizedWeight(spec, _codes(IQ4_VALUES[unpack_nibbles(_per_32(blocks[..., 8:], 16))], shape),
-                               _iq4_xs_scales(blocks).reshape(out, -1))
+        return TableCodesWeight(spec, _codes(IQ4_VALUES[unpack_nibbles(_per_32(blocks[..., 8:], 16))], shape),
+                                _iq4_xs_scales(blocks).reshape(out, -1), table)
     if gguf_type in ("Q5_0", "Q5_1"):
         has_min = gguf_type == "Q5_1"
         header = 4 if has_min else 2

@@ -30,16 +30,18 @@ inline bool avx512_bf16_present() {
 // row 2J = inputs 4J, 4J+1 of each out row, row 2J+1 = 4J+2, 4J+3. ds[g], ms[g]: the rows' d and m for out
 // rows 4g..4g+3, each repeated over its 4 lanes.
 // NIBBLE: 0 = the bytes are signed int8 codes; 1 / 2: the low / high nibbles of the bytes. FIFTH (u5 blocks): bit
-// 4r + t of `fifth` adds 16 to out row r's input t of these four
-template <int NIBBLE, bool FIFTH = false>
+// 4r + t of `fifth` adds 16 to out row r's input t of these four. TABLE (t4 blocks): the nibbles index `table`'s
+// 16 int8 values
+template <int NIBBLE, bool FIFTH = false, bool TABLE = false>
 GLMSERVE_BF16_TARGET inline void bf16_pair_rows(const uint8_t* bytes, const __m512* ds, const __m512* ms,
-                                                uint16_t* out, uint64_t fifth = 0) {
+                                                uint16_t* out, uint64_t fifth = 0, __m128i table = __m128i()) {
   __m512 f[4];
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int g = 0; g < 4; ++g) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * g));
+    const __m128i nibbles = _mm_and_si128(NIBBLE == 1 ? v : _mm_srli_epi16(v, 4), low4);
     __m512i w = NIBBLE == 0 ? _mm512_cvtepi8_epi32(v)
-              : _mm512_cvtepu8_epi32(_mm_and_si128(NIBBLE == 1 ? v : _mm_srli_epi16(v, 4), low4));
+              : TABLE ? _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, nibbles)) : _mm512_cvtepu8_epi32(nibbles);
     if constexpr (FIFTH) w = _mm512_mask_add_epi32(w, static_cast<__mmask16>(fifth >> (16 * g)), w, _mm512_set1_epi32(16));
     f[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w), ds[g], ms[g]);
   }
@@ -54,8 +56,9 @@ GLMSERVE_BF16_TARGET inline void bf16_pair_rows(const uint8_t* bytes, const __m5
 
 // one block of one tile of the packed weight (its code bytes c, its 16 d and m fp16 bits; m null: zero) ->
 // PAIR_TILE bf16 at o. U4: nibble codes; FIFTH: u5 blocks, whose 256 nibble bytes are followed by 8 masks of 64 fifth
-// bits (mask i: the bytes of i8 group i, i.e. the low nibbles of group i < 4, the high ones of group i - 4)
-template <bool U4, bool FIFTH = false>
+// bits (mask i: the bytes of i8 group i, i.e. the low nibbles of group i < 4, the high ones of group i - 4); TABLE:
+// t4 blocks, whose 256 nibble bytes are followed by the 16 int8 values they index
+template <bool U4, bool FIFTH = false, bool TABLE = false>
 GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const uint16_t* d, const uint16_t* m,
                                                        uint16_t* o) {
   const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
@@ -69,9 +72,10 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const u
   if (U4) {
     uint64_t fifth[8] = {};
     if constexpr (FIFTH) __builtin_memcpy(fifth, c + 256, sizeof(fifth));
+    const __m128i table = TABLE ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 256)) : _mm_setzero_si128();
     for (int j = 0; j < 4; ++j) {  // low nibbles: inputs 4j.., high nibbles: 16 + 4j..
-      bf16_pair_rows<1, FIFTH>(c + j * 64, ds, ms, o + 2 * j * 32, fifth[j]);
-      bf16_pair_rows<2, FIFTH>(c + j * 64, ds, ms, o + 2 * (4 + j) * 32, fifth[4 + j]);
+      bf16_pair_rows<1, FIFTH, TABLE>(c + j * 64, ds, ms, o + 2 * j * 32, fifth[j], table);
+      bf16_pair_rows<2, FIFTH, TABLE>(c + j * 64, ds, ms, o + 2 * (4 + j) * 32, fifth[4 + j], table);
     }
   } else {
     for (int j = 0; j < 8; ++j) bf16_pair_rows<0>(c + j * 64, ds, ms, o + 2 * j * 32);

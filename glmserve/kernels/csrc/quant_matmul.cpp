@@ -15,7 +15,10 @@
 //       bit of row r's input 4i + t, i.e. mask i flags the bytes of i8 group i that the nibbles unpack into (the
 //       low nibbles of group i for i < 4, the high nibbles of group i - 4 after), so one masked byte add per
 //       64 unpacked bytes (AVX-512: vpaddb with the mask; AVX2: the mask's bits spread into bytes) restores them.
-//       The kernels' `u4` argument means nibble codes; 320-byte blocks carry the fifth bits.
+//   t4: the u4 bytes, then a table of 16 int8 values (272 bytes): each nibble is an index into the block's table,
+//       the code its value (GGUF IQ4_NL / IQ4_XS: llama.cpp's kvalues_iq4nl), looked up 16 at a time by a byte
+//       shuffle (vpshufb) after the unpacking, then summed as signed int8 codes.
+//       The kernels' `u4` argument means nibble codes; 320-byte blocks carry the fifth bits, 272-byte ones a table.
 //   d, m: [16] fp16 each (arrays of their own, [tiles, blocks, 16])
 //
 // Activations are quantized once per input row (quantize_activations): int8 codes q = round(x / dx) with
@@ -88,18 +91,25 @@ constexpr int64_t ROWS = 16;   // output rows per tile
 constexpr int64_t I8_BLOCK = ROWS * QK;      // bytes per tile and block
 constexpr int64_t U4_BLOCK = ROWS * QK / 2;
 constexpr int64_t U5_BLOCK = U4_BLOCK + 8 * 8;  // the nibbles, then 8 masks of 64 fifth bits
+constexpr int64_t T4_BLOCK = U4_BLOCK + 16;     // the nibbles, then their table of 16 int8 values
 
-enum Codes { I8, U4, U5 };  // a packed weight's code format (the header's i8 / u4 / u5)
+enum Codes { I8, U4, U5, T4 };  // a packed weight's code format (the header's i8 / u4 / u5 / t4)
 
-constexpr int64_t block_bytes_of(Codes c) { return c == I8 ? I8_BLOCK : c == U4 ? U4_BLOCK : U5_BLOCK; }
+constexpr int64_t block_bytes_of(Codes c) {
+  return c == I8 ? I8_BLOCK : c == U4 ? U4_BLOCK : c == U5 ? U5_BLOCK : T4_BLOCK;
+}
 
 // the format of codes [tiles, blocks, bytes] passed with the kernels' `u4` flag (nibble codes): an error where the
 // bytes per tile and block are not one of the format's
 Codes codes_of(bool u4, int64_t bytes, const char* name) {
-  TORCH_CHECK(u4 ? bytes == U4_BLOCK || bytes == U5_BLOCK : bytes == I8_BLOCK, name, ": block bytes ", bytes,
-              u4 ? " (nibble codes: 256, or 320 with fifth bits)" : " (int8 codes: 512)");
-  return !u4 ? I8 : bytes == U4_BLOCK ? U4 : U5;
+  TORCH_CHECK(u4 ? bytes == U4_BLOCK || bytes == U5_BLOCK || bytes == T4_BLOCK : bytes == I8_BLOCK, name,
+              ": block bytes ", bytes,
+              u4 ? " (nibble codes: 256, 320 with fifth bits, 272 with a table)" : " (int8 codes: 512)");
+  return !u4 ? I8 : bytes == U4_BLOCK ? U4 : bytes == U5_BLOCK ? U5 : T4;
 }
+
+// a t4 block's table of 16 int8 values
+inline const int8_t* table_of(const uint8_t* block) { return reinterpret_cast<const int8_t*>(block + U4_BLOCK); }
 
 // mask i of a u5 block's fifth bits (bit 4r + t: row r's input 4i + t)
 inline uint64_t fifth_mask(const uint8_t* block, int i) {
@@ -108,12 +118,15 @@ inline uint64_t fifth_mask(const uint8_t* block, int i) {
   return m;
 }
 
-// row r's code t of i8 group i of a nibble block, given its nibble: with its fifth bit where C is U5
+// row r's code t of i8 group i of a nibble block, given its nibble: with its fifth bit where C is U5, its table's
+// value where C is T4
 template <Codes C>
 inline int32_t nibble_code(const uint8_t* block, int i, int r, int t, uint8_t nibble) {
   if constexpr (C == U5) return nibble | static_cast<int32_t>((fifth_mask(block, i) >> (4 * r + t)) & 1) << 4;
+  if constexpr (C == T4) return table_of(block)[nibble];
   return nibble;
 }
+
 constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
 constexpr int VNNI_NB = 8;                  // activation rows per AVX-512 VNNI tile
 
@@ -237,7 +250,30 @@ void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nbloc
       }
     }
     __m256i isum[NB][H];
-    if constexpr (C != I8) {
+    if constexpr (C == T4) {  // the table's signed values as the i8 path takes its codes: |v| x sign(q, v)
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table_of(block))));
+      for (int n = 0; n < NB; ++n)
+        for (int h = 0; h < H; ++h) isum[n][h] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo[H], hi[H];
+        for (int h = 0; h < H; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64 + h * 32));
+          lo[h] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
+          hi[h] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+        }
+        for (int n = 0; n < NB; ++n) {
+          const int8_t* qb = q0 + n * a.kp + b * QK;
+          const __m256i ql = _mm256_set1_epi32(load_i32(qb + 4 * j)), qh = _mm256_set1_epi32(load_i32(qb + 16 + 4 * j));
+          for (int h = 0; h < H; ++h) {
+            const __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(lo[h], lo[h]), _mm256_sign_epi8(ql, lo[h]));
+            const __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(hi[h], hi[h]), _mm256_sign_epi8(qh, hi[h]));
+            isum[n][h] = _mm256_add_epi32(isum[n][h], _mm256_add_epi32(_mm256_madd_epi16(pl, ones16),  // (each
+                                                                       _mm256_madd_epi16(ph, ones16)));  // to 32,258)
+            in_register(isum[n][h]);
+          }
+        }
+      }
+    } else if constexpr (C != I8) {
       __m256i s16[NB][H];
       for (int n = 0; n < NB; ++n)
         for (int h = 0; h < H; ++h) s16[n][h] = _mm256_setzero_si256(), isum[n][h] = _mm256_setzero_si256();
@@ -384,11 +420,18 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
     const GroupWord* x = g + b * GROUP_WORDS * NB;
     const GroupWord *dx = x + 8 * NB, *sx = x + 9 * NB, *bias = x + 10 * NB;
     __m512i isum[NB];
-    for (int n = 0; n < NB; ++n) isum[n] = C != I8 ? _mm512_setzero_si512() : _mm512_set1_epi32(bias[n].i);
+    // t4: the table's values flipped to unsigned (c + 128) and summed from -128 sum(q), as i8 codes are
+    for (int n = 0; n < NB; ++n)
+      isum[n] = C == U4 || C == U5 ? _mm512_setzero_si512() : _mm512_set1_epi32(bias[n].i);
+    [[maybe_unused]] const __m512i table =
+        C == T4 ? _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table_of(c)))),
+                                   flip)
+                : _mm512_setzero_si512();
     if constexpr (C != I8) {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(c + j * 64);
         __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (C == T4) lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
         if constexpr (C == U5) {
           lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(fifth_mask(c, j)), lo, sixteen);
           hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fifth_mask(c, 4 + j)), hi, sixteen);
@@ -463,13 +506,16 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_config() {
                  : "r"(dst), "r"(int64_t{64}));                                                          \
   } while (0)
 
-// A u4 / u5 block unpacked into an AMX B tile (low nibbles rows 0-3, high nibbles rows 4-7; u5: row i's bytes
-// plus 16 where mask i says): the signed int8 layout, codes 0..15 / 0..31
+// A u4 / u5 / t4 block unpacked into an AMX B tile (low nibbles rows 0-3, high nibbles rows 4-7; u5: row i's bytes
+// plus 16 where mask i says; t4: the table's values): the signed int8 layout, codes 0..15 / 0..31 / the table's
 inline void amx_unpack(Codes kind, const uint8_t* codes, uint8_t* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  const __m512i table = kind == T4 ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table_of(codes))))
+                                   : _mm512_setzero_si512();
   for (int j = 0; j < 4; ++j) {
     const __m512i v = _mm512_loadu_si512(codes + j * 64);
     __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if (kind == T4) lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
     if (kind == U5) {
       lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(fifth_mask(codes, j)), lo, sixteen);
       hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fifth_mask(codes, 4 + j)), hi, sixteen);
@@ -665,7 +711,8 @@ struct VectorWork {
       const int64_t t = tile_of(t0 + done / nblocks), b = done % nblocks, at = t * nblocks + b;
       const uint16_t* m = mp ? mp + at * ROWS : nullptr;
       const uint8_t* c = cp + at * block_bytes_of(kind);
-      if (kind == U5) glmserve::dequantize_bf16_pairs<true, true>(c, dp + at * ROWS, m, buf + done * B_TILE);
+      if (kind == T4) glmserve::dequantize_bf16_pairs<true, false, true>(c, dp + at * ROWS, m, buf + done * B_TILE);
+      else if (kind == U5) glmserve::dequantize_bf16_pairs<true, true>(c, dp + at * ROWS, m, buf + done * B_TILE);
       else if (kind == U4) glmserve::dequantize_bf16_pairs<true>(c, dp + at * ROWS, m, buf + done * B_TILE);
       else glmserve::dequantize_bf16_pairs<false>(c, dp + at * ROWS, m, buf + done * B_TILE);
     }
@@ -867,7 +914,8 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
   for (int64_t n = n0; n < n0 + count; n += MAX_NB) {
     const int rows = static_cast<int>(std::min<int64_t>(MAX_NB, n0 + count - n));
     const Weights& tile_w = n == n0 ? first : w;
-    if (kind == U5) tile_rows<U5, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
+    if (kind == T4) tile_rows<T4, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
+    else if (kind == U5) tile_rows<U5, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
     else if (kind == U4) tile_rows<U4, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
     else tile_rows<I8, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
     for (int i = 0; i < rows; ++i) std::memcpy(out + (n - n0 + i) * ldo, buf + i * ROWS, cols * sizeof(float));
@@ -910,7 +958,9 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
       const uint8_t* ahead = n0 == 0 ? next : nullptr;  // the next tile's codes, prefetched during the first group
       float* dst = o + n0 * out_features + r0;
       const Codes tiles_of = unpack_once ? I8 : kind;  // unpacked once: the i8 layout
-      if (tiles_of == U5 && w.m) tile_amx_rows<U5, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      if (tiles_of == T4 && w.m) tile_amx_rows<T4, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (tiles_of == T4) tile_amx_rows<T4, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      else if (tiles_of == U5 && w.m) tile_amx_rows<U5, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
       else if (tiles_of == U5) tile_amx_rows<U5, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
       else if (tiles_of == U4 && w.m) tile_amx_rows<U4, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
       else if (tiles_of == U4) tile_amx_rows<U4, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
@@ -1281,12 +1331,14 @@ at::Tensor dequantize_packed(const at::Tensor& codes, const at::Tensor& wd, cons
       const int64_t at = t * ROWS * kp;
       if (bf16) {
         uint16_t* o = static_cast<uint16_t*>(op) + at;
-        if (kind == U5) dequantize_tile<uint16_t, U5>(c, d, m, nblocks, rows, kp, o);
+        if (kind == T4) dequantize_tile<uint16_t, T4>(c, d, m, nblocks, rows, kp, o);
+        else if (kind == U5) dequantize_tile<uint16_t, U5>(c, d, m, nblocks, rows, kp, o);
         else if (kind == U4) dequantize_tile<uint16_t, U4>(c, d, m, nblocks, rows, kp, o);
         else dequantize_tile<uint16_t, I8>(c, d, m, nblocks, rows, kp, o);
       } else {
         float* o = static_cast<float*>(op) + at;
-        if (kind == U5) dequantize_tile<float, U5>(c, d, m, nblocks, rows, kp, o);
+        if (kind == T4) dequantize_tile<float, T4>(c, d, m, nblocks, rows, kp, o);
+        else if (kind == U5) dequantize_tile<float, U5>(c, d, m, nblocks, rows, kp, o);
         else if (kind == U4) dequantize_tile<float, U4>(c, d, m, nblocks, rows, kp, o);
         else dequantize_tile<float, I8>(c, d, m, nblocks, rows, kp, o);
       }
