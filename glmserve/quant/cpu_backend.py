@@ -139,13 +139,15 @@ class CpuBlockBackend:
         out_features, in_features = weight.shape
         bits = weight.spec.num_bits
         per_token = bool(_activations_per_token(activations))
-        table = _table_indices(weight) if isinstance(weight, TableCodesWeight) and not per_token else None
-        if table is not None:  # codes from a 16-value table (IQ4): their indices as nibbles, the table per block
-            packed, bits = pack_table(*table, *block_form(weight)[1:]), 4
-        elif isinstance(weight, GGUFBlockWeight):
+        if isinstance(weight, GGUFBlockWeight):
             packed = pack_gguf(weight)
         else:
-            packed = pack(*block_form(weight), bits)
+            codes, d, m = block_form(weight)
+            indices = None  # codes from a 16-value table (IQ4): their indices as nibbles, the table per block
+            if isinstance(weight, TableCodesWeight) and not per_token:
+                indices = _table_indices(codes, weight.table)
+            packed = pack(codes, d, m, bits) if indices is None else pack_table(indices, weight.table, d, m)
+            bits = bits if indices is None else 4
         return PackedWeight(*packed, u4=bits < 8, in_features=in_features,
                             out_features=out_features, per_token=per_token,
                             linear=kernels.op("quant_linear", device, torch.float32),
@@ -396,12 +398,12 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
     return packed, _tiled(scales, tiles), _tiled(mins, tiles) if mins is not None else _NO_MINS
 
 
-def _table_indices(weight: TableCodesWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The weight's codes as indices (uint8 [out, in], 0..15) into its table, and the table (int8 [16]); None where
-    some code is not one of the table's values."""
+def _table_indices(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
+    """int8 codes [out, in] as indices (uint8, 0..15) into `table` (int8 [16]); None where some code is not one of
+    the table's values."""
     position = torch.full((256,), -1, dtype=torch.int16)
-    position[weight.table.long() + 128] = torch.arange(len(weight.table), dtype=torch.int16)
-    codes = weight.codes.view(torch.uint8)  # c + 128 is its bits with the sign bit flipped
+    position[table.long() + 128] = torch.arange(len(table), dtype=torch.int16)
+    codes = codes.view(torch.uint8)  # c + 128 is its bits with the sign bit flipped
     indices = torch.empty(codes.shape, dtype=torch.uint8)
     rows = max(1, (1 << 20) // max(1, codes.shape[1]))  # in chunks: the index tensors are int32 (an embedding's 28M)
     for r in range(0, codes.shape[0], rows):
@@ -409,7 +411,7 @@ def _table_indices(weight: TableCodesWeight) -> tuple[torch.Tensor, torch.Tensor
         if bool((found < 0).any()):
             return None
         indices[r:r + rows] = found.to(torch.uint8)
-    return indices, weight.table
+    return indices
 
 
 def pack_table(indices: torch.Tensor, table: torch.Tensor, scales: torch.Tensor,

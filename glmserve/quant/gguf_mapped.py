@@ -40,6 +40,7 @@ from glmserve.quant.weight import QuantizedWeight
 
 SUPER = 256  # inputs per K-quant superblock (ggml's QK_K)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+IQ4_TABLE = torch.from_numpy(IQ4_VALUES)  # (the same memory) as TableCodesWeight's table
 # types whose codes are kept as stored (their scales as stored, or flattened: Q4_K, Q5_K, IQ4_XS) -> the form
 CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
 REQUANTIZED = tuple(name for name in ("Q6_K", "Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
@@ -101,13 +102,12 @@ def convert_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Q
     if gguf_type in REQUANTIZED:
         values = gguf_dequantize(raw, qtype).reshape(out, inp)
         return quantize_blocks(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), spec)
-    table = torch.from_numpy(IQ4_VALUES)
     if gguf_type == "IQ4_NL":  # fp16 d, then 16 bytes of indices laid out as Q4_0's nibbles
         return TableCodesWeight(spec, _codes(IQ4_VALUES[unpack_nibbles(blocks[..., 2:])], shape),
-                                fp16_field(blocks, 0), table)
+                                fp16_field(blocks, 0), IQ4_TABLE)
     if gguf_type == "IQ4_XS":
         return TableCodesWeight(spec, _codes(IQ4_VALUES[unpack_nibbles(_per_32(blocks[..., 8:], 16))], shape),
-                                _iq4_xs_scales(blocks).reshape(out, -1), table)
+                                _iq4_xs_scales(blocks).reshape(out, -1), IQ4_TABLE)
     if gguf_type in ("Q5_0", "Q5_1"):
         has_min = gguf_type == "Q5_1"
         header = 4 if has_min else 2

@@ -29,9 +29,6 @@ namespace {
 
 constexpr int64_t QK = 32;    // inputs per block of the packed weight
 constexpr int64_t ROWS = 16;  // output rows per tile
-// code bytes per tile and block of nibbles, of nibbles and fifth bits, of nibbles and their table (int8 codes: the
-// others; quant_matmul.cpp's header)
-constexpr int64_t U4_BLOCK = ROWS * QK / 2, U5_BLOCK = U4_BLOCK + 64, T4_BLOCK = U4_BLOCK + 16;
 
 #ifdef GLMSERVE_BF16_TARGET
 constexpr int MR = 8;  // activation rows per register block
@@ -91,13 +88,8 @@ GLMSERVE_BF16_TARGET void dequantize_panel(const uint8_t* cp, const uint16_t* dp
                                            int64_t block_bytes, int64_t t0, int64_t nt, int64_t nblocks, uint16_t* buf) {
   for (int64_t i = 0; i < nt * nblocks; ++i) {
     const int64_t at = t0 * nblocks + i;
-    const uint8_t* c = cp + at * block_bytes;
-    const uint16_t* m = mp ? mp + at * ROWS : nullptr;
-    uint16_t* o = buf + i * glmserve::PAIR_TILE;
-    if (block_bytes == T4_BLOCK) glmserve::dequantize_bf16_pairs<true, false, true>(c, dp + at * ROWS, m, o);
-    else if (block_bytes == U5_BLOCK) glmserve::dequantize_bf16_pairs<true, true>(c, dp + at * ROWS, m, o);
-    else if (block_bytes == U4_BLOCK) glmserve::dequantize_bf16_pairs<true>(c, dp + at * ROWS, m, o);
-    else glmserve::dequantize_bf16_pairs<false>(c, dp + at * ROWS, m, o);
+    glmserve::dequantize_bf16_block(block_bytes, cp + at * block_bytes, dp + at * ROWS, mp ? mp + at * ROWS : nullptr,
+                                    buf + i * glmserve::PAIR_TILE);
   }
 }
 

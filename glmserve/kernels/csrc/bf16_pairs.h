@@ -82,5 +82,17 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const u
   }
 }
 
+// dequantize_bf16_pairs of one block of a packed weight whose tile blocks are `block_bytes` long: 256 nibbles, 320
+// nibbles and fifth bits, 272 nibbles and their table, else (512) int8 codes
+GLMSERVE_BF16_TARGET inline void dequantize_bf16_block(int64_t block_bytes, const uint8_t* c, const uint16_t* d,
+                                                       const uint16_t* m, uint16_t* o) {
+  switch (block_bytes) {
+    case 256: return dequantize_bf16_pairs<true>(c, d, m, o);
+    case 320: return dequantize_bf16_pairs<true, true>(c, d, m, o);
+    case 272: return dequantize_bf16_pairs<true, false, true>(c, d, m, o);
+    default: return dequantize_bf16_pairs<false>(c, d, m, o);
+  }
+}
+
 }  // namespace glmserve
 #endif

@@ -108,6 +108,18 @@ Codes codes_of(bool u4, int64_t bytes, const char* name) {
   return !u4 ? I8 : bytes == U4_BLOCK ? U4 : bytes == U5_BLOCK ? U5 : T4;
 }
 
+// f(std::integral_constant<Codes, kind>{}): a runtime format to the template argument of a kernel instantiated per
+// format (`decltype(c)::value` in f)
+template <typename F>
+void with_codes(Codes kind, F&& f) {
+  switch (kind) {
+    case U4: return f(std::integral_constant<Codes, U4>{});
+    case U5: return f(std::integral_constant<Codes, U5>{});
+    case T4: return f(std::integral_constant<Codes, T4>{});
+    default: return f(std::integral_constant<Codes, I8>{});
+  }
+}
+
 // a t4 block's table of 16 int8 values
 inline const int8_t* table_of(const uint8_t* block) { return reinterpret_cast<const int8_t*>(block + U4_BLOCK); }
 
@@ -710,11 +722,8 @@ struct VectorWork {
     for (const int64_t stop = std::min(total, done + n); done < stop; ++done) {
       const int64_t t = tile_of(t0 + done / nblocks), b = done % nblocks, at = t * nblocks + b;
       const uint16_t* m = mp ? mp + at * ROWS : nullptr;
-      const uint8_t* c = cp + at * block_bytes_of(kind);
-      if (kind == T4) glmserve::dequantize_bf16_pairs<true, false, true>(c, dp + at * ROWS, m, buf + done * B_TILE);
-      else if (kind == U5) glmserve::dequantize_bf16_pairs<true, true>(c, dp + at * ROWS, m, buf + done * B_TILE);
-      else if (kind == U4) glmserve::dequantize_bf16_pairs<true>(c, dp + at * ROWS, m, buf + done * B_TILE);
-      else glmserve::dequantize_bf16_pairs<false>(c, dp + at * ROWS, m, buf + done * B_TILE);
+      const int64_t bytes = block_bytes_of(kind);
+      glmserve::dequantize_bf16_block(bytes, cp + at * bytes, dp + at * ROWS, m, buf + done * B_TILE);
     }
   }
   void defer_store(const float* from, int r, int n, uint16_t* to, int64_t ld) {
@@ -914,10 +923,7 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
   for (int64_t n = n0; n < n0 + count; n += MAX_NB) {
     const int rows = static_cast<int>(std::min<int64_t>(MAX_NB, n0 + count - n));
     const Weights& tile_w = n == n0 ? first : w;
-    if (kind == T4) tile_rows<T4, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
-    else if (kind == U5) tile_rows<U5, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
-    else if (kind == U4) tile_rows<U4, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
-    else tile_rows<I8, MAX_NB>(tile_w, a, n, rows, nblocks, buf);
+    with_codes(kind, [&](auto c) { tile_rows<decltype(c)::value, MAX_NB>(tile_w, a, n, rows, nblocks, buf); });
     for (int i = 0; i < rows; ++i) std::memcpy(out + (n - n0 + i) * ldo, buf + i * ROWS, cols * sizeof(float));
   }
 }
@@ -958,14 +964,11 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
       const uint8_t* ahead = n0 == 0 ? next : nullptr;  // the next tile's codes, prefetched during the first group
       float* dst = o + n0 * out_features + r0;
       const Codes tiles_of = unpack_once ? I8 : kind;  // unpacked once: the i8 layout
-      if (tiles_of == T4 && w.m) tile_amx_rows<T4, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (tiles_of == T4) tile_amx_rows<T4, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (tiles_of == U5 && w.m) tile_amx_rows<U5, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (tiles_of == U5) tile_amx_rows<U5, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (tiles_of == U4 && w.m) tile_amx_rows<U4, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (tiles_of == U4) tile_amx_rows<U4, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else if (w.m) tile_amx_rows<I8, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-      else tile_amx_rows<I8, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      with_codes(tiles_of, [&](auto c) {
+        constexpr Codes C = decltype(c)::value;
+        if (w.m) tile_amx_rows<C, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+        else tile_amx_rows<C, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+      });
     }
   }
   if (stream) _mm_sfence();
@@ -1329,19 +1332,11 @@ at::Tensor dequantize_packed(const at::Tensor& codes, const at::Tensor& wd, cons
       const uint16_t* d = dp + t * nblocks * ROWS;
       const uint16_t* m = mp ? mp + t * nblocks * ROWS : nullptr;
       const int64_t at = t * ROWS * kp;
-      if (bf16) {
-        uint16_t* o = static_cast<uint16_t*>(op) + at;
-        if (kind == T4) dequantize_tile<uint16_t, T4>(c, d, m, nblocks, rows, kp, o);
-        else if (kind == U5) dequantize_tile<uint16_t, U5>(c, d, m, nblocks, rows, kp, o);
-        else if (kind == U4) dequantize_tile<uint16_t, U4>(c, d, m, nblocks, rows, kp, o);
-        else dequantize_tile<uint16_t, I8>(c, d, m, nblocks, rows, kp, o);
-      } else {
-        float* o = static_cast<float*>(op) + at;
-        if (kind == T4) dequantize_tile<float, T4>(c, d, m, nblocks, rows, kp, o);
-        else if (kind == U5) dequantize_tile<float, U5>(c, d, m, nblocks, rows, kp, o);
-        else if (kind == U4) dequantize_tile<float, U4>(c, d, m, nblocks, rows, kp, o);
-        else dequantize_tile<float, I8>(c, d, m, nblocks, rows, kp, o);
-      }
+      with_codes(kind, [&](auto format) {
+        constexpr Codes C = decltype(format)::value;
+        if (bf16) dequantize_tile<uint16_t, C>(c, d, m, nblocks, rows, kp, static_cast<uint16_t*>(op) + at);
+        else dequantize_tile<float, C>(c, d, m, nblocks, rows, kp, static_cast<float*>(op) + at);
+      });
     }
   });
   return w;
