@@ -146,8 +146,10 @@ class CpuBlockBackend:
             indices = None  # codes from a 16-value table (IQ4): their indices as nibbles, the table per block
             if isinstance(weight, TableCodesWeight) and not per_token:
                 indices = _table_indices(codes, weight.table)
-            packed = pack(codes, d, m, bits) if indices is None else pack_table(indices, weight.table, d, m)
-            bits = bits if indices is None else 4
+            if indices is None:
+                packed = pack(codes, d, m, bits)
+            else:
+                packed, bits = pack(indices.view(torch.int8), d, m, 4, weight.table), 4
         return PackedWeight(*packed, u4=bits < 8, in_features=in_features,
                             out_features=out_features, per_token=per_token,
                             linear=kernels.op("quant_linear", device, torch.float32),
@@ -371,10 +373,11 @@ def _finite(half: torch.Tensor) -> bool:
     return not ((half.contiguous().numpy().view(np.uint16) & 0x7C00) == 0x7C00).any()
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-         bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int,
+         table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """block_form's tensors of a `bits`-bit format (8, 4 or 5) in the kernel's tile layout (csrc/quant_matmul.cpp's
-    header), padded to whole blocks of 32 inputs and tiles of 16 rows."""
+    header), padded to whole blocks of 32 inputs and tiles of 16 rows; with `table` (int8 [16], 4-bit indices as
+    codes) the t4 layout: each tile block's nibbles, then the table's values."""
     out, inp = codes.shape
     blocks = scales.shape[1]
     tiles = -(-out // ROWS)
@@ -383,18 +386,23 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
     c = c.view(torch.uint8)  # the same bits: int8 codes, or nibbles 0..15
     if c.storage_offset() % 4:  # a view into another tensor: int32 words below need aligned storage
         c = c.clone()
-    fifth = _fifth_bits(c, tiles, blocks) if bits == 5 else None
+    tail = _fifth_bits(c, tiles, blocks) if bits == 5 else None
+    if table is not None:
+        tail = table.view(torch.uint8)
     if bits < 8:  # [tile, row, block, half, 16] -> byte = low half | high half << 4: [tile, row, block, 16 bytes]
         c = c.reshape(tiles, ROWS, blocks, 2, 16)
-        if fifth is not None:
+        if bits == 5:
             c = c & 15
         c = (c[:, :, :, 1] << 4).bitwise_or_(c[:, :, :, 0])  # one temporary, or'ed into in place
+    code_bytes = ROWS * QK // 2 if bits < 8 else ROWS * QK  # nibbles (4 and 5 bits: the fifth in the tail) or bytes
+    packed = torch.empty(tiles, blocks, code_bytes + (0 if tail is None else tail.shape[-1]), dtype=torch.uint8)
     # [tile, row, block, j, t] -> [tile, block, j, row, t], the 4 bytes t moved as one int32 (a quarter of the
-    # elements to permute: 8x faster on the 49K-row embedding, bench/RESULTS.md)
+    # elements to permute: 8x faster on the 49K-row embedding, bench/RESULTS.md), straight into the blocks' first
+    # bytes (no permuted copy, and no second one to append the tail)
     words = c.reshape(tiles, ROWS, blocks, -1, 4).view(torch.int32)[..., 0]
-    packed = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(tiles, blocks, -1)
-    if fifth is not None:
-        packed = torch.cat((packed, fifth), dim=2)
+    packed.view(torch.int32)[:, :, :code_bytes // 4].unflatten(2, (-1, ROWS)).copy_(words.permute(0, 2, 3, 1))
+    if tail is not None:
+        packed[:, :, code_bytes:] = tail
     return packed, _tiled(scales, tiles), _tiled(mins, tiles) if mins is not None else _NO_MINS
 
 
@@ -412,15 +420,6 @@ def _table_indices(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor | N
             return None
         indices[r:r + rows] = found.to(torch.uint8)
     return indices
-
-
-def pack_table(indices: torch.Tensor, table: torch.Tensor, scales: torch.Tensor,
-               mins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Table codes in the kernel's t4 layout: `pack` of the indices as nibbles, then the table's 16 int8 values
-    after each tile block's 256 bytes (272 bytes a block)."""
-    codes, d, m = pack(indices.view(torch.int8), scales, mins, 4)
-    per_block = table.view(torch.uint8).expand(*codes.shape[:2], TABLE_BYTES)
-    return torch.cat((codes, per_block), dim=2), d, m
 
 
 def _fifth_bits(c: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:

@@ -52,8 +52,8 @@ RUNS_AS = CODES_KEPT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the na
 class TableCodesWeight(QuantizedWeight):
     """A Q8_0-form weight whose int8 codes are all values of `table` (int8 [16]; IQ4_NL / IQ4_XS: IQ4_VALUES): the
     reference runs the codes as they are, the CPU backend keeps them as nibble indices and the table
-    (quant/cpu_backend.py `pack_table`: 4.5 bits a weight instead of 8.5). It keeps its table across devices and row
-    selections, and stacks into one only with weights of the same table (else as a plain Q8_0 weight)."""
+    (quant/cpu_backend.py `pack` with a table: 4.5 bits a weight instead of 8.5). It keeps its table across devices
+    and row selections, and stacks into one only with weights of the same table (else as a plain Q8_0 weight)."""
 
     def __init__(self, spec: QuantSpec, codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor):
         super().__init__(spec, codes, scales)
