@@ -394,7 +394,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, b
         if bits == 5:
             c = c & 15
         c = (c[:, :, :, 1] << 4).bitwise_or_(c[:, :, :, 0])  # one temporary, or'ed into in place
-    code_bytes = ROWS * QK // 2 if bits < 8 else ROWS * QK  # nibbles (4 and 5 bits: the fifth in the tail) or bytes
+    code_bytes = U4_BYTES if bits < 8 else ROWS * QK  # nibbles (4 and 5 bits: the fifth in the tail) or bytes
     packed = torch.empty(tiles, blocks, code_bytes + (0 if tail is None else tail.shape[-1]), dtype=torch.uint8)
     # [tile, row, block, j, t] -> [tile, block, j, row, t], the 4 bytes t moved as one int32 (a quarter of the
     # elements to permute: 8x faster on the 49K-row embedding, bench/RESULTS.md), straight into the blocks' first
