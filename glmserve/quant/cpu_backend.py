@@ -386,9 +386,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, b
     c = c.view(torch.uint8)  # the same bits: int8 codes, or nibbles 0..15
     if c.storage_offset() % 4:  # a view into another tensor: int32 words below need aligned storage
         c = c.clone()
-    tail = _fifth_bits(c, tiles, blocks) if bits == 5 else None
-    if table is not None:
-        tail = table.view(torch.uint8)
+    tail = table.view(torch.uint8) if table is not None else _fifth_bits(c, tiles, blocks) if bits == 5 else None
     if bits < 8:  # [tile, row, block, half, 16] -> byte = low half | high half << 4: [tile, row, block, 16 bytes]
         c = c.reshape(tiles, ROWS, blocks, 2, 16)
         if bits == 5:

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "packed_blocks.h"  // bytes per tile block of each code format (bf16_linear_args.h, bf16_pairs.h)
 #include "bf16_linear_args.h"
 #include "bf16_pairs.h"
 

@@ -2,7 +2,8 @@
 // bf16_gemm.cpp's avx512_bf16_linear): x [M, in] bf16 or float32 times the packed weight (quant/cpu_backend.py's
 // layout: codes [tiles, blocks, 512, 256, 320 or 272 bytes] uint8 (int8, nibble, nibble and fifth-bit, nibble and
 // table codes), scales and mins [tiles, blocks, 16] float16) -> [M, out]
-// bf16. Its argument checks, and the activation rows as the kernels read them.
+// bf16. Its argument checks, and the activation rows as the kernels read them. Needs packed_blocks.h (included first
+// by the source: the build stages one level of headers).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,9 +24,8 @@ inline void check_bf16_linear_args(const char* name, const at::Tensor& x, const 
   TORCH_CHECK(wm.numel() == 0 || (wm.scalar_type() == at::kHalf && wm.is_contiguous() && wm.numel() == wd.numel()),
               name, ": mins [tiles, blocks, 16] float16, or empty");
   TORCH_CHECK(tiles * rows >= out_features, name, ": ", tiles, " tiles of 16 rows hold fewer than ", out_features);
-  const int64_t nibbles = rows * qk / 2, bytes = codes.size(2);
-  TORCH_CHECK(u4 ? bytes == nibbles || bytes == nibbles + 64 || bytes == nibbles + 16 : bytes == rows * qk, name,
-              ": block bytes ", bytes);
+  const int64_t bytes = codes.size(2);
+  TORCH_CHECK(u4 ? nibble_block_bytes(bytes) : bytes == kI8BlockBytes, name, ": block bytes ", bytes);
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               name, ": x must be a 2-D bfloat16 or float32 CPU tensor");
   TORCH_CHECK(x.size(1) <= kp && x.size(1) > kp - qk, name, ": x has ", x.size(1), " features, the weight ", kp,

@@ -2,7 +2,8 @@
 // pairs: one tile (16 output rows) and block (32 inputs) becomes [16 input pairs][16 output rows][2] bf16, the
 // operand layout of both AMX's tdpbf16ps (a B tile) and AVX512-BF16's vdpbf16ps (one zmm per input pair: 16 output
 // lanes of 2 bf16). w = d * c + m in float32, rounded to nearest even bf16. Callers compile these into the
-// avx512 build and call them only on CPUs with AVX512-BF16 (cpuid leaf 7 subleaf 1 EAX bit 5).
+// avx512 build and call them only on CPUs with AVX512-BF16 (cpuid leaf 7 subleaf 1 EAX bit 5). Needs packed_blocks.h
+// (included first by the source: the build stages one level of headers).
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__x86_64__)
@@ -82,14 +83,14 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const u
   }
 }
 
-// dequantize_bf16_pairs of one block of a packed weight whose tile blocks are `block_bytes` long: 256 nibbles, 320
-// nibbles and fifth bits, 272 nibbles and their table, else (512) int8 codes
+// dequantize_bf16_pairs of one block of a packed weight whose tile blocks are `block_bytes` long (packed_blocks.h:
+// nibbles; nibbles and fifth bits; nibbles and their table; else int8 codes)
 GLMSERVE_BF16_TARGET inline void dequantize_bf16_block(int64_t block_bytes, const uint8_t* c, const uint16_t* d,
                                                        const uint16_t* m, uint16_t* o) {
   switch (block_bytes) {
-    case 256: return dequantize_bf16_pairs<true>(c, d, m, o);
-    case 320: return dequantize_bf16_pairs<true, true>(c, d, m, o);
-    case 272: return dequantize_bf16_pairs<true, false, true>(c, d, m, o);
+    case kU4BlockBytes: return dequantize_bf16_pairs<true>(c, d, m, o);
+    case kU5BlockBytes: return dequantize_bf16_pairs<true, true>(c, d, m, o);
+    case kT4BlockBytes: return dequantize_bf16_pairs<true, false, true>(c, d, m, o);
     default: return dequantize_bf16_pairs<false>(c, d, m, o);
   }
 }

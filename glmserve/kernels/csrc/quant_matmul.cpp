@@ -60,6 +60,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "packed_blocks.h"  // bytes per tile block of each code format (bf16_linear_args.h, bf16_pairs.h)
 #include "bf16_linear_args.h"  // amx_bf16_linear's argument checks and activation rows (shared with bf16_gemm.cpp)
 #include "vec_math.h"  // silu_mul: SwiGLU as silu_and_mul (prefill_ops.cpp) computes it; abs_max
 
@@ -88,10 +89,10 @@ namespace {
 
 constexpr int64_t QK = 32;     // inputs per block
 constexpr int64_t ROWS = 16;   // output rows per tile
-constexpr int64_t I8_BLOCK = ROWS * QK;      // bytes per tile and block
-constexpr int64_t U4_BLOCK = ROWS * QK / 2;
-constexpr int64_t U5_BLOCK = U4_BLOCK + 8 * 8;  // the nibbles, then 8 masks of 64 fifth bits
-constexpr int64_t T4_BLOCK = U4_BLOCK + 16;     // the nibbles, then their table of 16 int8 values
+constexpr int64_t I8_BLOCK = glmserve::kI8BlockBytes;  // bytes per tile and block (packed_blocks.h)
+constexpr int64_t U4_BLOCK = glmserve::kU4BlockBytes;
+constexpr int64_t U5_BLOCK = glmserve::kU5BlockBytes;
+constexpr int64_t T4_BLOCK = glmserve::kT4BlockBytes;
 
 enum Codes { I8, U4, U5, T4 };  // a packed weight's code format (the header's i8 / u4 / u5 / t4)
 
@@ -102,7 +103,7 @@ constexpr int64_t block_bytes_of(Codes c) {
 // the format of codes [tiles, blocks, bytes] passed with the kernels' `u4` flag (nibble codes): an error where the
 // bytes per tile and block are not one of the format's
 Codes codes_of(bool u4, int64_t bytes, const char* name) {
-  TORCH_CHECK(u4 ? bytes == U4_BLOCK || bytes == U5_BLOCK || bytes == T4_BLOCK : bytes == I8_BLOCK, name,
+  TORCH_CHECK(u4 ? glmserve::nibble_block_bytes(bytes) : bytes == I8_BLOCK, name,
               ": block bytes ", bytes,
               u4 ? " (nibble codes: 256, 320 with fifth bits, 272 with a table)" : " (int8 codes: 512)");
   return !u4 ? I8 : bytes == U4_BLOCK ? U4 : bytes == U5_BLOCK ? U5 : T4;
