@@ -191,6 +191,10 @@ class GGUFCheckpoint:
                 yield hf_name, torch.from_numpy(values)
             self.reader.release(tensor)  # the caller has taken this tensor; its file pages need not stay resident
 
+    def tensor_count(self) -> int:
+        """How many tensors `tensors` yields (the file's, less those folded into the config)."""
+        return sum(tensor.name in self.hf_names for tensor in self.reader.tensors)
+
     def native_formats(self) -> dict[str, Scheme]:
         """{hf_name: its stored format} of the tensors `tensors(native=True)` yields quantized; one log line counts
         the matrices of each type that runs as another block form (glmserve/quant/gguf_mapped.py)."""

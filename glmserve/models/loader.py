@@ -7,11 +7,12 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 from safetensors import safe_open
@@ -21,7 +22,7 @@ from glmserve.layers.param_loading import CheckpointTensor
 from glmserve.models.compressed_loader import compressed_weights
 from glmserve.models.quantized import checkpoint_tensors, quantize_modules
 from glmserve.models.registry import model_class
-from glmserve.quant.compressed_tensors import QUANT_METHOD
+from glmserve.quant.compressed_tensors import QUANT_METHOD, safetensors_keys
 from glmserve.quant.plan import validate as validate_quantization
 from glmserve.quant.schemes import Scheme
 from glmserve.sparse.learned import FILE_SUFFIX as INDEXER_FILE_SUFFIX
@@ -60,6 +61,21 @@ def safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def with_progress(weights: Iterator[tuple[str, CheckpointTensor]], total: int | None, name: str,
+                  file: TextIO | None = None) -> Iterator[tuple[str, CheckpointTensor]]:
+    """The checkpoint's tensor stream behind a progress bar (tensors read, converted and loaded, with the rate and
+    what is left) on stderr, or `file`, where that is a terminal: a large model's load, or its quantization on load,
+    takes minutes. Logs, pipes and tests get the stream as it is (and no tqdm import: 37 ms of a launch). `total`:
+    the tensors the stream yields, where known."""
+    shown = file or sys.stderr
+    if shown is None or not shown.isatty():  # (sys.stderr is None under pythonw)
+        yield from weights
+        return
+    from tqdm import tqdm
+
+    yield from tqdm(weights, total=total, desc=f"loading {name}", unit="tensor", leave=False, file=shown)
 
 
 def _as_set(ids: int | list[int] | None) -> set[int]:
@@ -161,6 +177,7 @@ def _load(path: str | None, tokenizer_path: str | None, device: torch.device, dt
         ckpt = load_gguf(location)
         native = quantization is None
         hf_config, weights, model_dir = ckpt.model_config(), ckpt.tensors(native=native), None
+        total = ckpt.tensor_count()
         formats = ckpt.native_formats() if native else {}
         tokenizer = _auto_tokenizer(tokenizer_path) if tokenizer_path else ckpt.serving_tokenizer()
     elif location.is_dir() and (location / "config.json").exists():
@@ -176,18 +193,22 @@ def _load(path: str | None, tokenizer_path: str | None, device: torch.device, dt
                                             f"read (only {QUANT_METHOD}); load a float checkpoint with "
                                             "--quantization SCHEME to quantize on load")
             weights, formats = compressed_weights(safetensors_files(location), qconfig, native=quantization is None)
+            total = None  # a quantized module's several tensors come as one
         else:
             weights, formats = safetensors_weights(location), {}
+            total = len(safetensors_keys(safetensors_files(location)))
         tokenizer = _auto_tokenizer(tokenizer_path or str(location))
     else:
         raise UnsupportedModelError(f"{location} is neither a .gguf file nor a model directory with config.json")
-    model = _build(hf_config, weights, formats, device, dtype, quantization, quantize_embeddings)
+    name = location.stem if location.is_file() else location.name
+    model = _build(hf_config, with_progress(weights, total, name), formats, device, dtype, quantization,
+                   quantize_embeddings)
     _return_freed_heap()
     return ModelAndTokenizer(
         model=model,
         hf_config=hf_config,
         tokenizer=tokenizer,
         eos_token_ids=_eos_ids(tokenizer, hf_config, model_dir),
-        name=location.stem if location.is_file() else location.name,
+        name=name,
         max_position_embeddings=hf_config.max_position_embeddings,
     )
