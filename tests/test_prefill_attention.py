@@ -226,42 +226,48 @@ def test_layer_on_the_kernel_matches_bf16_sdpa(monkeypatch, context):
     assert 0 < rel < 5e-3  # both round P and the output to bf16, in different orders; 0 would mean one path
 
 
-def bf16_stream_step(t: int, pool_dtype: torch.dtype, inputs_dtype: torch.dtype):
+def bf16_stream_step(t: int, pool_dtype: torch.dtype, inputs_dtype: torch.dtype, decode: bool = False):
     """One fresh prefill of `t` tokens through a layer with a bf16 (or float32) pool and a block indexer, from q, k, v
-    whose values are exact in bf16, given in `inputs_dtype`: (takes_bf16, output, pool, bounds)."""
+    whose values are exact in bf16, given in `inputs_dtype`: (takes_bf16, output, pool, bounds). `decode`: a mixed
+    step, one decode row first (its slot after the prompt's) that reads the prompt's keys and its own."""
     from glmserve.sparse.block import BlockIndexer
 
     gen = torch.Generator().manual_seed(11)
+    rows = t + decode
     attn = PagedAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)
-    attn.kv_cache = torch.zeros(2, KV_HEADS, NULL + t, DIM, dtype=pool_dtype)
-    attn.indexers["block"] = BlockIndexer(KV_HEADS, DIM, (NULL + t) // 16 + 1, 16, DIM**-0.5, pool_dtype, CPU)
-    q, k, v = (x.bfloat16().to(inputs_dtype) for x in torch.randn(3, t, HEADS, DIM, generator=gen))
+    attn.kv_cache = torch.zeros(2, KV_HEADS, NULL + rows, DIM, dtype=pool_dtype)
+    attn.indexers["block"] = BlockIndexer(KV_HEADS, DIM, (NULL + rows) // 16 + 1, 16, DIM**-0.5, pool_dtype, CPU)
+    q, k, v = (x.bfloat16().to(inputs_dtype) for x in torch.randn(3, rows, HEADS, DIM, generator=gen))
     k, v = k[:, :KV_HEADS], v[:, :KV_HEADS]  # strided views, as of a fused qkv output
     g = GroupMetadata(kv_slots=torch.empty(1, 0, dtype=torch.long), key_mask=None, num_tokens=t, fresh_causal=True)
-    meta = AttentionMetadata(slot_mapping=torch.arange(NULL, NULL + t), decode=None, prefill=g)
+    prompt = torch.arange(NULL, NULL + t)
+    d = GroupMetadata(kv_slots=torch.arange(NULL, NULL + rows)[None], key_mask=None, num_tokens=1,
+                      context_lens=torch.tensor([rows])) if decode else None
+    slots = torch.cat([torch.tensor([NULL + t]), prompt]) if decode else prompt
+    meta = AttentionMetadata(slot_mapping=slots, decode=d, prefill=g)
     takes = attn.takes_bf16(meta)
     return takes, attn(q, k, v, meta, torch.bfloat16), attn.kv_cache, attn.indexers["block"].bounds
 
 
 @needs_kernel
-def test_bf16_qkv_stream_changes_nothing_where_the_layer_takes_it(monkeypatch):
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "mixed"])
+def test_bf16_qkv_stream_changes_nothing_where_the_layer_takes_it(decode: bool, monkeypatch):
     """`takes_bf16` (models/llama.py keeps the qkv projection's bf16 output): on a bf16 pool with our kernel, q, k,
-    v in bf16 give bit for bit the output, pool and block bounds that the same values in float32 give; it says no
-    for a float32 pool, a step with decode rows, short groups and GLMSERVE_AMX_ATTENTION=0."""
+    v in bf16 give bit for bit the output, pool and block bounds that the same values in float32 give, a mixed step's
+    decode row too (its queries widened back for the decode kernel); it says no for a float32 pool, short groups,
+    GLMSERVE_AMX_ATTENTION=0 and a step of decode rows alone."""
     t = BF16_MIN_TOKENS + 40
-    takes, *want = bf16_stream_step(t, torch.bfloat16, torch.float32)
+    takes, *want = bf16_stream_step(t, torch.bfloat16, torch.float32, decode)
     assert takes
-    _, *got = bf16_stream_step(t, torch.bfloat16, torch.bfloat16)
+    _, *got = bf16_stream_step(t, torch.bfloat16, torch.bfloat16, decode)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
-    assert not bf16_stream_step(t, torch.float32, torch.float32)[0]
-    assert not bf16_stream_step(BF16_MIN_TOKENS - 1, torch.bfloat16, torch.float32)[0]
+    assert not bf16_stream_step(t, torch.float32, torch.float32, decode)[0]
+    assert not bf16_stream_step(BF16_MIN_TOKENS - 1, torch.bfloat16, torch.float32, decode)[0]
     monkeypatch.setenv(AMX_ATTENTION_ENV, "0")
-    assert not bf16_stream_step(t, torch.bfloat16, torch.float32)[0]
+    assert not bf16_stream_step(t, torch.bfloat16, torch.float32, decode)[0]
     monkeypatch.delenv(AMX_ATTENTION_ENV)
     attn = PagedAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)
     attn.kv_cache = torch.zeros(2, KV_HEADS, 64, DIM, dtype=torch.bfloat16)
-    prefill = GroupMetadata(kv_slots=torch.empty(0), key_mask=None, num_tokens=t, fresh_causal=True)
-    decode = GroupMetadata(kv_slots=torch.zeros(1, 1, dtype=torch.long), key_mask=None, num_tokens=1)
-    assert attn.takes_bf16(AttentionMetadata(torch.arange(t), decode=None, prefill=prefill))
-    assert not attn.takes_bf16(AttentionMetadata(torch.arange(t + 1), decode=decode, prefill=prefill))
+    rows = GroupMetadata(kv_slots=torch.zeros(1, 1, dtype=torch.long), key_mask=None, num_tokens=1)
+    assert not attn.takes_bf16(AttentionMetadata(torch.arange(1), decode=rows, prefill=None))

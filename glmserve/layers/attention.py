@@ -182,7 +182,7 @@ class PagedAttention:
         offset = 0
         if meta.decode is not None:
             n = meta.decode.num_tokens
-            outs.append(self._decode(q[:n], meta.decode))
+            outs.append(self._decode(q[:n].float(), meta.decode))  # (bf16 beside bf16 prefill rows: takes_bf16)
             offset = n
         if meta.prefill is not None:
             outs.append(self._prefill(q[offset:], k[offset:], v[offset:], meta.prefill))
@@ -193,14 +193,16 @@ class PagedAttention:
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def takes_bf16(self, meta: AttentionMetadata) -> bool:
-        """True where this step's q, k, v may come in bf16: prefill rows only, none with offloaded chunks,
-        attention on our bf16 kernel (which rounds q, k, v to bf16 anyway) and a bf16 pool (the KV write rounds k, v
-        to bf16 too: nothing changes) or an int8 one (k, v are quantized from their bf16 rounding: 2^-9 of a value
-        under codes of 1/127 of its row's largest; the CPU default). Then a bf16 qkv projection output is never
-        widened to float32: rope (in float32, rounded once), the KV write, the sparse scorers and the kernel read it
-        as it is."""
+        """True where this step's q, k, v may come in bf16: prefill rows, none with offloaded chunks, attention on
+        our bf16 kernel (which rounds q, k, v to bf16 anyway) and a bf16 pool (the KV write rounds k, v to bf16 too:
+        nothing changes) or an int8 one (k, v are quantized from their bf16 rounding: 2^-9 of a value under codes of
+        1/127 of its row's largest; the CPU default). Then a bf16 qkv projection output is never widened to float32:
+        rope (in float32, rounded once), the KV write, the sparse scorers and the kernel read it as it is. Decode rows
+        beside them (a mixed step of chunked prefill) come in bf16 too, their queries widened back to float32 for the
+        decode kernel: the whole step widened for them took 1.1x the time (4 x 512 prefill tokens beside 32 decode
+        rows on AMX, bench/RESULTS.md)."""
         g, cache = meta.prefill, self.kv_cache
-        return (meta.decode is None and g is not None and g.offloaded is None and cache is not None
+        return (g is not None and g.offloaded is None and cache is not None
                 and cache.dtype in (torch.bfloat16, torch.int8) and cache.device.type == "cpu"
                 and bf16_prefill(g.num_tokens, self.head_dim, g.longest_keys)
                 and (g.rows is not None or g.fresh_causal or g.query_lens is not None)
