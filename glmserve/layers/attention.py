@@ -182,7 +182,10 @@ class PagedAttention:
         offset = 0
         if meta.decode is not None:
             n = meta.decode.num_tokens
-            outs.append(self._decode(q[:n].float(), meta.decode))  # (bf16 beside bf16 prefill rows: takes_bf16)
+            rows = q[:n]
+            if meta.prefill is not None and rows.device.type == "cpu":  # bf16 beside bf16 prefill rows (takes_bf16)
+                rows = rows.float()  # the CPU decode kernel reads float32 queries
+            outs.append(self._decode(rows, meta.decode))
             offset = n
         if meta.prefill is not None:
             outs.append(self._prefill(q[offset:], k[offset:], v[offset:], meta.prefill))
