@@ -48,7 +48,10 @@ U4_BYTES = ROWS * QK // 2  # nibble bytes per tile and block
 FIFTH_BYTES = 64  # after them in 5-bit blocks: 8 masks of 64 fifth bits
 TABLE_BYTES = 16  # after them in table blocks: the 16 int8 values their nibbles index
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}  # bits of each GGUF block format run here
-DENSE_MIN_ROWS = 64  # rows from which the bf16 GEMM path beats the int8 tiles 1.7-2x (AMX; bench/gemm_micro.py --dense)
+# rows from which AMX CPUs run the bf16 GEMM path instead of the int8 tiles: a whole decode step of the embedded model
+# (`bench/profile_decode.py --batch B --prompt-len 128 --clock cpu --no-components`, 1 thread) took 0.90-0.94x the
+# time with it at 48 rows, 0.95-0.97x at 40, 1.00-1.01x at 36 (bench/RESULTS.md); prefill-sized batches 1.7-2x
+DENSE_MIN_ROWS = 40
 # On CPUs with AVX512-BF16 but no AMX (AMD Zen 4): "N" runs batches from N rows on our vdpbf16ps GEMM on the
 # packed weight (kernel avx512_bf16_linear, bf16 activations between the MLP's GEMMs as on AMX); unset (the
 # default): the int8 tiles run every batch. There vpdpbusd does twice vdpbf16ps's products per cycle: the int8
