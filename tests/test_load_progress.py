@@ -23,13 +23,13 @@ def _stream() -> list[tuple[str, torch.Tensor]]:
 def test_a_terminal_sees_the_bar_and_the_tensors_pass_through_unchanged() -> None:
     shown = _Terminal()
     items = _stream()
-    assert list(loader.with_progress(iter(items), 3, "tiny", file=shown)) == items
+    assert list(loader.with_progress(iter(items), lambda: 3, "tiny", file=shown)) == items
     assert "loading tiny" in shown.getvalue() and "0/3" in shown.getvalue()  # (refreshed at most every 0.1 s)
 
 
 def test_logs_and_pipes_get_no_bar() -> None:
     quiet = io.StringIO()
-    assert len(list(loader.with_progress(iter(_stream()), 3, "tiny", file=quiet))) == 3
+    assert len(list(loader.with_progress(iter(_stream()), lambda: 3, "tiny", file=quiet))) == 3
     assert quiet.getvalue() == ""
 
 
@@ -43,7 +43,7 @@ def test_the_total_is_what_the_stream_yields(checkpoint: str, tiny_model_dir, mo
         for item in real(weights, total, name, file):
             count += 1
             yield item
-        seen.append((total, count))
+        seen.append((total(), count))
 
     monkeypatch.setattr(loader, "with_progress", counted)
     path = None if checkpoint == "gguf" else str(tiny_model_dir("llama"))  # None: the embedded GGUF

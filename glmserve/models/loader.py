@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -63,19 +64,25 @@ def safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def with_progress(weights: Iterator[tuple[str, CheckpointTensor]], total: int | None, name: str,
+def _safetensors_count(model_dir: Path) -> int:
+    """How many tensors `safetensors_weights(model_dir)` yields (read from the files' headers)."""
+    return len(safetensors_keys(safetensors_files(model_dir)))
+
+
+def with_progress(weights: Iterator[tuple[str, CheckpointTensor]], total: Callable[[], int] | None, name: str,
                   file: TextIO | None = None) -> Iterator[tuple[str, CheckpointTensor]]:
     """The checkpoint's tensor stream behind a progress bar (tensors read, converted and loaded, with the rate and
     what is left) on stderr, or `file`, where that is a terminal: a large model's load, or its quantization on load,
-    takes minutes. Logs, pipes and tests get the stream as it is (and no tqdm import: 37 ms of a launch). `total`:
-    the tensors the stream yields, where known."""
+    takes minutes. Logs, pipes and tests get the stream as it is (no tqdm import, 37 ms of a launch, and no count).
+    `total()`: the tensors the stream yields (None: unknown); called only for a bar (it may read the files' headers)."""
     shown = file or sys.stderr
     if shown is None or not shown.isatty():  # (sys.stderr is None under pythonw)
         yield from weights
         return
     from tqdm import tqdm
 
-    yield from tqdm(weights, total=total, desc=f"loading {name}", unit="tensor", leave=False, file=shown)
+    yield from tqdm(weights, total=total() if total else None, desc=f"loading {name}", unit="tensor", leave=False,
+                    file=shown)
 
 
 def _as_set(ids: int | list[int] | None) -> set[int]:
@@ -177,7 +184,7 @@ def _load(path: str | None, tokenizer_path: str | None, device: torch.device, dt
         ckpt = load_gguf(location)
         native = quantization is None
         hf_config, weights, model_dir = ckpt.model_config(), ckpt.tensors(native=native), None
-        total = ckpt.tensor_count()
+        total = ckpt.tensor_count
         formats = ckpt.native_formats() if native else {}
         tokenizer = _auto_tokenizer(tokenizer_path) if tokenizer_path else ckpt.serving_tokenizer()
     elif location.is_dir() and (location / "config.json").exists():
@@ -196,7 +203,7 @@ def _load(path: str | None, tokenizer_path: str | None, device: torch.device, dt
             total = None  # a quantized module's several tensors come as one
         else:
             weights, formats = safetensors_weights(location), {}
-            total = len(safetensors_keys(safetensors_files(location)))
+            total = functools.partial(_safetensors_count, location)
         tokenizer = _auto_tokenizer(tokenizer_path or str(location))
     else:
         raise UnsupportedModelError(f"{location} is neither a .gguf file nor a model directory with config.json")
