@@ -425,6 +425,7 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
 template <int NB, Codes C, bool MINS>
 void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* out) {
   __m512 acc[NB];
+#pragma GCC unroll 16
   for (int n = 0; n < NB; ++n) acc[n] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i sixteen = _mm512_set1_epi8(16);
@@ -468,6 +469,7 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
       if (MINS) acc[n] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[n].f), acc[n]);
     }
   }
+#pragma GCC unroll 16
   for (int n = 0; n < NB; ++n) _mm512_storeu_ps(out + n * ROWS, acc[n]);
 }
 #endif
