@@ -186,8 +186,10 @@ def decode_rate(timeline: Timeline, batch: int) -> float:
 
 def repeats(work: wl.Workloads, metric: str) -> int:
     """How many distinct samples `metric` has in `work` (one prompt or batch each)."""
-    if metric in ("throughput_64_tok_s", "prefix_cold_ttft_s"):
-        return 1  # one 64-request run; the cold prefix is cold once
+    if metric == "throughput_64_tok_s":
+        return len(work.throughput)  # distinct request sets: each run's prompts are new to the prefix cache
+    if metric == "prefix_cold_ttft_s":
+        return 1  # the cold prefix is cold once
     return work.repeats
 
 
@@ -218,20 +220,20 @@ class Suite:
             batch = w.decode_b32[index]
             return decode_rate(engine.decode_timeline(batch, w.decode_tokens), len(batch))
         if metric == "throughput_64_tok_s":
-            return self._throughput()
+            return self._throughput(w.throughput[index])
         if metric == "prefix_cold_ttft_s":
             return timed(engine, [w.prefix_cold], 1)[0]
         if metric == "prefix_warm_ttft_s":
             return timed(engine, [w.prefix_warm[index]], 1)[0]
         raise ValueError(f"unknown metric {metric!r}")
 
-    def _throughput(self) -> float:
+    def _throughput(self, requests: list[list[int]]) -> float:
         cpu = time.process_time()
-        latency, produced = timed(self.engine, self.work.throughput, self.work.decode_tokens)
+        latency, produced = timed(self.engine, requests, self.work.decode_tokens)
         cpu = time.process_time() - cpu
-        prompt_tokens = sum(map(len, self.work.throughput))
-        self.details["throughput"] = {
-            "requests": len(self.work.throughput),
+        prompt_tokens = sum(map(len, requests))
+        self.details.setdefault("throughput", []).append({  # one entry per request set, in measuring order
+            "requests": len(requests),
             "prompt_tokens": prompt_tokens,
             "generated_tokens": produced,
             "wall_s": round(latency, 3),
@@ -239,7 +241,7 @@ class Suite:
             # this process's CPU time (every thread): with 1 thread on a shared core, steadier than wall time
             "cpu_s": round(cpu, 3),
             "tok_per_cpu_s": round(produced / cpu, 2),
-        }
+        })
         return produced / latency
 
 

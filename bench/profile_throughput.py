@@ -1,12 +1,12 @@
 """Where the 64-request throughput run's time goes: a per-step log of our engine on that workload.
 
-    GLMSERVE_BENCH_THREADS=1 .venv/bin/python bench/profile_throughput.py [--requests 64] [--decode-tokens N]
-        [--max-num-batched-tokens N] [--max-num-seqs N] [--log steps.jsonl]
+    GLMSERVE_BENCH_THREADS=1 .venv/bin/python bench/profile_throughput.py [--requests 64] [--set 0]
+        [--decode-tokens N] [--max-num-batched-tokens N] [--max-num-seqs N] [--log steps.jsonl]
 
 Submits the bench's `throughput` workload (bench/workloads.py: 64 prompts of 100..1,000 tokens, greedy,
-ignore_eos, DECODE_TOKENS new tokens each; `--requests` takes the first N) all at once, then steps the engine
-by hand as `LLM.generate` does, timing each step's three parts: scheduling, the runner (batch building, model,
-sampling) and the engine's bookkeeping after it. Prints the KV pool against what the workload needs, then the
+ignore_eos, DECODE_TOKENS new tokens each; `--set` picks one of its request sets, `--requests` takes the first N)
+all at once, then steps the engine by hand as `LLM.generate` does, timing each step's three parts: scheduling, the
+runner (batch building, model, sampling) and the engine's bookkeeping after it. Prints the KV pool against what the workload needs, then the
 wall time split by step kind (pure prefill, mixed prefill + decode, pure decode), the decode rows per step over
 the run, and steps with small prefill chunks.
 """
@@ -147,6 +147,7 @@ def summarize(steps: list[Step], total_s: float, generated: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=wl.THROUGHPUT_REQUESTS)
+    parser.add_argument("--set", type=int, default=0, help="which of the workloads' request sets (default: 0)")
     parser.add_argument("--decode-tokens", type=int, help="new tokens per request (default: the workloads')")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--max-num-seqs", type=int)
@@ -162,7 +163,7 @@ def main() -> None:
 
     torch.set_num_threads(wl.THREADS)
     work = wl.load(wl.ensure(quick=False))
-    prompts = work.throughput[:args.requests]
+    prompts = work.throughput[args.set][:args.requests]
     max_tokens = args.decode_tokens or work.decode_tokens
     overrides = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
                                    ("max_num_seqs", args.max_num_seqs), ("kv_cache_dtype", args.kv_cache_dtype),
