@@ -424,7 +424,7 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
 // activations is broadcast by vpdpbusd from memory (the pieces j of the group's rows: NB words side by side).
 template <int NB, Codes C, bool MINS>
 void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* out) {
-  __m512 acc[NB];
+  __m512 acc[NB];  // its two loops unrolled: GCC otherwise also keeps acc on the stack, stored every block
 #pragma GCC unroll 16
   for (int n = 0; n < NB; ++n) acc[n] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
