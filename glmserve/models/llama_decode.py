@@ -15,7 +15,7 @@ by the next layer's fused add + norm (add_rms_norm's add is the float32 add `x.a
 KV write are one call (kernels `rope_store_kv`: the math of rope_neox_ and store_kv, and the keys read back as
 kv_format's `roundtrip` gives them), which reads the step's [T, R] rope tables made once.
 
-Batches from the rows where the linears' forwards take the bf16 GEMM (AMX CPUs: 64, quant/cpu_backend.py
+Batches from the rows where the linears' forwards take the bf16 GEMM (AMX CPUs: 40, quant/cpu_backend.py
 DENSE_MIN_ROWS) run the module path's bf16 flow as a straight line too (`DecodeLayer._dense`): each norm rounds its
 output to bf16 for the GEMM after it, q/k/v come back widened to float32 for rope, the KV write and attention, whose
 output is rounded to bf16 for o_proj, and the MLP stays bf16 (gate-up, SwiGLU, down) until its output is added.
