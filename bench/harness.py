@@ -172,13 +172,17 @@ def timed(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     return time.perf_counter() - start, sum(counts)
 
 
-def decode_rate(timeline: Timeline, batch: int) -> float:
-    """Decode tok/s of a batch from its step timeline: the steps after the one where all `batch` prompts
-    have their first token (so no prefill is left), until the last step."""
+def ready_step(timeline: Timeline, batch: int) -> int:
+    """The index of the step where all `batch` prompts have their first token (no prefill is left after it)."""
     ready = next((i for i, (_, _, started) in enumerate(timeline) if started >= batch), None)
     if ready is None:
         raise ValueError(f"only {timeline[-1][2] if timeline else 0} of {batch} prompts got a token")
-    (t_ready, n_ready, _), (t_end, n_end, _) = timeline[ready], timeline[-1]
+    return ready
+
+
+def decode_rate(timeline: Timeline, batch: int) -> float:
+    """Decode tok/s of a batch from its step timeline: the steps after `ready_step`, until the last step."""
+    (t_ready, n_ready, _), (t_end, n_end, _) = timeline[ready_step(timeline, batch)], timeline[-1]
     if n_end <= n_ready:
         raise ValueError("no decode step after the prompts were computed (max_tokens too small)")
     return (n_end - n_ready) / max(t_end - t_ready, 1e-9)

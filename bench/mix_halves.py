@@ -29,7 +29,7 @@ import workloads as wl
 
 def halves(timeline: harness.Timeline, start: float, requests: int) -> dict[str, float]:
     """The two halves of one run's timeline (harness.Engine.decode_timeline), from `start` (perf_counter)."""
-    ready = next(i for i, (_, _, first) in enumerate(timeline) if first == requests)
+    ready = harness.ready_step(timeline, requests)
     steps = [timeline[i][0] - timeline[i - 1][0] for i in range(ready + 1, len(timeline))]
     total = timeline[-1][0] - start
     return {
