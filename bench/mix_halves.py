@@ -2,7 +2,7 @@
 its first token (prefill, and decode rows riding along) and the pure decode steps after them.
 
     W=$(.venv/bin/python bench/workloads.py build)
-    G=$(.venv/bin/python -c "import sys; sys.path.insert(0, 'bench'); import workloads; print(workloads.embedded_gguf_path())")
+    G=$(cd bench && ../.venv/bin/python -c "import workloads; print(workloads.embedded_gguf_path())")
     H=~/.cache/glmserve-bench/smollm2-bf16
     GLMSERVE_BENCH_THREADS=1 taskset -c 0 .venv/bin/python bench/mix_halves.py ours --workloads $W --gguf $G --hf-dir $H
     GLMSERVE_BENCH_THREADS=1 taskset -c 0 ~/.cache/glmserve-bench/vllm/bin/python bench/mix_halves.py peer_vllm \\

@@ -6,9 +6,9 @@
 Submits the bench's `throughput` workload (bench/workloads.py: 64 prompts of 100..1,000 tokens, greedy,
 ignore_eos, DECODE_TOKENS new tokens each; `--set` picks one of its request sets, `--requests` takes the first N)
 all at once, then steps the engine by hand as `LLM.generate` does, timing each step's three parts: scheduling, the
-runner (batch building, model, sampling) and the engine's bookkeeping after it. Prints the KV pool against what the workload needs, then the
-wall time split by step kind (pure prefill, mixed prefill + decode, pure decode), the decode rows per step over
-the run, and steps with small prefill chunks.
+runner (batch building, model, sampling) and the engine's bookkeeping after it. Prints the KV pool against what the
+workload needs, then the wall time split by step kind (pure prefill, mixed prefill + decode, pure decode), the
+decode rows per step over the run, and steps with small prefill chunks.
 """
 
 from __future__ import annotations
