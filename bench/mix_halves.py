@@ -9,10 +9,10 @@ its first token (prefill, and decode rows riding along) and the pure decode step
         --workloads $W --gguf $G --hf-dir $H
 
 The first argument names a runner module of bench/ (ours, peer_vllm, peer_llamacpp, peer_transformers); the rest
-are the runner's own arguments. Each of the workloads' request sets
-is run once (each new to the prefix cache), through the runner's `decode_timeline` (the same engine calls as the
-bench's mix, stepped by hand), after the bench's warmup. Prints a line per set and one JSON line
-(`MIX_HALVES {...}`): the wall time of each half, the steps in each, the decode steps' median.
+are the runner's own arguments. Each of the workloads' request sets is run once (each new to the prefix cache),
+through the runner's `decode_timeline` (the engine stepped by hand, as the bench's batch decode does), after the
+bench's warmup. Prints a line per set and one JSON line (`MIX_HALVES {...}`): the wall time of each half, the steps in
+each, the decode steps' median.
 """
 
 from __future__ import annotations
