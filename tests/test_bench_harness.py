@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import harness  # noqa: E402
+import workloads  # noqa: E402
 
 
 def test_decode_rate_excludes_prefill_steps() -> None:
@@ -52,8 +53,8 @@ def test_the_mix_has_a_sample_per_request_set() -> None:
             raise NotImplementedError
 
     sets = [[[1, 2], [3]], [[4, 5, 6]], [[7], [8], [9]]]
-    work = harness.wl.Workloads(quick=False, decode_tokens=4, repeats=3, startup=[1], warmup=[1], prefill={},
-                                decode_b1=[], decode_b32=[], throughput=sets, prefix_cold=[], prefix_warm=[])
+    work = workloads.Workloads(quick=False, decode_tokens=4, repeats=3, startup=[1], warmup=[1], prefill={},
+                               decode_b1=[], decode_b32=[], throughput=sets, prefix_cold=[], prefix_warm=[])
     engine = Recorder()
     suite = harness.Suite(engine, work)
     assert harness.repeats(work, "throughput_64_tok_s") == 3
