@@ -653,12 +653,35 @@ void attend_items(const Problem& p, const std::vector<Item>& order, int64_t begi
   Engine::end();
 }
 
+// 16 values of a row from `x` as bf16 bits in the low halves of 16 32-bit lanes (float32 rounded as torch's cast rounds)
+inline __m512i bf16_lanes(const uint16_t* x) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+inline __m512i bf16_lanes(const float* x) { return _mm512_cvtepu16_epi32(glmserve::f32_to_bf16_16(_mm512_loadu_ps(x))); }
+
+// V^T of one key block from its n <= KB value rows (rows[t]): block[d * KB + t] = row t's dim d in bf16, keys past n
+// left as they are (zero). 16 pairs of keys at a time: a pair's rows interleaved into 32-bit words (lane d: keys 2p and
+// 2p + 1 of dim d), then 16 x 16 words transposed (transpose16) into 64-byte rows of V^T, where an element at a time
+// took a store per value.
+template <typename T>
+void pack_vt(const T* const* rows, int64_t n, int64_t D, uint16_t* block) {
+  for (int64_t p0 = 0; 2 * p0 < n; p0 += 16)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 words[16], r[16];
+      for (int64_t p = 0; p < 16; ++p) {
+        const int64_t t = 2 * (p0 + p);
+        const __m512i even = t < n ? bf16_lanes(rows[t] + d0) : _mm512_setzero_si512();
+        const __m512i odd = t + 1 < n ? bf16_lanes(rows[t + 1] + d0) : _mm512_setzero_si512();
+        words[p] = _mm512_castsi512_ps(_mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+      }
+      transpose16(words, r);
+      for (int64_t d = 0; d < 16; ++d) _mm512_storeu_ps(reinterpret_cast<float*>(block + (d0 + d) * KB + 2 * p0), r[d]);
+    }
+}
+
 // Key block `blk` of one (row, KV head): its KB rows of K ([KB][D], at kp + blk * KB * D) and its V^T ([D][KB], at
 // vt + blk * KB * D), zero past the row's kl keys
 // (T: uint16_t for bf16 k and v, float for float32 ones, rounded to bf16 as torch's cast rounds)
-inline uint16_t bf16_bits(uint16_t x) { return x; }
-inline uint16_t bf16_bits(float x) { return glmserve::f32_to_bf16(x); }
-
 template <typename T>
 void pack_block(const at::Tensor& k, const at::Tensor& v, const glmserve::KeyRows& krs, const glmserve::KeyRows& vrs,
                 int64_t b, int64_t h, int64_t blk, int64_t kl, int64_t D, uint16_t* kp, uint16_t* vt) {
@@ -681,10 +704,9 @@ void pack_block(const at::Tensor& k, const at::Tensor& v, const glmserve::KeyRow
     std::memset(krows + n * D, 0, (KB - n) * D * 2);
     std::memset(block, 0, KB * D * 2);
   }
-  for (int64_t t = 0; t < n; ++t) {
-    const T* row = vs + vrs.offset(b, t0 + t, h);
-    for (int64_t d = 0; d < D; ++d) block[d * KB + t] = bf16_bits(row[d]);
-  }
+  const T* vrows[KB];
+  for (int64_t t = 0; t < n; ++t) vrows[t] = vs + vrs.offset(b, t0 + t, h);
+  pack_vt(vrows, n, D, block);
 }
 
 at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* ql, const int64_t* kl,
