@@ -54,7 +54,9 @@ def sample(checkout: Path, lengths: str, repeats: int, model: str | None) -> tup
         "GLMSERVE_BENCH_THREADS", "2")}
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "--prefill", lengths,
                           "--repeats", str(repeats), *(["--model", model] if model else [])],
-                         env=env, cwd=HERE, check=True, capture_output=True, text=True)
+                         env=env, cwd=HERE, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"the sample on {checkout} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1]), os.getloadavg()[0]
 
 
