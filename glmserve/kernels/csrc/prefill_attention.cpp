@@ -403,7 +403,7 @@ struct VectorBf16 {
 
   // The two forms above for two units a, b of the same key block and length (two query tiles or heads of the item):
   // each K or V^T pair is broadcast once for both, 8 keys or dims x 2 units in 16 accumulators. The single forms load
-  // a broadcast per vdpbf16ps, which held them at ~80% of its rate on Zen 5 (2 a cycle there: the loads bound them);
+  // a broadcast per vdpbf16ps, which held them at ~80-90% of its rate on Zen 5 (2 a cycle there: the loads bound them);
   // each accumulator's sum is the same as theirs, in the same order.
   BF16_TARGET void scores_pair(const Problem& p, const uint16_t* qa, const uint16_t* qb, float* sa, float* sb) const {
     if (p.D == 64)
@@ -659,8 +659,8 @@ inline __m512i bf16_lanes(const uint16_t* x) {
 }
 inline __m512i bf16_lanes(const float* x) { return _mm512_cvtepu16_epi32(glmserve::f32_to_bf16_16(_mm512_loadu_ps(x))); }
 
-// V^T of one key block from its n <= KB value rows (rows[t]): block[d * KB + t] = row t's dim d in bf16, keys past n
-// left as they are (zero). 16 pairs of keys at a time: a pair's rows interleaved into 32-bit words (lane d: keys 2p and
+// V^T of one key block from its n <= KB value rows (rows[t]): block[d * KB + t] = row t's dim d in bf16 (keys past n:
+// zero in the last 32 keys written, the rest as the caller left them). 16 pairs of keys at a time: a pair's rows interleaved into 32-bit words (lane d: keys 2p and
 // 2p + 1 of dim d), then 16 x 16 words transposed (transpose16) into 64-byte rows of V^T, where an element at a time
 // took a store per value.
 template <typename T>
