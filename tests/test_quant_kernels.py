@@ -379,7 +379,7 @@ def test_lm_head_shape(cpu_isa, fmt, batch):
 
 
 def test_lm_head_batch_past_the_streaming_size(tiles):
-    """44 rows of the lm_head (8.7 MB of logits): on AMX written with non-temporal stores; both tile kinds against
+    """44 rows of the lm_head (8.7 MB of logits): written with non-temporal stores (AMX and VNNI tiles); both against
     the emulation and the reference. W8A8 (per-token activations): batches of that size in other formats take the
     bf16 GEMM on AMX (DENSE_MIN_ROWS)."""
     check("w8a8", 44, *LM_HEAD)

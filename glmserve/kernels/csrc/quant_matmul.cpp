@@ -142,6 +142,13 @@ inline int32_t nibble_code(const uint8_t* block, int i, int r, int t, uint8_t ni
 
 constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
 constexpr int VNNI_NB = 8;                  // activation rows per AVX-512 VNNI tile
+// outputs of at least this many bytes (the lm_head from 43 rows) are written with non-temporal stores, whole 64-byte
+// rows of a tile (amx_tiles, and the VNNI tiles' simd_rows): their row stride, a multiple of 4 KB there, maps every
+// batch row's 64 bytes of a tile onto a few cache sets. On AMX the lm_head at 64 rows (12.6 MB) took 0.65x the time
+// alone, 0.77-0.80x with an argmax or softmax over the logits after it; at 32 rows (6.3 MB) even, at 8-16 rows slower
+// (1.06-1.27x with the reduction after it), hence 8 MB. On Zen 5's VNNI tiles the mix's decode steps of ~60 rows took
+// 59.1 / 59.9 ms against 62.6 / 61.3 (bench/profile_throughput.py, alternating).
+constexpr int64_t STREAM_BYTES = int64_t(8) << 20;
 
 union GroupWord;  // the VNNI tiles' regrouped activations (AVX-512 VNNI builds)
 
@@ -483,10 +490,6 @@ constexpr int64_t AMX_ROWS = 16;       // activation rows per A tile (a group)
 // which pay the nibble unpacking per group too (bench/RESULTS.md, "AMX int8 tiles for decode batches")
 constexpr int64_t AMX_GROUP_MIN_I8 = 6, AMX_GROUP_MIN_U4 = 10;
 constexpr int64_t AMX_UNPACK_ONCE = 24;  // u4 / u5 tiles of up to this many blocks: unpacked once for all groups (amx_tiles)
-// outputs of at least this many bytes are written with non-temporal stores (amx_tiles): the lm_head at 64 rows
-// (12.6 MB) 0.65x the time alone, 0.77-0.80x with an argmax or softmax over the logits after it; at 32 rows (6.3 MB)
-// even, at 8-16 rows slower (1.06-1.27x with the reduction after it), hence 8 MB
-constexpr int64_t AMX_STREAM_BYTES = int64_t(8) << 20;
 constexpr int64_t AMX_AHEAD = 4;       // blocks whose tile products run ahead of their scaling: C tiles 0-3
 constexpr int64_t AMX_RING = 2 * AMX_AHEAD;  // int32 result buffers of [16][16], written by tile stores
 
@@ -917,9 +920,10 @@ void tile_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nb
 }
 
 // rows n0..n0+count-1 of one weight tile's 16 output rows, on the variant's own tiles (MAX_NB rows at a time), into
-// out (row n0's first output of the tile; rows ldo apart): the first `cols` (<= 16) of each row
+// out (row n0's first output of the tile; rows ldo apart): the first `cols` (<= 16) of each row; `stream`: whole rows
+// of 16 by non-temporal stores (STREAM_BYTES; the caller fences)
 void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64_t nblocks, Codes kind, float* out,
-               int64_t ldo, int cols) {
+               int64_t ldo, int cols, bool stream = false) {
   float buf[MAX_NB * ROWS];
   Weights first = w;
   first.first_read = true;
@@ -931,7 +935,8 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
       float* dst = out + (n - n0 + i) * ldo;
 #if defined(__AVX512F__)
       // one masked store: a libc memcpy call per 64 bytes was ~1% of the 64-request mix (perf, Zen 5)
-      _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << cols) - 1u), _mm512_loadu_ps(buf + i * ROWS));
+      if (stream && cols == ROWS) _mm512_stream_ps(dst, _mm512_loadu_ps(buf + i * ROWS));
+      else _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << cols) - 1u), _mm512_loadu_ps(buf + i * ROWS));
 #else
       std::memcpy(dst, buf + i * ROWS, cols * sizeof(float));
 #endif
@@ -944,7 +949,7 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
 // real rows on the VNNI tiles). u4 / u5 weights of up to AMX_UNPACK_ONCE blocks run by more than one group are
 // unpacked once per tile for all its groups (12 KB at most, which leaves L1 room for the activations; 0.88-0.96x
 // the time at 32-63 rows for 576 inputs, and a loss at 1,536 inputs, where a whole tile is 24 KB) instead of
-// once per group. Outputs of AMX_STREAM_BYTES or more (the lm_head from 43 rows) bypass the caches (non-temporal
+// once per group. Outputs of STREAM_BYTES or more (the lm_head from 43 rows) bypass the caches (non-temporal
 // stores of whole 64-byte rows of a tile): their row stride, a multiple of 4 KB there, maps every batch row's
 // 64 bytes of a tile onto a few cache sets, and the regular stores cost up to 46% of the lm_head at 64 rows
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
@@ -953,7 +958,7 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
   const bool u4 = kind != I8;  // nibble codes
   const bool unpack_once = u4 && N > AMX_ROWS && nblocks <= AMX_UNPACK_ONCE;
   const bool stream = out_features % ROWS == 0 && reinterpret_cast<uintptr_t>(o) % 64 == 0 &&
-                      N * out_features * static_cast<int64_t>(sizeof(float)) >= AMX_STREAM_BYTES;
+                      N * out_features * static_cast<int64_t>(sizeof(float)) >= STREAM_BYTES;
   alignas(64) uint8_t unpacked[AMX_UNPACK_ONCE * I8_BLOCK];
   amx_config();
   for (int64_t t = begin; t < end; ++t) {
@@ -1087,13 +1092,22 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
     return Weights{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
   };
   if (!swiglu) {
+#if defined(__AVX512F__)
+    const bool stream = out_features % ROWS == 0 && reinterpret_cast<uintptr_t>(o) % 64 == 0 &&
+                        N * out_features * static_cast<int64_t>(sizeof(float)) >= STREAM_BYTES;
+#else
+    const bool stream = false;
+#endif
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
       for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t rows = std::min(chunk, N - n0);
         for (int64_t t = begin; t < end; ++t)
           simd_rows(weights(t), a, n0, rows, nblocks, kind, o + n0 * out_features + t * ROWS, out_features,
-                    static_cast<int>(std::min<int64_t>(ROWS, out_features - t * ROWS)));
+                    static_cast<int>(std::min<int64_t>(ROWS, out_features - t * ROWS)), stream);
       }
+#if defined(__AVX512F__)
+      if (stream) _mm_sfence();
+#endif
     });
     return out;
   }
