@@ -934,7 +934,8 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
     for (int i = 0; i < rows; ++i) {
       float* dst = out + (n - n0 + i) * ldo;
 #if defined(__AVX512F__)
-      // one masked store: a libc memcpy call per 64 bytes was ~1% of the 64-request mix (perf, Zen 5)
+      // one store a row (non-temporal where `stream`, else masked): a libc memcpy call per 64 bytes was ~1% of the
+      // 64-request mix (perf, Zen 5)
       if (stream && cols == ROWS) _mm512_stream_ps(dst, _mm512_loadu_ps(buf + i * ROWS));
       else _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << cols) - 1u), _mm512_loadu_ps(buf + i * ROWS));
 #else
