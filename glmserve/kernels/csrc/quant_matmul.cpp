@@ -919,6 +919,18 @@ void tile_rows(const Weights& w, const Acts& a, int64_t n0, int rows, int64_t nb
   tile<NB, C>(w, a, n0, nblocks, out);
 }
 
+// whether out [N, out_features] at o is written by non-temporal stores (STREAM_BYTES): whole aligned 64-byte rows of
+// every tile, in a build that has them (the AVX-512 ones)
+inline bool stream_output(const float* o, int64_t N, int64_t out_features) {
+#if defined(__AVX512F__)
+  return out_features % ROWS == 0 && reinterpret_cast<uintptr_t>(o) % 64 == 0 &&
+         N * out_features * static_cast<int64_t>(sizeof(float)) >= STREAM_BYTES;
+#else
+  (void)o, (void)N, (void)out_features;
+  return false;
+#endif
+}
+
 // rows n0..n0+count-1 of one weight tile's 16 output rows, on the variant's own tiles (MAX_NB rows at a time), into
 // out (row n0's first output of the tile; rows ldo apart): the first `cols` (<= 16) of each row; `stream`: whole rows
 // of 16 by non-temporal stores (STREAM_BYTES; the caller fences)
@@ -950,16 +962,14 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
 // real rows on the VNNI tiles). u4 / u5 weights of up to AMX_UNPACK_ONCE blocks run by more than one group are
 // unpacked once per tile for all its groups (12 KB at most, which leaves L1 room for the activations; 0.88-0.96x
 // the time at 32-63 rows for 576 inputs, and a loss at 1,536 inputs, where a whole tile is 24 KB) instead of
-// once per group. Outputs of STREAM_BYTES or more (the lm_head from 43 rows) bypass the caches (non-temporal
-// stores of whole 64-byte rows of a tile): their row stride, a multiple of 4 KB there, maps every batch row's
-// 64 bytes of a tile onto a few cache sets, and the regular stores cost up to 46% of the lm_head at 64 rows
+// once per group. Outputs of STREAM_BYTES or more (the lm_head from 43 rows) bypass the caches (stream_output; the
+// regular stores cost up to 46% of the lm_head at 64 rows here)
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
                int64_t end, int64_t nblocks, Codes kind, float* o, int64_t out_features) {
   const int64_t tile_bytes = nblocks * block_bytes_of(kind);
   const bool u4 = kind != I8;  // nibble codes
   const bool unpack_once = u4 && N > AMX_ROWS && nblocks <= AMX_UNPACK_ONCE;
-  const bool stream = out_features % ROWS == 0 && reinterpret_cast<uintptr_t>(o) % 64 == 0 &&
-                      N * out_features * static_cast<int64_t>(sizeof(float)) >= STREAM_BYTES;
+  const bool stream = stream_output(o, N, out_features);
   alignas(64) uint8_t unpacked[AMX_UNPACK_ONCE * I8_BLOCK];
   amx_config();
   for (int64_t t = begin; t < end; ++t) {
@@ -1093,12 +1103,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
     return Weights{cp + t * nblocks * block_bytes, dp + t * nblocks * ROWS, mp ? mp + t * nblocks * ROWS : nullptr};
   };
   if (!swiglu) {
-#if defined(__AVX512F__)
-    const bool stream = out_features % ROWS == 0 && reinterpret_cast<uintptr_t>(o) % 64 == 0 &&
-                        N * out_features * static_cast<int64_t>(sizeof(float)) >= STREAM_BYTES;
-#else
-    const bool stream = false;
-#endif
+    const bool stream = stream_output(o, N, out_features);
     at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
       for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t rows = std::min(chunk, N - n0);
