@@ -22,10 +22,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def sample(checkout: Path, steps: int, batch: int, clock: str, components: bool) -> tuple[dict[str, float], float]:
+def sample(checkout: Path, steps: int, batch: int, clock: str, components: bool,
+           model: str | None) -> tuple[dict[str, float], float]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = {**os.environ, "PYTHONPATH": str(checkout)}
-        extra = [] if components else ["--no-components"]
+        extra = ([] if components else ["--no-components"]) + (["--model", model] if model else [])
         subprocess.run([sys.executable, str(HERE / "profile_decode.py"), "--steps", str(steps), "--batch", str(batch),
                         "--repeats", "1", "--json", out.name, "--clock", clock, *extra], env=env, cwd=HERE,
                        check=True, stdout=subprocess.DEVNULL)
@@ -43,13 +44,14 @@ def main() -> None:
     parser.add_argument("--no-components", action="store_true",
                         help="no timing hooks inside the model (profile_decode.py): where one side runs the fused "
                              "decode path, the hooks only cost the other")
+    parser.add_argument("--model", help="a model path or GGUF file for both sides (default: the embedded SmolLM2)")
     args = parser.parse_args()
     checkouts = {"A": args.a.resolve(), "B": args.b.resolve()}  # the samples run in bench/: relative paths break
     runs: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
     for r in range(args.rounds):
         order = ("A", "B") if r % 2 == 0 else ("B", "A")
         for side in order:
-            ms, load = sample(checkouts[side], args.steps, args.batch, args.clock, not args.no_components)
+            ms, load = sample(checkouts[side], args.steps, args.batch, args.clock, not args.no_components, args.model)
             runs[side].append(ms)
             print(f"round {r + 1} {side}: {ms['engine step (all)']:.1f} ms/step, load {load:.2f}", flush=True)
     med = {side: {k: statistics.median(m.get(k, 0.0) for m in ms) for k in ms[0]} for side, ms in runs.items()}

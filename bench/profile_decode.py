@@ -129,6 +129,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: this thread's CPU time (one thread: robust to a busy host)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV format (default: its auto)")
+    parser.add_argument("--model", help="a model path or GGUF file (default: the embedded SmolLM2)")
     parser.add_argument("--no-components", action="store_true",
                         help="time only the model's forward and the engine's parts (no hooks inside the model): "
                              "for A/B of the fused decode path against the module path")
@@ -139,7 +140,7 @@ def main() -> None:
     from glmserve import LLM, SamplingParams
 
     torch.set_num_threads(wl.THREADS)
-    llm = LLM(model=None, num_threads=wl.THREADS, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(model=args.model, num_threads=wl.THREADS, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     maker = wl.PromptMaker(wl.load_tokenizer(wl.embedded_gguf_path()), wl.SEED + 5)
     llm.generate([maker.tokens(64)], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up

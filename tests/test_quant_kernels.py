@@ -75,6 +75,8 @@ FORMATS = {
     "gguf_q5_1": (QuantSpec(5, symmetric=False, strategy="group", group_size=32, gguf_type="Q5_1"), None),
     # IQ4_NL / IQ4_XS as gguf_mapped.py reads them: Q8_0 codes from a 16-value table, run as nibble indices (t4)
     "gguf_iq4": (QuantSpec(8, strategy="group", group_size=32, gguf_type="Q8_0"), None),
+    # Q6_K as gguf_mapped.py reads it: codes in [-32, 31], a scale per 16 (q6 blocks: two sums a block)
+    "gguf_q6_k": (QuantSpec(6, strategy="group", group_size=16, gguf_type="Q6_K"), None),
 }
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (out, in)
 LM_HEAD = (49152, 576)
@@ -90,14 +92,14 @@ def weight(fmt: str, out: int, inp: int) -> QuantizedWeight:
         w = torch.randn(out, inp, generator=g) * 0.02
         w[:, ::97] *= 8  # a few outlier input channels, as real layers have
         return quantize(w, spec)
-    blocks = inp // 32
+    blocks = inp // spec.group_size
     scales = (torch.rand(out, blocks, generator=g) * 0.01 + 1e-3).half()
     if fmt == "gguf_iq4":
         table = torch.from_numpy(IQ4_VALUES)
         return TableCodesWeight(spec, table[torch.randint(0, 16, (out, inp), generator=g)], scales, table)
     if spec.gguf_type == "Q8_0":
         return QuantizedWeight(spec, torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8), scales)
-    if spec.symmetric:  # Q4_0 codes in [-8, 7], Q5_0 (as gguf_mapped.py reads them) in [-16, 15]
+    if spec.symmetric:  # Q4_0 codes in [-8, 7], Q5_0 / Q6_K (as gguf_mapped.py reads them) in [-16, 15] / [-32, 31]
         half = 1 << (spec.num_bits - 1)
         return QuantizedWeight(spec, torch.randint(-half, half, (out, inp), generator=g, dtype=torch.int8), scales)
     top = 1 << spec.num_bits  # Q4_1 codes 0..15, Q5_1 0..31, with a minimum per block
@@ -107,11 +109,14 @@ def weight(fmt: str, out: int, inp: int) -> QuantizedWeight:
 
 @functools.lru_cache(maxsize=3)  # an lm_head-sized entry is ~0.5 GB
 def stored_weight(fmt: str, out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in rounded up to 32] float64: d * c + m as the backend stores them, and its absolute value."""
-    c, d, m = block_form(weight(fmt, out, inp))
-    c = F.pad(c, (0, d.shape[1] * 32 - inp)).double()
-    w = c * d.double().repeat_interleave(32, dim=1)
-    w = w if m is None else w + m.double().repeat_interleave(32, dim=1)
+    """[out, in rounded up to 32] float64: d * c + m as the backend stores them, and its absolute value (6 bits: the
+    codes and fp16 scales per 16 as they are)."""
+    w = weight(fmt, out, inp)
+    c, d, m = block_form(w) if w.spec.num_bits != 6 else (w.codes, w.scales, None)
+    per = -(-inp // 32) * 32 // d.shape[1]  # inputs per scale: 32, or 16
+    c = F.pad(c, (0, d.shape[1] * per - inp)).double()
+    w = c * d.double().repeat_interleave(per, dim=1)
+    w = w if m is None else w + m.double().repeat_interleave(per, dim=1)
     return w, w.abs().float()
 
 
@@ -241,7 +246,7 @@ def tiles(request, cpu_isa):
 
 @pytest.mark.parametrize("batch", [8, 16, 33])
 @pytest.mark.parametrize("fmt", ["int8_group32", "int8_channel_asym", "int4_group32", "int4_group64_asym", "w8a8",
-                                 "gguf_q8_0", "gguf_q4_1"])
+                                 "gguf_q8_0", "gguf_q4_1", "gguf_q6_k"])
 def test_batches_on_both_tile_kinds(tiles, fmt, batch):
     check(fmt, batch, 576, 1536)
 
@@ -252,7 +257,8 @@ AMX_BATCHES = [6, 8, 9, 10, 16, 17, 21, 26, 31, 32, 33, 48, 64, 100]
 
 
 @pytest.mark.parametrize("out, inp", [(200, 576), (176, 1536), (40, 64)])  # 18 / 48 / 2 blocks; 12.5 / 11 / 2.5 tiles
-@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "int4_group64_asym", "int8_channel_asym", "w8a8"])
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "int4_group64_asym", "int8_channel_asym", "w8a8",
+                                 "gguf_q6_k"])
 def test_amx_tiles_equal_every_variant(fmt, out, inp):
     """On the same quantized activations, the AMX tiles, the avx512 VNNI tiles and the avx2 tiles compute the same
     integer sums per block and scale and sum them in the same order: the same floats, at every decode batch size
@@ -422,6 +428,13 @@ def test_codes_outside_their_range_are_refused(cpu_isa):
     bad = QuantizedWeight(spec, torch.full((16, 32), -9, dtype=torch.int8), torch.ones(16, 1))
     with pytest.raises(InvalidRequestError, match="range"):
         CpuBlockBackend().prepare(bad, None, CPU)
+    six_bit = FORMATS["gguf_q6_k"][0]
+    bad = QuantizedWeight(six_bit, torch.full((16, 32), 32, dtype=torch.int8), torch.ones(16, 2))
+    with pytest.raises(InvalidRequestError, match="range"):
+        CpuBlockBackend().prepare(bad, None, CPU)
+    with pytest.raises(InvalidRequestError, match="blocks of 32"):  # 6-bit codes need whole blocks
+        CpuBlockBackend().prepare(QuantizedWeight(six_bit, torch.zeros(16, 48, dtype=torch.int8), torch.ones(16, 3)),
+                                  None, CPU)
 
 
 @pytest.mark.parametrize("spec, act", [
@@ -455,7 +468,7 @@ def test_prepare_keeps_only_the_packed_layout(cpu_isa):
 
 
 @pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "int8_channel_asym", "gguf_q5_1",
-                                 "gguf_iq4"])
+                                 "gguf_iq4", "gguf_q6_k"])
 def test_dequantize_packed_is_the_stored_weight(cpu_isa, fmt):
     """The dense form of the packed layout: d * c + m in float32 (one rounding of the sum), and that value
     rounded to bfloat16 as torch rounds it (nearest even)."""
@@ -475,7 +488,7 @@ def p_weight_abs(p) -> torch.Tensor:
     return CpuBlockBackend().dequantize_rows(p, torch.arange(p.out_features), torch.float32).abs()
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group64_asym"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group64_asym", "gguf_q6_k"])
 def test_large_batches_take_the_bf16_gemm(cpu_isa, fmt, monkeypatch):
     """From DENSE_MIN_ROWS rows (prefill) on AMX, and on CPUs with AVX512-BF16 but no AMX from the rows
     GLMSERVE_AVX512_BF16_ROWS gives (here DENSE_MIN_ROWS): bfloat16 activations, weights and outputs with float32
@@ -520,13 +533,15 @@ def test_large_batches_take_the_bf16_gemm(cpu_isa, fmt, monkeypatch):
 
 def random_packed(out: int, inp: int, bits: int, with_mins: bool, g: torch.Generator) -> tuple[tuple, torch.Tensor]:
     """A random weight packed directly (`pack` of codes, d and m drawn, no quantization: `bits` 8 (int8 codes), 4
-    (nibbles) or 5 (nibbles and fifth bits), with or without mins), and w = d c + m [out, inp] in float64."""
+    (nibbles), 5 (nibbles and fifth bits) or 6 (q6: codes q standing for q - 32, a d per 16 inputs, no mins), with or
+    without mins), and w = d c + m [out, inp] in float64."""
     blocks = -(-inp // 32)
     low, high = (-128, 128) if bits == 8 else (0, 1 << bits)
     codes = torch.randint(low, high, (out, inp), generator=g)
-    d = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
+    per = 16 if bits == 6 else 32  # inputs per d
+    d = (torch.rand(out, blocks * 32 // per, generator=g) * 0.02 + 1e-3).half()
     m = (torch.randn(out, blocks, generator=g) * 0.05).half() if with_mins else None
-    w = codes.double() * d.double().repeat_interleave(32, dim=1)[:, :inp]
+    w = (codes - 32 if bits == 6 else codes).double() * d.double().repeat_interleave(per, dim=1)[:, :inp]
     if m is not None:
         w = w + m.double().repeat_interleave(32, dim=1)[:, :inp]
     return pack(codes.to(torch.int8), d, m, bits), w
@@ -547,10 +562,11 @@ def bf16_gemm(request) -> Callable:
 
 
 @pytest.mark.parametrize("inp", [576, 1536, 100])
-@pytest.mark.parametrize("bits, with_mins", [(8, False), (8, True), (4, False), (4, True), (5, False), (5, True)])
+@pytest.mark.parametrize("bits, with_mins", [(8, False), (8, True), (4, False), (4, True), (5, False), (5, True),
+                                             (6, False)])
 def test_bf16_gemm_against_the_reference(bf16_gemm, bits, with_mins, inp):
     """Our bf16 GEMMs (amx_bf16_linear, avx512_bf16_linear) on random packed weights (`pack` of codes, d and m
-    drawn directly: int8 codes, nibbles, or nibbles and fifth bits, with and without mins), 600 outputs (38 tiles,
+    drawn directly: int8 codes, nibbles, nibbles and fifth bits, with and without mins, or 6-bit codes), 600 outputs (38 tiles,
     the last padded: several panels; tiles not a multiple of the register block's 3), odd batches (1, and rows past
     multiples of 8 and 16),
     inputs padded to 32 (100: the padded inputs' weight is m, the kernel must zero their activations). Each output
@@ -605,7 +621,7 @@ def test_bf16_gemm_threads_give_the_same_floats(bf16_gemm, out, inp):
 
 
 @pytest.mark.parametrize("inp", [576, 1536, 100])
-@pytest.mark.parametrize("bits, with_mins", [(8, False), (8, True), (4, True), (5, True)])
+@pytest.mark.parametrize("bits, with_mins", [(8, False), (8, True), (4, True), (5, True), (6, False)])
 def test_amx_swiglu_gemm_is_the_gemm_then_silu_and_mul(cpu_isa, bits, with_mins, inp, monkeypatch):
     """amx_bf16_linear_swiglu (SwiGLU in the AMX GEMM's store: gate tile i and up tile i as one tile pair) gives
     silu_and_mul(amx_bf16_linear(x)) bit for bit: 2 x 304 outputs (19 gate tiles: an odd count, several panels),

@@ -240,7 +240,7 @@ def test_each_quantized_module_is_finalized_once_its_weights_arrived(small_gguf,
 
 @pytest.fixture(scope="module")
 def k_quant_gguf(tmp_path_factory):
-    """A llama GGUF of llama.cpp's other block types (K-quants, 5-bit, a re-quantized Q6_K tied embedding) at widths
+    """A llama GGUF of llama.cpp's other block types (K-quants, 5-bit, a Q6_K tied embedding) at widths
     K-quants allow (256 inputs), weights of a trained model's size (|w| ~ 0.03), and its tokenizer directory."""
     root = tmp_path_factory.mktemp("k-quant-gguf")
     rng = np.random.default_rng(1)
@@ -274,7 +274,7 @@ def k_quant_gguf(tmp_path_factory):
 def test_k_quant_gguf_engine_runs_from_blocks_as_the_float_engine(k_quant_gguf):
     """Every matrix of the K-quant file runs on the block kernels (none in float), at a quarter of the float
     engine's weight bytes, and generates what the float engine (gguf-py's dequantization) does: the same greedy
-    tokens and top two, logprobs within what the flattened scales, Q6_K's int8 and the int8 activations move
+    tokens and top two, logprobs within what the flattened scales and the int8 activations move
     (measured: at most 0.03)."""
     path, tokenizer = k_quant_gguf
     native = LLM(model=str(path), tokenizer=str(tokenizer), block_size=4, kv_cache_memory_bytes=4 << 20)

@@ -1,24 +1,26 @@
 """GGUF block types beyond Q8_0 / Q4_0 / Q4_1, as the block forms our kernels run (codes, an fp16 scale (and min)
-per 32 inputs), so that every llama.cpp quantization mix loads without a float copy of its matrices.
+per 32 inputs, or for Q6_K per 16), so that every llama.cpp quantization mix loads without a float copy of its matrices.
 
 llama.cpp's Q4_K_M / Q5_K_M / Q3_K_M / IQ4_XS ... files (the GGUFs most people download) hold K-quant and i-quant
 matrices, and Q5_0 / Q5_1 / Q8_0 where a matrix's inputs are not a multiple of 256 (SmolLM2's 576). Each becomes a
 canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_q5_0`, `block_q5_1`, `block_q4_K`,
-`block_q5_K`, `block_iq4_nl`, `block_iq4_xs` and ggml-quants.c's `dequantize_row_*`, read, not copied):
+`block_q5_K`, `block_q6_K`, `block_iq4_nl`, `block_iq4_xs` and ggml-quants.c's `dequantize_row_*`, read, not copied):
 
   Q5_0    d, 5-bit q                      w = d * (q - 16)      -> codes q - 16 in [-16, 15], scale d: exact
   Q5_1    d, m, 5-bit q                   w = d * q + m         -> codes q, scale d, min m: exact
   Q4_K    d, dmin, 6-bit (sc, m) per 32   w = d*sc*q - dmin*m   -> Q4_1: codes q, scale fp16(d*sc), min fp16(-dmin*m)
   Q5_K    as Q4_K with 5-bit q                                   -> Q5_1 the same way
+  Q6_K    d, int8 sc per 16, 6-bit q      w = d*sc*(q - 32)     -> Q6_K: codes q - 32, scale fp16(d*sc) per 16
   IQ4_NL  d, 4-bit index into kvalues     w = d * kvalues[q]    -> Q8_0: codes kvalues[q] (int8), scale d: exact
   IQ4_XS  d, 6-bit ls per 32, as IQ4_NL   w = d*(ls-32)*kvalues[q] -> Q8_0: scale fp16(d * (ls - 32))
-  others  (Q6_K, Q2_K, Q3_K, IQ1-IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: scales per 16, codebook grids, FP4 values)
+  others  (Q2_K, Q3_K, IQ1-IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: 2-3-bit scales per 16, codebook grids, FP4 values)
           gguf-py's dequantization, quantized again to Q8_0 by ggml's round to nearest
 
 Q4_K / Q5_K / IQ4_XS's two-level scales are flattened into one fp16 per 32 (relative rounding <= 2^-11 of a block's
-scale and min, next to a 4-bit step's 1/15 of its range). The re-quantized types gain at most half an int8 step,
-absmax / 254 of a block (Q6_K's own step is absmax / 32, a 2-bit type's absmax / 2). 5-bit codes run as nibbles
-and a plane of fifth bits (5 bits a weight, as the file keeps them), 4-bit ones as nibbles, IQ4's as nibble indices
+scale and min, next to a 4-bit step's 1/15 of its range), Q6_K's into one per 16 (next to its step's 1/63). The
+re-quantized types gain at most half an int8 step, absmax / 254 of a block (a 2-bit type's own step is absmax / 2).
+5-bit codes run as nibbles and a plane of fifth bits (5 bits a weight, as the file keeps them), 6-bit ones as
+nibbles and two planes (the kernels' q6 blocks, the scale of each block's second 16 inputs kept in the block), 4-bit ones as nibbles, IQ4's as nibble indices
 into the table kept with each block (TableCodesWeight: its canonical codes are the table's values). Everything is
 vectorized over all blocks.
 """
@@ -42,8 +44,9 @@ SUPER = 256  # inputs per K-quant superblock (ggml's QK_K)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 IQ4_TABLE = torch.from_numpy(IQ4_VALUES)  # (the same memory) as TableCodesWeight's table
 # types whose codes are kept as stored (their scales as stored, or flattened: Q4_K, Q5_K, IQ4_XS) -> the form
-CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
-REQUANTIZED = tuple(name for name in ("Q6_K", "Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "Q6_K": "Q6_K", "IQ4_NL": "Q8_0",
+              "IQ4_XS": "Q8_0"}
+REQUANTIZED = tuple(name for name in ("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                                       "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
                     if name in GGMLQuantizationType.__members__)  # (older gguf-py versions lack the newest)
 RUNS_AS = CODES_KEPT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the native block form it runs as
@@ -76,6 +79,8 @@ def how_it_runs(gguf_type: str) -> str:
         return "re-quantized to Q8_0"
     if gguf_type in ("Q4_K", "Q5_K", "IQ4_XS"):
         return f"as {RUNS_AS[gguf_type]} blocks, scales rounded to one fp16 per 32"
+    if gguf_type == "Q6_K":
+        return "6-bit codes as nibbles and two bit planes, scales rounded to one fp16 per 16"
     if gguf_type.startswith("Q5_"):
         return "5-bit codes as nibbles and fifth bits"
     return "nibble indices into its table"
@@ -108,6 +113,9 @@ def convert_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Q
     if gguf_type == "IQ4_XS":
         return TableCodesWeight(spec, _codes(IQ4_VALUES[unpack_nibbles(_per_32(blocks[..., 8:], 16))], shape),
                                 _iq4_xs_scales(blocks).reshape(out, -1), IQ4_TABLE)
+    if gguf_type == "Q6_K":
+        return QuantizedWeight(spec, _codes(_six_bit(blocks[..., :128], blocks[..., 128:192]), shape),
+                               _q6_k_scales(blocks).reshape(out, -1))
     if gguf_type in ("Q5_0", "Q5_1"):
         has_min = gguf_type == "Q5_1"
         header = 4 if has_min else 2
@@ -151,6 +159,29 @@ def _five_bit(low: np.ndarray, high_words: np.ndarray) -> np.ndarray:
     bit 4 -> q in [0, 31] uint8."""
     bits = np.unpackbits(high_words, axis=-1, bitorder="little")  # [..., 32]: bit j of the little-endian word
     return low | (bits << np.uint8(4))
+
+
+def _six_bit(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q6_K's 128 bytes of low 4 bits and 64 of high 2 bits per superblock -> [..., 256] codes q - 32 (int8): in each
+    128-input half, byte l of its 64 ql holds element l's low nibble (l < 32: elements 0..31, else 32..63) and element
+    l + 64's high nibble; bits 2k..2k+1 of byte l of its 32 qh are element l + 32 k's top two bits (ggml-quants.c
+    dequantize_row_q6_K)."""
+    ql = ql.reshape(*ql.shape[:-1], 2, 64)
+    qh = qh.reshape(*qh.shape[:-1], 2, 32)
+    q = np.empty((*ql.shape[:-1], 128), dtype=np.uint8)  # [..., half, 128], built in place (a load's transients)
+    np.bitwise_and(ql, 0x0F, out=q[..., :64])
+    np.right_shift(ql, 4, out=q[..., 64:])
+    for k in range(4):
+        q[..., 32 * k:32 * (k + 1)] |= ((qh >> np.uint8(2 * k)) & 3) << np.uint8(4)
+    q -= np.uint8(32)  # q - 32 modulo 256: the int8 codes' bits
+    return q.view(np.int8).reshape(*ql.shape[:-2], SUPER)
+
+
+def _q6_k_scales(blocks: np.ndarray) -> torch.Tensor:
+    """Q6_K's per-16 scales d * sc as fp16 [..., 16]: sc the int8 bytes 192..207, d the fp16 at 208."""
+    d = fp16_field(blocks, 208).to(torch.float32)[..., None]
+    sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32))
+    return (d * sc).to(torch.float16)
 
 
 def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -27,23 +27,32 @@ inline bool avx512_bf16_present() {
   return ok;
 }
 
-// Two rows of input pairs from 64 code bytes [16 out rows][4 inputs 4J..4J+3] (signed i8 codes or u4 nibbles):
+// Two rows of input pairs from 64 code bytes [16 out rows][4 inputs 4J..4J+3] (signed i8 codes or nibbles):
 // row 2J = inputs 4J, 4J+1 of each out row, row 2J+1 = 4J+2, 4J+3. ds[g], ms[g]: the rows' d and m for out
 // rows 4g..4g+3, each repeated over its 4 lanes.
-// NIBBLE: 0 = the bytes are signed int8 codes; 1 / 2: the low / high nibbles of the bytes. FIFTH (u5 blocks): bit
-// 4r + t of `fifth` adds 16 to out row r's input t of these four. TABLE (t4 blocks): the nibbles index `table`'s
-// 16 int8 values
-template <int NIBBLE, bool FIFTH = false, bool TABLE = false>
+// NIBBLE: 0 = the bytes are signed int8 codes; 1 / 2: the low / high nibbles of the bytes. BYTES, the tile block's
+// format (packed_blocks.h): u5 blocks add 16 to out row r's input t of these four where bit 4r + t of `fifth` is
+// set; q6 blocks take the top two bits from bits 2k, 2k+1 of the 64 bytes at `top`; t4 blocks' nibbles index
+// `table`'s 16 int8 values
+template <int NIBBLE, int64_t BYTES>
 GLMSERVE_BF16_TARGET inline void bf16_pair_rows(const uint8_t* bytes, const __m512* ds, const __m512* ms,
-                                                uint16_t* out, uint64_t fifth = 0, __m128i table = __m128i()) {
+                                                uint16_t* out, uint64_t fifth, const uint8_t* top, int k,
+                                                __m128i table) {
   __m512 f[4];
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int g = 0; g < 4; ++g) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * g));
-    const __m128i nibbles = _mm_and_si128(NIBBLE == 1 ? v : _mm_srli_epi16(v, 4), low4);
+    __m128i nibbles = _mm_and_si128(NIBBLE == 1 ? v : _mm_srli_epi16(v, 4), low4);
+    if constexpr (BYTES == kQ6BlockBytes) {
+      const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(top + 16 * g));
+      const __m128i field = _mm_and_si128(_mm_srl_epi16(t, _mm_cvtsi32_si128(2 * k)), _mm_set1_epi8(3));
+      nibbles = _mm_or_si128(nibbles, _mm_slli_epi16(field, 4));  // q 0..63
+    }
     __m512i w = NIBBLE == 0 ? _mm512_cvtepi8_epi32(v)
-              : TABLE ? _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, nibbles)) : _mm512_cvtepu8_epi32(nibbles);
-    if constexpr (FIFTH) w = _mm512_mask_add_epi32(w, static_cast<__mmask16>(fifth >> (16 * g)), w, _mm512_set1_epi32(16));
+              : BYTES == kT4BlockBytes ? _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, nibbles))
+                                       : _mm512_cvtepu8_epi32(nibbles);
+    if constexpr (BYTES == kU5BlockBytes)
+      w = _mm512_mask_add_epi32(w, static_cast<__mmask16>(fifth >> (16 * g)), w, _mm512_set1_epi32(16));
     f[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w), ds[g], ms[g]);
   }
   // [out rows 0-7][4 inputs] and [8-15][4] in bf16: each 32-bit lane one pair of inputs of one out row
@@ -55,43 +64,59 @@ GLMSERVE_BF16_TARGET inline void bf16_pair_rows(const uint8_t* bytes, const __m5
   _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi32(lo, odd, hi));
 }
 
+// 16 rows' fp16 values at p (d or m; null: zero) as bf16_pair_rows' per-group vectors: lane l of group g is out
+// row 4g + l / 4's
+GLMSERVE_BF16_TARGET inline void spread_rows(const uint16_t* p, __m512* groups) {
+  const __m512 v = p ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))) : _mm512_setzero_ps();
+  for (int g = 0; g < 4; ++g)
+    groups[g] = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * g),
+                                                       _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)),
+                                      v);
+}
+
 // one block of one tile of the packed weight (its code bytes c, its 16 d and m fp16 bits; m null: zero) ->
-// PAIR_TILE bf16 at o. U4: nibble codes; FIFTH: u5 blocks, whose 256 nibble bytes are followed by 8 masks of 64 fifth
-// bits (mask i: the bytes of i8 group i, i.e. the low nibbles of group i < 4, the high ones of group i - 4); TABLE:
-// t4 blocks, whose 256 nibble bytes are followed by the 16 int8 values they index
-template <bool U4, bool FIFTH = false, bool TABLE = false>
+// PAIR_TILE bf16 at o. BYTES, the block's format (packed_blocks.h): int8 codes; nibbles; u5: the 256 nibble bytes
+// followed by 8 masks of 64 fifth bits (mask i: the bytes of i8 group i, i.e. the low nibbles of group i < 4, the high
+// ones of group i - 4); t4: the nibbles followed by the 16 int8 values they index; q6: the nibbles, 2 x 64 bytes of
+// top bits and the rows' fp16 scales of inputs 16..31, w = d * (q - 32) (as fma(q, d, -32 d): exact, both are)
+template <int64_t BYTES>
 GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const uint16_t* d, const uint16_t* m,
                                                        uint16_t* o) {
-  const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
-  const __m512 mv = m ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m))) : _mm512_setzero_ps();
   __m512 ds[4], ms[4];
-  for (int g = 0; g < 4; ++g) {  // lane l of group g: out row 4g + l / 4
-    const __m512i spread = _mm512_add_epi32(_mm512_set1_epi32(4 * g),
-                                            _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
-    ds[g] = _mm512_permutexvar_ps(spread, dv), ms[g] = _mm512_permutexvar_ps(spread, mv);
-  }
-  if (U4) {
-    uint64_t fifth[8] = {};
-    if constexpr (FIFTH) __builtin_memcpy(fifth, c + 256, sizeof(fifth));
-    const __m128i table = TABLE ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 256)) : _mm_setzero_si128();
-    for (int j = 0; j < 4; ++j) {  // low nibbles: inputs 4j.., high nibbles: 16 + 4j..
-      bf16_pair_rows<1, FIFTH, TABLE>(c + j * 64, ds, ms, o + 2 * j * 32, fifth[j], table);
-      bf16_pair_rows<2, FIFTH, TABLE>(c + j * 64, ds, ms, o + 2 * (4 + j) * 32, fifth[4 + j], table);
-    }
+  spread_rows(d, ds);
+  spread_rows(m, ms);
+  if constexpr (BYTES == kI8BlockBytes) {
+    for (int j = 0; j < 8; ++j) bf16_pair_rows<0, BYTES>(c + j * 64, ds, ms, o + 2 * j * 32, 0, nullptr, 0, __m128i());
   } else {
-    for (int j = 0; j < 8; ++j) bf16_pair_rows<0>(c + j * 64, ds, ms, o + 2 * j * 32);
+    __m512 dh[4], mh[4];  // the high nibbles' (inputs 16..31) d and m: q6's own, else the block's
+    if constexpr (BYTES == kQ6BlockBytes) {
+      spread_rows(reinterpret_cast<const uint16_t*>(c + kU4BlockBytes + 128), dh);
+      for (int g = 0; g < 4; ++g)
+        ms[g] = _mm512_mul_ps(ds[g], _mm512_set1_ps(-32.f)), mh[g] = _mm512_mul_ps(dh[g], _mm512_set1_ps(-32.f));
+    } else {
+      for (int g = 0; g < 4; ++g) dh[g] = ds[g], mh[g] = ms[g];
+    }
+    uint64_t fifth[8] = {};
+    if constexpr (BYTES == kU5BlockBytes) __builtin_memcpy(fifth, c + kU4BlockBytes, 64);
+    const uint8_t* top = c + kU4BlockBytes;  // q6: the low nibbles' top bits, then the high nibbles'
+    const __m128i table = BYTES == kT4BlockBytes ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kU4BlockBytes))
+                                                 : _mm_setzero_si128();
+    for (int j = 0; j < 4; ++j) {  // low nibbles: inputs 4j.., high nibbles: 16 + 4j..
+      bf16_pair_rows<1, BYTES>(c + j * 64, ds, ms, o + 2 * j * 32, fifth[j], top, j, table);
+      bf16_pair_rows<2, BYTES>(c + j * 64, dh, mh, o + 2 * (4 + j) * 32, fifth[4 + j], top + 64, j, table);
+    }
   }
 }
 
-// dequantize_bf16_pairs of one block of a packed weight whose tile blocks are `block_bytes` long (packed_blocks.h:
-// nibbles; nibbles and fifth bits; nibbles and their table; else int8 codes)
+// dequantize_bf16_pairs of one block of a packed weight whose tile blocks are `block_bytes` long (packed_blocks.h)
 GLMSERVE_BF16_TARGET inline void dequantize_bf16_block(int64_t block_bytes, const uint8_t* c, const uint16_t* d,
                                                        const uint16_t* m, uint16_t* o) {
   switch (block_bytes) {
-    case kU4BlockBytes: return dequantize_bf16_pairs<true>(c, d, m, o);
-    case kU5BlockBytes: return dequantize_bf16_pairs<true, true>(c, d, m, o);
-    case kT4BlockBytes: return dequantize_bf16_pairs<true, false, true>(c, d, m, o);
-    default: return dequantize_bf16_pairs<false>(c, d, m, o);
+    case kU4BlockBytes: return dequantize_bf16_pairs<kU4BlockBytes>(c, d, m, o);
+    case kU5BlockBytes: return dequantize_bf16_pairs<kU5BlockBytes>(c, d, m, o);
+    case kT4BlockBytes: return dequantize_bf16_pairs<kT4BlockBytes>(c, d, m, o);
+    case kQ6BlockBytes: return dequantize_bf16_pairs<kQ6BlockBytes>(c, d, m, o);
+    default: return dequantize_bf16_pairs<kI8BlockBytes>(c, d, m, o);
   }
 }
 

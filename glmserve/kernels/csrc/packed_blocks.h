@@ -11,10 +11,13 @@ constexpr int64_t kI8BlockBytes = 16 * 32;                 // i8: signed int8 co
 constexpr int64_t kU4BlockBytes = 16 * 32 / 2;             // u4: nibbles
 constexpr int64_t kU5BlockBytes = kU4BlockBytes + 8 * 8;   // u5: the nibbles, then 8 masks of 64 fifth bits
 constexpr int64_t kT4BlockBytes = kU4BlockBytes + 16;      // t4: the nibbles, then their table of 16 int8 values
+// q6: the nibbles, then the codes' top two bits (2 x 64 bytes of four 2-bit fields), then the 16 rows' fp16 scales
+// of inputs 16..31
+constexpr int64_t kQ6BlockBytes = kU4BlockBytes + 2 * 64 + 16 * 2;
 
-// whether `bytes` per tile block is a nibble-code format's (u4, u5, t4)
+// whether `bytes` per tile block is a nibble-code format's (u4, u5, t4, q6)
 constexpr bool nibble_block_bytes(int64_t bytes) {
-  return bytes == kU4BlockBytes || bytes == kU5BlockBytes || bytes == kT4BlockBytes;
+  return bytes == kU4BlockBytes || bytes == kU5BlockBytes || bytes == kT4BlockBytes || bytes == kQ6BlockBytes;
 }
 
 }  // namespace glmserve

@@ -5,7 +5,9 @@
 // Weights, per block of 32 inputs of an output row: w = d * c + m, with d (and the optional m) fp16 and
 // c either a signed int8 code ("i8"), an unsigned nibble 0..15 ("u4": int4 symmetric codes are stored
 // as c + 8 with m = -8 d; Q4_1 and asymmetric int4 keep their codes, m = their min or -d * zero), or a nibble
-// and a fifth bit, 0..31 ("u5": GGUF Q5_0's codes stored as c + 16 with m = -16 d, Q5_1's as they are).
+// and a fifth bit, 0..31 ("u5": GGUF Q5_0's codes stored as c + 16 with m = -16 d, Q5_1's as they are). GGUF
+// Q6_K ("q6") has a scale per 16 inputs: w = d * (q - 32) with q 0..63 a nibble and two top bits, d the block's
+// for inputs 0..15 and the one kept in the block for 16..31 (no m).
 // Rows are interleaved in tiles of 16 output rows so that one SIMD register holds the same 4 inputs of 16
 // (AVX-512) or 8 (AVX2) rows: a dot product then accumulates one row per 32-bit lane, with no horizontal
 // sum, and the tile's 16 scales are one contiguous fp16 vector. Per tile and block:
@@ -18,7 +20,14 @@
 //   t4: the u4 bytes, then a table of 16 int8 values (272 bytes): each nibble is an index into the block's table,
 //       the code its value (GGUF IQ4_NL / IQ4_XS: llama.cpp's kvalues_iq4nl), looked up 16 at a time by a byte
 //       shuffle (vpshufb) after the unpacking, then summed as signed int8 codes.
-//       The kernels' `u4` argument means nibble codes; 320-byte blocks carry the fifth bits, 272-byte ones a table.
+//   q6: the u4 bytes, then the codes' top two bits as 2 x 64 bytes: bits 2k, 2k+1 of byte 4r + t of vector h are
+//       those of row r's input 4i + t, i = 4h + k the i8 group (so a group's 64 bytes take theirs by one shift and a
+//       masked merge, as llama.cpp's Q6_K kernels take qh's), then the 16 rows' fp16 scales of inputs 16..31 (416
+//       bytes: 6.5 bits a weight, 7 with d). The low nibbles (inputs 0..15) and the high ones (16..31) sum
+//       separately, each from -32 times its 16 activations' sum, and scale by their own d (ggml's block_q6_K,
+//       whose sub-block scales gguf_mapped.py flattens into these fp16 ones).
+//       The kernels' `u4` argument means nibble codes; 320-byte blocks carry the fifth bits, 272-byte ones a table,
+//       416-byte ones six bits.
 //   d, m: [16] fp16 each (arrays of their own, [tiles, blocks, 16])
 //
 // Activations are quantized once per input row (quantize_activations): int8 codes q = round(x / dx) with
@@ -93,11 +102,12 @@ constexpr int64_t I8_BLOCK = glmserve::kI8BlockBytes;  // bytes per tile and blo
 constexpr int64_t U4_BLOCK = glmserve::kU4BlockBytes;
 constexpr int64_t U5_BLOCK = glmserve::kU5BlockBytes;
 constexpr int64_t T4_BLOCK = glmserve::kT4BlockBytes;
+constexpr int64_t Q6_BLOCK = glmserve::kQ6BlockBytes;
 
-enum Codes { I8, U4, U5, T4 };  // a packed weight's code format (the header's i8 / u4 / u5 / t4)
+enum Codes { I8, U4, U5, T4, Q6 };  // a packed weight's code format (the header's i8 / u4 / u5 / t4 / q6)
 
 constexpr int64_t block_bytes_of(Codes c) {
-  return c == I8 ? I8_BLOCK : c == U4 ? U4_BLOCK : c == U5 ? U5_BLOCK : T4_BLOCK;
+  return c == I8 ? I8_BLOCK : c == U4 ? U4_BLOCK : c == U5 ? U5_BLOCK : c == T4 ? T4_BLOCK : Q6_BLOCK;
 }
 
 // the format of codes [tiles, blocks, bytes] passed with the kernels' `u4` flag (nibble codes): an error where the
@@ -105,8 +115,8 @@ constexpr int64_t block_bytes_of(Codes c) {
 Codes codes_of(bool u4, int64_t bytes, const char* name) {
   TORCH_CHECK(u4 ? glmserve::nibble_block_bytes(bytes) : bytes == I8_BLOCK, name,
               ": block bytes ", bytes,
-              u4 ? " (nibble codes: 256, 320 with fifth bits, 272 with a table)" : " (int8 codes: 512)");
-  return !u4 ? I8 : bytes == U4_BLOCK ? U4 : bytes == U5_BLOCK ? U5 : T4;
+              u4 ? " (nibble codes: 256, 320 with fifth bits, 272 with a table, 416 with six bits)" : " (int8 codes: 512)");
+  return !u4 ? I8 : bytes == U4_BLOCK ? U4 : bytes == U5_BLOCK ? U5 : bytes == T4_BLOCK ? T4 : Q6;
 }
 
 // f(std::integral_constant<Codes, kind>{}): a runtime format to the template argument of a kernel instantiated per
@@ -117,6 +127,7 @@ void with_codes(Codes kind, F&& f) {
     case U4: return f(std::integral_constant<Codes, U4>{});
     case U5: return f(std::integral_constant<Codes, U5>{});
     case T4: return f(std::integral_constant<Codes, T4>{});
+    case Q6: return f(std::integral_constant<Codes, Q6>{});
     default: return f(std::integral_constant<Codes, I8>{});
   }
 }
@@ -131,13 +142,30 @@ inline uint64_t fifth_mask(const uint8_t* block, int i) {
   return m;
 }
 
+// the 64 bytes of a q6 block's top-bit vector h (i8 groups 4h..4h+3, two bits each)
+inline const uint8_t* top_bits(const uint8_t* block, int h) { return block + U4_BLOCK + 64 * h; }
+
+// a q6 block's 16 fp16 scales of inputs 16..31 (one per row)
+inline const uint16_t* high_scales(const uint8_t* block) {
+  return reinterpret_cast<const uint16_t*>(block + U4_BLOCK + 128);
+}
+
 // row r's code t of i8 group i of a nibble block, given its nibble: with its fifth bit where C is U5, its table's
-// value where C is T4
+// value where C is T4, q - 32 of its six bits where C is Q6
 template <Codes C>
 inline int32_t nibble_code(const uint8_t* block, int i, int r, int t, uint8_t nibble) {
   if constexpr (C == U5) return nibble | static_cast<int32_t>((fifth_mask(block, i) >> (4 * r + t)) & 1) << 4;
+  if constexpr (C == Q6) return (nibble | ((top_bits(block, i / 4)[4 * r + t] >> (2 * (i % 4))) & 3) << 4) - 32;
   if constexpr (C == T4) return table_of(block)[nibble];
   return nibble;
+}
+
+// A q6 block's two integer sums (inputs 0..15 and 16..31) scaled by their own d: low * d_low + high * d_high, which
+// every path then multiplies by the activations' dx into its accumulator (acc + part * dx: two operations fewer per
+// row and block than scaling each half by d * dx; the SIMD paths fuse
+// the multiply-adds)
+inline float q6_scale(int32_t low, int32_t high, float d_low, float d_high) {
+  return static_cast<float>(low) * d_low + static_cast<float>(high) * d_high;
 }
 
 constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
@@ -160,6 +188,7 @@ struct Acts {  // quantized activations
   int64_t kp, nb;
   const GroupWord* groups = nullptr;  // VNNI builds: the rows from row0 on regrouped (pack_groups)
   int64_t row0 = 0;
+  const int32_t* q6_offsets = nullptr;  // AVX2 builds, q6 weights: [N, nb, 2] -32 * sum(q) per half block
 };
 
 struct Weights {  // one tile
@@ -188,18 +217,23 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64
       const int8_t* qb = q + b * QK;
       const float dx = a.d[(n0 + n) * a.nb + b], sx = a.s[(n0 + n) * a.nb + b];
       for (int64_t r = 0; r < ROWS; ++r) {
-        int32_t sum = 0;
+        int32_t sum = 0, high = 0;  // q6: inputs 0..15 in sum, 16..31 in high (scaled apart)
         if constexpr (C != I8) {
           for (int j = 0; j < 4; ++j)
             for (int t = 0; t < 4; ++t) {
               const uint8_t byte = c[(j * ROWS + r) * 4 + t];
-              sum += nibble_code<C>(c, j, r, t, byte & 0x0F) * qb[4 * j + t] +
-                     nibble_code<C>(c, 4 + j, r, t, byte >> 4) * qb[16 + 4 * j + t];
+              sum += nibble_code<C>(c, j, r, t, byte & 0x0F) * qb[4 * j + t];
+              high += nibble_code<C>(c, 4 + j, r, t, byte >> 4) * qb[16 + 4 * j + t];
             }
+          if constexpr (C != Q6) sum += high;
         } else {
           for (int j = 0; j < 8; ++j)
             for (int t = 0; t < 4; ++t)
               sum += static_cast<int32_t>(static_cast<int8_t>(c[(j * ROWS + r) * 4 + t])) * qb[4 * j + t];
+        }
+        if constexpr (C == Q6) {
+          acc[r] += q6_scale(sum, high, half_to_float(w.d[b * ROWS + r]), half_to_float(high_scales(c)[r])) * dx;
+          continue;
         }
         acc[r] += static_cast<float>(sum) * (half_to_float(w.d[b * ROWS + r]) * dx);
         if (w.m) acc[r] += half_to_float(w.m[b * ROWS + r]) * sx;
@@ -251,6 +285,77 @@ inline __m256i fifth_bits_avx2(const uint8_t* block, int i, int h) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
+// the two-bit fields k of q6 top-bit bytes moved to bits 4-5 (other bits: neighbours' fields, masked by the caller)
+inline __m256i top_bits_at_4_avx2(__m256i top, int k) {
+  switch (k) {
+    case 0: return _mm256_slli_epi16(top, 4);
+    case 1: return _mm256_slli_epi16(top, 2);
+    case 2: return top;
+    default: return _mm256_srli_epi16(top, 2);
+  }
+}
+
+// One q6 block into acc (tile_avx2_halves' accumulators): per half of the block (inputs 0..15, then 16..31) its
+// unsigned codes q times the activations (vpmaddubsw: pairs up to 2 * 63 * 127, two groups' pairs summed in int16
+// before vpmaddwd) from its offset -32 sum(q) (Acts::q6_offsets); the halves' sums scaled as q6_scale does
+template <int NB, int H>
+inline void q6_block_avx2(const uint8_t* block, const uint16_t* d, const Acts& a, int64_t n0, int64_t b, int h0,
+                          __m256 (&acc)[NB][H]) {
+  const __m256i ones16 = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+  const int8_t* q0 = a.q + n0 * a.kp + b * QK;
+  __m256 part[NB][H];
+  for (int half = 0; half < 2; ++half) {
+    __m256i isum[NB][H], top[H];
+    for (int h = 0; h < H; ++h)
+      top[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top_bits(block, half) + (h0 + h) * 32));
+    for (int n = 0; n < NB; ++n)
+      for (int h = 0; h < H; ++h) isum[n][h] = _mm256_set1_epi32(a.q6_offsets[((n0 + n) * a.nb + b) * 2 + half]);
+    for (int j = 0; j < 4; j += 2) {  // byte groups j, j + 1: i8 groups 4 half + j, + 1
+      __m256i q[2][H];
+      for (int k = 0; k < 2; ++k)
+        for (int h = 0; h < H; ++h) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (j + k) * 64 + (h0 + h) * 32));
+          q[k][h] = _mm256_or_si256(_mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, low4),
+                                    _mm256_and_si256(top_bits_at_4_avx2(top[h], j + k), top2));
+        }
+      for (int n = 0; n < NB; ++n) {
+        const int8_t* x = q0 + n * a.kp + 16 * half + 4 * j;
+        const __m256i x0 = _mm256_set1_epi32(load_i32(x)), x1 = _mm256_set1_epi32(load_i32(x + 4));
+        for (int h = 0; h < H; ++h) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q[0][h], x0), _mm256_maddubs_epi16(q[1][h], x1));
+          isum[n][h] = _mm256_add_epi32(isum[n][h], _mm256_madd_epi16(pairs, ones16));
+          in_register(isum[n][h]);
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const __m256 dw = half8_to_float((half ? high_scales(block) : d) + (h0 + h) * 8);
+      for (int n = 0; n < NB; ++n)
+        part[n][h] = half ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n][h]), dw, part[n][h])
+                          : _mm256_mul_ps(_mm256_cvtepi32_ps(isum[n][h]), dw);
+    }
+  }
+  for (int n = 0; n < NB; ++n)
+    for (int h = 0; h < H; ++h)
+      acc[n][h] = _mm256_fmadd_ps(part[n][h], _mm256_set1_ps(a.d[(n0 + n) * a.nb + b]), acc[n][h]);
+}
+
+// -32 times the sums of each block's codes 0..15 and 16..31, rows [0, N) ([N, nb, 2]: the starts of q6 blocks' half
+// sums on the AVX2 tiles), into the calling thread's buffer
+const int32_t* q6_offsets(const Acts& a, int64_t N) {
+  thread_local std::vector<int32_t> buffer;
+  buffer.resize(static_cast<size_t>(N * a.nb * 2));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const int8_t* q = a.q + n * a.kp + b * QK;
+      int32_t low = 0;
+      for (int i = 0; i < QK / 2; ++i) low += q[i];
+      buffer[(n * a.nb + b) * 2] = -32 * low;
+      buffer[(n * a.nb + b) * 2 + 1] = -32 * (a.isum[n * a.nb + b] - low);
+    }
+  return buffer.data();
+}
+
 template <int NB, int H, Codes C, bool MINS>
 void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, int h0, float* out) {
   __m256 acc[NB][H];
@@ -268,6 +373,10 @@ void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nbloc
         prefetch_lines(w.d, (b + PF_BLOCKS) * ROWS * 2, 64);
         if (MINS) prefetch_lines(w.m, (b + PF_BLOCKS) * ROWS * 2, 64);
       }
+    }
+    if constexpr (C == Q6) {
+      q6_block_avx2<NB, H>(block, w.d + b * ROWS, a, n0, b, h0, acc);
+      continue;
     }
     __m256i isum[NB][H];
     if constexpr (C == T4) {  // the table's signed values as the i8 path takes its codes: |v| x sign(q, v)
@@ -377,12 +486,14 @@ void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, flo
 // s[G] (dx * sum(q)) and bias[G] (-128 * sum(q): the i8 codes' flip to c + 128, the start of the integer sum), so
 // that every broadcast of a tile's block is at a fixed offset from one pointer (with one pointer per row, GCC ran out
 // of general registers at 8 rows and parked the int8 path's 128 * sum(q) in mask registers: 105 GMAC/s against 130
-// for u4), and a batch of one row reads 44 bytes per block.
+// for u4), and a batch of one row reads 44 bytes per block. For q6 weights two more, half[2][G]: -32 * the sums of
+// codes 0..15 and 16..31 (q6's offset, the start of each half's sum), computed only for them.
 union GroupWord {
   int32_t i;
   float f;
 };
-constexpr int GROUP_WORDS = 11;
+constexpr int GROUP_WORDS = 11, Q6_GROUP_WORDS = 13;
+constexpr int group_words(Codes c) { return c == Q6 ? Q6_GROUP_WORDS : GROUP_WORDS; }
 
 // the calling thread's buffer of `words` group words (reused: no allocation per call)
 GroupWord* group_buffer(size_t words) {
@@ -392,30 +503,47 @@ GroupWord* group_buffer(size_t words) {
 }
 
 // row n (of N, from `first` on) of quantized activations (codes q [nb * 32], scales d, dx * sum s and sums isum [nb])
-// into its place in the groups at `data`
+// into its place in the groups at `data` of `words` words (group_words)
 void put_row(const int8_t* q, const float* d, const float* s, const int32_t* isum, int64_t nb, int64_t first,
-             int64_t n, int64_t N, GroupWord* data) {
+             int64_t n, int64_t N, int words, GroupWord* data) {
   const int64_t g0 = first + (n - first) / VNNI_NB * VNNI_NB;  // the group's first row
   const int64_t rows = std::min<int64_t>(VNNI_NB, N - g0), r = n - g0;
-  GroupWord* g = data + (g0 - first) * nb * GROUP_WORDS;
+  GroupWord* g = data + (g0 - first) * nb * words;
   for (int64_t b = 0; b < nb; ++b) {
-    GroupWord* x = g + b * GROUP_WORDS * rows;
+    GroupWord* x = g + b * words * rows;
     for (int j = 0; j < 8; ++j) x[j * rows + r].i = load_i32(q + b * QK + 4 * j);
     x[8 * rows + r].f = d[b];
     x[9 * rows + r].f = s[b];
     x[10 * rows + r].i = -128 * isum[b];
+    if (words == Q6_GROUP_WORDS) {
+      int32_t low = 0;
+      for (int i = 0; i < QK / 2; ++i) low += q[b * QK + i];
+      x[11 * rows + r].i = -32 * low;
+      x[12 * rows + r].i = -32 * (isum[b] - low);
+    }
   }
 }
 
-// rows [first, N) of the activations in groups of VNNI_NB from `first` on, into the calling thread's buffer (rows
-// split over the intra-op threads for large batches)
-const GroupWord* pack_groups(const Acts& a, int64_t first, int64_t N) {
-  GroupWord* data = group_buffer(static_cast<size_t>((N - first) * a.nb * GROUP_WORDS));
+// rows [first, N) of the activations in groups of VNNI_NB from `first` on, for weights of `kind`, into the calling
+// thread's buffer (rows split over the intra-op threads for large batches)
+const GroupWord* pack_groups(const Acts& a, int64_t first, int64_t N, Codes kind) {
+  const int words = group_words(kind);
+  GroupWord* data = group_buffer(static_cast<size_t>((N - first) * a.nb * words));
   at::parallel_for(first, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      put_row(a.q + n * a.kp, a.d + n * a.nb, a.s + n * a.nb, a.isum + n * a.nb, a.nb, first, n, N, data);
+      put_row(a.q + n * a.kp, a.d + n * a.nb, a.s + n * a.nb, a.isum + n * a.nb, a.nb, first, n, N, words, data);
   });
   return data;
+}
+
+// the two-bit fields k of q6 top-bit bytes moved to bits 4-5 (other bits: neighbours' fields, masked by the caller)
+inline __m512i top_bits_at_4(__m512i top, int k) {
+  switch (k) {
+    case 0: return _mm512_slli_epi16(top, 4);
+    case 1: return _mm512_slli_epi16(top, 2);
+    case 2: return top;
+    default: return _mm512_srli_epi16(top, 2);
+  }
 }
 
 // acc + the 4-byte products of w's lanes and the int32 at x broadcast to all lanes, with the broadcast embedded in
@@ -435,11 +563,34 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
 #pragma GCC unroll 16
   for (int n = 0; n < NB; ++n) acc[n] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i sixteen = _mm512_set1_epi8(16);
+  const __m512i sixteen = _mm512_set1_epi8(16), top2 = _mm512_set1_epi8(0x30);
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* c = w.codes + b * block_bytes_of(C);
-    const GroupWord* x = g + b * GROUP_WORDS * NB;
+    const GroupWord* x = g + b * group_words(C) * NB;
     const GroupWord *dx = x + 8 * NB, *sx = x + 9 * NB, *bias = x + 10 * NB;
+    if constexpr (C == Q6) {  // the two halves' sums side by side (each from -32 sum(q)), then q6_scale's floats
+      const __m512i top_low = _mm512_loadu_si512(top_bits(c, 0)), top_high = _mm512_loadu_si512(top_bits(c, 1));
+      __m512i low[NB], high[NB];
+      for (int n = 0; n < NB; ++n)
+        low[n] = _mm512_set1_epi32(x[11 * NB + n].i), high[n] = _mm512_set1_epi32(x[12 * NB + n].i);
+      for (int j = 0; j < 4; ++j) {  // i8 groups j (the low nibbles: inputs 4j..) and 4 + j (the high: 16 + 4j..)
+        const __m512i v = _mm512_loadu_si512(c + j * 64);
+        const __m512i ql = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low4), top_bits_at_4(top_low, j), top2, 0xF8);
+        const __m512i qh = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                                                     top_bits_at_4(top_high, j), top2, 0xF8);  // a | (b & c)
+        for (int n = 0; n < NB; ++n) {
+          low[n] = dpbusd_broadcast(low[n], ql, &x[j * NB + n].i);
+          high[n] = dpbusd_broadcast(high[n], qh, &x[(4 + j) * NB + n].i);
+        }
+      }
+      const __m512 dl = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
+      const __m512 dh = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_scales(c))));
+      for (int n = 0; n < NB; ++n) {
+        const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high[n]), dh, _mm512_mul_ps(_mm512_cvtepi32_ps(low[n]), dl));
+        acc[n] = _mm512_fmadd_ps(part, _mm512_set1_ps(dx[n].f), acc[n]);
+      }
+      continue;
+    }
     __m512i isum[NB];
     // t4: the table's values flipped to unsigned (c + 128) and summed from -128 sum(q), as i8 codes are
     for (int n = 0; n < NB; ++n)
@@ -489,6 +640,7 @@ constexpr int64_t AMX_ROWS = 16;       // activation rows per A tile (a group)
 // rows, the VNNI tiles cost per row; the break-even measured at about 6 rows for int8 blocks and 9-10 for u4 ones,
 // which pay the nibble unpacking per group too (bench/RESULTS.md, "AMX int8 tiles for decode batches")
 constexpr int64_t AMX_GROUP_MIN_I8 = 6, AMX_GROUP_MIN_U4 = 10;
+constexpr int64_t amx_group_min(Codes kind) { return kind == I8 ? AMX_GROUP_MIN_I8 : AMX_GROUP_MIN_U4; }
 constexpr int64_t AMX_UNPACK_ONCE = 24;  // u4 / u5 tiles of up to this many blocks: unpacked once for all groups (amx_tiles)
 constexpr int64_t AMX_AHEAD = 4;       // blocks whose tile products run ahead of their scaling: C tiles 0-3
 constexpr int64_t AMX_RING = 2 * AMX_AHEAD;  // int32 result buffers of [16][16], written by tile stores
@@ -894,7 +1046,7 @@ constexpr int MAX_NB = VNNI_NB;
 // rows n0..n0+NB-1: one of the groups of a.groups (n0 = a.row0 + a multiple of VNNI_NB; NB its rows)
 template <int NB, Codes C>
 void tile(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, float* out) {
-  const GroupWord* g = a.groups + (n0 - a.row0) * a.nb * GROUP_WORDS;
+  const GroupWord* g = a.groups + (n0 - a.row0) * a.nb * group_words(C);
   if (w.m) tile_avx512<NB, C, true>(w, g, nblocks, out);
   else tile_avx512<NB, C, false>(w, g, nblocks, out);
 }
@@ -967,6 +1119,7 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
                int64_t end, int64_t nblocks, Codes kind, float* o, int64_t out_features) {
   const int64_t tile_bytes = nblocks * block_bytes_of(kind);
+  TORCH_CHECK(kind != Q6, "quant_matmul: q6 blocks (two scales a block) have no AMX int8 tiles");
   const bool u4 = kind != I8;  // nibble codes
   const bool unpack_once = u4 && N > AMX_ROWS && nblocks <= AMX_UNPACK_ONCE;
   const bool stream = stream_output(o, N, out_features);
@@ -984,7 +1137,7 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
     }
     for (int64_t n0 = 0; n0 < N; n0 += AMX_ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(AMX_ROWS, N - n0));
-      if (rows < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8)) {
+      if (rows < amx_group_min(kind)) {
         simd_rows(w, a, n0, rows, nblocks, kind, o + n0 * out_features + r0, out_features, cols);
         continue;
       }
@@ -993,8 +1146,10 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
       const Codes tiles_of = unpack_once ? I8 : kind;  // unpacked once: the i8 layout
       with_codes(tiles_of, [&](auto c) {
         constexpr Codes C = decltype(c)::value;
-        if (w.m) tile_amx_rows<C, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
-        else tile_amx_rows<C, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+        if constexpr (C != Q6) {  // (refused above)
+          if (w.m) tile_amx_rows<C, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+          else tile_amx_rows<C, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
+        }
       });
     }
   }
@@ -1013,11 +1168,13 @@ constexpr int64_t SIMD_CHUNK_BYTES = 256 * 1024;
 // product at batch 1 with the weights from DRAM)
 constexpr int64_t SWIGLU_RUN_BYTES = 512 * 1024;
 
-bool use_amx(int64_t N, bool u4) {
+// whether N rows of a weight of `kind` run on the AMX int8 tiles (q6 never: its blocks have a scale per 16 inputs,
+// the tiles' products one sum per 32)
+bool use_amx(int64_t N, Codes kind) {
 #ifdef GLMSERVE_AMX
-  return N >= (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) && amx_wanted.load() && glmserve::amx_int8_permitted();
+  return kind != Q6 && N >= amx_group_min(kind) && amx_wanted.load() && glmserve::amx_int8_permitted();
 #else
-  (void)N, (void)u4;
+  (void)N, (void)kind;
   return false;
 #endif
 }
@@ -1062,15 +1219,17 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
   // them (amx_tiles)
   int64_t first = 0;
 #ifdef GLMSERVE_AMX
-  if (use_amx(N, u4)) {
+  if (use_amx(N, kind)) {
     const int64_t tail = N % AMX_ROWS;
-    first = tail > 0 && tail < (u4 ? AMX_GROUP_MIN_U4 : AMX_GROUP_MIN_I8) ? N - tail : N;
+    first = tail > 0 && tail < amx_group_min(kind) ? N - tail : N;
   }
 #endif
-  if (!a.groups) a.groups = pack_groups(a_in, first, N), a.row0 = first;  // (quant_linear's come grouped)
+  if (!a.groups) a.groups = pack_groups(a_in, first, N, kind), a.row0 = first;  // (quant_linear's come grouped)
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (kind == Q6) a.q6_offsets = q6_offsets(a, N);
 #endif
 #ifdef GLMSERVE_AMX
-  if (use_amx(N, u4)) {
+  if (use_amx(N, kind)) {
     // the activations padded with zero rows (codes and scales) to whole A tiles of 16 rows
     std::vector<int8_t> q_pad;
     std::vector<float> d_pad, s_pad;
@@ -1267,10 +1426,12 @@ at::Tensor linear_impl(const at::Tensor& x_in, bool per_token, const at::Tensor&
   check_weights(codes, wd, wm);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   const int64_t N = x_in.dim() == 2 ? x_in.size(0) : 0;
-  if (x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu() && !use_amx(N, u4)) {
+  const Codes kind = codes_of(u4, codes.size(2), "quant_linear");
+  if (x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu() && !use_amx(N, kind)) {
     const auto x = x_in.contiguous();
     const int64_t k = x.size(1), nb = (k + QK - 1) / QK, kp = nb * QK;
-    GroupWord* groups = group_buffer(static_cast<size_t>(N * nb * GROUP_WORDS));
+    const int words = group_words(kind);
+    GroupWord* groups = group_buffer(static_cast<size_t>(N * nb * words));
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
       std::vector<int8_t> q(kp);
@@ -1278,7 +1439,7 @@ at::Tensor linear_impl(const at::Tensor& x_in, bool per_token, const at::Tensor&
       std::vector<int32_t> isum(nb);
       for (int64_t n = begin; n < end; ++n) {
         quantize_row(xp + n * k, k, kp, per_token, q.data(), d.data(), s.data(), isum.data());
-        put_row(q.data(), d.data(), s.data(), isum.data(), nb, 0, n, N, groups);
+        put_row(q.data(), d.data(), s.data(), isum.data(), nb, 0, n, N, words, groups);
       }
     });
     Acts a{nullptr, nullptr, nullptr, nullptr, kp, nb, groups, 0};
@@ -1326,9 +1487,10 @@ void dequantize_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* m,
         }
     for (int r = 0; r < rows; ++r) {
       const float dr = half_to_float(d[b * ROWS + r]), mr = m ? half_to_float(m[b * ROWS + r]) : 0.f;
+      const float dh = C == Q6 ? half_to_float(high_scales(c)[r]) : dr;  // inputs 16..31's scale
       T* o = out + r * kp + b * QK;
       for (int i = 0; i < QK; ++i) {
-        const float w = dr * v[r][i] + mr;
+        const float w = (i < QK / 2 ? dr : dh) * v[r][i] + mr;
         if constexpr (std::is_same_v<T, uint16_t>) {  // float -> bfloat16 bits, round to nearest even
           uint32_t u;
           std::memcpy(&u, &w, 4);
