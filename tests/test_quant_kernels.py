@@ -566,13 +566,12 @@ def bf16_gemm(request) -> Callable:
                                              (6, False)])
 def test_bf16_gemm_against_the_reference(bf16_gemm, bits, with_mins, inp):
     """Our bf16 GEMMs (amx_bf16_linear, avx512_bf16_linear) on random packed weights (`pack` of codes, d and m
-    drawn directly: int8 codes, nibbles, nibbles and fifth bits, with and without mins, or 6-bit codes), 600 outputs (38 tiles,
-    the last padded: several panels; tiles not a multiple of the register block's 3), odd batches (1, and rows past
-    multiples of 8 and 16),
-    inputs padded to 32 (100: the padded inputs' weight is m, the kernel must zero their activations). Each output
-    is within 2^-8 of sum |x w| (the weight's bf16 rounding, 2^-9 each) plus 2^-8 of itself (its own rounding) of
-    the float64 product of the bf16 activations and w = d c + m; float32 activations are rounded to bf16 first
-    (the same result)."""
+    drawn directly: int8 codes, nibbles, nibbles and fifth bits, with and without mins, or 6-bit codes), 600 outputs
+    (38 tiles, the last padded: several panels; tiles not a multiple of the register block's 3), odd batches (1, and
+    rows past multiples of 8 and 16), inputs padded to 32 (100: the padded inputs' weight is m, the kernel must zero
+    their activations). Each output is within 2^-8 of sum |x w| (the weight's bf16 rounding, 2^-9 each) plus 2^-8 of
+    itself (its own rounding) of the float64 product of the bf16 activations and w = d c + m; float32 activations are
+    rounded to bf16 first (the same result)."""
     op = bf16_gemm
     out, blocks, u4 = 600, -(-inp // 32), bits < 8
     g = torch.Generator().manual_seed(inp + 2 * bits + with_mins)

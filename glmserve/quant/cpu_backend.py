@@ -3,15 +3,15 @@
 Formats: int8 by tensor, channel or group (a multiple of 32), symmetric or with zero points; int4 by group
 (32, 64, any multiple of 32), symmetric or asymmetric; GGUF Q8_0, Q4_0, Q4_1 (canonical form) and Q5_0, Q5_1, Q6_K
 (quant/gguf_mapped.py). Each runs in blocks of 32 inputs: at `prepare` every block of an output row becomes
-w = d * c + m with fp16 d and m (c: signed int8, an unsigned nibble, for 5 bits a nibble and a fifth bit kept in
-a plane of its own, or for int8 codes drawn from a 16-value table (IQ4: TableCodesWeight) a nibble index into the
-table kept with each block; Q6_K's 6-bit codes c in [-32, 31] with a scale per 16 inputs are stored as c + 32, a
-nibble and two top bits, w = d * c, the scale of inputs 16..31 kept in the block; symmetric int4 / 5-bit codes are stored as c + 8 / c + 16 with m = -8 d / -16 d,
-integer zero points become m = -d * zero, Q4_1's min is m itself, a per-channel or per-tensor scale or a group of 64 is
-repeated on every block it covers), rows are interleaved in tiles of 16 and the canonical tensors are not
-kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`). in_features is padded to a multiple of
-32 and out_features to 16 (zero codes and scales). FP8 and NVFP4 weights are not run here: `cpu_float_block`
-(quant/cpu_float_backend.py) runs them.
+w = d * c + m with fp16 d and m (c: signed int8, an unsigned nibble, for 5 bits a nibble and a fifth bit kept in a
+plane of its own, or for int8 codes drawn from a 16-value table (IQ4: TableCodesWeight) a nibble index into the table
+kept with each block; Q6_K's 6-bit codes c in [-32, 31] with a scale per 16 inputs are stored as c + 32, a nibble and
+two top bits, w = d * c, the scale of inputs 16..31 kept in the block; symmetric int4 / 5-bit codes are stored as c +
+8 / c + 16 with m = -8 d / -16 d, integer zero points become m = -d * zero, Q4_1's min is m itself, a per-channel or
+per-tensor scale or a group of 64 is repeated on every block it covers), rows are interleaved in tiles of 16 and the
+canonical tensors are not kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`). in_features is padded
+to a multiple of 32 and out_features to 16 (zero codes and scales). FP8 and NVFP4 weights are not run here:
+`cpu_float_block` (quant/cpu_float_backend.py) runs them.
 
 Activations are quantized to int8 on this path, always: W8A8 (activations `token`, dynamic) as its spec
 says, per row; weight-only formats (A16) per block of 32 inputs as llama.cpp does for Q4_0 / Q4_1 / Q8_0
@@ -451,7 +451,7 @@ def pack_six_bit(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, t
     """`pack` of a 6-bit weight (GGUF Q6_K as quant/gguf_mapped.py reads it: codes c in [-32, 31], an fp16 scale per
     16 inputs, w = d * c) as codes c + 32. Raises InvalidRequestError where a code is out of range, the inputs are not
     whole blocks of 32, or a scale does not fit fp16."""
-    spec, (out, inp) = weight.spec, weight.shape
+    spec, inp = weight.spec, weight.shape[1]
     if inp % QK or spec.group_size != 16 or weight.zeros is not None or weight.mins is not None:
         raise InvalidRequestError(f"{spec}: 6-bit codes run in blocks of 32 inputs with a scale per 16 and no minimum")
     least, most = (int(v) for v in torch.aminmax(weight.codes))

@@ -19,10 +19,10 @@ canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_
 Q4_K / Q5_K / IQ4_XS's two-level scales are flattened into one fp16 per 32 (relative rounding <= 2^-11 of a block's
 scale and min, next to a 4-bit step's 1/15 of its range), Q6_K's into one per 16 (next to its step's 1/63). The
 re-quantized types gain at most half an int8 step, absmax / 254 of a block (a 2-bit type's own step is absmax / 2).
-5-bit codes run as nibbles and a plane of fifth bits (5 bits a weight, as the file keeps them), 6-bit ones as
-nibbles and two planes (the kernels' q6 blocks, the scale of each block's second 16 inputs kept in the block), 4-bit ones as nibbles, IQ4's as nibble indices
-into the table kept with each block (TableCodesWeight: its canonical codes are the table's values). Everything is
-vectorized over all blocks.
+5-bit codes run as nibbles and a plane of fifth bits (5 bits a weight, as the file keeps them), 6-bit ones as nibbles
+and their top two bits (the kernels' q6 blocks, the scale of each block's second 16 inputs kept in the block), 4-bit
+ones as nibbles, IQ4's as nibble indices into the table kept with each block (TableCodesWeight: its canonical codes
+are the table's values). Everything is vectorized over all blocks.
 """
 
 from __future__ import annotations
