@@ -245,13 +245,13 @@ class CpuBlockBackend:
             c = c.to(torch.float32)
         else:
             c = codes.view(torch.int8).to(torch.float32)
-        scale = p.scales[tile, :, row].to(torch.float32).unsqueeze(-1)  # [n, blocks, 1]
-        if p.u4 and extra.shape[2] == SIX_BIT_BYTES:  # c - 32, inputs 16..31 by the block's own scales
-            high = extra[..., TOP_BITS_BYTES:].contiguous().view(torch.float16).view(len(ids), -1, ROWS)
-            scale = torch.stack((scale[..., 0], high[torch.arange(len(ids)), :, row].to(torch.float32)), dim=-1)
-            c = c.view(*c.shape[:2], 2, 16) - 32  # [n, blocks, half, 16]
-            return (c * scale.unsqueeze(-1)).flatten(1)[:, :p.in_features].to(dtype)
-        w = c.flatten(2) * scale  # [n, blocks, 32]
+        d = p.scales[tile, :, row].to(torch.float32)  # [n, blocks]
+        if p.codes.shape[2] == U4_BYTES + SIX_BIT_BYTES:  # w = d * (c - 32), inputs 16..31 by the block's own d
+            high = p.codes[tile, :, U4_BYTES + TOP_BITS_BYTES:].contiguous().view(torch.float16)  # [n, blocks, 16]
+            d = torch.stack((d, high[torch.arange(len(ids)), :, row].to(torch.float32)), dim=-1)  # [n, blocks, 2]
+            w = (c.view(*c.shape[:2], 2, 16) - 32) * d.unsqueeze(-1)
+            return w.flatten(1)[:, :p.in_features].to(dtype)
+        w = c.flatten(2) * d.unsqueeze(-1)  # [n, blocks, 32]
         if p.mins.numel():
             w = w + p.mins[tile, :, row].to(torch.float32).unsqueeze(-1)
         return w.flatten(1)[:, :p.in_features].to(dtype)

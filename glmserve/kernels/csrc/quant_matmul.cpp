@@ -162,10 +162,19 @@ inline int32_t nibble_code(const uint8_t* block, int i, int r, int t, uint8_t ni
 
 // A q6 block's two integer sums (inputs 0..15 and 16..31) scaled by their own d: low * d_low + high * d_high, which
 // every path then multiplies by the activations' dx into its accumulator (acc + part * dx: two operations fewer per
-// row and block than scaling each half by d * dx; the SIMD paths fuse
-// the multiply-adds)
+// row and block than scaling each half by d * dx; the SIMD paths fuse the multiply-adds)
 inline float q6_scale(int32_t low, int32_t high, float d_low, float d_high) {
   return static_cast<float>(low) * d_low + static_cast<float>(high) * d_high;
+}
+
+// The starts of a q6 block's two integer sums for one activation row, -32 times the sums of its codes q[0..15] and
+// q[16..31] (its codes' offset; `sum`: all 32 codes' sum), into out[0], out[1]: the VNNI tiles read them from their
+// activation groups (put_row), the AVX2 tiles from a per-call array (q6_offsets)
+inline void q6_offsets_of(const int8_t* q, int32_t sum, int32_t* out) {
+  int32_t low = 0;
+  for (int i = 0; i < QK / 2; ++i) low += q[i];
+  out[0] = -32 * low;
+  out[1] = -32 * (sum - low);
 }
 
 constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
@@ -287,12 +296,7 @@ inline __m256i fifth_bits_avx2(const uint8_t* block, int i, int h) {
 
 // the two-bit fields k of q6 top-bit bytes moved to bits 4-5 (other bits: neighbours' fields, masked by the caller)
 inline __m256i top_bits_at_4_avx2(__m256i top, int k) {
-  switch (k) {
-    case 0: return _mm256_slli_epi16(top, 4);
-    case 1: return _mm256_slli_epi16(top, 2);
-    case 2: return top;
-    default: return _mm256_srli_epi16(top, 2);
-  }
+  return k < 2 ? _mm256_slli_epi16(top, 4 - 2 * k) : _mm256_srli_epi16(top, 2 * k - 4);
 }
 
 // One q6 block into acc (tile_avx2_halves' accumulators): per half of the block (inputs 0..15, then 16..31) its
@@ -340,19 +344,14 @@ inline void q6_block_avx2(const uint8_t* block, const uint16_t* d, const Acts& a
       acc[n][h] = _mm256_fmadd_ps(part[n][h], _mm256_set1_ps(a.d[(n0 + n) * a.nb + b]), acc[n][h]);
 }
 
-// -32 times the sums of each block's codes 0..15 and 16..31, rows [0, N) ([N, nb, 2]: the starts of q6 blocks' half
-// sums on the AVX2 tiles), into the calling thread's buffer
+// q6_offsets_of every block of rows [0, N) ([N, nb, 2]: the starts of q6 blocks' half sums on the AVX2 tiles), into
+// the calling thread's buffer
 const int32_t* q6_offsets(const Acts& a, int64_t N) {
   thread_local std::vector<int32_t> buffer;
   buffer.resize(static_cast<size_t>(N * a.nb * 2));
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const int8_t* q = a.q + n * a.kp + b * QK;
-      int32_t low = 0;
-      for (int i = 0; i < QK / 2; ++i) low += q[i];
-      buffer[(n * a.nb + b) * 2] = -32 * low;
-      buffer[(n * a.nb + b) * 2 + 1] = -32 * (a.isum[n * a.nb + b] - low);
-    }
+    for (int64_t b = 0; b < a.nb; ++b)
+      q6_offsets_of(a.q + n * a.kp + b * QK, a.isum[n * a.nb + b], buffer.data() + (n * a.nb + b) * 2);
   return buffer.data();
 }
 
@@ -516,10 +515,10 @@ void put_row(const int8_t* q, const float* d, const float* s, const int32_t* isu
     x[9 * rows + r].f = s[b];
     x[10 * rows + r].i = -128 * isum[b];
     if (words == Q6_GROUP_WORDS) {
-      int32_t low = 0;
-      for (int i = 0; i < QK / 2; ++i) low += q[b * QK + i];
-      x[11 * rows + r].i = -32 * low;
-      x[12 * rows + r].i = -32 * (isum[b] - low);
+      int32_t starts[2];
+      q6_offsets_of(q + b * QK, isum[b], starts);
+      x[11 * rows + r].i = starts[0];
+      x[12 * rows + r].i = starts[1];
     }
   }
 }
@@ -536,14 +535,9 @@ const GroupWord* pack_groups(const Acts& a, int64_t first, int64_t N, Codes kind
   return data;
 }
 
-// the two-bit fields k of q6 top-bit bytes moved to bits 4-5 (other bits: neighbours' fields, masked by the caller)
+// top_bits_at_4_avx2 on 64 bytes
 inline __m512i top_bits_at_4(__m512i top, int k) {
-  switch (k) {
-    case 0: return _mm512_slli_epi16(top, 4);
-    case 1: return _mm512_slli_epi16(top, 2);
-    case 2: return top;
-    default: return _mm512_srli_epi16(top, 2);
-  }
+  return k < 2 ? _mm512_slli_epi16(top, 4 - 2 * k) : _mm512_srli_epi16(top, 2 * k - 4);
 }
 
 // acc + the 4-byte products of w's lanes and the int32 at x broadcast to all lanes, with the broadcast embedded in
