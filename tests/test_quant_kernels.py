@@ -295,7 +295,7 @@ def test_amx_tiles_equal_every_variant(fmt, out, inp):
             modules["avx512"].set_amx(True)
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1"])
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "gguf_q6_k"])
 def test_tiles_split_across_threads_give_the_same_floats(cpu_isa, fmt):
     """Two intra-op threads split the weight tiles (each thread configures its own AMX tiles): the same outputs
     as one thread, at decode batch sizes, AMX on where the build and CPU have it."""
@@ -313,7 +313,7 @@ def test_tiles_split_across_threads_give_the_same_floats(cpu_isa, fmt):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1"])
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "gguf_q6_k"])
 def test_long_batches_in_row_chunks_give_the_same_floats(cpu_isa, fmt, monkeypatch):
     """Prefill-sized batches on the SIMD tiles run in chunks of rows (about 256 KB of int8 activations: 168 rows of
     1,536 inputs), each swept by all of a thread's weight tiles: every row the same floats as the row alone, for a
@@ -335,7 +335,7 @@ def test_long_batches_in_row_chunks_give_the_same_floats(cpu_isa, fmt, monkeypat
         assert torch.equal(backend.apply(prepared, x[rows], None), whole[rows]), rows
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q4_1", "int8_group32", "w8a8"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "int8_group32", "w8a8", "gguf_q6_k"])
 def test_quant_linear_is_quant_matmul_of_quantize_activations(tiles, fmt):
     """quant_linear (on the VNNI tiles: each row quantized straight into the tiles' activation groups) gives the floats
     of quant_matmul on quantize_activations' tensors (regrouped by pack_groups), at decode and prefill batch sizes."""
@@ -350,7 +350,7 @@ def test_quant_linear_is_quant_matmul_of_quantize_activations(tiles, fmt):
         assert torch.equal(linear(x, p.per_token, *packed), matmul(*quantize_acts(x, p.per_token), *packed)), batch
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "w8a8"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "w8a8", "gguf_q6_k"])
 def test_fused_swiglu_is_silu_and_mul_of_the_product(tiles, fmt):
     """quant_linear_swiglu (a gated MLP's merged gate-up weight: silu(gate) * up without the product written out)
     gives the floats of silu_and_mul after quant_linear, at decode batches and at a prefill batch of several row
