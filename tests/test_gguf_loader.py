@@ -344,7 +344,7 @@ def test_other_block_types_read_natively(tmp_path, qtype, caplog):
     ours = dequantize(native)
     if qtype in (Q.Q5_0, Q.Q5_1):
         assert torch.equal(ours, as_float)
-    else:  # rounded scales (K, IQ4_XS) or int8 again (Q3_K): close, and in the same row order
+    else:  # rounded scales (K-quants, IQ4_XS): close, and in the same row order
         assert (ours - as_float).abs().max() <= 5e-3 * as_float.abs().max()
 
 

@@ -11,13 +11,15 @@ canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_
   Q4_K    d, dmin, 6-bit (sc, m) per 32   w = d*sc*q - dmin*m   -> Q4_1: codes q, scale fp16(d*sc), min fp16(-dmin*m)
   Q5_K    as Q4_K with 5-bit q                                   -> Q5_1 the same way
   Q6_K    d, int8 sc per 16, 6-bit q      w = d*sc*(q - 32)     -> Q6_K: codes q - 32, scale fp16(d*sc) per 16
+  Q3_K    d, 6-bit sc per 16, 2-bit q and a high bit h            -> Q6_K: codes q - 4 (1 - h) in [-4, 3],
+                                          w = d*(sc - 32)*(q - 4 (1 - h))    scale fp16(d*(sc - 32)) per 16
   IQ4_NL  d, 4-bit index into kvalues     w = d * kvalues[q]    -> Q8_0: codes kvalues[q] (int8), scale d: exact
   IQ4_XS  d, 6-bit ls per 32, as IQ4_NL   w = d*(ls-32)*kvalues[q] -> Q8_0: scale fp16(d * (ls - 32))
-  others  (Q2_K, Q3_K, IQ1-IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: 2-3-bit scales per 16, codebook grids, FP4 values)
+  others  (Q2_K, IQ1-IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: a min per 16, codebook grids, FP4 values)
           gguf-py's dequantization, quantized again to Q8_0 by ggml's round to nearest
 
 Q4_K / Q5_K / IQ4_XS's two-level scales are flattened into one fp16 per 32 (relative rounding <= 2^-11 of a block's
-scale and min, next to a 4-bit step's 1/15 of its range), Q6_K's into one per 16 (next to its step's 1/63). The
+scale and min, next to a 4-bit step's 1/15 of its range), Q6_K's and Q3_K's into one per 16. The
 re-quantized types gain at most half an int8 step, absmax / 254 of a block (a 2-bit type's own step is absmax / 2).
 5-bit codes run as nibbles and a plane of fifth bits (5 bits a weight, as the file keeps them), 6-bit ones as nibbles
 and their top two bits (the kernels' q6 blocks, the scale of each block's second 16 inputs kept in the block), 4-bit
@@ -44,9 +46,9 @@ SUPER = 256  # inputs per K-quant superblock (ggml's QK_K)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 IQ4_TABLE = torch.from_numpy(IQ4_VALUES)  # (the same memory) as TableCodesWeight's table
 # types whose codes are kept as stored (their scales as stored, or flattened: Q4_K, Q5_K, IQ4_XS) -> the form
-CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "Q6_K": "Q6_K", "IQ4_NL": "Q8_0",
-              "IQ4_XS": "Q8_0"}
-REQUANTIZED = tuple(name for name in ("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "Q6_K": "Q6_K", "Q3_K": "Q6_K",
+              "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
+REQUANTIZED = tuple(name for name in ("Q2_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                                       "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
                     if name in GGMLQuantizationType.__members__)  # (older gguf-py versions lack the newest)
 RUNS_AS = CODES_KEPT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the native block form it runs as
@@ -79,8 +81,8 @@ def how_it_runs(gguf_type: str) -> str:
         return "re-quantized to Q8_0"
     if gguf_type in ("Q4_K", "Q5_K", "IQ4_XS"):
         return f"as {RUNS_AS[gguf_type]} blocks, scales rounded to one fp16 per 32"
-    if gguf_type == "Q6_K":
-        return "6-bit codes as nibbles and two bit planes, scales rounded to one fp16 per 16"
+    if gguf_type in ("Q6_K", "Q3_K"):
+        return "as 6-bit codes (Q6_K blocks), scales rounded to one fp16 per 16"
     if gguf_type.startswith("Q5_"):
         return "5-bit codes as nibbles and fifth bits"
     return "nibble indices into its table"
@@ -116,6 +118,9 @@ def convert_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Q
     if gguf_type == "Q6_K":
         return QuantizedWeight(spec, _codes(_six_bit(blocks[..., :128], blocks[..., 128:192]), shape),
                                _q6_k_scales(blocks).reshape(out, -1))
+    if gguf_type == "Q3_K":
+        return QuantizedWeight(spec, _codes(_three_bit(blocks[..., 32:96], blocks[..., :32]), shape),
+                               _q3_k_scales(blocks).reshape(out, -1))
     if gguf_type in ("Q5_0", "Q5_1"):
         has_min = gguf_type == "Q5_1"
         header = 4 if has_min else 2
@@ -182,6 +187,28 @@ def _q6_k_scales(blocks: np.ndarray) -> torch.Tensor:
     d = fp16_field(blocks, 208).to(torch.float32)[..., None]
     sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32))
     return (d * sc).to(torch.float16)
+
+
+def _three_bit(qs: np.ndarray, hmask: np.ndarray) -> np.ndarray:
+    """Q3_K's 64 bytes of 2-bit q and 32 bytes of high bits h per superblock -> [..., 256] codes q - 4 (1 - h) (int8,
+    [-4, 3]): bits 2j..2j+1 of byte l of 128-input half n are element 128 n + 32 j + l's q, bit 4 n + j of hmask byte
+    l its h (ggml-quants.c dequantize_row_q3_K)."""
+    q = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([[0], [2], [4], [6]], dtype=np.uint8)) & 3  # [.., n, j, l]
+    h = (hmask.reshape(*hmask.shape[:-1], 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., 4 n + j, l]
+    codes = q.reshape(*qs.shape[:-1], SUPER).astype(np.int8) - np.int8(4) * (np.int8(1) - h.astype(np.int8).reshape(
+        *hmask.shape[:-1], SUPER))
+    return codes
+
+
+def _q3_k_scales(blocks: np.ndarray) -> torch.Tensor:
+    """Q3_K's per-16 scales d * (sc - 32) as fp16 [..., 16]: sc's low 4 bits are the nibbles of bytes 96..103 (scales
+    0-7 low, 8-15 high), its top 2 bits bits 2k..2k+1 of bytes 104..107 (scale 4k + byte); d the fp16 at 108."""
+    low = (blocks[..., 96:104, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F  # [..., byte, nibble]
+    low = np.swapaxes(low, -1, -2).reshape(*blocks.shape[:-1], 16)
+    high = (blocks[..., None, 104:108] >> np.array([[0], [2], [4], [6]], dtype=np.uint8)) & 3  # [..., k, byte]
+    sc = (low | (high.reshape(*blocks.shape[:-1], 16) << np.uint8(4))).astype(np.float32) - 32
+    d = fp16_field(blocks, 108).to(torch.float32)[..., None]
+    return (d * torch.from_numpy(sc)).to(torch.float16)
 
 
 def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
