@@ -75,8 +75,10 @@ FORMATS = {
     "gguf_q5_1": (QuantSpec(5, symmetric=False, strategy="group", group_size=32, gguf_type="Q5_1"), None),
     # IQ4_NL / IQ4_XS as gguf_mapped.py reads them: Q8_0 codes from a 16-value table, run as nibble indices (t4)
     "gguf_iq4": (QuantSpec(8, strategy="group", group_size=32, gguf_type="Q8_0"), None),
-    # Q6_K as gguf_mapped.py reads it: codes in [-32, 31], a scale per 16 (q6 blocks: two sums a block)
+    # Q6_K / Q3_K as gguf_mapped.py reads them: codes in [-32, 31] / [-8, 7] (Q3_K's: [-4, 3]), a scale per 16 (q6 /
+    # s4 blocks: two sums a block)
     "gguf_q6_k": (QuantSpec(6, strategy="group", group_size=16, gguf_type="Q6_K"), None),
+    "gguf_q3_k": (QuantSpec(4, strategy="group", group_size=16, gguf_type="Q3_K"), None),
 }
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (out, in)
 LM_HEAD = (49152, 576)
@@ -99,7 +101,7 @@ def weight(fmt: str, out: int, inp: int) -> QuantizedWeight:
         return TableCodesWeight(spec, table[torch.randint(0, 16, (out, inp), generator=g)], scales, table)
     if spec.gguf_type == "Q8_0":
         return QuantizedWeight(spec, torch.randint(-128, 128, (out, inp), generator=g, dtype=torch.int8), scales)
-    if spec.symmetric:  # Q4_0 codes in [-8, 7], Q5_0 / Q6_K (as gguf_mapped.py reads them) in [-16, 15] / [-32, 31]
+    if spec.symmetric:  # Q4_0 / Q3_K codes in [-8, 7], Q5_0 / Q6_K (as gguf_mapped.py reads them) [-16, 15] / [-32, 31]
         half = 1 << (spec.num_bits - 1)
         return QuantizedWeight(spec, torch.randint(-half, half, (out, inp), generator=g, dtype=torch.int8), scales)
     top = 1 << spec.num_bits  # Q4_1 codes 0..15, Q5_1 0..31, with a minimum per block
@@ -109,10 +111,10 @@ def weight(fmt: str, out: int, inp: int) -> QuantizedWeight:
 
 @functools.lru_cache(maxsize=3)  # an lm_head-sized entry is ~0.5 GB
 def stored_weight(fmt: str, out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in rounded up to 32] float64: d * c + m as the backend stores them, and its absolute value (6 bits: the
-    codes and fp16 scales per 16 as they are)."""
+    """[out, in rounded up to 32] float64: d * c + m as the backend stores them, and its absolute value (a scale per
+    16: the codes and fp16 scales as they are)."""
     w = weight(fmt, out, inp)
-    c, d, m = block_form(w) if w.spec.num_bits != 6 else (w.codes, w.scales, None)
+    c, d, m = block_form(w) if w.spec.group_size != 16 else (w.codes, w.scales, None)
     per = -(-inp // 32) * 32 // d.shape[1]  # inputs per scale: 32, or 16
     c = F.pad(c, (0, d.shape[1] * per - inp)).double()
     w = c * d.double().repeat_interleave(per, dim=1)
@@ -531,17 +533,19 @@ def test_large_batches_take_the_bf16_gemm(cpu_isa, fmt, monkeypatch):
     assert w8a8.dequantize is None and w8a8.gemm is None  # int8 activations are W8A8's spec: never the bf16 path
 
 
-def random_packed(out: int, inp: int, bits: int, with_mins: bool, g: torch.Generator) -> tuple[tuple, torch.Tensor]:
+def random_packed(out: int, inp: int, bits: int, with_mins: bool, g: torch.Generator,
+                  per16: bool = False) -> tuple[tuple, torch.Tensor]:
     """A random weight packed directly (`pack` of codes, d and m drawn, no quantization: `bits` 8 (int8 codes), 4
-    (nibbles), 5 (nibbles and fifth bits) or 6 (q6: codes q standing for q - 32, a d per 16 inputs, no mins), with or
-    without mins), and w = d c + m [out, inp] in float64."""
+    (nibbles), 5 (nibbles and fifth bits) or 6, with or without mins; `per16`: a d per 16 inputs and no mins, codes q
+    standing for q - 32 (6 bits: q6) or q - 8 (4 bits: s4)), and w = d c + m [out, inp] in float64."""
     blocks = -(-inp // 32)
     low, high = (-128, 128) if bits == 8 else (0, 1 << bits)
     codes = torch.randint(low, high, (out, inp), generator=g)
-    per = 16 if bits == 6 else 32  # inputs per d
+    per = 16 if per16 else 32  # inputs per d
     d = (torch.rand(out, blocks * 32 // per, generator=g) * 0.02 + 1e-3).half()
     m = (torch.randn(out, blocks, generator=g) * 0.05).half() if with_mins else None
-    w = (codes - 32 if bits == 6 else codes).double() * d.double().repeat_interleave(per, dim=1)[:, :inp]
+    offset = {6: 32, 4: 8}[bits] if per16 else 0
+    w = (codes - offset).double() * d.double().repeat_interleave(per, dim=1)[:, :inp]
     if m is not None:
         w = w + m.double().repeat_interleave(32, dim=1)[:, :inp]
     return pack(codes.to(torch.int8), d, m, bits), w
@@ -562,9 +566,10 @@ def bf16_gemm(request) -> Callable:
 
 
 @pytest.mark.parametrize("inp", [576, 1536, 100])
-@pytest.mark.parametrize("bits, with_mins", [(8, False), (8, True), (4, False), (4, True), (5, False), (5, True),
-                                             (6, False)])
-def test_bf16_gemm_against_the_reference(bf16_gemm, bits, with_mins, inp):
+@pytest.mark.parametrize("bits, with_mins, per16", [(8, False, False), (8, True, False), (4, False, False),
+                                                    (4, True, False), (5, False, False), (5, True, False),
+                                                    (6, False, True), (4, False, True)])
+def test_bf16_gemm_against_the_reference(bf16_gemm, bits, with_mins, per16, inp):
     """Our bf16 GEMMs (amx_bf16_linear, avx512_bf16_linear) on random packed weights (`pack` of codes, d and m
     drawn directly: int8 codes, nibbles, nibbles and fifth bits, with and without mins, or 6-bit codes), 600 outputs
     (38 tiles, the last padded: several panels; tiles not a multiple of the register block's 3), odd batches (1, and
@@ -575,7 +580,7 @@ def test_bf16_gemm_against_the_reference(bf16_gemm, bits, with_mins, inp):
     op = bf16_gemm
     out, blocks, u4 = 600, -(-inp // 32), bits < 8
     g = torch.Generator().manual_seed(inp + 2 * bits + with_mins)
-    packed, w = random_packed(out, inp, bits, with_mins, g)
+    packed, w = random_packed(out, inp, bits, with_mins, g, per16)
     for batch in (1, 7, 15, 17, 130):
         x = torch.randn(batch, inp, generator=g)
         y = op(x.bfloat16(), *packed, u4, out)
@@ -620,8 +625,9 @@ def test_bf16_gemm_threads_give_the_same_floats(bf16_gemm, out, inp):
 
 
 @pytest.mark.parametrize("inp", [576, 1536, 100])
-@pytest.mark.parametrize("bits, with_mins", [(8, False), (8, True), (4, True), (5, True), (6, False)])
-def test_amx_swiglu_gemm_is_the_gemm_then_silu_and_mul(cpu_isa, bits, with_mins, inp, monkeypatch):
+@pytest.mark.parametrize("bits, with_mins, per16", [(8, False, False), (8, True, False), (4, True, False),
+                                                    (5, True, False), (6, False, True), (4, False, True)])
+def test_amx_swiglu_gemm_is_the_gemm_then_silu_and_mul(cpu_isa, bits, with_mins, per16, inp, monkeypatch):
     """amx_bf16_linear_swiglu (SwiGLU in the AMX GEMM's store: gate tile i and up tile i as one tile pair) gives
     silu_and_mul(amx_bf16_linear(x)) bit for bit: 2 x 304 outputs (19 gate tiles: an odd count, several panels),
     batches with partial tiles, 1, 2 and 3 threads; the backend's bound call is that op, and under
@@ -633,7 +639,7 @@ def test_amx_swiglu_gemm_is_the_gemm_then_silu_and_mul(cpu_isa, bits, with_mins,
     silu = kernels.op("silu_and_mul", CPU, torch.bfloat16)
     out, u4 = 2 * 304, bits < 8
     g = torch.Generator().manual_seed(inp + 2 * bits + with_mins)
-    packed, _ = random_packed(out, inp, bits, with_mins, g)
+    packed, _ = random_packed(out, inp, bits, with_mins, g, per16)
     threads = torch.get_num_threads()
     try:
         for batch in (1, 17, 130):

@@ -1,12 +1,13 @@
 """`cpu_block`: our own CPU kernels (kernels/csrc/quant_matmul.cpp) for int8 and int4 weights, priority 10.
 
 Formats: int8 by tensor, channel or group (a multiple of 32), symmetric or with zero points; int4 by group
-(32, 64, any multiple of 32), symmetric or asymmetric; GGUF Q8_0, Q4_0, Q4_1 (canonical form) and Q5_0, Q5_1, Q6_K
-(quant/gguf_mapped.py). Each runs in blocks of 32 inputs: at `prepare` every block of an output row becomes
+(32, 64, any multiple of 32), symmetric or asymmetric; GGUF Q8_0, Q4_0, Q4_1 (canonical form) and Q5_0, Q5_1, Q6_K,
+Q3_K (quant/gguf_mapped.py). Each runs in blocks of 32 inputs: at `prepare` every block of an output row becomes
 w = d * c + m with fp16 d and m (c: signed int8, an unsigned nibble, for 5 bits a nibble and a fifth bit kept in a
 plane of its own, or for int8 codes drawn from a 16-value table (IQ4: TableCodesWeight) a nibble index into the table
 kept with each block; Q6_K's 6-bit codes c in [-32, 31] with a scale per 16 inputs are stored as c + 32, a nibble and
-two top bits, w = d * c, the scale of inputs 16..31 kept in the block; symmetric int4 / 5-bit codes are stored as c +
+two top bits, w = d * c, the scale of inputs 16..31 kept in the block, Q3_K's codes in [-4, 3] likewise as c + 8 in a
+nibble; symmetric int4 / 5-bit codes are stored as c +
 8 / c + 16 with m = -8 d / -16 d, integer zero points become m = -d * zero, Q4_1's min is m itself, a per-channel or
 per-tensor scale or a group of 64 is repeated on every block it covers), rows are interleaved in tiles of 16 and the
 canonical tensors are not kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`). in_features is padded
@@ -48,11 +49,12 @@ ROWS = 16  # output rows per tile (the kernel's)
 U4_BYTES = ROWS * QK // 2  # nibble bytes per tile and block
 FIFTH_BYTES = 64  # after them in 5-bit blocks: 8 masks of 64 fifth bits
 TABLE_BYTES = 16  # after them in table blocks: the 16 int8 values their nibbles index
-# after them in 6-bit blocks: the top two bits (2 x 64 bytes of four 2-bit fields), the 16 rows' fp16 scales of
-# inputs 16..31
+# after them in blocks with two scales (a scale per 16 inputs): 6 bits' top two bits (2 x 64 bytes of four 2-bit
+# fields), then the 16 rows' fp16 scales of inputs 16..31
 TOP_BITS_BYTES = 128
-SIX_BIT_BYTES = TOP_BITS_BYTES + ROWS * 2
-GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q6_K": 6}  # bits of each GGUF format run here
+HIGH_SCALE_BYTES = ROWS * 2
+CODE_OFFSET = {6: 32, 4: 8}  # codes stored as c + offset in blocks with two scales, by bits
+GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q6_K": 6, "Q3_K": 4}  # bits of each one run here
 # rows from which AMX CPUs run the bf16 GEMM path instead of the int8 tiles: a whole decode step of the embedded model
 # (`bench/profile_decode.py --batch B --prompt-len 128 --clock cpu --no-components`, 1 thread) took 0.90-0.94x the
 # time with it at 48 rows, 0.95-0.97x at 40, 1.00-1.01x at 36 (bench/RESULTS.md); prefill-sized batches 1.7-2x
@@ -76,10 +78,11 @@ AMX_GEMM_ENV = "GLMSERVE_AMX_GEMM"
 @dataclass
 class PackedWeight:
     """A weight in the kernel's layout (csrc/quant_matmul.cpp): codes [tiles, blocks, 512 (int8), 256 (int4), 320
-    (5 bits: the nibbles, then the fifth bits), 272 (table indices: the nibbles, then the table) or 416 (6 bits: the
-    nibbles, the top two bits, the scales of inputs 16..31)] uint8, scales and mins [tiles, blocks, 16]
-    float16 (mins empty when every m is 0; scales of inputs 0..15 for 6 bits). `u4`: the codes are nibbles (int4, 5
-    or 6 bits, or table indices; the kernels' argument of that name)."""
+    (5 bits: the nibbles, then the fifth bits), 272 (table indices: the nibbles, then the table), 416 (6 bits: the
+    nibbles, the top two bits, the scales of inputs 16..31) or 288 (4 bits with a scale per 16: the nibbles, the
+    scales of inputs 16..31)] uint8, scales and mins [tiles, blocks, 16] float16 (mins empty when every m is 0;
+    scales of inputs 0..15 where there are two). `u4`: the codes are nibbles (int4, 5 or 6 bits, or table indices;
+    the kernels' argument of that name)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -150,8 +153,8 @@ class CpuBlockBackend:
         per_token = bool(_activations_per_token(activations))
         if isinstance(weight, GGUFBlockWeight):
             packed = pack_gguf(weight)
-        elif bits == 6:
-            packed = pack_six_bit(weight)
+        elif weight.spec.group_size == 16:
+            packed = pack_two_scales(weight)
         else:
             codes, d, m = block_form(weight)
             indices = None  # codes from a 16-value table (IQ4): their indices as nibbles, the table per block
@@ -231,12 +234,13 @@ class CpuBlockBackend:
         codes = tiles[tile, :, :, row]  # [n, blocks, j, t]: only the rows asked for are gathered
         if p.u4:  # byte j*4+t holds input j*4+t (low nibble) and 16 + j*4+t (high nibble)
             c = torch.cat((codes & 15, codes >> 4), dim=-2)  # [n, blocks, i, t]: input 4i + t
-            extra = p.codes[tile, :, U4_BYTES:]  # [n, blocks, fifth bits, table, or 6 bits' top bits and scales]
+            extra = p.codes[tile, :, U4_BYTES:]  # [n, blocks, fifth bits, table, or (top bits and) high scales]
             if extra.shape[2] == FIFTH_BYTES:  # bit 4 row + t of mask i is the fifth bit of input 4i + t
                 masks = extra.reshape(len(ids), -1, 8, 8)  # [n, blocks, i, 8 bytes]
                 bits = torch.from_numpy(np.unpackbits(masks.numpy(), axis=-1, bitorder="little"))
                 c = c + 16 * bits.view(*masks.shape[:3], ROWS, 4)[torch.arange(len(ids)), :, :, row]
-            elif extra.shape[2] == SIX_BIT_BYTES:  # bits 2k, 2k+1 of byte 4 row + t of vector h: input 4(4h + k) + t
+            elif extra.shape[2] == TOP_BITS_BYTES + HIGH_SCALE_BYTES:  # bits 2k, 2k+1 of byte 4 row + t of vector h:
+                # input 4(4h + k) + t
                 top = extra[..., :TOP_BITS_BYTES].reshape(len(ids), -1, 2, ROWS, 4)[torch.arange(len(ids)), :, :, row]
                 fields = (top.unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
                 c = c + 16 * fields.flatten(2, 3)  # [n, blocks, i = 4h + k, t]
@@ -246,10 +250,11 @@ class CpuBlockBackend:
         else:
             c = codes.view(torch.int8).to(torch.float32)
         d = p.scales[tile, :, row].to(torch.float32)  # [n, blocks]
-        if p.codes.shape[2] == U4_BYTES + SIX_BIT_BYTES:  # w = d * (c - 32), inputs 16..31 by the block's own d
-            high = p.codes[tile, :, U4_BYTES + TOP_BITS_BYTES:].contiguous().view(torch.float16)  # [n, blocks, 16]
+        two = {U4_BYTES + TOP_BITS_BYTES + HIGH_SCALE_BYTES: 6, U4_BYTES + HIGH_SCALE_BYTES: 4}.get(p.codes.shape[2])
+        if two:  # w = d * (c - offset), inputs 16..31 by the block's own d
+            high = p.codes[tile, :, -HIGH_SCALE_BYTES:].contiguous().view(torch.float16)  # [n, blocks, 16]
             d = torch.stack((d, high[torch.arange(len(ids)), :, row].to(torch.float32)), dim=-1)  # [n, blocks, 2]
-            w = (c.view(*c.shape[:2], 2, 16) - 32) * d.unsqueeze(-1)
+            w = (c.view(*c.shape[:2], 2, 16) - CODE_OFFSET[two]) * d.unsqueeze(-1)
             return w.flatten(1)[:, :p.in_features].to(dtype)
         w = c.flatten(2) * d.unsqueeze(-1)  # [n, blocks, 32]
         if p.mins.numel():
@@ -398,11 +403,11 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, b
          table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """block_form's tensors of a `bits`-bit format (8, 4 or 5) in the kernel's tile layout (csrc/quant_matmul.cpp's
     header), padded to whole blocks of 32 inputs and tiles of 16 rows; with `table` (int8 [16], 4-bit indices as
-    codes) the t4 layout: each tile block's nibbles, then the table's values. 6 bits (`pack_six_bit`): codes 0..63
-    and scales per 16 inputs [out, 2 * blocks], no mins: the q6 layout."""
+    codes) the t4 layout: each tile block's nibbles, then the table's values. Scales per 16 inputs [out, 2 * blocks]
+    (`pack_two_scales`: 6 bits, codes 0..63, the q6 layout; 4 bits, the s4 layout): no mins."""
     out, inp = codes.shape
     high = None
-    if bits == 6:  # the scales of inputs 16..31 go into the blocks, those of 0..15 are the tiles' d
+    if scales.shape[1] * 16 == -(-inp // QK) * QK:  # the scales of inputs 16..31 go into the blocks, 0..15 the tiles' d
         scales, high = scales[:, 0::2], scales[:, 1::2]
     blocks = scales.shape[1]
     tiles = -(-out // ROWS)
@@ -412,8 +417,9 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, b
     if c.storage_offset() % 4:  # a view into another tensor: int32 words below need aligned storage
         c = c.clone()
     tail = table.view(torch.uint8) if table is not None else _fifth_bits(c, tiles, blocks) if bits == 5 else None
-    if bits == 6:  # the top two bits, then the scales of inputs 16..31
-        tail = torch.cat([_top_bits(c, tiles, blocks), _tiled(high, tiles).view(torch.uint8)], dim=-1)
+    if high is not None:  # 6 bits' top two bits, then the scales of inputs 16..31
+        tail = torch.cat(([_top_bits(c, tiles, blocks)] if bits == 6 else []) + [_tiled(high, tiles).view(torch.uint8)],
+                         dim=-1)
     if bits < 8:  # [tile, row, block, half, 16] -> byte = low half | high half << 4: [tile, row, block, 16 bytes]
         c = c.reshape(tiles, ROWS, blocks, 2, 16)
         if bits > 4:
@@ -447,20 +453,23 @@ def _table_indices(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor | N
     return indices
 
 
-def pack_six_bit(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`pack` of a 6-bit weight (GGUF Q6_K as quant/gguf_mapped.py reads it: codes c in [-32, 31], an fp16 scale per
-    16 inputs, w = d * c) as codes c + 32. Raises InvalidRequestError where a code is out of range, the inputs are not
-    whole blocks of 32, or a scale does not fit fp16."""
+def pack_two_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack` of a weight with an fp16 scale per 16 inputs and symmetric 6- or 4-bit codes c in [-32, 31] / [-8, 7]
+    (GGUF Q6_K / Q3_K as quant/gguf_mapped.py reads them), w = d * c, as codes c + 32 / c + 8. Raises
+    InvalidRequestError where a code is out of range, the inputs are not whole blocks of 32, or a scale does not fit
+    fp16."""
     spec, inp = weight.spec, weight.shape[1]
-    if inp % QK or spec.group_size != 16 or weight.zeros is not None or weight.mins is not None:
-        raise InvalidRequestError(f"{spec}: 6-bit codes run in blocks of 32 inputs with a scale per 16 and no minimum")
+    offset = CODE_OFFSET.get(spec.num_bits)
+    if offset is None or inp % QK or weight.zeros is not None or weight.mins is not None:
+        raise InvalidRequestError(f"{spec}: a scale per 16 inputs runs with 6- or 4-bit codes, no minimum, in blocks "
+                                  "of 32 inputs")
     least, most = (int(v) for v in torch.aminmax(weight.codes))
-    if least < -32 or most > 31:
+    if least < -offset or most >= offset:
         raise InvalidRequestError(f"{spec}: codes outside the format's range")
     scales = weight.scales.to(torch.float16)
     if not _finite(scales):
         raise InvalidRequestError(f"{spec}: a scale does not fit float16")
-    return pack(weight.codes + 32, scales, None, 6)
+    return pack(weight.codes + offset, scales, None, spec.num_bits)
 
 
 def _top_bits(c: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_
   Q4_K    d, dmin, 6-bit (sc, m) per 32   w = d*sc*q - dmin*m   -> Q4_1: codes q, scale fp16(d*sc), min fp16(-dmin*m)
   Q5_K    as Q4_K with 5-bit q                                   -> Q5_1 the same way
   Q6_K    d, int8 sc per 16, 6-bit q      w = d*sc*(q - 32)     -> Q6_K: codes q - 32, scale fp16(d*sc) per 16
-  Q3_K    d, 6-bit sc per 16, 2-bit q and a high bit h            -> Q6_K: codes q - 4 (1 - h) in [-4, 3],
+  Q3_K    d, 6-bit sc per 16, 2-bit q and a high bit h            -> Q3_K: codes q - 4 (1 - h) in [-4, 3],
                                           w = d*(sc - 32)*(q - 4 (1 - h))    scale fp16(d*(sc - 32)) per 16
   IQ4_NL  d, 4-bit index into kvalues     w = d * kvalues[q]    -> Q8_0: codes kvalues[q] (int8), scale d: exact
   IQ4_XS  d, 6-bit ls per 32, as IQ4_NL   w = d*(ls-32)*kvalues[q] -> Q8_0: scale fp16(d * (ls - 32))
@@ -23,8 +23,9 @@ scale and min, next to a 4-bit step's 1/15 of its range), Q6_K's and Q3_K's into
 re-quantized types gain at most half an int8 step, absmax / 254 of a block (a 2-bit type's own step is absmax / 2).
 5-bit codes run as nibbles and a plane of fifth bits (5 bits a weight, as the file keeps them), 6-bit ones as nibbles
 and their top two bits (the kernels' q6 blocks, the scale of each block's second 16 inputs kept in the block), 4-bit
-ones as nibbles, IQ4's as nibble indices into the table kept with each block (TableCodesWeight: its canonical codes
-are the table's values). Everything is vectorized over all blocks.
+ones as nibbles (Q3_K's with that second scale: s4 blocks, 5 bits a weight), IQ4's as nibble indices into the table
+kept with each block (TableCodesWeight: its canonical codes are the table's values). Everything is vectorized over all
+blocks.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ SUPER = 256  # inputs per K-quant superblock (ggml's QK_K)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 IQ4_TABLE = torch.from_numpy(IQ4_VALUES)  # (the same memory) as TableCodesWeight's table
 # types whose codes are kept as stored (their scales as stored, or flattened: Q4_K, Q5_K, IQ4_XS) -> the form
-CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "Q6_K": "Q6_K", "Q3_K": "Q6_K",
+CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "Q6_K": "Q6_K", "Q3_K": "Q3_K",
               "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
 REQUANTIZED = tuple(name for name in ("Q2_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                                       "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
@@ -82,7 +83,7 @@ def how_it_runs(gguf_type: str) -> str:
     if gguf_type in ("Q4_K", "Q5_K", "IQ4_XS"):
         return f"as {RUNS_AS[gguf_type]} blocks, scales rounded to one fp16 per 32"
     if gguf_type in ("Q6_K", "Q3_K"):
-        return "as 6-bit codes (Q6_K blocks), scales rounded to one fp16 per 16"
+        return f"{'6' if gguf_type == 'Q6_K' else '4'}-bit codes, scales rounded to one fp16 per 16"
     if gguf_type.startswith("Q5_"):
         return "5-bit codes as nibbles and fifth bits"
     return "nibble indices into its table"

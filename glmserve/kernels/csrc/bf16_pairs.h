@@ -78,7 +78,8 @@ GLMSERVE_BF16_TARGET inline void spread_rows(const uint16_t* p, __m512* groups) 
 // PAIR_TILE bf16 at o. BYTES, the block's format (packed_blocks.h): int8 codes; nibbles; u5: the 256 nibble bytes
 // followed by 8 masks of 64 fifth bits (mask i: the bytes of i8 group i, i.e. the low nibbles of group i < 4, the high
 // ones of group i - 4); t4: the nibbles followed by the 16 int8 values they index; q6: the nibbles, 2 x 64 bytes of
-// top bits and the rows' fp16 scales of inputs 16..31, w = d * (q - 32) (as fma(q, d, -32 d): exact, both are)
+// top bits and the rows' fp16 scales of inputs 16..31, w = d * (q - 32) (as fma(q, d, -32 d): exact, both are);
+// s4: the nibbles and those scales, w = d * (q - 8)
 template <int64_t BYTES>
 GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const uint16_t* d, const uint16_t* m,
                                                        uint16_t* o) {
@@ -88,11 +89,12 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const u
   if constexpr (BYTES == kI8BlockBytes) {
     for (int j = 0; j < 8; ++j) bf16_pair_rows<0, BYTES>(c + j * 64, ds, ms, o + 2 * j * 32, 0, nullptr, 0, __m128i());
   } else {
-    __m512 dh[4], mh[4];  // the high nibbles' (inputs 16..31) d and m: q6's own, else the block's
-    if constexpr (BYTES == kQ6BlockBytes) {
-      spread_rows(reinterpret_cast<const uint16_t*>(c + kU4BlockBytes + 128), dh);
-      for (int g = 0; g < 4; ++g)
-        ms[g] = _mm512_mul_ps(ds[g], _mm512_set1_ps(-32.f)), mh[g] = _mm512_mul_ps(dh[g], _mm512_set1_ps(-32.f));
+    __m512 dh[4], mh[4];  // the high nibbles' (inputs 16..31) d and m: q6's / s4's own, else the block's
+    if constexpr (BYTES == kQ6BlockBytes || BYTES == kS4BlockBytes) {
+      constexpr bool six = BYTES == kQ6BlockBytes;
+      spread_rows(reinterpret_cast<const uint16_t*>(c + kU4BlockBytes + (six ? 128 : 0)), dh);
+      const __m512 offset = _mm512_set1_ps(six ? -32.f : -8.f);
+      for (int g = 0; g < 4; ++g) ms[g] = _mm512_mul_ps(ds[g], offset), mh[g] = _mm512_mul_ps(dh[g], offset);
     } else {
       for (int g = 0; g < 4; ++g) dh[g] = ds[g], mh[g] = ms[g];
     }
@@ -116,6 +118,7 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_block(int64_t block_bytes, cons
     case kU5BlockBytes: return dequantize_bf16_pairs<kU5BlockBytes>(c, d, m, o);
     case kT4BlockBytes: return dequantize_bf16_pairs<kT4BlockBytes>(c, d, m, o);
     case kQ6BlockBytes: return dequantize_bf16_pairs<kQ6BlockBytes>(c, d, m, o);
+    case kS4BlockBytes: return dequantize_bf16_pairs<kS4BlockBytes>(c, d, m, o);
     default: return dequantize_bf16_pairs<kI8BlockBytes>(c, d, m, o);
   }
 }

@@ -14,10 +14,13 @@ constexpr int64_t kT4BlockBytes = kU4BlockBytes + 16;      // t4: the nibbles, t
 // q6: the nibbles, then the codes' top two bits (2 x 64 bytes of four 2-bit fields), then the 16 rows' fp16 scales
 // of inputs 16..31
 constexpr int64_t kQ6BlockBytes = kU4BlockBytes + 2 * 64 + 16 * 2;
+// s4: the nibbles, then the 16 rows' fp16 scales of inputs 16..31
+constexpr int64_t kS4BlockBytes = kU4BlockBytes + 16 * 2;
 
-// whether `bytes` per tile block is a nibble-code format's (u4, u5, t4, q6)
+// whether `bytes` per tile block is a nibble-code format's (u4, u5, t4, q6, s4)
 constexpr bool nibble_block_bytes(int64_t bytes) {
-  return bytes == kU4BlockBytes || bytes == kU5BlockBytes || bytes == kT4BlockBytes || bytes == kQ6BlockBytes;
+  return bytes == kU4BlockBytes || bytes == kU5BlockBytes || bytes == kT4BlockBytes || bytes == kQ6BlockBytes ||
+         bytes == kS4BlockBytes;
 }
 
 }  // namespace glmserve

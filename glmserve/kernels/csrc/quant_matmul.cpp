@@ -7,7 +7,8 @@
 // as c + 8 with m = -8 d; Q4_1 and asymmetric int4 keep their codes, m = their min or -d * zero), or a nibble
 // and a fifth bit, 0..31 ("u5": GGUF Q5_0's codes stored as c + 16 with m = -16 d, Q5_1's as they are). GGUF
 // Q6_K ("q6") has a scale per 16 inputs: w = d * (q - 32) with q 0..63 a nibble and two top bits, d the block's
-// for inputs 0..15 and the one kept in the block for 16..31 (no m).
+// for inputs 0..15 and the one kept in the block for 16..31 (no m); GGUF Q3_K ("s4") likewise w = d * (q - 8) with
+// q a nibble.
 // Rows are interleaved in tiles of 16 output rows so that one SIMD register holds the same 4 inputs of 16
 // (AVX-512) or 8 (AVX2) rows: a dot product then accumulates one row per 32-bit lane, with no horizontal
 // sum, and the tile's 16 scales are one contiguous fp16 vector. Per tile and block:
@@ -26,8 +27,9 @@
 //       bytes: 6.5 bits a weight, 7 with d). The low nibbles (inputs 0..15) and the high ones (16..31) sum
 //       separately, each from -32 times its 16 activations' sum, and scale by their own d (ggml's block_q6_K,
 //       whose sub-block scales gguf_mapped.py flattens into these fp16 ones).
+//   s4: the u4 bytes, then the 16 rows' fp16 scales of inputs 16..31 (288 bytes), codes q - 8: q6 without top bits.
 //       The kernels' `u4` argument means nibble codes; 320-byte blocks carry the fifth bits, 272-byte ones a table,
-//       416-byte ones six bits.
+//       416-byte ones six bits, 288-byte ones a second scale.
 //   d, m: [16] fp16 each (arrays of their own, [tiles, blocks, 16])
 //
 // Activations are quantized once per input row (quantize_activations): int8 codes q = round(x / dx) with
@@ -103,20 +105,28 @@ constexpr int64_t U4_BLOCK = glmserve::kU4BlockBytes;
 constexpr int64_t U5_BLOCK = glmserve::kU5BlockBytes;
 constexpr int64_t T4_BLOCK = glmserve::kT4BlockBytes;
 constexpr int64_t Q6_BLOCK = glmserve::kQ6BlockBytes;
+constexpr int64_t S4_BLOCK = glmserve::kS4BlockBytes;
 
-enum Codes { I8, U4, U5, T4, Q6 };  // a packed weight's code format (the header's i8 / u4 / u5 / t4 / q6)
+enum Codes { I8, U4, U5, T4, Q6, S4 };  // a packed weight's code format (the header's i8 / u4 / u5 / t4 / q6 / s4)
 
 constexpr int64_t block_bytes_of(Codes c) {
-  return c == I8 ? I8_BLOCK : c == U4 ? U4_BLOCK : c == U5 ? U5_BLOCK : c == T4 ? T4_BLOCK : Q6_BLOCK;
+  return c == I8 ? I8_BLOCK : c == U4 ? U4_BLOCK : c == U5 ? U5_BLOCK : c == T4 ? T4_BLOCK : c == Q6 ? Q6_BLOCK
+                                                                                                   : S4_BLOCK;
 }
+
+// the formats with a second scale per block (inputs 16..31), whose halves sum apart from -offset * sum(q)
+constexpr bool two_scales(Codes c) { return c == Q6 || c == S4; }
+constexpr int code_offset(Codes c) { return c == Q6 ? 32 : 8; }  // q6 / s4 codes stored as c + 32 / c + 8
 
 // the format of codes [tiles, blocks, bytes] passed with the kernels' `u4` flag (nibble codes): an error where the
 // bytes per tile and block are not one of the format's
 Codes codes_of(bool u4, int64_t bytes, const char* name) {
   TORCH_CHECK(u4 ? glmserve::nibble_block_bytes(bytes) : bytes == I8_BLOCK, name,
               ": block bytes ", bytes,
-              u4 ? " (nibble codes: 256, 320 with fifth bits, 272 with a table, 416 with six bits)" : " (int8 codes: 512)");
-  return !u4 ? I8 : bytes == U4_BLOCK ? U4 : bytes == U5_BLOCK ? U5 : bytes == T4_BLOCK ? T4 : Q6;
+              u4 ? " (nibble codes: 256, 320 with fifth bits, 272 with a table, 416 with six bits, 288 with two scales)"
+                 : " (int8 codes: 512)");
+  return !u4 ? I8 : bytes == U4_BLOCK ? U4 : bytes == U5_BLOCK ? U5 : bytes == T4_BLOCK ? T4 : bytes == Q6_BLOCK ? Q6
+                                                                                                               : S4;
 }
 
 // f(std::integral_constant<Codes, kind>{}): a runtime format to the template argument of a kernel instantiated per
@@ -128,6 +138,7 @@ void with_codes(Codes kind, F&& f) {
     case U5: return f(std::integral_constant<Codes, U5>{});
     case T4: return f(std::integral_constant<Codes, T4>{});
     case Q6: return f(std::integral_constant<Codes, Q6>{});
+    case S4: return f(std::integral_constant<Codes, S4>{});
     default: return f(std::integral_constant<Codes, I8>{});
   }
 }
@@ -145,36 +156,38 @@ inline uint64_t fifth_mask(const uint8_t* block, int i) {
 // the 64 bytes of a q6 block's top-bit vector h (i8 groups 4h..4h+3, two bits each)
 inline const uint8_t* top_bits(const uint8_t* block, int h) { return block + U4_BLOCK + 64 * h; }
 
-// a q6 block's 16 fp16 scales of inputs 16..31 (one per row)
+// a q6 / s4 block's 16 fp16 scales of inputs 16..31 (one per row)
+template <Codes C>
 inline const uint16_t* high_scales(const uint8_t* block) {
-  return reinterpret_cast<const uint16_t*>(block + U4_BLOCK + 128);
+  return reinterpret_cast<const uint16_t*>(block + U4_BLOCK + (C == Q6 ? 128 : 0));
 }
 
 // row r's code t of i8 group i of a nibble block, given its nibble: with its fifth bit where C is U5, its table's
-// value where C is T4, q - 32 of its six bits where C is Q6
+// value where C is T4, q - 32 of its six bits where C is Q6, q - 8 where C is S4
 template <Codes C>
 inline int32_t nibble_code(const uint8_t* block, int i, int r, int t, uint8_t nibble) {
   if constexpr (C == U5) return nibble | static_cast<int32_t>((fifth_mask(block, i) >> (4 * r + t)) & 1) << 4;
   if constexpr (C == Q6) return (nibble | ((top_bits(block, i / 4)[4 * r + t] >> (2 * (i % 4))) & 3) << 4) - 32;
+  if constexpr (C == S4) return nibble - 8;
   if constexpr (C == T4) return table_of(block)[nibble];
   return nibble;
 }
 
-// A q6 block's two integer sums (inputs 0..15 and 16..31) scaled by their own d: low * d_low + high * d_high, which
+// A q6 / s4 block's two integer sums (inputs 0..15 and 16..31) scaled by their own d: low * d_low + high * d_high, which
 // every path then multiplies by the activations' dx into its accumulator (acc + part * dx: two operations fewer per
 // row and block than scaling each half by d * dx; the SIMD paths fuse the multiply-adds)
 inline float q6_scale(int32_t low, int32_t high, float d_low, float d_high) {
   return static_cast<float>(low) * d_low + static_cast<float>(high) * d_high;
 }
 
-// The starts of a q6 block's two integer sums for one activation row, -32 times the sums of its codes q[0..15] and
-// q[16..31] (its codes' offset; `sum`: all 32 codes' sum), into out[0], out[1]: the VNNI tiles read them from their
-// activation groups (put_row), the AVX2 tiles from a per-call array (q6_offsets)
-inline void q6_offsets_of(const int8_t* q, int32_t sum, int32_t* out) {
+// The starts of a q6 / s4 block's two integer sums for one activation row, -offset (code_offset) times the sums of
+// its codes q[0..15] and q[16..31] (`sum`: all 32 codes' sum), into out[0], out[1]: the VNNI tiles read them from
+// their activation groups (put_row), the AVX2 tiles from a per-call array (half_offsets)
+inline void half_offsets_of(const int8_t* q, int32_t sum, int offset, int32_t* out) {
   int32_t low = 0;
   for (int i = 0; i < QK / 2; ++i) low += q[i];
-  out[0] = -32 * low;
-  out[1] = -32 * (sum - low);
+  out[0] = -offset * low;
+  out[1] = -offset * (sum - low);
 }
 
 constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
@@ -197,7 +210,7 @@ struct Acts {  // quantized activations
   int64_t kp, nb;
   const GroupWord* groups = nullptr;  // VNNI builds: the rows from row0 on regrouped (pack_groups)
   int64_t row0 = 0;
-  const int32_t* q6_offsets = nullptr;  // AVX2 builds, q6 weights: [N, nb, 2] -32 * sum(q) per half block
+  const int32_t* half_offsets = nullptr;  // AVX2 builds, q6 / s4 weights: [N, nb, 2] -offset * sum(q) per half
 };
 
 struct Weights {  // one tile
@@ -226,7 +239,7 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64
       const int8_t* qb = q + b * QK;
       const float dx = a.d[(n0 + n) * a.nb + b], sx = a.s[(n0 + n) * a.nb + b];
       for (int64_t r = 0; r < ROWS; ++r) {
-        int32_t sum = 0, high = 0;  // q6: inputs 0..15 in sum, 16..31 in high (scaled apart)
+        int32_t sum = 0, high = 0;  // q6 / s4: inputs 0..15 in sum, 16..31 in high (scaled apart)
         if constexpr (C != I8) {
           for (int j = 0; j < 4; ++j)
             for (int t = 0; t < 4; ++t) {
@@ -234,14 +247,14 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64
               sum += nibble_code<C>(c, j, r, t, byte & 0x0F) * qb[4 * j + t];
               high += nibble_code<C>(c, 4 + j, r, t, byte >> 4) * qb[16 + 4 * j + t];
             }
-          if constexpr (C != Q6) sum += high;
+          if constexpr (!two_scales(C)) sum += high;
         } else {
           for (int j = 0; j < 8; ++j)
             for (int t = 0; t < 4; ++t)
               sum += static_cast<int32_t>(static_cast<int8_t>(c[(j * ROWS + r) * 4 + t])) * qb[4 * j + t];
         }
-        if constexpr (C == Q6) {
-          acc[r] += q6_scale(sum, high, half_to_float(w.d[b * ROWS + r]), half_to_float(high_scales(c)[r])) * dx;
+        if constexpr (two_scales(C)) {
+          acc[r] += q6_scale(sum, high, half_to_float(w.d[b * ROWS + r]), half_to_float(high_scales<C>(c)[r])) * dx;
           continue;
         }
         acc[r] += static_cast<float>(sum) * (half_to_float(w.d[b * ROWS + r]) * dx);
@@ -299,28 +312,29 @@ inline __m256i top_bits_at_4_avx2(__m256i top, int k) {
   return k < 2 ? _mm256_slli_epi16(top, 4 - 2 * k) : _mm256_srli_epi16(top, 2 * k - 4);
 }
 
-// One q6 block into acc (tile_avx2_halves' accumulators): per half of the block (inputs 0..15, then 16..31) its
-// unsigned codes q times the activations (vpmaddubsw: pairs up to 2 * 63 * 127, two groups' pairs summed in int16
-// before vpmaddwd) from its offset -32 sum(q) (Acts::q6_offsets); the halves' sums scaled as q6_scale does
-template <int NB, int H>
-inline void q6_block_avx2(const uint8_t* block, const uint16_t* d, const Acts& a, int64_t n0, int64_t b, int h0,
-                          __m256 (&acc)[NB][H]) {
+// One q6 / s4 block into acc (tile_avx2_halves' accumulators): per half of the block (inputs 0..15, then 16..31)
+// its unsigned codes q times the activations (vpmaddubsw: pairs up to 2 * 63 * 127, two groups' pairs summed in
+// int16 before vpmaddwd) from its offset -offset sum(q) (Acts::half_offsets); the halves' sums scaled as q6_scale does
+template <Codes C, int NB, int H>
+inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const Acts& a, int64_t n0, int64_t b, int h0,
+                                 __m256 (&acc)[NB][H]) {
   const __m256i ones16 = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
   const int8_t* q0 = a.q + n0 * a.kp + b * QK;
   __m256 part[NB][H];
   for (int half = 0; half < 2; ++half) {
     __m256i isum[NB][H], top[H];
-    for (int h = 0; h < H; ++h)
-      top[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top_bits(block, half) + (h0 + h) * 32));
+    if constexpr (C == Q6)
+      for (int h = 0; h < H; ++h)
+        top[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top_bits(block, half) + (h0 + h) * 32));
     for (int n = 0; n < NB; ++n)
-      for (int h = 0; h < H; ++h) isum[n][h] = _mm256_set1_epi32(a.q6_offsets[((n0 + n) * a.nb + b) * 2 + half]);
+      for (int h = 0; h < H; ++h) isum[n][h] = _mm256_set1_epi32(a.half_offsets[((n0 + n) * a.nb + b) * 2 + half]);
     for (int j = 0; j < 4; j += 2) {  // byte groups j, j + 1: i8 groups 4 half + j, + 1
       __m256i q[2][H];
       for (int k = 0; k < 2; ++k)
         for (int h = 0; h < H; ++h) {
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (j + k) * 64 + (h0 + h) * 32));
-          q[k][h] = _mm256_or_si256(_mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, low4),
-                                    _mm256_and_si256(top_bits_at_4_avx2(top[h], j + k), top2));
+          q[k][h] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+          if constexpr (C == Q6) q[k][h] = _mm256_or_si256(q[k][h], _mm256_and_si256(top_bits_at_4_avx2(top[h], j + k), top2));
         }
       for (int n = 0; n < NB; ++n) {
         const int8_t* x = q0 + n * a.kp + 16 * half + 4 * j;
@@ -333,7 +347,7 @@ inline void q6_block_avx2(const uint8_t* block, const uint16_t* d, const Acts& a
       }
     }
     for (int h = 0; h < H; ++h) {
-      const __m256 dw = half8_to_float((half ? high_scales(block) : d) + (h0 + h) * 8);
+      const __m256 dw = half8_to_float((half ? high_scales<C>(block) : d) + (h0 + h) * 8);
       for (int n = 0; n < NB; ++n)
         part[n][h] = half ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[n][h]), dw, part[n][h])
                           : _mm256_mul_ps(_mm256_cvtepi32_ps(isum[n][h]), dw);
@@ -344,14 +358,14 @@ inline void q6_block_avx2(const uint8_t* block, const uint16_t* d, const Acts& a
       acc[n][h] = _mm256_fmadd_ps(part[n][h], _mm256_set1_ps(a.d[(n0 + n) * a.nb + b]), acc[n][h]);
 }
 
-// q6_offsets_of every block of rows [0, N) ([N, nb, 2]: the starts of q6 blocks' half sums on the AVX2 tiles), into
-// the calling thread's buffer
-const int32_t* q6_offsets(const Acts& a, int64_t N) {
+// half_offsets_of every block of rows [0, N) ([N, nb, 2]: the starts of q6 / s4 blocks' half sums on the AVX2
+// tiles), into the calling thread's buffer
+const int32_t* half_offsets(const Acts& a, int64_t N, int offset) {
   thread_local std::vector<int32_t> buffer;
   buffer.resize(static_cast<size_t>(N * a.nb * 2));
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < a.nb; ++b)
-      q6_offsets_of(a.q + n * a.kp + b * QK, a.isum[n * a.nb + b], buffer.data() + (n * a.nb + b) * 2);
+      half_offsets_of(a.q + n * a.kp + b * QK, a.isum[n * a.nb + b], offset, buffer.data() + (n * a.nb + b) * 2);
   return buffer.data();
 }
 
@@ -373,8 +387,8 @@ void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nbloc
         if (MINS) prefetch_lines(w.m, (b + PF_BLOCKS) * ROWS * 2, 64);
       }
     }
-    if constexpr (C == Q6) {
-      q6_block_avx2<NB, H>(block, w.d + b * ROWS, a, n0, b, h0, acc);
+    if constexpr (two_scales(C)) {
+      two_scale_block_avx2<C, NB, H>(block, w.d + b * ROWS, a, n0, b, h0, acc);
       continue;
     }
     __m256i isum[NB][H];
@@ -485,14 +499,14 @@ void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, flo
 // s[G] (dx * sum(q)) and bias[G] (-128 * sum(q): the i8 codes' flip to c + 128, the start of the integer sum), so
 // that every broadcast of a tile's block is at a fixed offset from one pointer (with one pointer per row, GCC ran out
 // of general registers at 8 rows and parked the int8 path's 128 * sum(q) in mask registers: 105 GMAC/s against 130
-// for u4), and a batch of one row reads 44 bytes per block. For q6 weights two more, half[2][G]: -32 * the sums of
-// codes 0..15 and 16..31 (q6's offset, the start of each half's sum), computed only for them.
+// for u4), and a batch of one row reads 44 bytes per block. For q6 / s4 weights two more, half[2][G]: -offset * the
+// sums of codes 0..15 and 16..31 (their codes' offset, the start of each half's sum), computed only for them.
 union GroupWord {
   int32_t i;
   float f;
 };
-constexpr int GROUP_WORDS = 11, Q6_GROUP_WORDS = 13;
-constexpr int group_words(Codes c) { return c == Q6 ? Q6_GROUP_WORDS : GROUP_WORDS; }
+constexpr int GROUP_WORDS = 11, TWO_SCALE_GROUP_WORDS = 13;
+constexpr int group_words(Codes c) { return two_scales(c) ? TWO_SCALE_GROUP_WORDS : GROUP_WORDS; }
 
 // the calling thread's buffer of `words` group words (reused: no allocation per call)
 GroupWord* group_buffer(size_t words) {
@@ -502,9 +516,10 @@ GroupWord* group_buffer(size_t words) {
 }
 
 // row n (of N, from `first` on) of quantized activations (codes q [nb * 32], scales d, dx * sum s and sums isum [nb])
-// into its place in the groups at `data` of `words` words (group_words)
+// into its place in the groups at `data` for weights of `kind` (group_words)
 void put_row(const int8_t* q, const float* d, const float* s, const int32_t* isum, int64_t nb, int64_t first,
-             int64_t n, int64_t N, int words, GroupWord* data) {
+             int64_t n, int64_t N, Codes kind, GroupWord* data) {
+  const int words = group_words(kind);
   const int64_t g0 = first + (n - first) / VNNI_NB * VNNI_NB;  // the group's first row
   const int64_t rows = std::min<int64_t>(VNNI_NB, N - g0), r = n - g0;
   GroupWord* g = data + (g0 - first) * nb * words;
@@ -514,9 +529,9 @@ void put_row(const int8_t* q, const float* d, const float* s, const int32_t* isu
     x[8 * rows + r].f = d[b];
     x[9 * rows + r].f = s[b];
     x[10 * rows + r].i = -128 * isum[b];
-    if (words == Q6_GROUP_WORDS) {
+    if (two_scales(kind)) {
       int32_t starts[2];
-      q6_offsets_of(q + b * QK, isum[b], starts);
+      half_offsets_of(q + b * QK, isum[b], code_offset(kind), starts);
       x[11 * rows + r].i = starts[0];
       x[12 * rows + r].i = starts[1];
     }
@@ -526,11 +541,10 @@ void put_row(const int8_t* q, const float* d, const float* s, const int32_t* isu
 // rows [first, N) of the activations in groups of VNNI_NB from `first` on, for weights of `kind`, into the calling
 // thread's buffer (rows split over the intra-op threads for large batches)
 const GroupWord* pack_groups(const Acts& a, int64_t first, int64_t N, Codes kind) {
-  const int words = group_words(kind);
-  GroupWord* data = group_buffer(static_cast<size_t>((N - first) * a.nb * words));
+  GroupWord* data = group_buffer(static_cast<size_t>((N - first) * a.nb * group_words(kind)));
   at::parallel_for(first, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      put_row(a.q + n * a.kp, a.d + n * a.nb, a.s + n * a.nb, a.isum + n * a.nb, a.nb, first, n, N, words, data);
+      put_row(a.q + n * a.kp, a.d + n * a.nb, a.s + n * a.nb, a.isum + n * a.nb, a.nb, first, n, N, kind, data);
   });
   return data;
 }
@@ -562,23 +576,26 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
     const uint8_t* c = w.codes + b * block_bytes_of(C);
     const GroupWord* x = g + b * group_words(C) * NB;
     const GroupWord *dx = x + 8 * NB, *sx = x + 9 * NB, *bias = x + 10 * NB;
-    if constexpr (C == Q6) {  // the two halves' sums side by side (each from -32 sum(q)), then q6_scale's floats
-      const __m512i top_low = _mm512_loadu_si512(top_bits(c, 0)), top_high = _mm512_loadu_si512(top_bits(c, 1));
+    if constexpr (two_scales(C)) {  // the two halves' sums side by side (each from -offset sum(q)), then q6_scale's
+      [[maybe_unused]] const __m512i top_low = C == Q6 ? _mm512_loadu_si512(top_bits(c, 0)) : low4;  // floats
+      [[maybe_unused]] const __m512i top_high = C == Q6 ? _mm512_loadu_si512(top_bits(c, 1)) : low4;
       __m512i low[NB], high[NB];
       for (int n = 0; n < NB; ++n)
         low[n] = _mm512_set1_epi32(x[11 * NB + n].i), high[n] = _mm512_set1_epi32(x[12 * NB + n].i);
       for (int j = 0; j < 4; ++j) {  // i8 groups j (the low nibbles: inputs 4j..) and 4 + j (the high: 16 + 4j..)
         const __m512i v = _mm512_loadu_si512(c + j * 64);
-        const __m512i ql = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low4), top_bits_at_4(top_low, j), top2, 0xF8);
-        const __m512i qh = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
-                                                     top_bits_at_4(top_high, j), top2, 0xF8);  // a | (b & c)
+        __m512i ql = _mm512_and_si512(v, low4), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (C == Q6) {  // a | (b & c): the top bits merged in
+          ql = _mm512_ternarylogic_epi32(ql, top_bits_at_4(top_low, j), top2, 0xF8);
+          qh = _mm512_ternarylogic_epi32(qh, top_bits_at_4(top_high, j), top2, 0xF8);
+        }
         for (int n = 0; n < NB; ++n) {
           low[n] = dpbusd_broadcast(low[n], ql, &x[j * NB + n].i);
           high[n] = dpbusd_broadcast(high[n], qh, &x[(4 + j) * NB + n].i);
         }
       }
       const __m512 dl = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
-      const __m512 dh = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_scales(c))));
+      const __m512 dh = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_scales<C>(c))));
       for (int n = 0; n < NB; ++n) {
         const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high[n]), dh, _mm512_mul_ps(_mm512_cvtepi32_ps(low[n]), dl));
         acc[n] = _mm512_fmadd_ps(part, _mm512_set1_ps(dx[n].f), acc[n]);
@@ -1113,7 +1130,7 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
                int64_t end, int64_t nblocks, Codes kind, float* o, int64_t out_features) {
   const int64_t tile_bytes = nblocks * block_bytes_of(kind);
-  TORCH_CHECK(kind != Q6, "quant_matmul: q6 blocks (two scales a block) have no AMX int8 tiles");
+  TORCH_CHECK(!two_scales(kind), "quant_matmul: q6 / s4 blocks (two scales a block) have no AMX int8 tiles");
   const bool u4 = kind != I8;  // nibble codes
   const bool unpack_once = u4 && N > AMX_ROWS && nblocks <= AMX_UNPACK_ONCE;
   const bool stream = stream_output(o, N, out_features);
@@ -1140,7 +1157,7 @@ void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const 
       const Codes tiles_of = unpack_once ? I8 : kind;  // unpacked once: the i8 layout
       with_codes(tiles_of, [&](auto c) {
         constexpr Codes C = decltype(c)::value;
-        if constexpr (C != Q6) {  // (refused above)
+        if constexpr (!two_scales(C)) {  // (refused above)
           if (w.m) tile_amx_rows<C, true>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
           else tile_amx_rows<C, false>(wt, a, n0, rows, nblocks, ahead, tile_bytes, dst, out_features, cols, stream);
         }
@@ -1162,11 +1179,11 @@ constexpr int64_t SIMD_CHUNK_BYTES = 256 * 1024;
 // product at batch 1 with the weights from DRAM)
 constexpr int64_t SWIGLU_RUN_BYTES = 512 * 1024;
 
-// whether N rows of a weight of `kind` run on the AMX int8 tiles (q6 never: its blocks have a scale per 16 inputs,
-// the tiles' products one sum per 32)
+// whether N rows of a weight of `kind` run on the AMX int8 tiles (q6 / s4 never: their blocks have a scale per 16
+// inputs, the tiles' products one sum per 32)
 bool use_amx(int64_t N, Codes kind) {
 #ifdef GLMSERVE_AMX
-  return kind != Q6 && N >= amx_group_min(kind) && amx_wanted.load() && glmserve::amx_int8_permitted();
+  return !two_scales(kind) && N >= amx_group_min(kind) && amx_wanted.load() && glmserve::amx_int8_permitted();
 #else
   (void)N, (void)kind;
   return false;
@@ -1220,7 +1237,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
 #endif
   if (!a.groups) a.groups = pack_groups(a_in, first, N, kind), a.row0 = first;  // (quant_linear's come grouped)
 #elif defined(__AVX2__) && defined(__FMA__)
-  if (kind == Q6) a.q6_offsets = q6_offsets(a, N);
+  if (two_scales(kind)) a.half_offsets = half_offsets(a, N, code_offset(kind));
 #endif
 #ifdef GLMSERVE_AMX
   if (use_amx(N, kind)) {
@@ -1424,8 +1441,7 @@ at::Tensor linear_impl(const at::Tensor& x_in, bool per_token, const at::Tensor&
   if (x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu() && !use_amx(N, kind)) {
     const auto x = x_in.contiguous();
     const int64_t k = x.size(1), nb = (k + QK - 1) / QK, kp = nb * QK;
-    const int words = group_words(kind);
-    GroupWord* groups = group_buffer(static_cast<size_t>(N * nb * words));
+    GroupWord* groups = group_buffer(static_cast<size_t>(N * nb * group_words(kind)));
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
       std::vector<int8_t> q(kp);
@@ -1433,7 +1449,7 @@ at::Tensor linear_impl(const at::Tensor& x_in, bool per_token, const at::Tensor&
       std::vector<int32_t> isum(nb);
       for (int64_t n = begin; n < end; ++n) {
         quantize_row(xp + n * k, k, kp, per_token, q.data(), d.data(), s.data(), isum.data());
-        put_row(q.data(), d.data(), s.data(), isum.data(), nb, 0, n, N, words, groups);
+        put_row(q.data(), d.data(), s.data(), isum.data(), nb, 0, n, N, kind, groups);
       }
     });
     Acts a{nullptr, nullptr, nullptr, nullptr, kp, nb, groups, 0};
@@ -1481,7 +1497,7 @@ void dequantize_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* m,
         }
     for (int r = 0; r < rows; ++r) {
       const float dr = half_to_float(d[b * ROWS + r]), mr = m ? half_to_float(m[b * ROWS + r]) : 0.f;
-      const float dh = C == Q6 ? half_to_float(high_scales(c)[r]) : dr;  // inputs 16..31's scale
+      const float dh = two_scales(C) ? half_to_float(high_scales<C>(c)[r]) : dr;  // inputs 16..31's scale
       T* o = out + r * kp + b * QK;
       for (int i = 0; i < QK; ++i) {
         const float w = (i < QK / 2 ? dr : dh) * v[r][i] + mr;
