@@ -576,8 +576,9 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
     const uint8_t* c = w.codes + b * block_bytes_of(C);
     const GroupWord* x = g + b * group_words(C) * NB;
     const GroupWord *dx = x + 8 * NB, *sx = x + 9 * NB, *bias = x + 10 * NB;
-    if constexpr (two_scales(C)) {  // the two halves' sums side by side (each from -offset sum(q)), then q6_scale's
-      [[maybe_unused]] const __m512i top_low = C == Q6 ? _mm512_loadu_si512(top_bits(c, 0)) : low4;  // floats
+    // q6 / s4: the two halves' sums side by side (each from -offset sum(q)), then q6_scale's floats
+    if constexpr (two_scales(C)) {
+      [[maybe_unused]] const __m512i top_low = C == Q6 ? _mm512_loadu_si512(top_bits(c, 0)) : low4;
       [[maybe_unused]] const __m512i top_high = C == Q6 ? _mm512_loadu_si512(top_bits(c, 1)) : low4;
       __m512i low[NB], high[NB];
       for (int n = 0; n < NB; ++n)
