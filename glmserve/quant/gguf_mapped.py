@@ -1,5 +1,6 @@
 """GGUF block types beyond Q8_0 / Q4_0 / Q4_1, as the block forms our kernels run (codes, an fp16 scale (and min)
-per 32 inputs, or for Q6_K per 16), so that every llama.cpp quantization mix loads without a float copy of its matrices.
+per 32 inputs, or for Q6_K / Q3_K per 16), so that every llama.cpp quantization mix loads without a float copy of
+its matrices.
 
 llama.cpp's Q4_K_M / Q5_K_M / Q3_K_M / IQ4_XS ... files (the GGUFs most people download) hold K-quant and i-quant
 matrices, and Q5_0 / Q5_1 / Q8_0 where a matrix's inputs are not a multiple of 256 (SmolLM2's 576). Each becomes a
@@ -152,8 +153,14 @@ def _iq4_xs_scales(blocks: np.ndarray) -> torch.Tensor:
     low = (blocks[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F  # [..., 4, 2]
     high = (blocks[..., 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [..., 8]
     ls = low.reshape(*low.shape[:-2], 8).astype(np.int16) | (high.astype(np.int16) << 4)
-    d = fp16_field(blocks, 0).to(torch.float32)[..., None]
-    return (d * torch.from_numpy((ls - 32).astype(np.float32))).to(torch.float16)
+    return _times_d(blocks, 0, ls - 32)
+
+
+def _times_d(blocks: np.ndarray, offset: int, scales: np.ndarray) -> torch.Tensor:
+    """A superblock's sub-block `scales` [..., n] (integers) times its fp16 d at byte `offset`, rounded to fp16: the
+    two-level scales flattened into one."""
+    d = fp16_field(blocks, offset).to(torch.float32)[..., None]
+    return (d * torch.from_numpy(scales.astype(np.float32))).to(torch.float16)
 
 
 def _codes(codes: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
@@ -185,9 +192,7 @@ def _six_bit(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
 
 def _q6_k_scales(blocks: np.ndarray) -> torch.Tensor:
     """Q6_K's per-16 scales d * sc as fp16 [..., 16]: sc the int8 bytes 192..207, d the fp16 at 208."""
-    d = fp16_field(blocks, 208).to(torch.float32)[..., None]
-    sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32))
-    return (d * sc).to(torch.float16)
+    return _times_d(blocks, 208, np.ascontiguousarray(blocks[..., 192:208]).view(np.int8))
 
 
 def _three_bit(qs: np.ndarray, hmask: np.ndarray) -> np.ndarray:
@@ -196,9 +201,8 @@ def _three_bit(qs: np.ndarray, hmask: np.ndarray) -> np.ndarray:
     l its h (ggml-quants.c dequantize_row_q3_K)."""
     q = (qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([[0], [2], [4], [6]], dtype=np.uint8)) & 3  # [.., n, j, l]
     h = (hmask.reshape(*hmask.shape[:-1], 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., 4 n + j, l]
-    codes = q.reshape(*qs.shape[:-1], SUPER).astype(np.int8) - np.int8(4) * (np.int8(1) - h.astype(np.int8).reshape(
-        *hmask.shape[:-1], SUPER))
-    return codes
+    codes = (q | h.reshape(q.shape) << np.uint8(2)) - np.uint8(4)  # q + 4 h - 4 modulo 256: the int8 codes' bits
+    return codes.view(np.int8).reshape(*qs.shape[:-1], SUPER)
 
 
 def _q3_k_scales(blocks: np.ndarray) -> torch.Tensor:
@@ -207,9 +211,8 @@ def _q3_k_scales(blocks: np.ndarray) -> torch.Tensor:
     low = (blocks[..., 96:104, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F  # [..., byte, nibble]
     low = np.swapaxes(low, -1, -2).reshape(*blocks.shape[:-1], 16)
     high = (blocks[..., None, 104:108] >> np.array([[0], [2], [4], [6]], dtype=np.uint8)) & 3  # [..., k, byte]
-    sc = (low | (high.reshape(*blocks.shape[:-1], 16) << np.uint8(4))).astype(np.float32) - 32
-    d = fp16_field(blocks, 108).to(torch.float32)[..., None]
-    return (d * torch.from_numpy(sc)).to(torch.float16)
+    sc = (low | (high.reshape(*blocks.shape[:-1], 16) << np.uint8(4))).astype(np.int16) - 32
+    return _times_d(blocks, 108, sc)
 
 
 def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

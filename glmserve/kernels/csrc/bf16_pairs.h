@@ -68,10 +68,8 @@ GLMSERVE_BF16_TARGET inline void bf16_pair_rows(const uint8_t* bytes, const __m5
 // row 4g + l / 4's
 GLMSERVE_BF16_TARGET inline void spread_rows(const uint16_t* p, __m512* groups) {
   const __m512 v = p ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))) : _mm512_setzero_ps();
-  for (int g = 0; g < 4; ++g)
-    groups[g] = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * g),
-                                                       _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)),
-                                      v);
+  const __m512i row_of_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int g = 0; g < 4; ++g) groups[g] = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(4 * g), row_of_lane), v);
 }
 
 // one block of one tile of the packed weight (its code bytes c, its 16 d and m fp16 bits; m null: zero) ->

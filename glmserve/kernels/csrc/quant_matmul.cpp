@@ -173,10 +173,10 @@ inline int32_t nibble_code(const uint8_t* block, int i, int r, int t, uint8_t ni
   return nibble;
 }
 
-// A q6 / s4 block's two integer sums (inputs 0..15 and 16..31) scaled by their own d: low * d_low + high * d_high, which
-// every path then multiplies by the activations' dx into its accumulator (acc + part * dx: two operations fewer per
-// row and block than scaling each half by d * dx; the SIMD paths fuse the multiply-adds)
-inline float q6_scale(int32_t low, int32_t high, float d_low, float d_high) {
+// A q6 / s4 block's two integer sums (inputs 0..15 and 16..31) scaled by their own d: low * d_low + high * d_high,
+// which every path then multiplies by the activations' dx into its accumulator (acc + part * dx: two operations fewer
+// per row and block than scaling each half by d * dx; the SIMD paths fuse the multiply-adds)
+inline float scale_halves(int32_t low, int32_t high, float d_low, float d_high) {
   return static_cast<float>(low) * d_low + static_cast<float>(high) * d_high;
 }
 
@@ -254,7 +254,8 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64
               sum += static_cast<int32_t>(static_cast<int8_t>(c[(j * ROWS + r) * 4 + t])) * qb[4 * j + t];
         }
         if constexpr (two_scales(C)) {
-          acc[r] += q6_scale(sum, high, half_to_float(w.d[b * ROWS + r]), half_to_float(high_scales<C>(c)[r])) * dx;
+          const float d_low = half_to_float(w.d[b * ROWS + r]), d_high = half_to_float(high_scales<C>(c)[r]);
+          acc[r] += scale_halves(sum, high, d_low, d_high) * dx;
           continue;
         }
         acc[r] += static_cast<float>(sum) * (half_to_float(w.d[b * ROWS + r]) * dx);
@@ -314,7 +315,7 @@ inline __m256i top_bits_at_4_avx2(__m256i top, int k) {
 
 // One q6 / s4 block into acc (tile_avx2_halves' accumulators): per half of the block (inputs 0..15, then 16..31)
 // its unsigned codes q times the activations (vpmaddubsw: pairs up to 2 * 63 * 127, two groups' pairs summed in
-// int16 before vpmaddwd) from its offset -offset sum(q) (Acts::half_offsets); the halves' sums scaled as q6_scale does
+// int16 before vpmaddwd) from -offset sum(q) (Acts::half_offsets); the halves' sums scaled as scale_halves does
 template <Codes C, int NB, int H>
 inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const Acts& a, int64_t n0, int64_t b, int h0,
                                  __m256 (&acc)[NB][H]) {
@@ -332,9 +333,11 @@ inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const 
       __m256i q[2][H];
       for (int k = 0; k < 2; ++k)
         for (int h = 0; h < H; ++h) {
-          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (j + k) * 64 + (h0 + h) * 32));
+          const uint8_t* at = block + (j + k) * 64 + (h0 + h) * 32;
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
           q[k][h] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
-          if constexpr (C == Q6) q[k][h] = _mm256_or_si256(q[k][h], _mm256_and_si256(top_bits_at_4_avx2(top[h], j + k), top2));
+          if constexpr (C == Q6)
+            q[k][h] = _mm256_or_si256(q[k][h], _mm256_and_si256(top_bits_at_4_avx2(top[h], j + k), top2));
         }
       for (int n = 0; n < NB; ++n) {
         const int8_t* x = q0 + n * a.kp + 16 * half + 4 * j;
@@ -576,7 +579,7 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
     const uint8_t* c = w.codes + b * block_bytes_of(C);
     const GroupWord* x = g + b * group_words(C) * NB;
     const GroupWord *dx = x + 8 * NB, *sx = x + 9 * NB, *bias = x + 10 * NB;
-    // q6 / s4: the two halves' sums side by side (each from -offset sum(q)), then q6_scale's floats
+    // q6 / s4: the two halves' sums side by side (each from -offset sum(q)), then scale_halves's floats
     if constexpr (two_scales(C)) {
       [[maybe_unused]] const __m512i top_low = C == Q6 ? _mm512_loadu_si512(top_bits(c, 0)) : low4;
       [[maybe_unused]] const __m512i top_high = C == Q6 ? _mm512_loadu_si512(top_bits(c, 1)) : low4;
@@ -598,7 +601,8 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
       const __m512 dl = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
       const __m512 dh = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_scales<C>(c))));
       for (int n = 0; n < NB; ++n) {
-        const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high[n]), dh, _mm512_mul_ps(_mm512_cvtepi32_ps(low[n]), dl));
+        const __m512 part =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(high[n]), dh, _mm512_mul_ps(_mm512_cvtepi32_ps(low[n]), dl));
         acc[n] = _mm512_fmadd_ps(part, _mm512_set1_ps(dx[n].f), acc[n]);
       }
       continue;
