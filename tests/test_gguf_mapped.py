@@ -16,6 +16,7 @@ from glmserve.quant.cpu_backend import CpuBlockBackend
 from glmserve.quant.gguf_mapped import (
     CODES_KEPT,
     IQ4_VALUES,
+    MXFP4_VALUES,
     REQUANTIZED,
     RUNS_AS,
     TableCodesWeight,
@@ -29,7 +30,8 @@ from glmserve.quant.weight import QuantizedWeight, concat_rows
 ROWS, COLS = 12, 768  # three superblocks a row
 FLATTENED = ("Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K")  # two-level scales in one fp16 per 32 (Q6_K, Q3_K: per 16)
 CODE_RANGE = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q4_K": (0, 15), "Q5_K": (0, 31), "IQ4_NL": (-127, 113),
-              "IQ4_XS": (-127, 113), "Q6_K": (-32, 31), "Q3_K": (-4, 3)}
+              "IQ4_XS": (-127, 113), "Q6_K": (-32, 31), "Q3_K": (-4, 3), "MXFP4": (-12, 12),
+              "NVFP4": (-12, 12)}
 
 
 def raw_blocks(gguf_type: str) -> np.ndarray:
@@ -72,7 +74,7 @@ def test_values_are_gguf_py_dequantization(gguf_type):
 
 def test_every_type_is_exact_flattened_or_requantized():
     assert set(RUNS_AS) == set(CODES_KEPT) | set(REQUANTIZED) and set(FLATTENED) <= set(CODES_KEPT)
-    assert {"Q2_K", "IQ2_XXS", "IQ3_S", "TQ2_0", "MXFP4"} <= set(REQUANTIZED)
+    assert {"Q2_K", "IQ2_XXS", "IQ3_S", "TQ2_0"} <= set(REQUANTIZED) and {"MXFP4", "NVFP4"} <= set(CODES_KEPT)
     assert maps("Q4_K", 512) and not maps("Q4_K", 512 + 16) and not maps("F16", 512) and not maps("Q4_1", 512)
 
 
@@ -87,7 +89,8 @@ def test_wrong_sizes_are_refused(gguf_type, shape, cut, match):
         convert_blocks(raw[:raw.size - cut], gguf_type, shape)
 
 
-@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_0", "IQ4_XS", "Q2_K", "Q6_K", "Q3_K"])  # u4, u5, t4, i8, q6 x 2
+@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_0", "IQ4_XS", "MXFP4", "Q2_K", "Q6_K", "Q3_K", "NVFP4"])  # u4, u5,
+# t4 x 2, i8, q6, s4, f4
 def test_converted_weight_runs_on_the_cpu_kernel_as_its_dequantization(gguf_type):
     """Converted blocks through the backend: the float product of the dequantized weight, up to the kernel's int8
     activations (per 32, as llama.cpp's)."""
@@ -124,3 +127,48 @@ def test_iq4_weights_pack_as_nibble_indices_and_their_table():
     assert backend.prepare(odd, None, torch.device("cpu")).codes.shape[2] == 512
     ids = torch.arange(ROWS)
     assert torch.equal(backend.dequantize_rows(packed, ids, torch.float32), dequantize(nl))
+
+
+def test_mxfp4_runs_as_indices_into_its_table_unless_a_scale_leaves_fp16():
+    """MXFP4 (llama.cpp's quantization, through gguf-py): nibble indices into the doubled E2M1 values, each block's
+    E8M0 scale 2^(e - 128) exact in fp16, packed as t4 blocks with that table; a matrix with a used block whose
+    scale fp16 cannot hold (e = 100: 2^-28) runs re-quantized to Q8_0, within half an int8 step of its values."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((ROWS, COLS)).astype(np.float32) * 0.02
+    raw = gguf_quantize(w, GGMLQuantizationType.MXFP4)
+    weight = convert_blocks(raw, "MXFP4", (ROWS, COLS))
+    expected = gguf_dequantize(raw, GGMLQuantizationType.MXFP4).reshape(ROWS, COLS)
+    assert isinstance(weight, TableCodesWeight) and np.array_equal(dequantize(weight).numpy(), expected)
+    backend = CpuBlockBackend()
+    if backend.supports(weight.spec, None, torch.device("cpu")):
+        packed = backend.prepare(weight, None, torch.device("cpu"))
+        assert packed.codes.shape[2] == 272
+        assert torch.equal(packed.codes[0, 0, 256:].view(torch.int8), torch.from_numpy(MXFP4_VALUES))
+    tiny = raw.reshape(ROWS, -1, 17).copy()
+    tiny[0, 0, 0], tiny[0, 0, 1] = 100, 0x11  # codes 1: 2^-28 each
+    fallback = convert_blocks(tiny, "MXFP4", (ROWS, COLS))
+    assert type(fallback) is QuantizedWeight and fallback.spec == gguf_spec("Q8_0")
+    values = gguf_dequantize(tiny.reshape(ROWS, -1), GGMLQuantizationType.MXFP4).reshape(ROWS, COLS)
+    error = np.abs(dequantize(fallback).numpy() - values)
+    assert np.all(error <= (1 / 254 + 2 ** -10) * block_absmax(values) + 127 * 2 ** -25)
+
+
+def test_nvfp4_packs_as_table_indices_with_a_scale_per_16():
+    """NVFP4 (TableCodesWeight with a scale per 16: the doubled E2M1 values, the UE4M3 scales halved) packs as 304-byte
+    f4 tile blocks (nibble indices, the table of codes c + 32, the scales of inputs 16..31: 4.75 bits a weight before
+    the tiles' scales) and reads back as its dequantization; stacked with a plain weight of its spec it packs as q6
+    blocks (416 bytes) of the same values."""
+    backend = CpuBlockBackend()
+    weight = convert_blocks(raw_blocks("NVFP4"), "NVFP4", (ROWS, COLS))
+    assert isinstance(weight, TableCodesWeight) and weight.spec == gguf_spec("Q6_K")
+    if not backend.supports(weight.spec, None, torch.device("cpu")):
+        pytest.skip("no compiled kernel")
+    packed = backend.prepare(weight, None, torch.device("cpu"))
+    assert packed.u4 and packed.codes.shape[2] == 304
+    assert torch.equal(packed.codes[0, 0, 256:272].view(torch.int8), torch.from_numpy(MXFP4_VALUES) + 32)
+    ids = torch.arange(ROWS)
+    assert torch.equal(backend.dequantize_rows(packed, ids, torch.float32), dequantize(weight))
+    plain = backend.prepare(concat_rows([weight, QuantizedWeight(weight.spec, weight.codes, weight.scales)]), None,
+                            torch.device("cpu"))
+    assert plain.codes.shape[2] == 416
+    assert torch.equal(backend.dequantize_rows(plain, ids, torch.float32), dequantize(weight))

@@ -7,7 +7,8 @@ w = d * c + m with fp16 d and m (c: signed int8, an unsigned nibble, for 5 bits 
 plane of its own, or for int8 codes drawn from a 16-value table (IQ4: TableCodesWeight) a nibble index into the table
 kept with each block; Q6_K's 6-bit codes c in [-32, 31] with a scale per 16 inputs are stored as c + 32, a nibble and
 two top bits, w = d * c, the scale of inputs 16..31 kept in the block, Q3_K's codes in [-4, 3] likewise as c + 8 in a
-nibble; symmetric int4 / 5-bit codes are stored as c +
+nibble, GGUF NVFP4's (E2M1 values from a table, a scale per 16) as nibble indices into the block's table of c + 32;
+symmetric int4 / 5-bit codes are stored as c +
 8 / c + 16 with m = -8 d / -16 d, integer zero points become m = -d * zero, Q4_1's min is m itself, a per-channel or
 per-tensor scale or a group of 64 is repeated on every block it covers), rows are interleaved in tiles of 16 and the
 canonical tensors are not kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`). in_features is padded
@@ -54,6 +55,11 @@ TABLE_BYTES = 16  # after them in table blocks: the 16 int8 values their nibbles
 TOP_BITS_BYTES = 128
 HIGH_SCALE_BYTES = ROWS * 2
 CODE_OFFSET = {6: 32, 4: 8}  # codes stored as c + offset in blocks with two scales, by bits
+TABLE_OFFSET = 32  # f4 blocks' tables hold codes c + 32 (c in [-32, 31], as q6's codes)
+# bytes per tile block of the formats with two scales -> their codes' offset: q6, s4, f4 (a table and two scales)
+TWO_SCALE_OFFSETS = {U4_BYTES + TOP_BITS_BYTES + HIGH_SCALE_BYTES: CODE_OFFSET[6],
+                     U4_BYTES + HIGH_SCALE_BYTES: CODE_OFFSET[4],
+                     U4_BYTES + TABLE_BYTES + HIGH_SCALE_BYTES: TABLE_OFFSET}
 GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q6_K": 6, "Q3_K": 4}  # bits of each one run here
 # rows from which AMX CPUs run the bf16 GEMM path instead of the int8 tiles: a whole decode step of the embedded model
 # (`bench/profile_decode.py --batch B --prompt-len 128 --clock cpu --no-components`, 1 thread) took 0.90-0.94x the
@@ -79,10 +85,10 @@ AMX_GEMM_ENV = "GLMSERVE_AMX_GEMM"
 class PackedWeight:
     """A weight in the kernel's layout (csrc/quant_matmul.cpp): codes [tiles, blocks, 512 (int8), 256 (int4), 320
     (5 bits: the nibbles, then the fifth bits), 272 (table indices: the nibbles, then the table), 416 (6 bits: the
-    nibbles, the top two bits, the scales of inputs 16..31) or 288 (4 bits with a scale per 16: the nibbles, the
-    scales of inputs 16..31)] uint8, scales and mins [tiles, blocks, 16] float16 (mins empty when every m is 0;
-    scales of inputs 0..15 where there are two). `u4`: the codes are nibbles (int4, 5 or 6 bits, or table indices;
-    the kernels' argument of that name)."""
+    nibbles, the top two bits, the scales of inputs 16..31), 288 (4 bits with a scale per 16: the nibbles, the
+    scales of inputs 16..31) or 304 (table indices with a scale per 16: the nibbles, the table, those scales)] uint8,
+    scales and mins [tiles, blocks, 16] float16 (mins empty when every m is 0; scales of inputs 0..15 where there are
+    two). `u4`: the codes are nibbles (int4, 5 or 6 bits, or table indices; the kernels' argument of that name)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -244,17 +250,18 @@ class CpuBlockBackend:
                 top = extra[..., :TOP_BITS_BYTES].reshape(len(ids), -1, 2, ROWS, 4)[torch.arange(len(ids)), :, :, row]
                 fields = (top.unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
                 c = c + 16 * fields.flatten(2, 3)  # [n, blocks, i = 4h + k, t]
-            elif extra.shape[2] == TABLE_BYTES:  # each nibble indexes its block's table
-                c = torch.gather(extra.view(torch.int8), 2, c.flatten(2).long()).view(c.shape)
+            elif extra.shape[2] in (TABLE_BYTES, TABLE_BYTES + HIGH_SCALE_BYTES):  # each nibble indexes its block's
+                # table
+                c = torch.gather(extra[..., :TABLE_BYTES].view(torch.int8), 2, c.flatten(2).long()).view(c.shape)
             c = c.to(torch.float32)
         else:
             c = codes.view(torch.int8).to(torch.float32)
         d = p.scales[tile, :, row].to(torch.float32)  # [n, blocks]
-        two = {U4_BYTES + TOP_BITS_BYTES + HIGH_SCALE_BYTES: 6, U4_BYTES + HIGH_SCALE_BYTES: 4}.get(p.codes.shape[2])
-        if two:  # w = d * (c - offset), inputs 16..31 by the block's own d
+        offset = TWO_SCALE_OFFSETS.get(p.codes.shape[2])
+        if offset is not None:  # w = d * (c - offset), inputs 16..31 by the block's own d
             high = p.codes[tile, :, -HIGH_SCALE_BYTES:].contiguous().view(torch.float16)  # [n, blocks, 16]
             d = torch.stack((d, high[torch.arange(len(ids)), :, row].to(torch.float32)), dim=-1)  # [n, blocks, 2]
-            w = (c.view(*c.shape[:2], 2, 16) - CODE_OFFSET[two]) * d.unsqueeze(-1)
+            w = (c.view(*c.shape[:2], 2, 16) - offset) * d.unsqueeze(-1)
             return w.flatten(1)[:, :p.in_features].to(dtype)
         w = c.flatten(2) * d.unsqueeze(-1)  # [n, blocks, 32]
         if p.mins.numel():
@@ -404,7 +411,8 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, b
     """block_form's tensors of a `bits`-bit format (8, 4 or 5) in the kernel's tile layout (csrc/quant_matmul.cpp's
     header), padded to whole blocks of 32 inputs and tiles of 16 rows; with `table` (int8 [16], 4-bit indices as
     codes) the t4 layout: each tile block's nibbles, then the table's values. Scales per 16 inputs [out, 2 * blocks]
-    (`pack_two_scales`: 6 bits, codes 0..63, the q6 layout; 4 bits, the s4 layout): no mins."""
+    (`pack_two_scales`: 6 bits, codes 0..63, the q6 layout; 4 bits, the s4 layout, or with a table of codes c + 32
+    the f4 layout): no mins."""
     out, inp = codes.shape
     high = None
     if scales.shape[1] * 16 == -(-inp // QK) * QK:  # the scales of inputs 16..31 go into the blocks, 0..15 the tiles' d
@@ -416,24 +424,27 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, b
     c = c.view(torch.uint8)  # the same bits: int8 codes, or nibbles 0..15
     if c.storage_offset() % 4:  # a view into another tensor: int32 words below need aligned storage
         c = c.clone()
-    tail = table.view(torch.uint8) if table is not None else _fifth_bits(c, tiles, blocks) if bits == 5 else None
-    if high is not None:  # 6 bits' top two bits, then the scales of inputs 16..31
-        tail = torch.cat(([_top_bits(c, tiles, blocks)] if bits == 6 else []) + [_tiled(high, tiles).view(torch.uint8)],
-                         dim=-1)
+    tail = [table.view(torch.uint8).expand(tiles, blocks, TABLE_BYTES)] if table is not None else []
+    if bits == 5:
+        tail.append(_fifth_bits(c, tiles, blocks))
+    if bits == 6:  # the top two bits
+        tail.append(_top_bits(c, tiles, blocks))
+    if high is not None:  # the scales of inputs 16..31
+        tail.append(_tiled(high, tiles).view(torch.uint8))
     if bits < 8:  # [tile, row, block, half, 16] -> byte = low half | high half << 4: [tile, row, block, 16 bytes]
         c = c.reshape(tiles, ROWS, blocks, 2, 16)
         if bits > 4:
             c = c & 15
         c = (c[:, :, :, 1] << 4).bitwise_or_(c[:, :, :, 0])  # one temporary, or'ed into in place
     code_bytes = U4_BYTES if bits < 8 else ROWS * QK  # nibbles (5 and 6 bits: the rest in the tail) or bytes
-    packed = torch.empty(tiles, blocks, code_bytes + (0 if tail is None else tail.shape[-1]), dtype=torch.uint8)
+    packed = torch.empty(tiles, blocks, code_bytes + sum(t.shape[-1] for t in tail), dtype=torch.uint8)
     # [tile, row, block, j, t] -> [tile, block, j, row, t], the 4 bytes t moved as one int32 (a quarter of the
     # elements to permute: 8x faster on the 49K-row embedding, bench/RESULTS.md), straight into the blocks' first
     # bytes (no permuted copy, and no second one to append the tail)
     words = c.reshape(tiles, ROWS, blocks, -1, 4).view(torch.int32)[..., 0]
     packed.view(torch.int32)[:, :, :code_bytes // 4].unflatten(2, (-1, ROWS)).copy_(words.permute(0, 2, 3, 1))
-    if tail is not None:
-        packed[:, :, code_bytes:] = tail
+    if tail:
+        packed[:, :, code_bytes:] = torch.cat(tail, dim=-1) if len(tail) > 1 else tail[0]
     return packed, _tiled(scales, tiles), _tiled(mins, tiles) if mins is not None else _NO_MINS
 
 
@@ -444,7 +455,10 @@ def _table_indices(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor | N
     position[table.long() + 128] = torch.arange(len(table), dtype=torch.int16)
     codes = codes.view(torch.uint8)  # c + 128 is its bits with the sign bit flipped
     indices = torch.empty(codes.shape, dtype=torch.uint8)
-    rows = max(1, (1 << 20) // max(1, codes.shape[1]))  # in chunks: the index tensors are int32 (an embedding's 28M)
+    # in chunks of 64K codes: the index tensors are int32 / int64 (an embedding's 28M); with chunks of 1M codes a file
+    # of table weights (every decoder matrix MXFP4) left the serving process's peak RSS 130 MB higher (heap pages of
+    # the freed temporaries kept by the allocator)
+    rows = max(1, (1 << 16) // max(1, codes.shape[1]))
     for r in range(0, codes.shape[0], rows):
         found = position[(codes[r:r + rows] ^ 0x80).to(torch.int32)]
         if bool((found < 0).any()):
@@ -455,7 +469,8 @@ def _table_indices(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor | N
 
 def pack_two_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`pack` of a weight with an fp16 scale per 16 inputs and symmetric 6- or 4-bit codes c in [-32, 31] / [-8, 7]
-    (GGUF Q6_K / Q3_K as quant/gguf_mapped.py reads them), w = d * c, as codes c + 32 / c + 8. Raises
+    (GGUF Q6_K / Q3_K as quant/gguf_mapped.py reads them), w = d * c, as codes c + 32 / c + 8; codes from a table of
+    values in [-32, 31] (TableCodesWeight: GGUF NVFP4) as nibble indices into the table of c + 32 (f4). Raises
     InvalidRequestError where a code is out of range, the inputs are not whole blocks of 32, or a scale does not fit
     fp16."""
     spec, inp = weight.spec, weight.shape[1]
@@ -463,12 +478,15 @@ def pack_two_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor
     if offset is None or inp % QK or weight.zeros is not None or weight.mins is not None:
         raise InvalidRequestError(f"{spec}: a scale per 16 inputs runs with 6- or 4-bit codes, no minimum, in blocks "
                                   "of 32 inputs")
-    least, most = (int(v) for v in torch.aminmax(weight.codes))
-    if least < -offset or most >= offset:
-        raise InvalidRequestError(f"{spec}: codes outside the format's range")
     scales = weight.scales.to(torch.float16)
     if not _finite(scales):
         raise InvalidRequestError(f"{spec}: a scale does not fit float16")
+    if isinstance(weight, TableCodesWeight) and -TABLE_OFFSET <= int(weight.table.min()) <= int(weight.table.max()) \
+            < TABLE_OFFSET and (indices := _table_indices(weight.codes, weight.table)) is not None:
+        return pack(indices.view(torch.int8), scales, None, 4, weight.table + TABLE_OFFSET)
+    least, most = (int(v) for v in torch.aminmax(weight.codes))
+    if least < -offset or most >= offset:
+        raise InvalidRequestError(f"{spec}: codes outside the format's range")
     return pack(weight.codes + offset, scales, None, spec.num_bits)
 
 

@@ -16,7 +16,10 @@ canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_
                                           w = d*(sc - 32)*(q - 4 (1 - h))    scale fp16(d*(sc - 32)) per 16
   IQ4_NL  d, 4-bit index into kvalues     w = d * kvalues[q]    -> Q8_0: codes kvalues[q] (int8), scale d: exact
   IQ4_XS  d, 6-bit ls per 32, as IQ4_NL   w = d*(ls-32)*kvalues[q] -> Q8_0: scale fp16(d * (ls - 32))
-  others  (Q2_K, IQ1-IQ3, TQ1_0, TQ2_0, MXFP4, NVFP4: a min per 16, codebook grids, FP4 values)
+  MXFP4   E8M0 e, 4-bit index into the    w = 2^(e-128) * e2m1[q] -> Q8_0: codes e2m1[q], scale 2^(e-128): exact
+          doubled E2M1 values e2m1              where fp16 holds 2^(e-128) (e in [104, 143]), else re-quantized
+  NVFP4   UE4M3 s per 16, 4-bit index     w = s/2 * e2m1[q]     -> Q6_K: codes e2m1[q], scale s/2 per 16: exact
+  others  (Q2_K, IQ1-IQ3, TQ1_0, TQ2_0: a min per 16, codebook grids)
           gguf-py's dequantization, quantized again to Q8_0 by ggml's round to nearest
 
 Q4_K / Q5_K / IQ4_XS's two-level scales are flattened into one fp16 per 32 (relative rounding <= 2^-11 of a block's
@@ -24,8 +27,9 @@ scale and min, next to a 4-bit step's 1/15 of its range), Q6_K's and Q3_K's into
 re-quantized types gain at most half an int8 step, absmax / 254 of a block (a 2-bit type's own step is absmax / 2).
 5-bit codes run as nibbles and a plane of fifth bits (5 bits a weight, as the file keeps them), 6-bit ones as nibbles
 and their top two bits (the kernels' q6 blocks, the scale of each block's second 16 inputs kept in the block), 4-bit
-ones as nibbles (Q3_K's with that second scale: s4 blocks, 5 bits a weight), IQ4's as nibble indices into the table
-kept with each block (TableCodesWeight: its canonical codes are the table's values). Everything is vectorized over all
+ones as nibbles (Q3_K's with that second scale: s4 blocks, 5 bits a weight), IQ4's and MXFP4's as nibble indices
+into the table kept with each block (TableCodesWeight: its canonical codes are the table's values), NVFP4's likewise
+with the second scale (f4 blocks, 5 bits a weight). Everything is vectorized over all
 blocks.
 """
 
@@ -47,11 +51,14 @@ from glmserve.quant.weight import QuantizedWeight
 SUPER = 256  # inputs per K-quant superblock (ggml's QK_K)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 IQ4_TABLE = torch.from_numpy(IQ4_VALUES)  # (the same memory) as TableCodesWeight's table
+# MXFP4's E2M1 values doubled, as ggml's kvalues_mxfp4 (its E8M0 scale is halved to match): OCP MX spec v1.0
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+MXFP4_TABLE = torch.from_numpy(MXFP4_VALUES)
 # types whose codes are kept as stored (their scales as stored, or flattened: Q4_K, Q5_K, IQ4_XS) -> the form
 CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "Q6_K": "Q6_K", "Q3_K": "Q3_K",
-              "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0"}
+              "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0", "MXFP4": "Q8_0", "NVFP4": "Q6_K"}
 REQUANTIZED = tuple(name for name in ("Q2_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                                      "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
+                                      "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0")
                     if name in GGMLQuantizationType.__members__)  # (older gguf-py versions lack the newest)
 RUNS_AS = CODES_KEPT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the native block form it runs as
 
@@ -85,8 +92,12 @@ def how_it_runs(gguf_type: str) -> str:
         return f"as {RUNS_AS[gguf_type]} blocks, scales rounded to one fp16 per 32"
     if gguf_type in ("Q6_K", "Q3_K"):
         return f"{'6' if gguf_type == 'Q6_K' else '4'}-bit codes, scales rounded to one fp16 per 16"
+    if gguf_type == "NVFP4":
+        return "nibble indices into its table, an fp16 scale per 16"
     if gguf_type.startswith("Q5_"):
         return "5-bit codes as nibbles and fifth bits"
+    if gguf_type == "MXFP4":
+        return "nibble indices into its table (re-quantized to Q8_0 where a scale is outside fp16's range)"
     return "nibble indices into its table"
 
 
@@ -108,7 +119,12 @@ def convert_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Q
         raise ValueError(f"{gguf_type} {shape}: {raw.size} bytes, expected {out * (inp // group) * block_bytes}")
     blocks = raw.reshape(out, inp // group, block_bytes)
     spec = gguf_spec(RUNS_AS[gguf_type])
-    if gguf_type in REQUANTIZED:
+    if gguf_type == "MXFP4":  # E8M0 e, then 16 bytes of indices laid out as Q4_0's nibbles
+        codes = MXFP4_VALUES[unpack_nibbles(blocks[..., 1:])]
+        scales = _e8m0_half_as_fp16(blocks[..., 0], codes.reshape(out, -1, BLOCK).any(axis=-1))
+        if scales is not None:
+            return TableCodesWeight(spec, _codes(codes, shape), scales, MXFP4_TABLE)
+    if gguf_type in REQUANTIZED or gguf_type == "MXFP4":
         values = gguf_dequantize(raw, qtype).reshape(out, inp)
         return quantize_blocks(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), spec)
     if gguf_type == "IQ4_NL":  # fp16 d, then 16 bytes of indices laid out as Q4_0's nibbles
@@ -117,6 +133,11 @@ def convert_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Q
     if gguf_type == "IQ4_XS":
         return TableCodesWeight(spec, _codes(IQ4_VALUES[unpack_nibbles(_per_32(blocks[..., 8:], 16))], shape),
                                 _iq4_xs_scales(blocks).reshape(out, -1), IQ4_TABLE)
+    if gguf_type == "NVFP4":  # 4 UE4M3 scales, then per 16 values 8 bytes of indices laid out as Q4_0's nibbles
+        indices = blocks[..., 4:].reshape(out, -1, 4, 8)
+        codes = MXFP4_VALUES[np.concatenate((indices & 15, indices >> 4), axis=-1)]
+        return TableCodesWeight(spec, _codes(codes, shape), _ue4m3_half_as_fp16(blocks[..., :4]).reshape(out, -1),
+                                MXFP4_TABLE)
     if gguf_type == "Q6_K":
         return QuantizedWeight(spec, _codes(_six_bit(blocks[..., :128], blocks[..., 128:192]), shape),
                                _q6_k_scales(blocks).reshape(out, -1))
@@ -154,6 +175,24 @@ def _iq4_xs_scales(blocks: np.ndarray) -> torch.Tensor:
     high = (blocks[..., 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [..., 8]
     ls = low.reshape(*low.shape[:-2], 8).astype(np.int16) | (high.astype(np.int16) << 4)
     return _times_d(blocks, 0, ls - 32)
+
+
+def _e8m0_half_as_fp16(e: np.ndarray, used: np.ndarray) -> torch.Tensor | None:
+    """MXFP4's E8M0 exponents e [out, blocks] as their scales 2^(e - 128) (ggml's e8m0_to_fp32_half: the values are
+    doubled) in fp16, or None where a `used` block's (one with a nonzero code) is outside fp16's exact powers of two
+    2^-24..2^15; unused blocks' scales are 0."""
+    exponent = e.astype(np.int32) - 128
+    if np.any(used & ((exponent < -24) | (exponent > 15))):
+        return None
+    return torch.from_numpy(np.where(used, np.ldexp(np.float32(1), exponent), 0).astype(np.float16))
+
+
+def _ue4m3_half_as_fp16(s: np.ndarray) -> torch.Tensor:
+    """NVFP4's unsigned E4M3 scales (ggml's ue4m3_to_fp32: bit 7 ignored, 0x7F is 0, halved for the doubled values)
+    as fp16, exactly (3 mantissa bits, 2^-10..240): E4M3's bits with the sign bit clear."""
+    bits = torch.from_numpy(np.ascontiguousarray(s & 0x7F))
+    value = bits.view(torch.float8_e4m3fn).to(torch.float32).masked_fill_(bits == 0x7F, 0)
+    return (value * 0.5).to(torch.float16)
 
 
 def _times_d(blocks: np.ndarray, offset: int, scales: np.ndarray) -> torch.Tensor:

@@ -32,7 +32,7 @@ inline bool avx512_bf16_present() {
 // rows 4g..4g+3, each repeated over its 4 lanes.
 // NIBBLE: 0 = the bytes are signed int8 codes; 1 / 2: the low / high nibbles of the bytes. BYTES, the tile block's
 // format (packed_blocks.h): u5 blocks add 16 to out row r's input t of these four where bit 4r + t of `fifth` is
-// set; q6 blocks take the top two bits from bits 2k, 2k+1 of the 64 bytes at `top`; t4 blocks' nibbles index
+// set; q6 blocks take the top two bits from bits 2k, 2k+1 of the 64 bytes at `top`; t4 / f4 blocks' nibbles index
 // `table`'s 16 int8 values
 template <int NIBBLE, int64_t BYTES>
 GLMSERVE_BF16_TARGET inline void bf16_pair_rows(const uint8_t* bytes, const __m512* ds, const __m512* ms,
@@ -48,9 +48,10 @@ GLMSERVE_BF16_TARGET inline void bf16_pair_rows(const uint8_t* bytes, const __m5
       const __m128i field = _mm_and_si128(_mm_srl_epi16(t, _mm_cvtsi32_si128(2 * k)), _mm_set1_epi8(3));
       nibbles = _mm_or_si128(nibbles, _mm_slli_epi16(field, 4));  // q 0..63
     }
+    constexpr bool tabled = BYTES == kT4BlockBytes || BYTES == kF4BlockBytes;
     __m512i w = NIBBLE == 0 ? _mm512_cvtepi8_epi32(v)
-              : BYTES == kT4BlockBytes ? _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, nibbles))
-                                       : _mm512_cvtepu8_epi32(nibbles);
+              : tabled      ? _mm512_cvtepi8_epi32(_mm_shuffle_epi8(table, nibbles))
+                            : _mm512_cvtepu8_epi32(nibbles);
     if constexpr (BYTES == kU5BlockBytes)
       w = _mm512_mask_add_epi32(w, static_cast<__mmask16>(fifth >> (16 * g)), w, _mm512_set1_epi32(16));
     f[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w), ds[g], ms[g]);
@@ -77,7 +78,8 @@ GLMSERVE_BF16_TARGET inline void spread_rows(const uint16_t* p, __m512* groups) 
 // followed by 8 masks of 64 fifth bits (mask i: the bytes of i8 group i, i.e. the low nibbles of group i < 4, the high
 // ones of group i - 4); t4: the nibbles followed by the 16 int8 values they index; q6: the nibbles, 2 x 64 bytes of
 // top bits and the rows' fp16 scales of inputs 16..31, w = d * (q - 32) (as fma(q, d, -32 d): exact, both are);
-// s4: the nibbles and those scales, w = d * (q - 8)
+// s4: the nibbles and those scales, w = d * (q - 8); f4: the nibbles, their table of codes q and those scales,
+// w = d * (q - 32)
 template <int64_t BYTES>
 GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const uint16_t* d, const uint16_t* m,
                                                        uint16_t* o) {
@@ -87,11 +89,11 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const u
   if constexpr (BYTES == kI8BlockBytes) {
     for (int j = 0; j < 8; ++j) bf16_pair_rows<0, BYTES>(c + j * 64, ds, ms, o + 2 * j * 32, 0, nullptr, 0, __m128i());
   } else {
-    __m512 dh[4], mh[4];  // the high nibbles' (inputs 16..31) d and m: q6's / s4's own, else the block's
-    if constexpr (BYTES == kQ6BlockBytes || BYTES == kS4BlockBytes) {
-      constexpr bool six = BYTES == kQ6BlockBytes;
-      spread_rows(reinterpret_cast<const uint16_t*>(c + kU4BlockBytes + (six ? 128 : 0)), dh);
-      const __m512 offset = _mm512_set1_ps(six ? -32.f : -8.f);
+    __m512 dh[4], mh[4];  // the high nibbles' (inputs 16..31) d and m: q6's / s4's / f4's own, else the block's
+    if constexpr (BYTES == kQ6BlockBytes || BYTES == kS4BlockBytes || BYTES == kF4BlockBytes) {
+      constexpr int64_t high_at = BYTES == kQ6BlockBytes ? 128 : BYTES == kF4BlockBytes ? 16 : 0;
+      spread_rows(reinterpret_cast<const uint16_t*>(c + kU4BlockBytes + high_at), dh);
+      const __m512 offset = _mm512_set1_ps(BYTES == kS4BlockBytes ? -8.f : -32.f);
       for (int g = 0; g < 4; ++g) ms[g] = _mm512_mul_ps(ds[g], offset), mh[g] = _mm512_mul_ps(dh[g], offset);
     } else {
       for (int g = 0; g < 4; ++g) dh[g] = ds[g], mh[g] = ms[g];
@@ -99,8 +101,9 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const u
     uint64_t fifth[8] = {};
     if constexpr (BYTES == kU5BlockBytes) __builtin_memcpy(fifth, c + kU4BlockBytes, 64);
     const uint8_t* top = c + kU4BlockBytes;  // q6: the low nibbles' top bits, then the high nibbles'
-    const __m128i table = BYTES == kT4BlockBytes ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kU4BlockBytes))
-                                                 : _mm_setzero_si128();
+    const __m128i table = BYTES == kT4BlockBytes || BYTES == kF4BlockBytes
+                              ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kU4BlockBytes))
+                              : _mm_setzero_si128();
     for (int j = 0; j < 4; ++j) {  // low nibbles: inputs 4j.., high nibbles: 16 + 4j..
       bf16_pair_rows<1, BYTES>(c + j * 64, ds, ms, o + 2 * j * 32, fifth[j], top, j, table);
       bf16_pair_rows<2, BYTES>(c + j * 64, dh, mh, o + 2 * (4 + j) * 32, fifth[4 + j], top + 64, j, table);
@@ -117,6 +120,7 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_block(int64_t block_bytes, cons
     case kT4BlockBytes: return dequantize_bf16_pairs<kT4BlockBytes>(c, d, m, o);
     case kQ6BlockBytes: return dequantize_bf16_pairs<kQ6BlockBytes>(c, d, m, o);
     case kS4BlockBytes: return dequantize_bf16_pairs<kS4BlockBytes>(c, d, m, o);
+    case kF4BlockBytes: return dequantize_bf16_pairs<kF4BlockBytes>(c, d, m, o);
     default: return dequantize_bf16_pairs<kI8BlockBytes>(c, d, m, o);
   }
 }

@@ -17,10 +17,14 @@ constexpr int64_t kQ6BlockBytes = kU4BlockBytes + 2 * 64 + 16 * 2;
 // s4: the nibbles, then the 16 rows' fp16 scales of inputs 16..31
 constexpr int64_t kS4BlockBytes = kU4BlockBytes + 16 * 2;
 
-// whether `bytes` per tile block is a nibble-code format's (u4, u5, t4, q6, s4)
+// f4: t4 with the second scale (NVFP4's E2M1 values with a scale per 16): the nibbles, their table of 16 codes
+// stored as c + 32 (c in [-32, 31]), then the 16 rows' fp16 scales of inputs 16..31
+constexpr int64_t kF4BlockBytes = kU4BlockBytes + 16 + 16 * 2;
+
+// whether `bytes` per tile block is a nibble-code format's (u4, u5, t4, q6, s4, f4)
 constexpr bool nibble_block_bytes(int64_t bytes) {
   return bytes == kU4BlockBytes || bytes == kU5BlockBytes || bytes == kT4BlockBytes || bytes == kQ6BlockBytes ||
-         bytes == kS4BlockBytes;
+         bytes == kS4BlockBytes || bytes == kF4BlockBytes;
 }
 
 }  // namespace glmserve

@@ -106,27 +106,31 @@ constexpr int64_t U5_BLOCK = glmserve::kU5BlockBytes;
 constexpr int64_t T4_BLOCK = glmserve::kT4BlockBytes;
 constexpr int64_t Q6_BLOCK = glmserve::kQ6BlockBytes;
 constexpr int64_t S4_BLOCK = glmserve::kS4BlockBytes;
+constexpr int64_t F4_BLOCK = glmserve::kF4BlockBytes;
 
-enum Codes { I8, U4, U5, T4, Q6, S4 };  // a packed weight's code format (the header's i8 / u4 / u5 / t4 / q6 / s4)
+// a packed weight's code format (the header's i8 / u4 / u5 / t4 / q6 / s4 / f4)
+enum Codes { I8, U4, U5, T4, Q6, S4, F4 };
 
 constexpr int64_t block_bytes_of(Codes c) {
   return c == I8 ? I8_BLOCK : c == U4 ? U4_BLOCK : c == U5 ? U5_BLOCK : c == T4 ? T4_BLOCK : c == Q6 ? Q6_BLOCK
-                                                                                                   : S4_BLOCK;
+       : c == S4 ? S4_BLOCK : F4_BLOCK;
 }
 
 // the formats with a second scale per block (inputs 16..31), whose halves sum apart from -offset * sum(q)
-constexpr bool two_scales(Codes c) { return c == Q6 || c == S4; }
-constexpr int code_offset(Codes c) { return c == Q6 ? 32 : 8; }  // q6 / s4 codes stored as c + 32 / c + 8
+constexpr bool two_scales(Codes c) { return c == Q6 || c == S4 || c == F4; }
+// q6 / f4 codes stored as c + 32 (f4: its table's), s4 codes as c + 8
+constexpr int code_offset(Codes c) { return c == S4 ? 8 : 32; }
 
 // the format of codes [tiles, blocks, bytes] passed with the kernels' `u4` flag (nibble codes): an error where the
 // bytes per tile and block are not one of the format's
 Codes codes_of(bool u4, int64_t bytes, const char* name) {
   TORCH_CHECK(u4 ? glmserve::nibble_block_bytes(bytes) : bytes == I8_BLOCK, name,
               ": block bytes ", bytes,
-              u4 ? " (nibble codes: 256, 320 with fifth bits, 272 with a table, 416 with six bits, 288 with two scales)"
+              u4 ? " (nibble codes: 256, 320 with fifth bits, 272 with a table, 416 with six bits, 288 with two scales,"
+                   " 304 with a table and two scales)"
                  : " (int8 codes: 512)");
   return !u4 ? I8 : bytes == U4_BLOCK ? U4 : bytes == U5_BLOCK ? U5 : bytes == T4_BLOCK ? T4 : bytes == Q6_BLOCK ? Q6
-                                                                                                               : S4;
+       : bytes == S4_BLOCK ? S4 : F4;
 }
 
 // f(std::integral_constant<Codes, kind>{}): a runtime format to the template argument of a kernel instantiated per
@@ -139,11 +143,12 @@ void with_codes(Codes kind, F&& f) {
     case T4: return f(std::integral_constant<Codes, T4>{});
     case Q6: return f(std::integral_constant<Codes, Q6>{});
     case S4: return f(std::integral_constant<Codes, S4>{});
+    case F4: return f(std::integral_constant<Codes, F4>{});
     default: return f(std::integral_constant<Codes, I8>{});
   }
 }
 
-// a t4 block's table of 16 int8 values
+// a t4 block's table of 16 int8 values (f4: codes c + 32)
 inline const int8_t* table_of(const uint8_t* block) { return reinterpret_cast<const int8_t*>(block + U4_BLOCK); }
 
 // mask i of a u5 block's fifth bits (bit 4r + t: row r's input 4i + t)
@@ -156,31 +161,32 @@ inline uint64_t fifth_mask(const uint8_t* block, int i) {
 // the 64 bytes of a q6 block's top-bit vector h (i8 groups 4h..4h+3, two bits each)
 inline const uint8_t* top_bits(const uint8_t* block, int h) { return block + U4_BLOCK + 64 * h; }
 
-// a q6 / s4 block's 16 fp16 scales of inputs 16..31 (one per row)
+// a q6 / s4 / f4 block's 16 fp16 scales of inputs 16..31 (one per row)
 template <Codes C>
 inline const uint16_t* high_scales(const uint8_t* block) {
-  return reinterpret_cast<const uint16_t*>(block + U4_BLOCK + (C == Q6 ? 128 : 0));
+  return reinterpret_cast<const uint16_t*>(block + U4_BLOCK + (C == Q6 ? 128 : C == F4 ? 16 : 0));
 }
 
 // row r's code t of i8 group i of a nibble block, given its nibble: with its fifth bit where C is U5, its table's
-// value where C is T4, q - 32 of its six bits where C is Q6, q - 8 where C is S4
+// value where C is T4 (minus 32 where F4), q - 32 of its six bits where C is Q6, q - 8 where C is S4
 template <Codes C>
 inline int32_t nibble_code(const uint8_t* block, int i, int r, int t, uint8_t nibble) {
   if constexpr (C == U5) return nibble | static_cast<int32_t>((fifth_mask(block, i) >> (4 * r + t)) & 1) << 4;
   if constexpr (C == Q6) return (nibble | ((top_bits(block, i / 4)[4 * r + t] >> (2 * (i % 4))) & 3) << 4) - 32;
   if constexpr (C == S4) return nibble - 8;
   if constexpr (C == T4) return table_of(block)[nibble];
+  if constexpr (C == F4) return table_of(block)[nibble] - 32;
   return nibble;
 }
 
-// A q6 / s4 block's two integer sums (inputs 0..15 and 16..31) scaled by their own d: low * d_low + high * d_high,
+// A q6 / s4 / f4 block's two integer sums (inputs 0..15 and 16..31) scaled by their own d: low * d_low + high * d_high,
 // which every path then multiplies by the activations' dx into its accumulator (acc + part * dx: two operations fewer
 // per row and block than scaling each half by d * dx; the SIMD paths fuse the multiply-adds)
 inline float scale_halves(int32_t low, int32_t high, float d_low, float d_high) {
   return static_cast<float>(low) * d_low + static_cast<float>(high) * d_high;
 }
 
-// The starts of a q6 / s4 block's two integer sums for one activation row, -offset (code_offset) times the sums of
+// The starts of a q6 / s4 / f4 block's two integer sums for one activation row, -offset (code_offset) times the sums of
 // its codes q[0..15] and q[16..31] (`sum`: all 32 codes' sum), into out[0], out[1]: the VNNI tiles read them from
 // their activation groups (put_row), the AVX2 tiles from a per-call array (half_offsets)
 inline void half_offsets_of(const int8_t* q, int32_t sum, int offset, int32_t* out) {
@@ -210,7 +216,7 @@ struct Acts {  // quantized activations
   int64_t kp, nb;
   const GroupWord* groups = nullptr;  // VNNI builds: the rows from row0 on regrouped (pack_groups)
   int64_t row0 = 0;
-  const int32_t* half_offsets = nullptr;  // AVX2 builds, q6 / s4 weights: [N, nb, 2] -offset * sum(q) per half
+  const int32_t* half_offsets = nullptr;  // AVX2 builds, q6 / s4 / f4 weights: [N, nb, 2] -offset * sum(q) per half
 };
 
 struct Weights {  // one tile
@@ -239,7 +245,7 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64
       const int8_t* qb = q + b * QK;
       const float dx = a.d[(n0 + n) * a.nb + b], sx = a.s[(n0 + n) * a.nb + b];
       for (int64_t r = 0; r < ROWS; ++r) {
-        int32_t sum = 0, high = 0;  // q6 / s4: inputs 0..15 in sum, 16..31 in high (scaled apart)
+        int32_t sum = 0, high = 0;  // q6 / s4 / f4: inputs 0..15 in sum, 16..31 in high (scaled apart)
         if constexpr (C != I8) {
           for (int j = 0; j < 4; ++j)
             for (int t = 0; t < 4; ++t) {
@@ -313,7 +319,7 @@ inline __m256i top_bits_at_4_avx2(__m256i top, int k) {
   return k < 2 ? _mm256_slli_epi16(top, 4 - 2 * k) : _mm256_srli_epi16(top, 2 * k - 4);
 }
 
-// One q6 / s4 block into acc (tile_avx2_halves' accumulators): per half of the block (inputs 0..15, then 16..31)
+// One q6 / s4 / f4 block into acc (tile_avx2_halves' accumulators): per half of the block (inputs 0..15, then 16..31)
 // its unsigned codes q times the activations (vpmaddubsw: pairs up to 2 * 63 * 127, two groups' pairs summed in
 // int16 before vpmaddwd) from -offset sum(q) (Acts::half_offsets); the halves' sums scaled as scale_halves does
 template <Codes C, int NB, int H>
@@ -321,6 +327,9 @@ inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const 
                                  __m256 (&acc)[NB][H]) {
   const __m256i ones16 = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
   const int8_t* q0 = a.q + n0 * a.kp + b * QK;
+  [[maybe_unused]] const __m256i table =
+      C == F4 ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table_of(block))))
+              : low4;
   __m256 part[NB][H];
   for (int half = 0; half < 2; ++half) {
     __m256i isum[NB][H], top[H];
@@ -338,6 +347,7 @@ inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const 
           q[k][h] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
           if constexpr (C == Q6)
             q[k][h] = _mm256_or_si256(q[k][h], _mm256_and_si256(top_bits_at_4_avx2(top[h], j + k), top2));
+          if constexpr (C == F4) q[k][h] = _mm256_shuffle_epi8(table, q[k][h]);
         }
       for (int n = 0; n < NB; ++n) {
         const int8_t* x = q0 + n * a.kp + 16 * half + 4 * j;
@@ -361,7 +371,7 @@ inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const 
       acc[n][h] = _mm256_fmadd_ps(part[n][h], _mm256_set1_ps(a.d[(n0 + n) * a.nb + b]), acc[n][h]);
 }
 
-// half_offsets_of every block of rows [0, N) ([N, nb, 2]: the starts of q6 / s4 blocks' half sums on the AVX2
+// half_offsets_of every block of rows [0, N) ([N, nb, 2]: the starts of q6 / s4 / f4 blocks' half sums on the AVX2
 // tiles), into the calling thread's buffer
 const int32_t* half_offsets(const Acts& a, int64_t N, int offset) {
   thread_local std::vector<int32_t> buffer;
@@ -502,8 +512,8 @@ void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, flo
 // s[G] (dx * sum(q)) and bias[G] (-128 * sum(q): the i8 codes' flip to c + 128, the start of the integer sum), so
 // that every broadcast of a tile's block is at a fixed offset from one pointer (with one pointer per row, GCC ran out
 // of general registers at 8 rows and parked the int8 path's 128 * sum(q) in mask registers: 105 GMAC/s against 130
-// for u4), and a batch of one row reads 44 bytes per block. For q6 / s4 weights two more, half[2][G]: -offset * the
-// sums of codes 0..15 and 16..31 (their codes' offset, the start of each half's sum), computed only for them.
+// for u4), and a batch of one row reads 44 bytes per block. For q6 / s4 / f4 weights two more, half[2][G]: -offset *
+// the sums of codes 0..15 and 16..31 (their codes' offset, the start of each half's sum), computed only for them.
 union GroupWord {
   int32_t i;
   float f;
@@ -579,10 +589,12 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
     const uint8_t* c = w.codes + b * block_bytes_of(C);
     const GroupWord* x = g + b * group_words(C) * NB;
     const GroupWord *dx = x + 8 * NB, *sx = x + 9 * NB, *bias = x + 10 * NB;
-    // q6 / s4: the two halves' sums side by side (each from -offset sum(q)), then scale_halves's floats
+    // q6 / s4 / f4: the two halves' sums side by side (each from -offset sum(q)), then scale_halves's floats
     if constexpr (two_scales(C)) {
       [[maybe_unused]] const __m512i top_low = C == Q6 ? _mm512_loadu_si512(top_bits(c, 0)) : low4;
       [[maybe_unused]] const __m512i top_high = C == Q6 ? _mm512_loadu_si512(top_bits(c, 1)) : low4;
+      [[maybe_unused]] const __m512i codes =
+          C == F4 ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table_of(c)))) : low4;
       __m512i low[NB], high[NB];
       for (int n = 0; n < NB; ++n)
         low[n] = _mm512_set1_epi32(x[11 * NB + n].i), high[n] = _mm512_set1_epi32(x[12 * NB + n].i);
@@ -593,6 +605,7 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
           ql = _mm512_ternarylogic_epi32(ql, top_bits_at_4(top_low, j), top2, 0xF8);
           qh = _mm512_ternarylogic_epi32(qh, top_bits_at_4(top_high, j), top2, 0xF8);
         }
+        if constexpr (C == F4) ql = _mm512_shuffle_epi8(codes, ql), qh = _mm512_shuffle_epi8(codes, qh);
         for (int n = 0; n < NB; ++n) {
           low[n] = dpbusd_broadcast(low[n], ql, &x[j * NB + n].i);
           high[n] = dpbusd_broadcast(high[n], qh, &x[(4 + j) * NB + n].i);
@@ -1135,7 +1148,7 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
                int64_t end, int64_t nblocks, Codes kind, float* o, int64_t out_features) {
   const int64_t tile_bytes = nblocks * block_bytes_of(kind);
-  TORCH_CHECK(!two_scales(kind), "quant_matmul: q6 / s4 blocks (two scales a block) have no AMX int8 tiles");
+  TORCH_CHECK(!two_scales(kind), "quant_matmul: q6 / s4 / f4 blocks (two scales a block) have no AMX int8 tiles");
   const bool u4 = kind != I8;  // nibble codes
   const bool unpack_once = u4 && N > AMX_ROWS && nblocks <= AMX_UNPACK_ONCE;
   const bool stream = stream_output(o, N, out_features);
@@ -1184,7 +1197,7 @@ constexpr int64_t SIMD_CHUNK_BYTES = 256 * 1024;
 // product at batch 1 with the weights from DRAM)
 constexpr int64_t SWIGLU_RUN_BYTES = 512 * 1024;
 
-// whether N rows of a weight of `kind` run on the AMX int8 tiles (q6 / s4 never: their blocks have a scale per 16
+// whether N rows of a weight of `kind` run on the AMX int8 tiles (q6 / s4 / f4 never: their blocks have a scale per 16
 // inputs, the tiles' products one sum per 32)
 bool use_amx(int64_t N, Codes kind) {
 #ifdef GLMSERVE_AMX
