@@ -12,8 +12,8 @@ symmetric int4 / 5-bit codes are stored as c +
 8 / c + 16 with m = -8 d / -16 d, integer zero points become m = -d * zero, Q4_1's min is m itself, a per-channel or
 per-tensor scale or a group of 64 is repeated on every block it covers), rows are interleaved in tiles of 16 and the
 canonical tensors are not kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`). in_features is padded
-to a multiple of 32 and out_features to 16 (zero codes and scales). FP8 and NVFP4 weights are not run here:
-`cpu_float_block` (quant/cpu_float_backend.py) runs them.
+to a multiple of 32 and out_features to 16 (zero codes and scales). FP8 and NVFP4 weights of float specs (E4M3,
+E2M1 codes: `glmserve quantize`'s) are not run here: `cpu_float_block` (quant/cpu_float_backend.py) runs them.
 
 Activations are quantized to int8 on this path, always: W8A8 (activations `token`, dynamic) as its spec
 says, per row; weight-only formats (A16) per block of 32 inputs as llama.cpp does for Q4_0 / Q4_1 / Q8_0
