@@ -19,7 +19,9 @@ canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_
   MXFP4   E8M0 e, 4-bit index into the    w = 2^(e-128) * e2m1[q] -> Q8_0: codes e2m1[q], scale 2^(e-128): exact
           doubled E2M1 values e2m1              where fp16 holds 2^(e-128) (e in [104, 143]), else re-quantized
   NVFP4   UE4M3 s per 16, 4-bit index     w = s/2 * e2m1[q]     -> Q6_K: codes e2m1[q], scale s/2 per 16: exact
-  others  (Q2_K, IQ1-IQ3, TQ1_0, TQ2_0: a min per 16, codebook grids)
+  TQ1_0   d, trits t in {-1, 0, 1}        w = d * t             -> Q4_0: codes t, scale d: exact
+  TQ2_0   as TQ1_0, 2-bit t + 1
+  others  (Q2_K, IQ1-IQ3: a min per 16, codebook grids)
           gguf-py's dequantization, quantized again to Q8_0 by ggml's round to nearest
 
 Q4_K / Q5_K / IQ4_XS's two-level scales are flattened into one fp16 per 32 (relative rounding <= 2^-11 of a block's
@@ -27,10 +29,10 @@ scale and min, next to a 4-bit step's 1/15 of its range), Q6_K's and Q3_K's into
 re-quantized types gain at most half an int8 step, absmax / 254 of a block (a 2-bit type's own step is absmax / 2).
 5-bit codes run as nibbles and a plane of fifth bits (5 bits a weight, as the file keeps them), 6-bit ones as nibbles
 and their top two bits (the kernels' q6 blocks, the scale of each block's second 16 inputs kept in the block), 4-bit
-ones as nibbles (Q3_K's with that second scale: s4 blocks, 5 bits a weight), IQ4's and MXFP4's as nibble indices
-into the table kept with each block (TableCodesWeight: its canonical codes are the table's values), NVFP4's likewise
-with the second scale (f4 blocks, 5 bits a weight). Everything is vectorized over all
-blocks.
+ones as nibbles (Q3_K's with that second scale: s4 blocks, 5 bits a weight; TQ1_0 / TQ2_0's trits as Q4_0's, 4.5),
+IQ4's and MXFP4's as nibble indices into the table kept with each block (TableCodesWeight: its canonical codes are the
+table's values), NVFP4's likewise with the second scale (f4 blocks, 5 bits a weight). Everything is vectorized over
+all blocks.
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
 MXFP4_TABLE = torch.from_numpy(MXFP4_VALUES)
 # types whose codes are kept as stored (their scales as stored, or flattened: Q4_K, Q5_K, IQ4_XS) -> the form
 CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "Q6_K": "Q6_K", "Q3_K": "Q3_K",
-              "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0", "MXFP4": "Q8_0", "NVFP4": "Q6_K"}
+              "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0", "MXFP4": "Q8_0", "NVFP4": "Q6_K", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
 REQUANTIZED = tuple(name for name in ("Q2_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                                      "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0")
+                                      "IQ3_XXS", "IQ3_S")
                     if name in GGMLQuantizationType.__members__)  # (older gguf-py versions lack the newest)
 RUNS_AS = CODES_KEPT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the native block form it runs as
 
@@ -94,10 +96,12 @@ def how_it_runs(gguf_type: str) -> str:
         return f"{'6' if gguf_type == 'Q6_K' else '4'}-bit codes, scales rounded to one fp16 per 16"
     if gguf_type == "NVFP4":
         return "nibble indices into its table, an fp16 scale per 16"
+    if gguf_type.startswith("TQ"):
+        return "ternary codes as Q4_0 blocks"
     if gguf_type.startswith("Q5_"):
         return "5-bit codes as nibbles and fifth bits"
     if gguf_type == "MXFP4":
-        return "nibble indices into its table (re-quantized to Q8_0 where a scale is outside fp16's range)"
+        return "nibble indices into its table; re-quantized to Q8_0 where a scale is outside fp16's range"
     return "nibble indices into its table"
 
 
@@ -138,6 +142,10 @@ def convert_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Q
         codes = MXFP4_VALUES[np.concatenate((indices & 15, indices >> 4), axis=-1)]
         return TableCodesWeight(spec, _codes(codes, shape), _ue4m3_half_as_fp16(blocks[..., :4]).reshape(out, -1),
                                 MXFP4_TABLE)
+    if gguf_type in ("TQ1_0", "TQ2_0"):  # the trits, then d (each superblock's last 2 bytes)
+        d = fp16_field(blocks, block_bytes - 2)  # [out, supers]
+        trits = _trits(blocks) if gguf_type == "TQ1_0" else _two_bit_trits(blocks)
+        return QuantizedWeight(spec, _codes(trits, shape), d.repeat_interleave(SUPER // BLOCK, dim=-1))
     if gguf_type == "Q6_K":
         return QuantizedWeight(spec, _codes(_six_bit(blocks[..., :128], blocks[..., 128:192]), shape),
                                _q6_k_scales(blocks).reshape(out, -1))
@@ -185,6 +193,25 @@ def _e8m0_half_as_fp16(e: np.ndarray, used: np.ndarray) -> torch.Tensor | None:
     if np.any(used & ((exponent < -24) | (exponent > 15))):
         return None
     return torch.from_numpy(np.where(used, np.ldexp(np.float32(1), exponent), 0).astype(np.float16))
+
+
+def _trits(blocks: np.ndarray) -> np.ndarray:
+    """TQ1_0's 256 trits t - 1 per superblock (int8 [..., 256]), in integers: 5 (qs) or 4 (qh) base-3 digits a byte,
+    digit k the top of (byte * 3^k mod 256) * 3 / 256 (ggml-quants.c's dequantize_row_tq1_0; gguf-py's order: bytes
+    0..31 times 3^0..4, then 32..47, then qh's 4 bytes times 3^0..3)."""
+    pow3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)[:, None]
+    lead = blocks.shape[:-1]
+    digits = [(blocks[..., None, start:end] * pow3[:k]).reshape(*lead, -1)  # uint8, wrapped mod 256 as ggml's
+              for start, end, k in ((0, 32, 5), (32, 48, 5), (48, 52, 4))]
+    scaled = np.concatenate(digits, axis=-1)
+    return ((scaled.astype(np.uint16) * 3) >> 8).astype(np.int8) - np.int8(1)
+
+
+def _two_bit_trits(blocks: np.ndarray) -> np.ndarray:
+    """TQ2_0's 256 trits per superblock (int8 [..., 256]): 2-bit fields q of its 64 bytes, t = q - 1, in the order of
+    ggml's dequantize_row_tq2_0 (per 32 bytes: the fields at bits 0, 2, 4, 6 of each byte in turn)."""
+    fields = blocks[..., :64].reshape(*blocks.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    return (fields & 3).reshape(*blocks.shape[:-1], SUPER).astype(np.int8) - np.int8(1)
 
 
 def _ue4m3_half_as_fp16(s: np.ndarray) -> torch.Tensor:
