@@ -75,6 +75,8 @@ FORMATS = {
     "gguf_q5_1": (QuantSpec(5, symmetric=False, strategy="group", group_size=32, gguf_type="Q5_1"), None),
     # IQ4_NL / IQ4_XS as gguf_mapped.py reads them: Q8_0 codes from a 16-value table, run as nibble indices (t4)
     "gguf_iq4": (QuantSpec(8, strategy="group", group_size=32, gguf_type="Q8_0"), None),
+    # MXFP4 likewise: a table of values in [-32, 31] (the AVX2 tiles take them as unsigned codes v + 32)
+    "gguf_mxfp4": (QuantSpec(8, strategy="group", group_size=32, gguf_type="Q8_0"), None),
     # Q6_K / Q3_K as gguf_mapped.py reads them: codes in [-32, 31] / [-8, 7] (Q3_K's: [-4, 3]), a scale per 16 (q6 /
     # s4 blocks: two sums a block)
     "gguf_q6_k": (QuantSpec(6, strategy="group", group_size=16, gguf_type="Q6_K"), None),
@@ -98,7 +100,7 @@ def weight(fmt: str, out: int, inp: int) -> QuantizedWeight:
         return quantize(w, spec)
     blocks = inp // spec.group_size
     scales = (torch.rand(out, blocks, generator=g) * 0.01 + 1e-3).half()
-    if fmt in ("gguf_iq4", "gguf_nvfp4"):
+    if fmt in ("gguf_iq4", "gguf_mxfp4", "gguf_nvfp4"):
         table = torch.from_numpy(IQ4_VALUES if fmt == "gguf_iq4" else MXFP4_VALUES)
         return TableCodesWeight(spec, table[torch.randint(0, 16, (out, inp), generator=g)], scales, table)
     if spec.gguf_type == "Q8_0":
@@ -250,8 +252,7 @@ def tiles(request, cpu_isa):
 
 @pytest.mark.parametrize("batch", [8, 16, 33])
 @pytest.mark.parametrize("fmt", ["int8_group32", "int8_channel_asym", "int4_group32", "int4_group64_asym", "w8a8",
-                                 "gguf_q8_0", "gguf_q4_1", "gguf_q6_k",
-                                 "gguf_nvfp4"])
+                                 "gguf_q8_0", "gguf_q4_1", "gguf_q6_k", "gguf_nvfp4"])
 def test_batches_on_both_tile_kinds(tiles, fmt, batch):
     check(fmt, batch, 576, 1536)
 
@@ -263,8 +264,7 @@ AMX_BATCHES = [6, 8, 9, 10, 16, 17, 21, 26, 31, 32, 33, 48, 64, 100]
 
 @pytest.mark.parametrize("out, inp", [(200, 576), (176, 1536), (40, 64)])  # 18 / 48 / 2 blocks; 12.5 / 11 / 2.5 tiles
 @pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "int4_group64_asym", "int8_channel_asym", "w8a8",
-                                 "gguf_q6_k",
-                                 "gguf_nvfp4"])
+                                 "gguf_q6_k", "gguf_nvfp4", "gguf_iq4", "gguf_mxfp4"])
 def test_amx_tiles_equal_every_variant(fmt, out, inp):
     """On the same quantized activations, the AMX tiles, the avx512 VNNI tiles and the avx2 tiles compute the same
     integer sums per block and scale and sum them in the same order: the same floats, at every decode batch size
@@ -301,8 +301,7 @@ def test_amx_tiles_equal_every_variant(fmt, out, inp):
             modules["avx512"].set_amx(True)
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "gguf_q6_k",
-                                 "gguf_nvfp4"])
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "gguf_q6_k", "gguf_nvfp4"])
 def test_tiles_split_across_threads_give_the_same_floats(cpu_isa, fmt):
     """Two intra-op threads split the weight tiles (each thread configures its own AMX tiles): the same outputs
     as one thread, at decode batch sizes, AMX on where the build and CPU have it."""
@@ -320,8 +319,7 @@ def test_tiles_split_across_threads_give_the_same_floats(cpu_isa, fmt):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "gguf_q6_k",
-                                 "gguf_nvfp4"])
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "gguf_q6_k", "gguf_nvfp4"])
 def test_long_batches_in_row_chunks_give_the_same_floats(cpu_isa, fmt, monkeypatch):
     """Prefill-sized batches on the SIMD tiles run in chunks of rows (about 256 KB of int8 activations: 168 rows of
     1,536 inputs), each swept by all of a thread's weight tiles: every row the same floats as the row alone, for a
@@ -343,8 +341,7 @@ def test_long_batches_in_row_chunks_give_the_same_floats(cpu_isa, fmt, monkeypat
         assert torch.equal(backend.apply(prepared, x[rows], None), whole[rows]), rows
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q4_1", "int8_group32", "w8a8", "gguf_q6_k",
-                                 "gguf_nvfp4"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "int8_group32", "w8a8", "gguf_q6_k", "gguf_nvfp4"])
 def test_quant_linear_is_quant_matmul_of_quantize_activations(tiles, fmt):
     """quant_linear (on the VNNI tiles: each row quantized straight into the tiles' activation groups) gives the floats
     of quant_matmul on quantize_activations' tensors (regrouped by pack_groups), at decode and prefill batch sizes."""
@@ -359,8 +356,7 @@ def test_quant_linear_is_quant_matmul_of_quantize_activations(tiles, fmt):
         assert torch.equal(linear(x, p.per_token, *packed), matmul(*quantize_acts(x, p.per_token), *packed)), batch
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "w8a8", "gguf_q6_k",
-                                 "gguf_nvfp4"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "w8a8", "gguf_q6_k", "gguf_nvfp4"])
 def test_fused_swiglu_is_silu_and_mul_of_the_product(tiles, fmt):
     """quant_linear_swiglu (a gated MLP's merged gate-up weight: silu(gate) * up without the product written out)
     gives the floats of silu_and_mul after quant_linear, at decode batches and at a prefill batch of several row
@@ -478,8 +474,7 @@ def test_prepare_keeps_only_the_packed_layout(cpu_isa):
 
 
 @pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "int8_channel_asym", "gguf_q5_1",
-                                 "gguf_iq4", "gguf_q6_k",
-                                 "gguf_nvfp4"])
+                                 "gguf_iq4", "gguf_mxfp4", "gguf_q6_k", "gguf_nvfp4"])
 def test_dequantize_packed_is_the_stored_weight(cpu_isa, fmt):
     """The dense form of the packed layout: d * c + m in float32 (one rounding of the sum), and that value
     rounded to bfloat16 as torch rounds it (nearest even)."""
@@ -499,8 +494,7 @@ def p_weight_abs(p) -> torch.Tensor:
     return CpuBlockBackend().dequantize_rows(p, torch.arange(p.out_features), torch.float32).abs()
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group64_asym", "gguf_q6_k",
-                                 "gguf_nvfp4"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group64_asym", "gguf_q6_k", "gguf_nvfp4"])
 def test_large_batches_take_the_bf16_gemm(cpu_isa, fmt, monkeypatch):
     """From DENSE_MIN_ROWS rows (prefill) on AMX, and on CPUs with AVX512-BF16 but no AMX from the rows
     GLMSERVE_AVX512_BF16_ROWS gives (here DENSE_MIN_ROWS): bfloat16 activations, weights and outputs with float32
