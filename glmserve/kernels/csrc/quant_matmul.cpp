@@ -389,23 +389,28 @@ inline bool small_table(__m128i table) {
   return _mm_testz_si128(_mm_add_epi8(table, _mm_set1_epi8(32)), _mm_set1_epi8(static_cast<char>(0xC0)));
 }
 
+// `table` at the nibbles of i8 groups j (low nibbles: lo) and 4 + j (high: hi) of a t4 block's 32-byte half h (c: the
+// block's bytes of the tile half the caller starts at)
+inline void table_at_nibbles(__m256i table, const uint8_t* c, int j, int h, __m256i& lo, __m256i& hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64 + h * 32));
+  lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
+  hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+}
+
 // A t4 block with a small table (small_table) into isum (tile_avx2_halves' integer sums; c: the block's bytes of
 // half h0): its codes as unsigned v + 32 through vpmaddubsw, the low and high nibbles' pairs summed in int16 before
 // vpmaddwd, from -32 sum(q): the signed path's sums exactly, in 5 operations a row and i8 group pair instead of 8
 template <int NB, int H>
 inline void small_table_block_avx2(__m128i table, const uint8_t* c, const Acts& a, int64_t n0, int64_t b,
                                    __m256i (&isum)[NB][H]) {
-  const __m256i ones16 = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
   const __m256i codes = _mm256_broadcastsi128_si256(_mm_add_epi8(table, _mm_set1_epi8(32)));
   for (int n = 0; n < NB; ++n)
     for (int h = 0; h < H; ++h) isum[n][h] = _mm256_set1_epi32(-32 * a.isum[(n0 + n) * a.nb + b]);
   for (int j = 0; j < 4; ++j) {
     __m256i lo[H], hi[H];
-    for (int h = 0; h < H; ++h) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64 + h * 32));
-      lo[h] = _mm256_shuffle_epi8(codes, _mm256_and_si256(v, low4));
-      hi[h] = _mm256_shuffle_epi8(codes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-    }
+    for (int h = 0; h < H; ++h) table_at_nibbles(codes, c, j, h, lo[h], hi[h]);
     for (int n = 0; n < NB; ++n) {
       const int8_t* qb = a.q + (n0 + n) * a.kp + b * QK;
       const __m256i ql = _mm256_set1_epi32(load_i32(qb + 4 * j)), qh = _mm256_set1_epi32(load_i32(qb + 16 + 4 * j));
@@ -461,11 +466,7 @@ void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nbloc
           for (int h = 0; h < H; ++h) isum[n][h] = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
           __m256i lo[H], hi[H];
-          for (int h = 0; h < H; ++h) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 64 + h * 32));
-            lo[h] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
-            hi[h] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-          }
+          for (int h = 0; h < H; ++h) table_at_nibbles(table, c, j, h, lo[h], hi[h]);
           for (int n = 0; n < NB; ++n) {
             const int8_t* qb = q0 + n * a.kp + b * QK;
             const __m256i ql = _mm256_set1_epi32(load_i32(qb + 4 * j)), qh = _mm256_set1_epi32(load_i32(qb + 16 + 4 * j));
