@@ -238,32 +238,36 @@ def test_each_quantized_module_is_finalized_once_its_weights_arrived(small_gguf,
     assert all(not e.startswith(f"model.layers.{LAYERS - 1}.") for e in events[:first_finalize])
 
 
-@pytest.fixture(scope="module")
-def k_quant_gguf(tmp_path_factory):
-    """A llama GGUF of llama.cpp's other block types (K-quants, 5-bit, a Q6_K tied embedding) at widths
-    K-quants allow (256 inputs), weights of a trained model's size (|w| ~ 0.03), and its tokenizer directory."""
-    root = tmp_path_factory.mktemp("k-quant-gguf")
+def block_type_gguf(root: Path, kinds: dict[str, Q], embedding: Q) -> tuple[Path, Path]:
+    """A llama GGUF whose decoder matrices `kinds` (attn_q ... ffn_down -> type) and tied embedding are of llama.cpp's
+    block types, at widths K-quants allow (256 inputs), weights of a trained model's size (|w| ~ 0.03), and its
+    tokenizer directory."""
     rng = np.random.default_rng(1)
     hidden, ffn, heads, kv_heads = 256, 512, 4, 2
-    kinds = {"attn_q": (hidden, hidden, Q.Q4_K), "attn_k": (kv_heads * 64, hidden, Q.Q5_K),
-             "attn_v": (kv_heads * 64, hidden, Q.Q6_K), "attn_output": (hidden, hidden, Q.Q5_1),
-             "ffn_gate": (ffn, hidden, Q.Q5_0), "ffn_up": (ffn, hidden, Q.Q4_K), "ffn_down": (hidden, ffn, Q.Q5_K)}
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * 64, hidden), "attn_v": (kv_heads * 64, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
+              "ffn_down": (hidden, ffn)}
 
     def blocks(rows: int, cols: int, qtype: Q) -> np.ndarray:
         n = rows * cols // 256
-        if qtype in (Q.Q5_0, Q.Q5_1):
+        if qtype in (Q.Q5_0, Q.Q5_1, Q.MXFP4, Q.TQ2_0):  # types gguf-py quantizes
             return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.03).astype(np.float32), qtype)
+        if qtype == Q.NVFP4:  # per 64 values 4 UE4M3 scales (0x05: 5 * 2^-9, halved: |w| up to 0.03) and 32 bytes
+            # of random E2M1 indices
+            scales = np.full((rows * cols // 64, 4), 0x05, dtype=np.uint8)
+            codes = rng.integers(0, 256, (rows * cols // 64, 32), dtype=np.uint8)
+            return np.concatenate([scales, codes], axis=1).reshape(rows, -1)
         if qtype == Q.Q6_K:
             return q6_k_blocks(rng, n, d_scale=0.1)[0].reshape(rows, -1)
         return k_blocks(rng, n, 5 if qtype == Q.Q5_K else 4, d_scale=0.02)[0].reshape(rows, -1)
 
-    tensors = {"output_norm.weight": np.ones(hidden, np.float32), "token_embd.weight": blocks(VOCAB, hidden, Q.Q6_K)}
-    qtypes = {"token_embd.weight": Q.Q6_K}
+    tensors = {"output_norm.weight": np.ones(hidden, np.float32), "token_embd.weight": blocks(VOCAB, hidden, embedding)}
+    qtypes = {"token_embd.weight": embedding}
     for b in range(LAYERS):
         tensors[f"blk.{b}.attn_norm.weight"] = np.ones(hidden, np.float32)
         tensors[f"blk.{b}.ffn_norm.weight"] = np.ones(hidden, np.float32)
-        for kind, (rows, cols, qtype) in kinds.items():
-            tensors[f"blk.{b}.{kind}.weight"], qtypes[f"blk.{b}.{kind}.weight"] = blocks(rows, cols, qtype), qtype
+        for kind, qtype in kinds.items():
+            tensors[f"blk.{b}.{kind}.weight"], qtypes[f"blk.{b}.{kind}.weight"] = blocks(*shapes[kind], qtype), qtype
     path = write_gguf(root / "k.gguf", "llama", tensors, qtypes, embedding_length=hidden, feed_forward_length=ffn,
                       head_count=heads, head_count_kv=kv_heads, block_count=LAYERS, context_length=512,
                       bos_token_id=0, eos_token_id=1)
@@ -271,12 +275,29 @@ def k_quant_gguf(tmp_path_factory):
     return path, root / "tokenizer"
 
 
-def test_k_quant_gguf_engine_runs_from_blocks_as_the_float_engine(k_quant_gguf):
-    """Every matrix of the K-quant file runs on the block kernels (none in float), at a quarter of the float
-    engine's weight bytes, and generates what the float engine (gguf-py's dequantization) does: the same greedy
-    tokens and top two, logprobs within what the flattened scales and the int8 activations move
-    (measured: at most 0.03)."""
-    path, tokenizer = k_quant_gguf
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory):
+    """K-quants, 5-bit blocks and a Q6_K tied embedding."""
+    kinds = {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_1, "ffn_gate": Q.Q5_0,
+             "ffn_up": Q.Q4_K, "ffn_down": Q.Q5_K}
+    return block_type_gguf(tmp_path_factory.mktemp("k-quant-gguf"), kinds, Q.Q6_K)
+
+
+@pytest.fixture(scope="module")
+def fp4_gguf(tmp_path_factory):
+    """MXFP4 (t4 blocks), NVFP4 (f4 blocks, also the tied embedding) and TQ2_0 (Q4_0 blocks) matrices."""
+    kinds = {"attn_q": Q.MXFP4, "attn_k": Q.NVFP4, "attn_v": Q.NVFP4, "attn_output": Q.TQ2_0, "ffn_gate": Q.MXFP4,
+             "ffn_up": Q.NVFP4, "ffn_down": Q.MXFP4}
+    return block_type_gguf(tmp_path_factory.mktemp("fp4-gguf"), kinds, Q.NVFP4)
+
+
+@pytest.mark.parametrize("file", ["k_quant_gguf", "fp4_gguf"])
+def test_block_type_gguf_engine_runs_from_blocks_as_the_float_engine(file, request):
+    """Every matrix of the K-quant file (and of the MXFP4 / NVFP4 / TQ2_0 one) runs on the block kernels (none in
+    float), at a quarter of the float engine's weight bytes, and generates what the float engine (gguf-py's
+    dequantization) does: the same greedy tokens and top two, logprobs within what the flattened scales and the int8
+    activations move (measured: at most 0.03)."""
+    path, tokenizer = request.getfixturevalue(file)
     native = LLM(model=str(path), tokenizer=str(tokenizer), block_size=4, kv_cache_memory_bytes=4 << 20)
     floats = LLM(model=str(path), tokenizer=str(tokenizer), quantization="none", block_size=4,
                  kv_cache_memory_bytes=4 << 20)
