@@ -318,8 +318,8 @@ def test_dequantization(tmp_path, qtype):
     assert np.all(error <= tolerance), f"{qtype.name}: worst excess {np.max(error - tolerance):.3g}"
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q3_K, Q.MXFP4, Q.NVFP4, Q.TQ1_0],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q3_K, Q.MXFP4, Q.NVFP4, Q.TQ1_0,
+                                   Q.Q2_K], ids=lambda t: t.name)
 def test_other_block_types_read_natively(tmp_path, qtype, caplog):
     """`tensors(native=True)` yields these types as QuantizedWeights of the block form each runs as
     (glmserve/quant/gguf_mapped.py; its tests compare the values with gguf-py's), named by `native_formats`;
@@ -345,7 +345,7 @@ def test_other_block_types_read_natively(tmp_path, qtype, caplog):
     ours = dequantize(native)
     if qtype in (Q.Q5_0, Q.Q5_1, Q.MXFP4, Q.NVFP4, Q.TQ1_0):  # the file's values exactly
         assert torch.equal(ours, as_float)
-    else:  # rounded scales (K-quants, IQ4_XS): close, and in the same row order
+    else:  # rounded scales (K-quants, IQ4_XS; Q2_K's mins too): close, and in the same row order
         assert (ours - as_float).abs().max() <= 5e-3 * as_float.abs().max()
 
 

@@ -28,10 +28,11 @@ from glmserve.quant.schemes import gguf_spec
 from glmserve.quant.weight import QuantizedWeight, concat_rows
 
 ROWS, COLS = 12, 768  # three superblocks a row
-FLATTENED = ("Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K")  # two-level scales in one fp16 per 32 (Q6_K, Q3_K: per 16)
+FLATTENED = ("Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q3_K", "Q2_K")  # two-level scales in one fp16 per 32 (Q6_K, Q3_K,
+# Q2_K: per 16)
 CODE_RANGE = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q4_K": (0, 15), "Q5_K": (0, 31), "IQ4_NL": (-127, 113),
               "IQ4_XS": (-127, 113), "Q6_K": (-32, 31), "Q3_K": (-4, 3), "MXFP4": (-12, 12),
-              "NVFP4": (-12, 12), "TQ1_0": (-1, 1), "TQ2_0": (-1, 2)}
+              "NVFP4": (-12, 12), "TQ1_0": (-1, 1), "TQ2_0": (-1, 2), "Q2_K": (0, 3)}
 
 
 def raw_blocks(gguf_type: str) -> np.ndarray:
@@ -74,7 +75,7 @@ def test_values_are_gguf_py_dequantization(gguf_type):
 
 def test_every_type_is_exact_flattened_or_requantized():
     assert set(RUNS_AS) == set(CODES_KEPT) | set(REQUANTIZED) and set(FLATTENED) <= set(CODES_KEPT)
-    assert {"Q2_K", "IQ2_XXS", "IQ3_S"} <= set(REQUANTIZED) and {"MXFP4", "NVFP4", "TQ1_0"} <= set(CODES_KEPT)
+    assert {"IQ2_XXS", "IQ3_S"} <= set(REQUANTIZED) and {"MXFP4", "NVFP4", "TQ1_0", "Q2_K"} <= set(CODES_KEPT)
     assert maps("Q4_K", 512) and not maps("Q4_K", 512 + 16) and not maps("F16", 512) and not maps("Q4_1", 512)
 
 
@@ -89,8 +90,8 @@ def test_wrong_sizes_are_refused(gguf_type, shape, cut, match):
         convert_blocks(raw[:raw.size - cut], gguf_type, shape)
 
 
-@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_0", "IQ4_XS", "MXFP4", "Q2_K", "Q6_K", "Q3_K", "NVFP4",
-                                       "TQ1_0"])  # u4, u5, t4 x 2, i8, q6, s4, f4, u4
+@pytest.mark.parametrize("gguf_type", ["Q4_K", "Q5_0", "IQ4_XS", "MXFP4", "IQ2_XXS", "Q6_K", "Q3_K", "NVFP4",
+                                       "TQ1_0", "Q2_K"])  # u4, u5, t4 x 2, i8, q6, s4, f4, u4, q2
 def test_converted_weight_runs_on_the_cpu_kernel_as_its_dequantization(gguf_type):
     """Converted blocks through the backend: the float product of the dequantized weight, up to the kernel's int8
     activations (per 32, as llama.cpp's)."""

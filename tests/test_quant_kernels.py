@@ -45,11 +45,12 @@ from glmserve.quant.cpu_backend import (
     dense_apply,
     dense_path_for,
     pack,
+    pack_two_bit,
 )
 from glmserve.quant.gguf_mapped import IQ4_VALUES, MXFP4_VALUES, TableCodesWeight
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
-from glmserve.quant.schemes import Scheme
+from glmserve.quant.schemes import Scheme, gguf_spec
 from glmserve.quant.spec import QuantSpec
 from glmserve.quant.weight import QuantizedWeight
 
@@ -83,6 +84,8 @@ FORMATS = {
     "gguf_q3_k": (QuantSpec(4, strategy="group", group_size=16, gguf_type="Q3_K"), None),
     # NVFP4 as gguf_mapped.py reads it: the doubled E2M1 values from a table, a scale per 16 (f4 blocks)
     "gguf_nvfp4": (QuantSpec(6, strategy="group", group_size=16, gguf_type="Q6_K"), None),
+    # Q2_K as gguf_mapped.py reads it: codes 0..3, a scale and a min per 16 (q2 blocks)
+    "gguf_q2_k": (gguf_spec("Q2_K"), None),
 }
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (out, in)
 LM_HEAD = (49152, 576)
@@ -108,7 +111,7 @@ def weight(fmt: str, out: int, inp: int) -> QuantizedWeight:
     if spec.symmetric:  # Q4_0 / Q3_K codes in [-8, 7], Q5_0 / Q6_K (as gguf_mapped.py reads them) [-16, 15] / [-32, 31]
         half = 1 << (spec.num_bits - 1)
         return QuantizedWeight(spec, torch.randint(-half, half, (out, inp), generator=g, dtype=torch.int8), scales)
-    top = 1 << spec.num_bits  # Q4_1 codes 0..15, Q5_1 0..31, with a minimum per block
+    top = 1 << spec.num_bits  # Q4_1 codes 0..15, Q5_1 0..31, Q2_K 0..3, with a minimum per block
     mins = (-(top // 2) * scales.float() * (0.5 + torch.rand(out, blocks, generator=g))).half()
     return QuantizedWeight(spec, torch.randint(0, top, (out, inp), generator=g, dtype=torch.int8), scales, mins=mins)
 
@@ -118,7 +121,7 @@ def stored_weight(fmt: str, out: int, inp: int) -> tuple[torch.Tensor, torch.Ten
     """[out, in rounded up to 32] float64: d * c + m as the backend stores them, and its absolute value (a scale per
     16: the codes and fp16 scales as they are)."""
     w = weight(fmt, out, inp)
-    c, d, m = block_form(w) if w.spec.group_size != 16 else (w.codes, w.scales, None)
+    c, d, m = block_form(w) if w.spec.group_size != 16 else (w.codes, w.scales, w.mins)
     per = -(-inp // 32) * 32 // d.shape[1]  # inputs per scale: 32, or 16
     c = F.pad(c, (0, d.shape[1] * per - inp)).double()
     w = c * d.double().repeat_interleave(per, dim=1)
@@ -252,7 +255,7 @@ def tiles(request, cpu_isa):
 
 @pytest.mark.parametrize("batch", [8, 16, 33])
 @pytest.mark.parametrize("fmt", ["int8_group32", "int8_channel_asym", "int4_group32", "int4_group64_asym", "w8a8",
-                                 "gguf_q8_0", "gguf_q4_1", "gguf_q6_k", "gguf_nvfp4"])
+                                 "gguf_q8_0", "gguf_q4_1", "gguf_q6_k", "gguf_nvfp4", "gguf_q2_k"])
 def test_batches_on_both_tile_kinds(tiles, fmt, batch):
     check(fmt, batch, 576, 1536)
 
@@ -264,7 +267,8 @@ AMX_BATCHES = [6, 8, 9, 10, 16, 17, 21, 26, 31, 32, 33, 48, 64, 100]
 
 @pytest.mark.parametrize("out, inp", [(200, 576), (176, 1536), (40, 64)])  # 18 / 48 / 2 blocks; 12.5 / 11 / 2.5 tiles
 @pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "int4_group64_asym", "int8_channel_asym", "w8a8",
-                                 "gguf_q6_k", "gguf_nvfp4", "gguf_iq4", "gguf_mxfp4"])
+                                 "gguf_q6_k", "gguf_nvfp4", "gguf_iq4", "gguf_mxfp4",
+                                 "gguf_q2_k"])
 def test_amx_tiles_equal_every_variant(fmt, out, inp):
     """On the same quantized activations, the AMX tiles, the avx512 VNNI tiles and the avx2 tiles compute the same
     integer sums per block and scale and sum them in the same order: the same floats, at every decode batch size
@@ -301,7 +305,7 @@ def test_amx_tiles_equal_every_variant(fmt, out, inp):
             modules["avx512"].set_amx(True)
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "gguf_q6_k", "gguf_nvfp4"])
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "gguf_q6_k", "gguf_nvfp4", "gguf_q2_k"])
 def test_tiles_split_across_threads_give_the_same_floats(cpu_isa, fmt):
     """Two intra-op threads split the weight tiles (each thread configures its own AMX tiles): the same outputs
     as one thread, at decode batch sizes, AMX on where the build and CPU have it."""
@@ -319,7 +323,7 @@ def test_tiles_split_across_threads_give_the_same_floats(cpu_isa, fmt):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "gguf_q6_k", "gguf_nvfp4"])
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_1", "gguf_q6_k", "gguf_nvfp4", "gguf_q2_k"])
 def test_long_batches_in_row_chunks_give_the_same_floats(cpu_isa, fmt, monkeypatch):
     """Prefill-sized batches on the SIMD tiles run in chunks of rows (about 256 KB of int8 activations: 168 rows of
     1,536 inputs), each swept by all of a thread's weight tiles: every row the same floats as the row alone, for a
@@ -341,7 +345,7 @@ def test_long_batches_in_row_chunks_give_the_same_floats(cpu_isa, fmt, monkeypat
         assert torch.equal(backend.apply(prepared, x[rows], None), whole[rows]), rows
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q4_1", "int8_group32", "w8a8", "gguf_q6_k", "gguf_nvfp4"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "int8_group32", "w8a8", "gguf_q6_k", "gguf_nvfp4", "gguf_q2_k"])
 def test_quant_linear_is_quant_matmul_of_quantize_activations(tiles, fmt):
     """quant_linear (on the VNNI tiles: each row quantized straight into the tiles' activation groups) gives the floats
     of quant_matmul on quantize_activations' tensors (regrouped by pack_groups), at decode and prefill batch sizes."""
@@ -356,7 +360,8 @@ def test_quant_linear_is_quant_matmul_of_quantize_activations(tiles, fmt):
         assert torch.equal(linear(x, p.per_token, *packed), matmul(*quantize_acts(x, p.per_token), *packed)), batch
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "w8a8", "gguf_q6_k", "gguf_nvfp4"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "w8a8", "gguf_q6_k", "gguf_nvfp4",
+                                 "gguf_q2_k"])
 def test_fused_swiglu_is_silu_and_mul_of_the_product(tiles, fmt):
     """quant_linear_swiglu (a gated MLP's merged gate-up weight: silu(gate) * up without the product written out)
     gives the floats of silu_and_mul after quant_linear, at decode batches and at a prefill batch of several row
@@ -474,7 +479,7 @@ def test_prepare_keeps_only_the_packed_layout(cpu_isa):
 
 
 @pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group32", "int8_channel_asym", "gguf_q5_1",
-                                 "gguf_iq4", "gguf_mxfp4", "gguf_q6_k", "gguf_nvfp4"])
+                                 "gguf_iq4", "gguf_mxfp4", "gguf_q6_k", "gguf_nvfp4", "gguf_q2_k"])
 def test_dequantize_packed_is_the_stored_weight(cpu_isa, fmt):
     """The dense form of the packed layout: d * c + m in float32 (one rounding of the sum), and that value
     rounded to bfloat16 as torch rounds it (nearest even)."""
@@ -494,7 +499,7 @@ def p_weight_abs(p) -> torch.Tensor:
     return CpuBlockBackend().dequantize_rows(p, torch.arange(p.out_features), torch.float32).abs()
 
 
-@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group64_asym", "gguf_q6_k", "gguf_nvfp4"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_1", "gguf_q8_0", "int4_group64_asym", "gguf_q6_k", "gguf_nvfp4", "gguf_q2_k"])
 def test_large_batches_take_the_bf16_gemm(cpu_isa, fmt, monkeypatch):
     """From DENSE_MIN_ROWS rows (prefill) on AMX, and on CPUs with AVX512-BF16 but no AMX from the rows
     GLMSERVE_AVX512_BF16_ROWS gives (here DENSE_MIN_ROWS): bfloat16 activations, weights and outputs with float32
@@ -542,12 +547,17 @@ def random_packed(out: int, inp: int, bits: int, with_mins: bool, g: torch.Gener
     """A random weight packed directly (`pack` of codes, d and m drawn, no quantization: `bits` 8 (int8 codes), 4
     (nibbles), 5 (nibbles and fifth bits) or 6, with or without mins; `per16`: a d per 16 inputs and no mins, codes q
     standing for q - 32 (6 bits: q6) or q - 8 (4 bits: s4), or "table": 4-bit indices into NVFP4's table of values
-    c + 32 (f4)), and w = d c + m [out, inp] in float64."""
+    c + 32 (f4); 2 bits: q2, codes 0..3 with a d and an m per 16), and w = d c + m [out, inp] in float64."""
     blocks = -(-inp // 32)
     low, high = (-128, 128) if bits == 8 else (0, 1 << bits)
     codes = torch.randint(low, high, (out, inp), generator=g)
     per = 16 if per16 else 32  # inputs per d
     d = (torch.rand(out, blocks * 32 // per, generator=g) * 0.02 + 1e-3).half()
+    if bits == 2:  # pack_two_bit takes whole blocks: the padded inputs' weight is their m
+        m = (torch.randn(out, blocks * 2, generator=g) * 0.05).half()
+        codes = F.pad(codes, (0, blocks * 32 - inp))
+        w = codes.double() * d.double().repeat_interleave(16, dim=1) + m.double().repeat_interleave(16, dim=1)
+        return pack_two_bit(QuantizedWeight(gguf_spec("Q2_K"), codes.to(torch.int8), d, mins=m)), w[:, :inp]
     m = (torch.randn(out, blocks, generator=g) * 0.05).half() if with_mins else None
     table = torch.from_numpy(MXFP4_VALUES) + 32 if per16 == "table" else None
     offset = 32 if table is not None else {6: 32, 4: 8}[bits] if per16 else 0
@@ -575,7 +585,8 @@ def bf16_gemm(request) -> Callable:
 @pytest.mark.parametrize("inp", [576, 1536, 100])
 @pytest.mark.parametrize("bits, with_mins, per16", [(8, False, False), (8, True, False), (4, False, False),
                                                     (4, True, False), (5, False, False), (5, True, False),
-                                                    (6, False, True), (4, False, True), (4, False, "table")])
+                                                    (6, False, True), (4, False, True), (4, False, "table"),
+                                                    (2, True, True)])
 def test_bf16_gemm_against_the_reference(bf16_gemm, bits, with_mins, per16, inp):
     """Our bf16 GEMMs (amx_bf16_linear, avx512_bf16_linear) on random packed weights (`pack` of codes, d and m
     drawn directly: int8 codes, nibbles, nibbles and fifth bits, with and without mins, or 6-bit codes), 600 outputs
@@ -634,7 +645,7 @@ def test_bf16_gemm_threads_give_the_same_floats(bf16_gemm, out, inp):
 @pytest.mark.parametrize("inp", [576, 1536, 100])
 @pytest.mark.parametrize("bits, with_mins, per16", [(8, False, False), (8, True, False), (4, True, False),
                                                     (5, True, False), (6, False, True), (4, False, True),
-                                                    (4, False, "table")])
+                                                    (4, False, "table"), (2, True, True)])
 def test_amx_swiglu_gemm_is_the_gemm_then_silu_and_mul(cpu_isa, bits, with_mins, per16, inp, monkeypatch):
     """amx_bf16_linear_swiglu (SwiGLU in the AMX GEMM's store: gate tile i and up tile i as one tile pair) gives
     silu_and_mul(amx_bf16_linear(x)) bit for bit: 2 x 304 outputs (19 gate tiles: an odd count, several panels),

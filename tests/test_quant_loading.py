@@ -252,6 +252,9 @@ def block_type_gguf(root: Path, kinds: dict[str, Q], embedding: Q) -> tuple[Path
         n = rows * cols // 256
         if qtype in (Q.Q5_0, Q.Q5_1, Q.MXFP4, Q.TQ2_0):  # types gguf-py quantizes
             return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.03).astype(np.float32), qtype)
+        if qtype == Q.Q2_K:  # 16 bytes of (scale, min) nibbles and 64 of 2-bit codes at random, d = dmin = 0.002
+            body = rng.integers(0, 256, (n, 80), dtype=np.uint8)
+            return np.concatenate([body, np.full((n, 2), 0.002, np.float16).view(np.uint8)], axis=1).reshape(rows, -1)
         if qtype == Q.NVFP4:  # per 64 values 4 UE4M3 scales (0x05: 5 * 2^-9, halved: |w| up to 0.03) and 32 bytes
             # of random E2M1 indices
             scales = np.full((rows * cols // 64, 4), 0x05, dtype=np.uint8)
@@ -284,16 +287,16 @@ def k_quant_gguf(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fp4_gguf(tmp_path_factory):
-    """MXFP4 (t4 blocks), NVFP4 (f4 blocks, also the tied embedding) and TQ2_0 (Q4_0 blocks) matrices."""
+def small_types_gguf(tmp_path_factory):
+    """MXFP4 (t4 blocks), NVFP4 (f4 blocks, also the tied embedding), TQ2_0 (Q4_0 blocks) and Q2_K (q2 blocks)."""
     kinds = {"attn_q": Q.MXFP4, "attn_k": Q.NVFP4, "attn_v": Q.NVFP4, "attn_output": Q.TQ2_0, "ffn_gate": Q.MXFP4,
-             "ffn_up": Q.NVFP4, "ffn_down": Q.MXFP4}
-    return block_type_gguf(tmp_path_factory.mktemp("fp4-gguf"), kinds, Q.NVFP4)
+             "ffn_up": Q.NVFP4, "ffn_down": Q.Q2_K}
+    return block_type_gguf(tmp_path_factory.mktemp("small-types-gguf"), kinds, Q.NVFP4)
 
 
-@pytest.mark.parametrize("file", ["k_quant_gguf", "fp4_gguf"])
+@pytest.mark.parametrize("file", ["k_quant_gguf", "small_types_gguf"])
 def test_block_type_gguf_engine_runs_from_blocks_as_the_float_engine(file, request):
-    """Every matrix of the K-quant file (and of the MXFP4 / NVFP4 / TQ2_0 one) runs on the block kernels (none in
+    """Every matrix of the K-quant file (and of the MXFP4 / NVFP4 / TQ2_0 / Q2_K one) runs on the block kernels (none in
     float), at a quarter of the float engine's weight bytes, and generates what the float engine (gguf-py's
     dequantization) does: the same greedy tokens and top two, logprobs within what the flattened scales and the int8
     activations move (measured: at most 0.03)."""

@@ -2,13 +2,14 @@
 
 Formats: int8 by tensor, channel or group (a multiple of 32), symmetric or with zero points; int4 by group
 (32, 64, any multiple of 32), symmetric or asymmetric; GGUF Q8_0, Q4_0, Q4_1 (canonical form) and Q5_0, Q5_1, Q6_K,
-Q3_K (quant/gguf_mapped.py). Each runs in blocks of 32 inputs: at `prepare` every block of an output row becomes
+Q3_K, Q2_K (quant/gguf_mapped.py). Each runs in blocks of 32 inputs: at `prepare` every block of an output row becomes
 w = d * c + m with fp16 d and m (c: signed int8, an unsigned nibble, for 5 bits a nibble and a fifth bit kept in a
 plane of its own, or for int8 codes drawn from a 16-value table (IQ4: TableCodesWeight) a nibble index into the table
 kept with each block; Q6_K's 6-bit codes c in [-32, 31] with a scale per 16 inputs are stored as c + 32, a nibble and
 two top bits, w = d * c, the scale of inputs 16..31 kept in the block, Q3_K's codes in [-4, 3] likewise as c + 8 in a
-nibble, GGUF NVFP4's (E2M1 values from a table, a scale per 16) as nibble indices into the block's table of c + 32;
-symmetric int4 / 5-bit codes are stored as c +
+nibble, GGUF NVFP4's (E2M1 values from a table, a scale per 16) as nibble indices into the block's table of c + 32,
+Q2_K's codes 0..3 with a scale and a min per 16 as two bits alone (`pack_two_bit`); symmetric int4 / 5-bit codes are
+stored as c +
 8 / c + 16 with m = -8 d / -16 d, integer zero points become m = -d * zero, Q4_1's min is m itself, a per-channel or
 per-tensor scale or a group of 64 is repeated on every block it covers), rows are interleaved in tiles of 16 and the
 canonical tensors are not kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`). in_features is padded
@@ -60,7 +61,8 @@ TABLE_OFFSET = 32  # f4 blocks' tables hold codes c + 32 (c in [-32, 31], as q6'
 TWO_SCALE_OFFSETS = {U4_BYTES + TOP_BITS_BYTES + HIGH_SCALE_BYTES: CODE_OFFSET[6],
                      U4_BYTES + HIGH_SCALE_BYTES: CODE_OFFSET[4],
                      U4_BYTES + TABLE_BYTES + HIGH_SCALE_BYTES: TABLE_OFFSET}
-GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q6_K": 6, "Q3_K": 4}  # bits of each one run here
+GGUF_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q6_K": 6, "Q3_K": 4, "Q2_K": 2}  # bits of each
+Q2_BYTES = TOP_BITS_BYTES + 2 * HIGH_SCALE_BYTES  # 2-bit blocks: the codes as q6's top bits, the high scales and mins
 # rows from which AMX CPUs run the bf16 GEMM path instead of the int8 tiles: a whole decode step of the embedded model
 # (`bench/profile_decode.py --batch B --prompt-len 128 --clock cpu --no-components`, 1 thread) took 0.90-0.94x the
 # time with it at 48 rows, 0.95-0.97x at 40, 1.00-1.01x at 36 (bench/RESULTS.md); prefill-sized batches 1.7-2x
@@ -86,7 +88,8 @@ class PackedWeight:
     """A weight in the kernel's layout (csrc/quant_matmul.cpp): codes [tiles, blocks, 512 (int8), 256 (int4), 320
     (5 bits: the nibbles, then the fifth bits), 272 (table indices: the nibbles, then the table), 416 (6 bits: the
     nibbles, the top two bits, the scales of inputs 16..31), 288 (4 bits with a scale per 16: the nibbles, the
-    scales of inputs 16..31) or 304 (table indices with a scale per 16: the nibbles, the table, those scales)] uint8,
+    scales of inputs 16..31), 304 (table indices with a scale per 16: the nibbles, the table, those scales) or 192
+    (2 bits with a scale and a min per 16: the codes as q6's top bits, the scales and mins of inputs 16..31)] uint8,
     scales and mins [tiles, blocks, 16] float16 (mins empty when every m is 0; scales of inputs 0..15 where there are
     two). `u4`: the codes are nibbles (int4, 5 or 6 bits, or table indices; the kernels' argument of that name)."""
 
@@ -160,7 +163,7 @@ class CpuBlockBackend:
         if isinstance(weight, GGUFBlockWeight):
             packed = pack_gguf(weight)
         elif weight.spec.group_size == 16:
-            packed = pack_two_scales(weight)
+            packed = pack_two_bit(weight) if weight.spec.num_bits == 2 else pack_two_scales(weight)
         else:
             codes, d, m = block_form(weight)
             indices = None  # codes from a 16-value table (IQ4): their indices as nibbles, the table per block
@@ -235,6 +238,8 @@ class CpuBlockBackend:
         no canonical copy of the weight is kept (a tied embedding's lookup, weight inspection)."""
         p = prepared
         tile, row = ids // ROWS, ids % ROWS
+        if p.codes.shape[2] == Q2_BYTES:
+            return _two_bit_rows(p, tile, row).to(dtype)
         groups = 4 if p.u4 else 8
         tiles = p.codes[..., :groups * ROWS * 4].view(*p.codes.shape[:2], groups, ROWS, 4)  # [tiles, blocks, j, row, t]
         codes = tiles[tile, :, :, row]  # [n, blocks, j, t]: only the rows asked for are gathered
@@ -488,6 +493,42 @@ def pack_two_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor
     if least < -offset or most >= offset:
         raise InvalidRequestError(f"{spec}: codes outside the format's range")
     return pack(weight.codes + offset, scales, None, spec.num_bits)
+
+
+def pack_two_bit(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight of 2-bit codes q (0..3) with an fp16 scale d and min m per 16 inputs (GGUF Q2_K as quant/gguf_mapped.py
+    reads it), w = d * q + m, in the q2 layout: per tile block the codes as q6 keeps its top two bits (`_top_bits`),
+    then the rows' scales and mins of inputs 16..31 (those of 0..15: the tiles' d and m). Raises InvalidRequestError
+    where a code is out of range, there is no min, the inputs are not whole blocks of 32, or a scale or min does not
+    fit fp16."""
+    spec, (out, inp) = weight.spec, weight.shape
+    if inp % QK or weight.mins is None or weight.zeros is not None:
+        raise InvalidRequestError(f"{spec}: 2-bit codes run with a min per 16 inputs, in blocks of 32 inputs")
+    least, most = (int(v) for v in torch.aminmax(weight.codes))
+    if least < 0 or most > 3:
+        raise InvalidRequestError(f"{spec}: codes outside the format's range")
+    scales, mins = weight.scales.to(torch.float16), weight.mins.to(torch.float16)
+    if not (_finite(scales) and _finite(mins)):
+        raise InvalidRequestError(f"{spec}: a scale or min does not fit float16")
+    tiles, blocks = -(-out // ROWS), inp // QK
+    c = F.pad(weight.codes.view(torch.uint8), (0, 0, 0, tiles * ROWS - out)) << 4  # the top bits' place in 6 bits
+    packed = torch.cat((_top_bits(c, tiles, blocks), _tiled(scales[:, 1::2], tiles).view(torch.uint8),
+                        _tiled(mins[:, 1::2], tiles).view(torch.uint8)), dim=-1)
+    return packed, _tiled(scales[:, 0::2], tiles), _tiled(mins[:, 0::2], tiles)
+
+
+def _two_bit_rows(p: PackedWeight, tile: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """Rows (tile, row) of a q2 weight as float32 [n, in] (`pack_two_bit`'s inverse for those rows)."""
+    n = len(tile)
+    top = p.codes[tile, :, :TOP_BITS_BYTES].reshape(n, -1, 2, ROWS, 4)[torch.arange(n), :, :, row]  # [n, blocks, h, t]
+    c = ((top.unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3).flatten(2, 3)
+    extra = p.codes[tile, :, TOP_BITS_BYTES:].contiguous().view(torch.float16)  # [n, blocks, 32]: high d, high m
+    halves = [(p.scales[tile, :, row], p.mins[tile, :, row]), (extra[torch.arange(n), :, row],
+                                                                extra[torch.arange(n), :, ROWS + row])]
+    d = torch.stack([h[0] for h in halves], dim=-1).to(torch.float32).unsqueeze(-1)  # [n, blocks, 2, 1]
+    m = torch.stack([h[1] for h in halves], dim=-1).to(torch.float32).unsqueeze(-1)
+    w = c.to(torch.float32).view(n, -1, 2, 16) * d + m  # c: [n, blocks, i = 4h + k, t] -> halves of 16
+    return w.flatten(1)[:, :p.in_features]
 
 
 def _top_bits(c: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:

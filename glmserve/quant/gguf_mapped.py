@@ -21,14 +21,17 @@ canonical QuantizedWeight of 32-input blocks (layouts from ggml-common.h `block_
   NVFP4   UE4M3 s per 16, 4-bit index     w = s/2 * e2m1[q]     -> Q6_K: codes e2m1[q], scale s/2 per 16: exact
   TQ1_0   d, trits t in {-1, 0, 1}        w = d * t             -> Q4_0: codes t, scale d: exact
   TQ2_0   as TQ1_0, 2-bit t + 1
-  others  (Q2_K, IQ1-IQ3: a min per 16, codebook grids)
+  Q2_K    d, dmin, 4-bit (sc, m) per 16   w = d*sc*q - dmin*m   -> Q2_K: codes q (0..3), scale fp16(d*sc) and
+          2-bit q                                                   min fp16(-dmin*m) per 16
+  others  (IQ1-IQ3: codebook grids)
           gguf-py's dequantization, quantized again to Q8_0 by ggml's round to nearest
 
 Q4_K / Q5_K / IQ4_XS's two-level scales are flattened into one fp16 per 32 (relative rounding <= 2^-11 of a block's
-scale and min, next to a 4-bit step's 1/15 of its range), Q6_K's and Q3_K's into one per 16. The
+scale and min, next to a 4-bit step's 1/15 of its range), Q6_K's, Q3_K's and Q2_K's (and its mins) into one per 16. The
 re-quantized types gain at most half an int8 step, absmax / 254 of a block (a 2-bit type's own step is absmax / 2).
 5-bit codes run as nibbles and a plane of fifth bits (5 bits a weight, as the file keeps them), 6-bit ones as nibbles
-and their top two bits (the kernels' q6 blocks, the scale of each block's second 16 inputs kept in the block), 4-bit
+and their top two bits (the kernels' q6 blocks, the scale of each block's second 16 inputs kept in the block), 2-bit
+ones as q6's top bits alone (Q2_K: the kernels' q2 blocks, 4 bits a weight with the scales and mins), 4-bit
 ones as nibbles (Q3_K's with that second scale: s4 blocks, 5 bits a weight; TQ1_0 / TQ2_0's trits as Q4_0's, 4.5),
 IQ4's and MXFP4's as nibble indices into the table kept with each block (TableCodesWeight: its canonical codes are the
 table's values), NVFP4's likewise with the second scale (f4 blocks, 5 bits a weight). Everything is vectorized over
@@ -58,9 +61,9 @@ MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
 MXFP4_TABLE = torch.from_numpy(MXFP4_VALUES)
 # types whose codes are kept as stored (their scales as stored, or flattened: Q4_K, Q5_K, IQ4_XS) -> the form
 CODES_KEPT = {"Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q4_K": "Q4_1", "Q5_K": "Q5_1", "Q6_K": "Q6_K", "Q3_K": "Q3_K",
-              "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0", "MXFP4": "Q8_0", "NVFP4": "Q6_K", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0"}
-REQUANTIZED = tuple(name for name in ("Q2_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                                      "IQ3_XXS", "IQ3_S")
+              "IQ4_NL": "Q8_0", "IQ4_XS": "Q8_0", "MXFP4": "Q8_0", "NVFP4": "Q6_K", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0",
+              "Q2_K": "Q2_K"}
+REQUANTIZED = tuple(name for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
                     if name in GGMLQuantizationType.__members__)  # (older gguf-py versions lack the newest)
 RUNS_AS = CODES_KEPT | dict.fromkeys(REQUANTIZED, "Q8_0")  # file type -> the native block form it runs as
 
@@ -92,8 +95,9 @@ def how_it_runs(gguf_type: str) -> str:
         return "re-quantized to Q8_0"
     if gguf_type in ("Q4_K", "Q5_K", "IQ4_XS"):
         return f"as {RUNS_AS[gguf_type]} blocks, scales rounded to one fp16 per 32"
-    if gguf_type in ("Q6_K", "Q3_K"):
-        return f"{'6' if gguf_type == 'Q6_K' else '4'}-bit codes, scales rounded to one fp16 per 16"
+    if gguf_type in ("Q6_K", "Q3_K", "Q2_K"):
+        bits = {"Q6_K": "6-bit codes, scales", "Q3_K": "4-bit codes, scales", "Q2_K": "2-bit codes, scales and mins"}
+        return f"{bits[gguf_type]} rounded to one fp16 per 16"
     if gguf_type == "NVFP4":
         return "nibble indices into its table, an fp16 scale per 16"
     if gguf_type.startswith("TQ"):
@@ -142,9 +146,13 @@ def convert_blocks(raw: np.ndarray, gguf_type: str, shape: tuple[int, int]) -> Q
         codes = MXFP4_VALUES[np.concatenate((indices & 15, indices >> 4), axis=-1)]
         return TableCodesWeight(spec, _codes(codes, shape), _ue4m3_half_as_fp16(blocks[..., :4]).reshape(out, -1),
                                 MXFP4_TABLE)
+    if gguf_type == "Q2_K":  # 16 bytes of (sc, m) nibbles, 64 of 2-bit codes, then d and dmin
+        sc, m = blocks[..., :16] & 0x0F, (blocks[..., :16] >> 4).astype(np.int16)
+        scales, mins = _times_d(blocks, 80, sc).reshape(out, -1), _times_d(blocks, 82, -m).reshape(out, -1)
+        return QuantizedWeight(spec, _codes(_two_bit_fields(blocks[..., 16:80]), shape), scales, mins=mins)
     if gguf_type in ("TQ1_0", "TQ2_0"):  # the trits, then d (each superblock's last 2 bytes)
         d = fp16_field(blocks, block_bytes - 2)  # [out, supers]
-        trits = _trits(blocks) if gguf_type == "TQ1_0" else _two_bit_trits(blocks)
+        trits = _trits(blocks) if gguf_type == "TQ1_0" else _two_bit_fields(blocks[..., :64]).view(np.int8) - np.int8(1)
         return QuantizedWeight(spec, _codes(trits, shape), d.repeat_interleave(SUPER // BLOCK, dim=-1))
     if gguf_type == "Q6_K":
         return QuantizedWeight(spec, _codes(_six_bit(blocks[..., :128], blocks[..., 128:192]), shape),
@@ -207,11 +215,11 @@ def _trits(blocks: np.ndarray) -> np.ndarray:
     return ((scaled.astype(np.uint16) * 3) >> 8).astype(np.int8) - np.int8(1)
 
 
-def _two_bit_trits(blocks: np.ndarray) -> np.ndarray:
-    """TQ2_0's 256 trits per superblock (int8 [..., 256]): 2-bit fields q of its 64 bytes, t = q - 1, in the order of
-    ggml's dequantize_row_tq2_0 (per 32 bytes: the fields at bits 0, 2, 4, 6 of each byte in turn)."""
-    fields = blocks[..., :64].reshape(*blocks.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
-    return (fields & 3).reshape(*blocks.shape[:-1], SUPER).astype(np.int8) - np.int8(1)
+def _two_bit_fields(qs: np.ndarray) -> np.ndarray:
+    """A superblock's 64 bytes of 2-bit fields as its 256 values (uint8 [..., 256]) in the order of ggml's
+    dequantize_row_q2_K and dequantize_row_tq2_0: per 32 bytes, the fields at bits 0, 2, 4, 6 of each byte in turn."""
+    fields = qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    return (fields & 3).reshape(*qs.shape[:-1], SUPER)
 
 
 def _ue4m3_half_as_fp16(s: np.ndarray) -> torch.Tensor:

@@ -32,7 +32,8 @@ def gguf_spec(gguf_type: str) -> QuantSpec:
     """The canonical spec of a GGUF block format we run natively (glmserve/quant/gguf_blocks.py layouts):
     Q8_0 int8 codes and Q4_0 codes in [-8, 7] with an fp16 scale per 32; Q4_1 codes 0..15 with an fp16
     scale and an fp16 minimum (`mins`) per 32; Q5_0 codes in [-16, 15] and Q5_1 codes 0..31 (with a minimum)
-    likewise; Q6_K codes in [-32, 31] and Q3_K codes in [-4, 3] with an fp16 scale per 16 (read only:
+    likewise; Q6_K codes in [-32, 31] and Q3_K codes in [-4, 3] with an fp16 scale per 16, Q2_K codes 0..3 with an
+    fp16 scale and minimum per 16 (read only:
     glmserve/quant/gguf_mapped.py, which also maps the other K-quants onto these)."""
     specs = {"Q8_0": QuantSpec(num_bits=8, strategy="group", group_size=32, gguf_type="Q8_0"),
              "Q4_0": QuantSpec(num_bits=4, strategy="group", group_size=32, gguf_type="Q4_0"),
@@ -40,7 +41,8 @@ def gguf_spec(gguf_type: str) -> QuantSpec:
              "Q5_0": QuantSpec(num_bits=5, strategy="group", group_size=32, gguf_type="Q5_0"),
              "Q5_1": QuantSpec(num_bits=5, symmetric=False, strategy="group", group_size=32, gguf_type="Q5_1"),
              "Q6_K": QuantSpec(num_bits=6, strategy="group", group_size=16, gguf_type="Q6_K"),
-             "Q3_K": QuantSpec(num_bits=4, strategy="group", group_size=16, gguf_type="Q3_K")}
+             "Q3_K": QuantSpec(num_bits=4, strategy="group", group_size=16, gguf_type="Q3_K"),
+             "Q2_K": QuantSpec(num_bits=2, symmetric=False, strategy="group", group_size=16, gguf_type="Q2_K")}
     if gguf_type not in specs:
         raise InvalidRequestError(f"GGUF type {gguf_type!r} does not run natively; native: {', '.join(specs)}")
     return specs[gguf_type]

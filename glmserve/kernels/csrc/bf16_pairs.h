@@ -41,12 +41,14 @@ GLMSERVE_BF16_TARGET inline void bf16_pair_rows(const uint8_t* bytes, const __m5
   __m512 f[4];
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int g = 0; g < 4; ++g) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * g));
+    constexpr bool no_nibbles = BYTES == kQ2BlockBytes;  // q2: the two-bit fields alone
+    const __m128i v =
+        no_nibbles ? _mm_setzero_si128() : _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * g));
     __m128i nibbles = _mm_and_si128(NIBBLE == 1 ? v : _mm_srli_epi16(v, 4), low4);
-    if constexpr (BYTES == kQ6BlockBytes) {
+    if constexpr (BYTES == kQ6BlockBytes || BYTES == kQ2BlockBytes) {
       const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(top + 16 * g));
       const __m128i field = _mm_and_si128(_mm_srl_epi16(t, _mm_cvtsi32_si128(2 * k)), _mm_set1_epi8(3));
-      nibbles = _mm_or_si128(nibbles, _mm_slli_epi16(field, 4));  // q 0..63
+      nibbles = no_nibbles ? field : _mm_or_si128(nibbles, _mm_slli_epi16(field, 4));  // q 0..3 / 0..63
     }
     constexpr bool tabled = BYTES == kT4BlockBytes || BYTES == kF4BlockBytes;
     __m512i w = NIBBLE == 0 ? _mm512_cvtepi8_epi32(v)
@@ -79,7 +81,7 @@ GLMSERVE_BF16_TARGET inline void spread_rows(const uint16_t* p, __m512* groups) 
 // ones of group i - 4); t4: the nibbles followed by the 16 int8 values they index; q6: the nibbles, 2 x 64 bytes of
 // top bits and the rows' fp16 scales of inputs 16..31, w = d * (q - 32) (as fma(q, d, -32 d): exact, both are);
 // s4: the nibbles and those scales, w = d * (q - 8); f4: the nibbles, their table of codes q and those scales,
-// w = d * (q - 32)
+// w = d * (q - 32); q2: q6's top bits alone, then the scales and the mins of inputs 16..31, w = d * q + m
 template <int64_t BYTES>
 GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const uint16_t* d, const uint16_t* m,
                                                        uint16_t* o) {
@@ -89,8 +91,11 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const u
   if constexpr (BYTES == kI8BlockBytes) {
     for (int j = 0; j < 8; ++j) bf16_pair_rows<0, BYTES>(c + j * 64, ds, ms, o + 2 * j * 32, 0, nullptr, 0, __m128i());
   } else {
-    __m512 dh[4], mh[4];  // the high nibbles' (inputs 16..31) d and m: q6's / s4's / f4's own, else the block's
-    if constexpr (BYTES == kQ6BlockBytes || BYTES == kS4BlockBytes || BYTES == kF4BlockBytes) {
+    __m512 dh[4], mh[4];  // the high nibbles' (inputs 16..31) d and m: q6's / s4's / f4's / q2's own, else the block's
+    if constexpr (BYTES == kQ2BlockBytes) {
+      spread_rows(reinterpret_cast<const uint16_t*>(c + 128), dh);
+      spread_rows(reinterpret_cast<const uint16_t*>(c + 160), mh);
+    } else if constexpr (BYTES == kQ6BlockBytes || BYTES == kS4BlockBytes || BYTES == kF4BlockBytes) {
       constexpr int64_t high_at = BYTES == kQ6BlockBytes ? 128 : BYTES == kF4BlockBytes ? 16 : 0;
       spread_rows(reinterpret_cast<const uint16_t*>(c + kU4BlockBytes + high_at), dh);
       const __m512 offset = _mm512_set1_ps(BYTES == kS4BlockBytes ? -8.f : -32.f);
@@ -100,7 +105,8 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const u
     }
     uint64_t fifth[8] = {};
     if constexpr (BYTES == kU5BlockBytes) __builtin_memcpy(fifth, c + kU4BlockBytes, 64);
-    const uint8_t* top = c + kU4BlockBytes;  // q6: the low nibbles' top bits, then the high nibbles'
+    const uint8_t* top = c + (BYTES == kQ2BlockBytes ? 0 : kU4BlockBytes);  // q6 / q2: the low nibbles' top bits,
+    // then the high nibbles'
     const __m128i table = BYTES == kT4BlockBytes || BYTES == kF4BlockBytes
                               ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kU4BlockBytes))
                               : _mm_setzero_si128();
@@ -121,6 +127,7 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_block(int64_t block_bytes, cons
     case kQ6BlockBytes: return dequantize_bf16_pairs<kQ6BlockBytes>(c, d, m, o);
     case kS4BlockBytes: return dequantize_bf16_pairs<kS4BlockBytes>(c, d, m, o);
     case kF4BlockBytes: return dequantize_bf16_pairs<kF4BlockBytes>(c, d, m, o);
+    case kQ2BlockBytes: return dequantize_bf16_pairs<kQ2BlockBytes>(c, d, m, o);
     default: return dequantize_bf16_pairs<kI8BlockBytes>(c, d, m, o);
   }
 }

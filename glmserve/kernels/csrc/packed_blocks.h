@@ -21,10 +21,15 @@ constexpr int64_t kS4BlockBytes = kU4BlockBytes + 16 * 2;
 // stored as c + 32 (c in [-32, 31]), then the 16 rows' fp16 scales of inputs 16..31
 constexpr int64_t kF4BlockBytes = kU4BlockBytes + 16 + 16 * 2;
 
-// whether `bytes` per tile block is a nibble-code format's (u4, u5, t4, q6, s4, f4)
+// q2: 2-bit codes (a min and a scale per 16 inputs: GGUF Q2_K) in q6's top-bit layout (2 x 64 bytes of four 2-bit
+// fields, no nibbles), then the 16 rows' fp16 scales and fp16 mins of inputs 16..31
+constexpr int64_t kQ2BlockBytes = 2 * 64 + 16 * 2 + 16 * 2;
+
+// whether `bytes` per tile block is the format of codes narrower than a byte (the kernels' `u4` flag: u4, u5, t4, q6,
+// s4, f4, q2)
 constexpr bool nibble_block_bytes(int64_t bytes) {
   return bytes == kU4BlockBytes || bytes == kU5BlockBytes || bytes == kT4BlockBytes || bytes == kQ6BlockBytes ||
-         bytes == kS4BlockBytes || bytes == kF4BlockBytes;
+         bytes == kS4BlockBytes || bytes == kF4BlockBytes || bytes == kQ2BlockBytes;
 }
 
 }  // namespace glmserve

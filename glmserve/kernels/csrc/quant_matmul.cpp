@@ -107,19 +107,23 @@ constexpr int64_t T4_BLOCK = glmserve::kT4BlockBytes;
 constexpr int64_t Q6_BLOCK = glmserve::kQ6BlockBytes;
 constexpr int64_t S4_BLOCK = glmserve::kS4BlockBytes;
 constexpr int64_t F4_BLOCK = glmserve::kF4BlockBytes;
+constexpr int64_t Q2_BLOCK = glmserve::kQ2BlockBytes;
 
-// a packed weight's code format (the header's i8 / u4 / u5 / t4 / q6 / s4 / f4)
-enum Codes { I8, U4, U5, T4, Q6, S4, F4 };
+// a packed weight's code format (the header's i8 / u4 / u5 / t4 / q6 / s4 / f4 / q2)
+enum Codes { I8, U4, U5, T4, Q6, S4, F4, Q2 };
 
 constexpr int64_t block_bytes_of(Codes c) {
   return c == I8 ? I8_BLOCK : c == U4 ? U4_BLOCK : c == U5 ? U5_BLOCK : c == T4 ? T4_BLOCK : c == Q6 ? Q6_BLOCK
-       : c == S4 ? S4_BLOCK : F4_BLOCK;
+       : c == S4 ? S4_BLOCK : c == F4 ? F4_BLOCK : Q2_BLOCK;
 }
 
-// the formats with a second scale per block (inputs 16..31), whose halves sum apart from -offset * sum(q)
-constexpr bool two_scales(Codes c) { return c == Q6 || c == S4 || c == F4; }
-// q6 / f4 codes stored as c + 32 (f4: its table's), s4 codes as c + 8
-constexpr int code_offset(Codes c) { return c == S4 ? 8 : 32; }
+// the formats with a second scale per block (inputs 16..31), whose halves sum apart
+constexpr bool two_scales(Codes c) { return c == Q6 || c == S4 || c == F4 || c == Q2; }
+// q6 / f4 codes stored as c + 32 (f4: its table's), s4 codes as c + 8, q2 codes 0..3 as they are
+constexpr int code_offset(Codes c) { return c == S4 ? 8 : c == Q2 ? 0 : 32; }
+// the factor of the activations' half sums in the two-scale formats' extra words: -offset (each half's integer sum
+// starts there), or for q2 1 (its sums start at 0; its two mins multiply the half sums themselves)
+constexpr int half_sum_factor(Codes c) { return c == Q2 ? 1 : -code_offset(c); }
 
 // the format of codes [tiles, blocks, bytes] passed with the kernels' `u4` flag (nibble codes): an error where the
 // bytes per tile and block are not one of the format's
@@ -127,10 +131,10 @@ Codes codes_of(bool u4, int64_t bytes, const char* name) {
   TORCH_CHECK(u4 ? glmserve::nibble_block_bytes(bytes) : bytes == I8_BLOCK, name,
               ": block bytes ", bytes,
               u4 ? " (nibble codes: 256, 320 with fifth bits, 272 with a table, 416 with six bits, 288 with two scales,"
-                   " 304 with a table and two scales)"
+                   " 304 with a table and two scales; 2-bit codes: 192)"
                  : " (int8 codes: 512)");
   return !u4 ? I8 : bytes == U4_BLOCK ? U4 : bytes == U5_BLOCK ? U5 : bytes == T4_BLOCK ? T4 : bytes == Q6_BLOCK ? Q6
-       : bytes == S4_BLOCK ? S4 : F4;
+       : bytes == S4_BLOCK ? S4 : bytes == F4_BLOCK ? F4 : Q2;
 }
 
 // f(std::integral_constant<Codes, kind>{}): a runtime format to the template argument of a kernel instantiated per
@@ -144,6 +148,7 @@ void with_codes(Codes kind, F&& f) {
     case Q6: return f(std::integral_constant<Codes, Q6>{});
     case S4: return f(std::integral_constant<Codes, S4>{});
     case F4: return f(std::integral_constant<Codes, F4>{});
+    case Q2: return f(std::integral_constant<Codes, Q2>{});
     default: return f(std::integral_constant<Codes, I8>{});
   }
 }
@@ -161,16 +166,21 @@ inline uint64_t fifth_mask(const uint8_t* block, int i) {
 // the 64 bytes of a q6 block's top-bit vector h (i8 groups 4h..4h+3, two bits each)
 inline const uint8_t* top_bits(const uint8_t* block, int h) { return block + U4_BLOCK + 64 * h; }
 
-// a q6 / s4 / f4 block's 16 fp16 scales of inputs 16..31 (one per row)
+// a q6 / s4 / f4 / q2 block's 16 fp16 scales of inputs 16..31 (one per row)
 template <Codes C>
 inline const uint16_t* high_scales(const uint8_t* block) {
-  return reinterpret_cast<const uint16_t*>(block + U4_BLOCK + (C == Q6 ? 128 : C == F4 ? 16 : 0));
+  return reinterpret_cast<const uint16_t*>(block + (C == Q2 ? 128 : U4_BLOCK + (C == Q6 ? 128 : C == F4 ? 16 : 0)));
 }
 
+// a q2 block's 16 fp16 mins of inputs 16..31 (those of 0..15: the tile's m)
+inline const uint16_t* high_mins(const uint8_t* block) { return reinterpret_cast<const uint16_t*>(block + 160); }
+
 // row r's code t of i8 group i of a nibble block, given its nibble: with its fifth bit where C is U5, its table's
-// value where C is T4 (minus 32 where F4), q - 32 of its six bits where C is Q6, q - 8 where C is S4
+// value where C is T4 (minus 32 where F4), q - 32 of its six bits where C is Q6, q - 8 where C is S4; where C is Q2
+// (no nibbles: the caller passes 0) its two bits, fields i % 4 of the top-bit vector i / 4
 template <Codes C>
 inline int32_t nibble_code(const uint8_t* block, int i, int r, int t, uint8_t nibble) {
+  if constexpr (C == Q2) return (block[64 * (i / 4) + 4 * r + t] >> (2 * (i % 4))) & 3;
   if constexpr (C == U5) return nibble | static_cast<int32_t>((fifth_mask(block, i) >> (4 * r + t)) & 1) << 4;
   if constexpr (C == Q6) return (nibble | ((top_bits(block, i / 4)[4 * r + t] >> (2 * (i % 4))) & 3) << 4) - 32;
   if constexpr (C == S4) return nibble - 8;
@@ -186,14 +196,21 @@ inline float scale_halves(int32_t low, int32_t high, float d_low, float d_high) 
   return static_cast<float>(low) * d_low + static_cast<float>(high) * d_high;
 }
 
-// The starts of a q6 / s4 / f4 block's two integer sums for one activation row, -offset (code_offset) times the sums of
-// its codes q[0..15] and q[16..31] (`sum`: all 32 codes' sum), into out[0], out[1]: the VNNI tiles read them from
-// their activation groups (put_row), the AVX2 tiles from a per-call array (half_offsets)
-inline void half_offsets_of(const int8_t* q, int32_t sum, int offset, int32_t* out) {
+// a q2 block's mins: the activations' half sums (inputs 0..15, 16..31) times the halves' mins, added to scale_halves's
+// part before the multiply by dx
+inline float min_halves(int32_t x_low, int32_t x_high, float m_low, float m_high) {
+  return static_cast<float>(x_low) * m_low + static_cast<float>(x_high) * m_high;
+}
+
+// The words of a two-scale block for one activation row: `factor` (half_sum_factor: -offset for q6 / s4 / f4, the
+// starts of their two integer sums; 1 for q2, the half sums its mins take) times the sums of its codes q[0..15] and
+// q[16..31] (`sum`: all 32 codes' sum), into out[0], out[1]: the VNNI tiles read them from their activation groups
+// (put_row), the AVX2 tiles from a per-call array (half_offsets)
+inline void half_offsets_of(const int8_t* q, int32_t sum, int factor, int32_t* out) {
   int32_t low = 0;
   for (int i = 0; i < QK / 2; ++i) low += q[i];
-  out[0] = -offset * low;
-  out[1] = -offset * (sum - low);
+  out[0] = factor * low;
+  out[1] = factor * (sum - low);
 }
 
 constexpr float INV127 = 1.0f / 127.0f;     // dx = amax * INV127 (the test's emulation multiplies the same)
@@ -250,7 +267,7 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64
         if constexpr (C != I8) {
           for (int j = 0; j < 4; ++j)
             for (int t = 0; t < 4; ++t) {
-              const uint8_t byte = c[(j * ROWS + r) * 4 + t];
+              const uint8_t byte = C == Q2 ? 0 : c[(j * ROWS + r) * 4 + t];
               sum += nibble_code<C>(c, j, r, t, byte & 0x0F) * qb[4 * j + t];
               high += nibble_code<C>(c, 4 + j, r, t, byte >> 4) * qb[16 + 4 * j + t];
             }
@@ -262,7 +279,13 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64
         }
         if constexpr (two_scales(C)) {
           const float d_low = half_to_float(w.d[b * ROWS + r]), d_high = half_to_float(high_scales<C>(c)[r]);
-          acc[r] += scale_halves(sum, high, d_low, d_high) * dx;
+          float part = scale_halves(sum, high, d_low, d_high);
+          if constexpr (C == Q2) {
+            int32_t halves[2];
+            half_offsets_of(qb, a.isum[(n0 + n) * a.nb + b], half_sum_factor(C), halves);
+            part += min_halves(halves[0], halves[1], half_to_float(w.m[b * ROWS + r]), half_to_float(high_mins(c)[r]));
+          }
+          acc[r] += part * dx;
           continue;
         }
         acc[r] += static_cast<float>(sum) * (half_to_float(w.d[b * ROWS + r]) * dx);
@@ -324,8 +347,8 @@ inline __m256i top_bits_at_4_avx2(__m256i top, int k) {
 // its unsigned codes q times the activations (vpmaddubsw: pairs up to 2 * 63 * 127, two groups' pairs summed in
 // int16 before vpmaddwd) from -offset sum(q) (Acts::half_offsets); the halves' sums scaled as scale_halves does
 template <Codes C, int NB, int H>
-inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const Acts& a, int64_t n0, int64_t b, int h0,
-                                 __m256 (&acc)[NB][H]) {
+inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const uint16_t* m, const Acts& a, int64_t n0,
+                                 int64_t b, int h0, __m256 (&acc)[NB][H]) {
   const __m256i ones16 = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
   const int8_t* q0 = a.q + n0 * a.kp + b * QK;
   [[maybe_unused]] const __m256i table =
@@ -338,11 +361,19 @@ inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const 
       for (int h = 0; h < H; ++h)
         top[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top_bits(block, half) + (h0 + h) * 32));
     for (int n = 0; n < NB; ++n)
-      for (int h = 0; h < H; ++h) isum[n][h] = _mm256_set1_epi32(a.half_offsets[((n0 + n) * a.nb + b) * 2 + half]);
+      for (int h = 0; h < H; ++h)
+        isum[n][h] = C == Q2 ? _mm256_setzero_si256()
+                             : _mm256_set1_epi32(a.half_offsets[((n0 + n) * a.nb + b) * 2 + half]);
     for (int j = 0; j < 4; j += 2) {  // byte groups j, j + 1: i8 groups 4 half + j, + 1
       __m256i q[2][H];
       for (int k = 0; k < 2; ++k)
         for (int h = 0; h < H; ++h) {
+          if constexpr (C == Q2) {  // fields j + k of the half's top-bit vector
+            const uint8_t* at = block + half * 64 + (h0 + h) * 32;
+            const __m256i fields = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+            q[k][h] = _mm256_and_si256(_mm256_srli_epi16(fields, 2 * (j + k)), _mm256_set1_epi8(3));
+            continue;
+          }
           const uint8_t* at = block + (j + k) * 64 + (h0 + h) * 32;
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
           q[k][h] = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
@@ -367,6 +398,17 @@ inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const 
                           : _mm256_mul_ps(_mm256_cvtepi32_ps(isum[n][h]), dw);
     }
   }
+  if constexpr (C == Q2) {  // min_halves: each half's activation sum (half_offsets: factor 1) times its mins, after
+    // both halves' products (the VNNI tiles' order)
+    for (int half = 0; half < 2; ++half)
+      for (int h = 0; h < H; ++h) {
+        const __m256 mw = half8_to_float((half ? high_mins(block) : m) + (h0 + h) * 8);
+        for (int n = 0; n < NB; ++n) {
+          const float x = static_cast<float>(a.half_offsets[((n0 + n) * a.nb + b) * 2 + half]);
+          part[n][h] = _mm256_fmadd_ps(_mm256_set1_ps(x), mw, part[n][h]);
+        }
+      }
+  }
   for (int n = 0; n < NB; ++n)
     for (int h = 0; h < H; ++h)
       acc[n][h] = _mm256_fmadd_ps(part[n][h], _mm256_set1_ps(a.d[(n0 + n) * a.nb + b]), acc[n][h]);
@@ -374,12 +416,12 @@ inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const 
 
 // half_offsets_of every block of rows [0, N) ([N, nb, 2]: the starts of q6 / s4 / f4 blocks' half sums on the AVX2
 // tiles), into the calling thread's buffer
-const int32_t* half_offsets(const Acts& a, int64_t N, int offset) {
+const int32_t* half_offsets(const Acts& a, int64_t N, int factor) {
   thread_local std::vector<int32_t> buffer;
   buffer.resize(static_cast<size_t>(N * a.nb * 2));
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < a.nb; ++b)
-      half_offsets_of(a.q + n * a.kp + b * QK, a.isum[n * a.nb + b], offset, buffer.data() + (n * a.nb + b) * 2);
+      half_offsets_of(a.q + n * a.kp + b * QK, a.isum[n * a.nb + b], factor, buffer.data() + (n * a.nb + b) * 2);
   return buffer.data();
 }
 
@@ -451,7 +493,7 @@ void tile_avx2_halves(const Weights& w, const Acts& a, int64_t n0, int64_t nbloc
       }
     }
     if constexpr (two_scales(C)) {
-      two_scale_block_avx2<C, NB, H>(block, w.d + b * ROWS, a, n0, b, h0, acc);
+      two_scale_block_avx2<C, NB, H>(block, w.d + b * ROWS, w.m ? w.m + b * ROWS : nullptr, a, n0, b, h0, acc);
       continue;
     }
     __m256i isum[NB][H];
@@ -607,7 +649,7 @@ void put_row(const int8_t* q, const float* d, const float* s, const int32_t* isu
     x[10 * rows + r].i = -128 * isum[b];
     if (two_scales(kind)) {
       int32_t starts[2];
-      half_offsets_of(q + b * QK, isum[b], code_offset(kind), starts);
+      half_offsets_of(q + b * QK, isum[b], half_sum_factor(kind), starts);
       x[11 * rows + r].i = starts[0];
       x[12 * rows + r].i = starts[1];
     }
@@ -659,11 +701,19 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
       [[maybe_unused]] const __m512i codes =
           C == F4 ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table_of(c)))) : low4;
       __m512i low[NB], high[NB];
-      for (int n = 0; n < NB; ++n)
-        low[n] = _mm512_set1_epi32(x[11 * NB + n].i), high[n] = _mm512_set1_epi32(x[12 * NB + n].i);
+      for (int n = 0; n < NB; ++n) {  // q2's sums start at 0 (its words are the half sums its mins take)
+        low[n] = C == Q2 ? _mm512_setzero_si512() : _mm512_set1_epi32(x[11 * NB + n].i);
+        high[n] = C == Q2 ? _mm512_setzero_si512() : _mm512_set1_epi32(x[12 * NB + n].i);
+      }
       for (int j = 0; j < 4; ++j) {  // i8 groups j (the low nibbles: inputs 4j..) and 4 + j (the high: 16 + 4j..)
-        const __m512i v = _mm512_loadu_si512(c + j * 64);
-        __m512i ql = _mm512_and_si512(v, low4), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        __m512i ql, qh;
+        if constexpr (C == Q2) {  // fields j of the two top-bit vectors
+          ql = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(c), 2 * j), _mm512_set1_epi8(3));
+          qh = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(c + 64), 2 * j), _mm512_set1_epi8(3));
+        } else {
+          const __m512i v = _mm512_loadu_si512(c + j * 64);
+          ql = _mm512_and_si512(v, low4), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
         if constexpr (C == Q6) {  // a | (b & c): the top bits merged in
           ql = _mm512_ternarylogic_epi32(ql, top_bits_at_4(top_low, j), top2, 0xF8);
           qh = _mm512_ternarylogic_epi32(qh, top_bits_at_4(top_high, j), top2, 0xF8);
@@ -676,9 +726,17 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
       }
       const __m512 dl = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + b * ROWS)));
       const __m512 dh = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_scales<C>(c))));
+      [[maybe_unused]] const __m512 ml =
+          C == Q2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m + b * ROWS))) : dl;
+      [[maybe_unused]] const __m512 mh =
+          C == Q2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high_mins(c)))) : dl;
       for (int n = 0; n < NB; ++n) {
-        const __m512 part =
+        __m512 part =
             _mm512_fmadd_ps(_mm512_cvtepi32_ps(high[n]), dh, _mm512_mul_ps(_mm512_cvtepi32_ps(low[n]), dl));
+        if constexpr (C == Q2) {  // min_halves
+          part = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(x[11 * NB + n].i)), ml, part);
+          part = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(x[12 * NB + n].i)), mh, part);
+        }
         acc[n] = _mm512_fmadd_ps(part, _mm512_set1_ps(dx[n].f), acc[n]);
       }
       continue;
@@ -1322,7 +1380,7 @@ at::Tensor matmul_impl(const Acts& a_in, int64_t N, const at::Tensor& codes, con
 #endif
   if (!a.groups) a.groups = pack_groups(a_in, first, N, kind), a.row0 = first;  // (quant_linear's come grouped)
 #elif defined(__AVX2__) && defined(__FMA__)
-  if (two_scales(kind)) a.half_offsets = half_offsets(a, N, code_offset(kind));
+  if (two_scales(kind)) a.half_offsets = half_offsets(a, N, half_sum_factor(kind));
 #endif
 #ifdef GLMSERVE_AMX
   if (use_amx(N, kind)) {
@@ -1572,7 +1630,7 @@ void dequantize_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* m,
     for (int j = 0; j < (C != I8 ? 4 : 8); ++j)
       for (int r = 0; r < ROWS; ++r)
         for (int t = 0; t < 4; ++t) {
-          const uint8_t byte = c[(j * ROWS + r) * 4 + t];
+          const uint8_t byte = C == Q2 ? 0 : c[(j * ROWS + r) * 4 + t];
           if constexpr (C != I8) {
             v[r][4 * j + t] = static_cast<float>(nibble_code<C>(c, j, r, t, byte & 0x0F));
             v[r][16 + 4 * j + t] = static_cast<float>(nibble_code<C>(c, 4 + j, r, t, byte >> 4));
@@ -1583,9 +1641,10 @@ void dequantize_tile(const uint8_t* codes, const uint16_t* d, const uint16_t* m,
     for (int r = 0; r < rows; ++r) {
       const float dr = half_to_float(d[b * ROWS + r]), mr = m ? half_to_float(m[b * ROWS + r]) : 0.f;
       const float dh = two_scales(C) ? half_to_float(high_scales<C>(c)[r]) : dr;  // inputs 16..31's scale
+      const float mh = C == Q2 ? half_to_float(high_mins(c)[r]) : mr;            // and min
       T* o = out + r * kp + b * QK;
       for (int i = 0; i < QK; ++i) {
-        const float w = (i < QK / 2 ? dr : dh) * v[r][i] + mr;
+        const float w = i < QK / 2 ? dr * v[r][i] + mr : dh * v[r][i] + mh;
         if constexpr (std::is_same_v<T, uint16_t>) {  // float -> bfloat16 bits, round to nearest even
           uint32_t u;
           std::memcpy(&u, &w, 4);
