@@ -9,12 +9,12 @@ kept with each block; Q6_K's 6-bit codes c in [-32, 31] with a scale per 16 inpu
 two top bits, w = d * c, the scale of inputs 16..31 kept in the block, Q3_K's codes in [-4, 3] likewise as c + 8 in a
 nibble, GGUF NVFP4's (E2M1 values from a table, a scale per 16) as nibble indices into the block's table of c + 32,
 Q2_K's codes 0..3 with a scale and a min per 16 as two bits alone (`pack_two_bit`); symmetric int4 / 5-bit codes are
-stored as c +
-8 / c + 16 with m = -8 d / -16 d, integer zero points become m = -d * zero, Q4_1's min is m itself, a per-channel or
-per-tensor scale or a group of 64 is repeated on every block it covers), rows are interleaved in tiles of 16 and the
-canonical tensors are not kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`). in_features is padded
-to a multiple of 32 and out_features to 16 (zero codes and scales). FP8 and NVFP4 weights of float specs (E4M3,
-E2M1 codes: `glmserve quantize`'s) are not run here: `cpu_float_block` (quant/cpu_float_backend.py) runs them.
+stored as c + 8 / c + 16 with m = -8 d / -16 d, integer zero points become m = -d * zero, Q4_1's min is m itself, a
+per-channel or per-tensor scale or a group of 64 is repeated on every block it covers), rows are interleaved in tiles
+of 16 and the canonical tensors are not kept (GGUF blocks are copied into the tiles as they are: `pack_gguf`).
+in_features is padded to a multiple of 32 and out_features to 16 (zero codes and scales). FP8 and NVFP4 weights of
+float specs (E4M3, E2M1 codes: `glmserve quantize`'s) are not run here: `cpu_float_block` (quant/cpu_float_backend.py)
+runs them.
 
 Activations are quantized to int8 on this path, always: W8A8 (activations `token`, dynamic) as its spec
 says, per row; weight-only formats (A16) per block of 32 inputs as llama.cpp does for Q4_0 / Q4_1 / Q8_0
@@ -250,11 +250,8 @@ class CpuBlockBackend:
                 masks = extra.reshape(len(ids), -1, 8, 8)  # [n, blocks, i, 8 bytes]
                 bits = torch.from_numpy(np.unpackbits(masks.numpy(), axis=-1, bitorder="little"))
                 c = c + 16 * bits.view(*masks.shape[:3], ROWS, 4)[torch.arange(len(ids)), :, :, row]
-            elif extra.shape[2] == TOP_BITS_BYTES + HIGH_SCALE_BYTES:  # bits 2k, 2k+1 of byte 4 row + t of vector h:
-                # input 4(4h + k) + t
-                top = extra[..., :TOP_BITS_BYTES].reshape(len(ids), -1, 2, ROWS, 4)[torch.arange(len(ids)), :, :, row]
-                fields = (top.unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
-                c = c + 16 * fields.flatten(2, 3)  # [n, blocks, i = 4h + k, t]
+            elif extra.shape[2] == TOP_BITS_BYTES + HIGH_SCALE_BYTES:  # the top two bits
+                c = c + 16 * _top_bit_fields(extra[..., :TOP_BITS_BYTES], row)
             elif extra.shape[2] in (TABLE_BYTES, TABLE_BYTES + HIGH_SCALE_BYTES):  # each nibble indexes its block's
                 # table
                 c = torch.gather(extra[..., :TABLE_BYTES].view(torch.int8), 2, c.flatten(2).long()).view(c.shape)
@@ -517,18 +514,22 @@ def pack_two_bit(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, t
     return packed, _tiled(scales[:, 0::2], tiles), _tiled(mins[:, 0::2], tiles)
 
 
+def _top_bit_fields(top: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """The two-bit fields of rows `row` from q6 / q2 top-bit bytes [n, blocks, 128] (`_top_bits`' layout: bits 2k,
+    2k+1 of byte 4 row + t of vector h are input 4 (4h + k) + t) as [n, blocks, i = 4h + k, t] uint8."""
+    n = len(row)
+    top = top.reshape(n, -1, 2, ROWS, 4)[torch.arange(n), :, :, row]  # [n, blocks, h, t]
+    return ((top.unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3).flatten(2, 3)
+
+
 def _two_bit_rows(p: PackedWeight, tile: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
     """Rows (tile, row) of a q2 weight as float32 [n, in] (`pack_two_bit`'s inverse for those rows)."""
-    n = len(tile)
-    top = p.codes[tile, :, :TOP_BITS_BYTES].reshape(n, -1, 2, ROWS, 4)[torch.arange(n), :, :, row]  # [n, blocks, h, t]
-    c = ((top.unsqueeze(-2) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3).flatten(2, 3)
-    extra = p.codes[tile, :, TOP_BITS_BYTES:].contiguous().view(torch.float16)  # [n, blocks, 32]: high d, high m
-    halves = [(p.scales[tile, :, row], p.mins[tile, :, row]), (extra[torch.arange(n), :, row],
-                                                                extra[torch.arange(n), :, ROWS + row])]
-    d = torch.stack([h[0] for h in halves], dim=-1).to(torch.float32).unsqueeze(-1)  # [n, blocks, 2, 1]
-    m = torch.stack([h[1] for h in halves], dim=-1).to(torch.float32).unsqueeze(-1)
-    w = c.to(torch.float32).view(n, -1, 2, 16) * d + m  # c: [n, blocks, i = 4h + k, t] -> halves of 16
-    return w.flatten(1)[:, :p.in_features]
+    n = torch.arange(len(tile))
+    c = _top_bit_fields(p.codes[tile, :, :TOP_BITS_BYTES], row).to(torch.float32).view(len(tile), -1, 2, 16)
+    high = p.codes[tile, :, TOP_BITS_BYTES:].contiguous().view(torch.float16)  # [n, blocks, 32]: scales, then mins
+    d = torch.stack((p.scales[tile, :, row], high[n, :, row]), dim=-1).to(torch.float32).unsqueeze(-1)
+    m = torch.stack((p.mins[tile, :, row], high[n, :, ROWS + row]), dim=-1).to(torch.float32).unsqueeze(-1)
+    return (c * d + m).flatten(1)[:, :p.in_features]  # halves of 16 inputs, each by its own d and m
 
 
 def _top_bits(c: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:

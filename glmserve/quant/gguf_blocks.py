@@ -156,7 +156,7 @@ def to_blocks(weight: QuantizedWeight) -> np.ndarray:
 def _round_away(x: np.ndarray) -> np.ndarray:
     """roundf (half away from zero), as ggml's Q8_0 reference uses: numpy's rint (half to even, exact) moved one
     away from zero where it rounded an exact half towards it (x - rint(x) is exact in float32). 1.7x the speed of
-    floor-based rounding on a 4096 x 4096 matrix (Q2_K and the grid types are re-quantized at load: gguf_mapped.py)."""
+    floor-based rounding on a 4096 x 4096 matrix (the IQ1-IQ3 grid types are re-quantized at load: gguf_mapped.py)."""
     r = np.rint(x)
     off = x - r
     r += ((off == 0.5) & (x > 0)).astype(x.dtype)

@@ -33,8 +33,8 @@ def gguf_spec(gguf_type: str) -> QuantSpec:
     Q8_0 int8 codes and Q4_0 codes in [-8, 7] with an fp16 scale per 32; Q4_1 codes 0..15 with an fp16
     scale and an fp16 minimum (`mins`) per 32; Q5_0 codes in [-16, 15] and Q5_1 codes 0..31 (with a minimum)
     likewise; Q6_K codes in [-32, 31] and Q3_K codes in [-4, 3] with an fp16 scale per 16, Q2_K codes 0..3 with an
-    fp16 scale and minimum per 16 (read only:
-    glmserve/quant/gguf_mapped.py, which also maps the other K-quants onto these)."""
+    fp16 scale and minimum per 16 (read only: glmserve/quant/gguf_mapped.py, which also maps the other K-quants onto
+    these)."""
     specs = {"Q8_0": QuantSpec(num_bits=8, strategy="group", group_size=32, gguf_type="Q8_0"),
              "Q4_0": QuantSpec(num_bits=4, strategy="group", group_size=32, gguf_type="Q4_0"),
              "Q4_1": QuantSpec(num_bits=4, symmetric=False, strategy="group", group_size=32, gguf_type="Q4_1"),

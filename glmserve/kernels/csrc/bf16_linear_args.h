@@ -1,7 +1,7 @@
 // The contract shared by the bf16 GEMMs on the packed quantized weight (quant_matmul.cpp's amx_bf16_linear,
 // bf16_gemm.cpp's avx512_bf16_linear): x [M, in] bf16 or float32 times the packed weight (quant/cpu_backend.py's
-// layout: codes [tiles, blocks, 512, 256, 320, 272 or 416 bytes] uint8 (int8, nibble, nibble and fifth-bit, nibble
-// and table, six-bit codes), scales and mins [tiles, blocks, 16] float16) -> [M, out]
+// layout: codes [tiles, blocks, 512, 256, 320, 272, 416, 288, 304 or 192 bytes] uint8 (packed_blocks.h's formats),
+// scales and mins [tiles, blocks, 16] float16) -> [M, out]
 // bf16. Its argument checks, and the activation rows as the kernels read them. Needs packed_blocks.h (included first
 // by the source: the build stages one level of headers).
 #pragma once

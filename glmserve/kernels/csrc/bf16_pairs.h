@@ -92,12 +92,12 @@ GLMSERVE_BF16_TARGET inline void dequantize_bf16_pairs(const uint8_t* c, const u
     for (int j = 0; j < 8; ++j) bf16_pair_rows<0, BYTES>(c + j * 64, ds, ms, o + 2 * j * 32, 0, nullptr, 0, __m128i());
   } else {
     __m512 dh[4], mh[4];  // the high nibbles' (inputs 16..31) d and m: q6's / s4's / f4's / q2's own, else the block's
+    [[maybe_unused]] const uint16_t* high = reinterpret_cast<const uint16_t*>(c + high_scales_at(BYTES));
     if constexpr (BYTES == kQ2BlockBytes) {
-      spread_rows(reinterpret_cast<const uint16_t*>(c + 128), dh);
-      spread_rows(reinterpret_cast<const uint16_t*>(c + 160), mh);
+      spread_rows(high, dh);
+      spread_rows(high + 16, mh);
     } else if constexpr (BYTES == kQ6BlockBytes || BYTES == kS4BlockBytes || BYTES == kF4BlockBytes) {
-      constexpr int64_t high_at = BYTES == kQ6BlockBytes ? 128 : BYTES == kF4BlockBytes ? 16 : 0;
-      spread_rows(reinterpret_cast<const uint16_t*>(c + kU4BlockBytes + high_at), dh);
+      spread_rows(high, dh);
       const __m512 offset = _mm512_set1_ps(BYTES == kS4BlockBytes ? -8.f : -32.f);
       for (int g = 0; g < 4; ++g) ms[g] = _mm512_mul_ps(ds[g], offset), mh[g] = _mm512_mul_ps(dh[g], offset);
     } else {

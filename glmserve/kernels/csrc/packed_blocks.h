@@ -25,6 +25,13 @@ constexpr int64_t kF4BlockBytes = kU4BlockBytes + 16 + 16 * 2;
 // fields, no nibbles), then the 16 rows' fp16 scales and fp16 mins of inputs 16..31
 constexpr int64_t kQ2BlockBytes = 2 * 64 + 16 * 2 + 16 * 2;
 
+// where the fp16 scales of inputs 16..31 start in a block of a two-scale format (q6, s4, f4, q2: the tile's d are those
+// of inputs 0..15); q2's mins of inputs 16..31 follow them
+constexpr int64_t high_scales_at(int64_t bytes) {
+  if (bytes == kQ2BlockBytes) return 2 * 64;
+  return kU4BlockBytes + (bytes == kQ6BlockBytes ? 2 * 64 : bytes == kF4BlockBytes ? 16 : 0);
+}
+
 // whether `bytes` per tile block is the format of codes narrower than a byte (the kernels' `u4` flag: u4, u5, t4, q6,
 // s4, f4, q2)
 constexpr bool nibble_block_bytes(int64_t bytes) {

@@ -28,8 +28,11 @@
 //       separately, each from -32 times its 16 activations' sum, and scale by their own d (ggml's block_q6_K,
 //       whose sub-block scales gguf_mapped.py flattens into these fp16 ones).
 //   s4: the u4 bytes, then the 16 rows' fp16 scales of inputs 16..31 (288 bytes), codes q - 8: q6 without top bits.
-//       The kernels' `u4` argument means nibble codes; 320-byte blocks carry the fifth bits, 272-byte ones a table,
-//       416-byte ones six bits, 288-byte ones a second scale.
+//   f4: t4 with s4's second scale (304 bytes; GGUF NVFP4): the u4 bytes, a table of codes q + 32, the scales.
+//   q2: q6's top bits alone as the codes 0..3 (GGUF Q2_K), then the 16 rows' fp16 scales and fp16 mins of inputs
+//       16..31 (192 bytes); w = d * q + m per half, the mins times each half's activation sum.
+//       The kernels' `u4` argument means codes narrower than a byte; 320-byte blocks carry the fifth bits, 272-byte
+//       ones a table, 416-byte ones six bits, 288-byte ones a second scale, 304-byte ones both, 192-byte ones two bits.
 //   d, m: [16] fp16 each (arrays of their own, [tiles, blocks, 16])
 //
 // Activations are quantized once per input row (quantize_activations): int8 codes q = round(x / dx) with
@@ -163,26 +166,33 @@ inline uint64_t fifth_mask(const uint8_t* block, int i) {
   return m;
 }
 
-// the 64 bytes of a q6 block's top-bit vector h (i8 groups 4h..4h+3, two bits each)
-inline const uint8_t* top_bits(const uint8_t* block, int h) { return block + U4_BLOCK + 64 * h; }
+// the 64 bytes of a q6 / q2 block's top-bit vector h (i8 groups 4h..4h+3, two bits each: q2 has no nibbles before)
+template <Codes C>
+inline const uint8_t* top_bits(const uint8_t* block, int h) { return block + (C == Q2 ? 0 : U4_BLOCK) + 64 * h; }
+
+// the two-bit field of row r's input t of i8 group i of a q6 / q2 block
+template <Codes C>
+inline int32_t top_field(const uint8_t* block, int i, int r, int t) {
+  return (top_bits<C>(block, i / 4)[4 * r + t] >> (2 * (i % 4))) & 3;
+}
 
 // a q6 / s4 / f4 / q2 block's 16 fp16 scales of inputs 16..31 (one per row)
 template <Codes C>
 inline const uint16_t* high_scales(const uint8_t* block) {
-  return reinterpret_cast<const uint16_t*>(block + (C == Q2 ? 128 : U4_BLOCK + (C == Q6 ? 128 : C == F4 ? 16 : 0)));
+  return reinterpret_cast<const uint16_t*>(block + glmserve::high_scales_at(block_bytes_of(C)));
 }
 
-// a q2 block's 16 fp16 mins of inputs 16..31 (those of 0..15: the tile's m)
-inline const uint16_t* high_mins(const uint8_t* block) { return reinterpret_cast<const uint16_t*>(block + 160); }
+// a q2 block's 16 fp16 mins of inputs 16..31, after its scales (those of 0..15: the tile's m)
+inline const uint16_t* high_mins(const uint8_t* block) { return high_scales<Q2>(block) + ROWS; }
 
 // row r's code t of i8 group i of a nibble block, given its nibble: with its fifth bit where C is U5, its table's
 // value where C is T4 (minus 32 where F4), q - 32 of its six bits where C is Q6, q - 8 where C is S4; where C is Q2
 // (no nibbles: the caller passes 0) its two bits, fields i % 4 of the top-bit vector i / 4
 template <Codes C>
 inline int32_t nibble_code(const uint8_t* block, int i, int r, int t, uint8_t nibble) {
-  if constexpr (C == Q2) return (block[64 * (i / 4) + 4 * r + t] >> (2 * (i % 4))) & 3;
+  if constexpr (C == Q2) return top_field<C>(block, i, r, t);
   if constexpr (C == U5) return nibble | static_cast<int32_t>((fifth_mask(block, i) >> (4 * r + t)) & 1) << 4;
-  if constexpr (C == Q6) return (nibble | ((top_bits(block, i / 4)[4 * r + t] >> (2 * (i % 4))) & 3) << 4) - 32;
+  if constexpr (C == Q6) return (nibble | top_field<C>(block, i, r, t) << 4) - 32;
   if constexpr (C == S4) return nibble - 8;
   if constexpr (C == T4) return table_of(block)[nibble];
   if constexpr (C == F4) return table_of(block)[nibble] - 32;
@@ -233,7 +243,7 @@ struct Acts {  // quantized activations
   int64_t kp, nb;
   const GroupWord* groups = nullptr;  // VNNI builds: the rows from row0 on regrouped (pack_groups)
   int64_t row0 = 0;
-  const int32_t* half_offsets = nullptr;  // AVX2 builds, q6 / s4 / f4 weights: [N, nb, 2] -offset * sum(q) per half
+  const int32_t* half_offsets = nullptr;  // AVX2 builds, two-scale weights: [N, nb, 2] half_offsets_of's words
 };
 
 struct Weights {  // one tile
@@ -262,6 +272,8 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64
       const uint8_t* c = w.codes + b * block_bytes_of(C);
       const int8_t* qb = q + b * QK;
       const float dx = a.d[(n0 + n) * a.nb + b], sx = a.s[(n0 + n) * a.nb + b];
+      [[maybe_unused]] int32_t halves[2];  // q2: the block's activation half sums, which its mins take
+      if constexpr (C == Q2) half_offsets_of(qb, a.isum[(n0 + n) * a.nb + b], half_sum_factor(C), halves);
       for (int64_t r = 0; r < ROWS; ++r) {
         int32_t sum = 0, high = 0;  // q6 / s4 / f4: inputs 0..15 in sum, 16..31 in high (scaled apart)
         if constexpr (C != I8) {
@@ -280,11 +292,8 @@ void tile_scalar(const Weights& w, const Acts& a, int64_t n0, int nb_rows, int64
         if constexpr (two_scales(C)) {
           const float d_low = half_to_float(w.d[b * ROWS + r]), d_high = half_to_float(high_scales<C>(c)[r]);
           float part = scale_halves(sum, high, d_low, d_high);
-          if constexpr (C == Q2) {
-            int32_t halves[2];
-            half_offsets_of(qb, a.isum[(n0 + n) * a.nb + b], half_sum_factor(C), halves);
+          if constexpr (C == Q2)
             part += min_halves(halves[0], halves[1], half_to_float(w.m[b * ROWS + r]), half_to_float(high_mins(c)[r]));
-          }
           acc[r] += part * dx;
           continue;
         }
@@ -343,9 +352,10 @@ inline __m256i top_bits_at_4_avx2(__m256i top, int k) {
   return k < 2 ? _mm256_slli_epi16(top, 4 - 2 * k) : _mm256_srli_epi16(top, 2 * k - 4);
 }
 
-// One q6 / s4 / f4 block into acc (tile_avx2_halves' accumulators): per half of the block (inputs 0..15, then 16..31)
-// its unsigned codes q times the activations (vpmaddubsw: pairs up to 2 * 63 * 127, two groups' pairs summed in
-// int16 before vpmaddwd) from -offset sum(q) (Acts::half_offsets); the halves' sums scaled as scale_halves does
+// One q6 / s4 / f4 / q2 block into acc (tile_avx2_halves' accumulators): per half of the block (inputs 0..15, then
+// 16..31) its unsigned codes q times the activations (vpmaddubsw: pairs up to 2 * 63 * 127, two groups' pairs summed
+// in int16 before vpmaddwd) from -offset sum(q) (Acts::half_offsets; q2: from 0); the halves' sums scaled as
+// scale_halves does, q2's mins added as min_halves does
 template <Codes C, int NB, int H>
 inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const uint16_t* m, const Acts& a, int64_t n0,
                                  int64_t b, int h0, __m256 (&acc)[NB][H]) {
@@ -357,9 +367,9 @@ inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const 
   __m256 part[NB][H];
   for (int half = 0; half < 2; ++half) {
     __m256i isum[NB][H], top[H];
-    if constexpr (C == Q6)
+    if constexpr (C == Q6 || C == Q2)
       for (int h = 0; h < H; ++h)
-        top[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top_bits(block, half) + (h0 + h) * 32));
+        top[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top_bits<C>(block, half) + (h0 + h) * 32));
     for (int n = 0; n < NB; ++n)
       for (int h = 0; h < H; ++h)
         isum[n][h] = C == Q2 ? _mm256_setzero_si256()
@@ -369,9 +379,7 @@ inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const 
       for (int k = 0; k < 2; ++k)
         for (int h = 0; h < H; ++h) {
           if constexpr (C == Q2) {  // fields j + k of the half's top-bit vector
-            const uint8_t* at = block + half * 64 + (h0 + h) * 32;
-            const __m256i fields = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-            q[k][h] = _mm256_and_si256(_mm256_srli_epi16(fields, 2 * (j + k)), _mm256_set1_epi8(3));
+            q[k][h] = _mm256_and_si256(_mm256_srli_epi16(top[h], 2 * (j + k)), _mm256_set1_epi8(3));
             continue;
           }
           const uint8_t* at = block + (j + k) * 64 + (h0 + h) * 32;
@@ -414,8 +422,8 @@ inline void two_scale_block_avx2(const uint8_t* block, const uint16_t* d, const 
       acc[n][h] = _mm256_fmadd_ps(part[n][h], _mm256_set1_ps(a.d[(n0 + n) * a.nb + b]), acc[n][h]);
 }
 
-// half_offsets_of every block of rows [0, N) ([N, nb, 2]: the starts of q6 / s4 / f4 blocks' half sums on the AVX2
-// tiles), into the calling thread's buffer
+// half_offsets_of every block of rows [0, N) ([N, nb, 2] with `factor`: the AVX2 tiles' words of two-scale blocks),
+// into the calling thread's buffer
 const int32_t* half_offsets(const Acts& a, int64_t N, int factor) {
   thread_local std::vector<int32_t> buffer;
   buffer.resize(static_cast<size_t>(N * a.nb * 2));
@@ -617,8 +625,9 @@ void tile_avx2(const Weights& w, const Acts& a, int64_t n0, int64_t nblocks, flo
 // s[G] (dx * sum(q)) and bias[G] (-128 * sum(q): the i8 codes' flip to c + 128, the start of the integer sum), so
 // that every broadcast of a tile's block is at a fixed offset from one pointer (with one pointer per row, GCC ran out
 // of general registers at 8 rows and parked the int8 path's 128 * sum(q) in mask registers: 105 GMAC/s against 130
-// for u4), and a batch of one row reads 44 bytes per block. For q6 / s4 / f4 weights two more, half[2][G]: -offset *
-// the sums of codes 0..15 and 16..31 (their codes' offset, the start of each half's sum), computed only for them.
+// for u4), and a batch of one row reads 44 bytes per block. For two-scale weights two more, half[2][G]:
+// half_offsets_of's words (-offset times the sums of codes 0..15 and 16..31, the start of each half's sum; q2: the
+// sums themselves, for its mins), computed only for them.
 union GroupWord {
   int32_t i;
   float f;
@@ -694,10 +703,12 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
     const uint8_t* c = w.codes + b * block_bytes_of(C);
     const GroupWord* x = g + b * group_words(C) * NB;
     const GroupWord *dx = x + 8 * NB, *sx = x + 9 * NB, *bias = x + 10 * NB;
-    // q6 / s4 / f4: the two halves' sums side by side (each from -offset sum(q)), then scale_halves's floats
+    // two scales: the two halves' sums side by side (each from -offset sum(q), q2's from 0), then scale_halves's
+    // floats (q2: and min_halves's)
     if constexpr (two_scales(C)) {
-      [[maybe_unused]] const __m512i top_low = C == Q6 ? _mm512_loadu_si512(top_bits(c, 0)) : low4;
-      [[maybe_unused]] const __m512i top_high = C == Q6 ? _mm512_loadu_si512(top_bits(c, 1)) : low4;
+      constexpr bool top = C == Q6 || C == Q2;
+      [[maybe_unused]] const __m512i top_low = top ? _mm512_loadu_si512(top_bits<C>(c, 0)) : low4;
+      [[maybe_unused]] const __m512i top_high = top ? _mm512_loadu_si512(top_bits<C>(c, 1)) : low4;
       [[maybe_unused]] const __m512i codes =
           C == F4 ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table_of(c)))) : low4;
       __m512i low[NB], high[NB];
@@ -708,8 +719,8 @@ void tile_avx512(const Weights& w, const GroupWord* g, int64_t nblocks, float* o
       for (int j = 0; j < 4; ++j) {  // i8 groups j (the low nibbles: inputs 4j..) and 4 + j (the high: 16 + 4j..)
         __m512i ql, qh;
         if constexpr (C == Q2) {  // fields j of the two top-bit vectors
-          ql = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(c), 2 * j), _mm512_set1_epi8(3));
-          qh = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(c + 64), 2 * j), _mm512_set1_epi8(3));
+          ql = _mm512_and_si512(_mm512_srli_epi16(top_low, 2 * j), _mm512_set1_epi8(3));
+          qh = _mm512_and_si512(_mm512_srli_epi16(top_high, 2 * j), _mm512_set1_epi8(3));
         } else {
           const __m512i v = _mm512_loadu_si512(c + j * 64);
           ql = _mm512_and_si512(v, low4), qh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -1273,7 +1284,7 @@ void simd_rows(const Weights& w, const Acts& a, int64_t n0, int64_t count, int64
 void amx_tiles(const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, const Acts& a, int64_t N, int64_t begin,
                int64_t end, int64_t nblocks, Codes kind, float* o, int64_t out_features) {
   const int64_t tile_bytes = nblocks * block_bytes_of(kind);
-  TORCH_CHECK(!two_scales(kind), "quant_matmul: q6 / s4 / f4 blocks (two scales a block) have no AMX int8 tiles");
+  TORCH_CHECK(!two_scales(kind), "quant_matmul: q6 / s4 / f4 / q2 blocks (two scales a block) have no AMX int8 tiles");
   const bool u4 = kind != I8;  // nibble codes
   const bool unpack_once = u4 && N > AMX_ROWS && nblocks <= AMX_UNPACK_ONCE;
   const bool stream = stream_output(o, N, out_features);
@@ -1322,8 +1333,8 @@ constexpr int64_t SIMD_CHUNK_BYTES = 256 * 1024;
 // product at batch 1 with the weights from DRAM)
 constexpr int64_t SWIGLU_RUN_BYTES = 512 * 1024;
 
-// whether N rows of a weight of `kind` run on the AMX int8 tiles (q6 / s4 / f4 never: their blocks have a scale per 16
-// inputs, the tiles' products one sum per 32)
+// whether N rows of a weight of `kind` run on the AMX int8 tiles (two-scale formats never: their blocks have a scale
+// per 16 inputs, the tiles' products one sum per 32)
 bool use_amx(int64_t N, Codes kind) {
 #ifdef GLMSERVE_AMX
   return !two_scales(kind) && N >= amx_group_min(kind) && amx_wanted.load() && glmserve::amx_int8_permitted();
