@@ -4,11 +4,14 @@
     .venv/bin/python bench/plot_results.py ratios --run "1 thread=R1.json" --run "2 threads=R2.json" \
         --out bench/plots/peers-amx.svg
     .venv/bin/python bench/plot_results.py gguf --run R_Q4_K_M.json --run R_Q6_K.json ... --out bench/plots/gguf-b1.svg
+    .venv/bin/python bench/plot_results.py quality --run "rotated=R.json" --run U.json --out bench/plots/tune.svg
 
 `ratios`: for every metric a run measured on ours and a peer, how many times better ours is (ours / peer for speeds,
 peer / ours where lower is better), one bar per run, with issue 12's target for the metric marked. `gguf`: runs of
 `bench_engine.py --only ours,llamacpp --gguf F` (and `base` with `--baseline DIR`): ours', llama.cpp's (and the
-baseline checkout's) decode batch 1 per file. Only what the JSONs hold is drawn; a metric a run lacks has no bar.
+baseline checkout's) decode batch 1 per file. `quality`: rows of `quant_quality.py --json` runs (every configuration
+but the float ones): held-out and calibration-text perplexity increase over the run's float model, one bar each.
+Only what the JSONs hold is drawn; a metric a run lacks has no bar.
 """
 
 from __future__ import annotations
@@ -103,6 +106,32 @@ def plot_gguf(runs: list[tuple[str, dict[str, Any]]], out: Path) -> None:
     _save(fig, out)
 
 
+def quality_rows(spec: str) -> list[tuple[str, dict[str, float]]]:
+    """'LABEL=PATH' or 'PATH' of a quant_quality.py JSON -> [(row label, {split: perplexity increase in %})] of its
+    quantized rows (the float reference rows left out); the label prefixes each configuration's name."""
+    label, _, path = spec.rpartition("=")
+    rows = json.loads(Path(path).read_text())
+    return [(f"{label}: {r['config']}" if label else r["config"], {k: 100 * v for k, v in r["increase"].items()})
+            for r in rows if not r["config"].startswith("float32")]
+
+
+def plot_quality(rows: list[tuple[str, dict[str, float]]], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.4))
+    splits = (("heldout", "held-out text"), ("calib", "calibration-eval text"))
+    height = 0.8 / len(splits)
+    for n, (key, name) in enumerate(splits):
+        ys = [i - 0.4 + height * (n + 0.5) for i in range(len(rows))]
+        bars = ax.barh(ys, [inc.get(key, 0.0) for _, inc in rows], height=height * 0.9, label=name)
+        ax.bar_label(bars, fmt="%+.2f%%", fontsize=7, padding=2)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("perplexity increase over the float model, %")
+    ax.legend(fontsize=8, loc="lower right")
+    _save(fig, out)
+
+
 def _save(fig: Any, out: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -115,14 +144,18 @@ def _save(fig: Any, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=("ratios", "gguf"))
-    parser.add_argument("--run", action="append", required=True, help="[LABEL=]a bench_engine.py results JSON")
+    parser.add_argument("kind", choices=("ratios", "gguf", "quality"))
+    parser.add_argument("--run", action="append", required=True, help="[LABEL=]a bench_engine.py results JSON "
+                        "(quality: a quant_quality.py --json file)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     import matplotlib
 
     matplotlib.use("Agg")
     matplotlib.rcParams["svg.hashsalt"] = "glmserve"  # stable element ids
+    if args.kind == "quality":
+        plot_quality([row for spec in args.run for row in quality_rows(spec)], args.out)
+        return
     runs = [load_run(spec) for spec in args.run]
     (plot_ratios if args.kind == "ratios" else plot_gguf)(runs, args.out)
 

@@ -59,6 +59,7 @@ from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_inputs
 from glmserve.quant.rotate import KINDS, rotate_model, rotation
 from glmserve.quant.schemes import scheme
+from glmserve.quant.tune import TuneOptions, tune
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -212,13 +213,14 @@ class _Applied:
 
 
 def _run(ckpt, options: dict, args, stats: dict, hidden: int):
-    """(_Applied context, pipeline Result or None, GGUF spec or None) of one configuration; writes and reads
-    back its folder. `stats`: calibration statistics shared by the configurations (collected on first use)."""
+    """(_Applied context, pipeline Result or None, GGUF spec or None, the folder's (modules, float tensors) or
+    None) of one configuration; writes and reads back its folder. `stats`: calibration statistics shared by the
+    configurations (collected on first use)."""
     if "gguf" in options:
         spec = scheme(options["gguf"]).weight
         layers = {n: m for n, m in linear_layers(ckpt.model).items() if n != "lm_head"}
         weights = {n: dequantize(quantize(m.weight.data, spec)) for n, m in layers.items()}
-        return _Applied(ckpt.model, weights, {}, {}), None, spec
+        return _Applied(ckpt.model, weights, {}, {}), None, spec, None
     options = dict(options)
     if "bits_budget" in options:
         options["bits_budget"] = bits_per_weight(scheme_specs(options["bits_budget"])[0], hidden)
@@ -230,10 +232,14 @@ def _run(ckpt, options: dict, args, stats: dict, hidden: int):
         _, result = run_quantize(ckpt, out, calib=args.calib, calib_tokens=args.calib_tokens, seq_len=args.seq_len,
                                  stats=stats, **options)
         _, modules, rest = load_checkpoint(Path(out))
+    return _applied(ckpt.model, modules, rest), result, None, (modules, rest)
+
+
+def _applied(model: torch.nn.Module, modules: dict, rest: dict[str, torch.Tensor]) -> _Applied:
+    """The float model running a checkpoint's modules and float tensors."""
     weights = {n: dense_weight(m) for n, m in modules.items()}
     kept = {n: m.outliers.columns for n, m in modules.items() if m.outliers is not None}
-    return (_Applied(ckpt.model, weights, {n: m.input_activations for n, m in modules.items()}, rest, kept),
-            result, None)
+    return _Applied(model, weights, {n: m.input_activations for n, m in modules.items()}, rest, kept)
 
 
 @torch.no_grad()
@@ -262,6 +268,34 @@ def _perturb(model: torch.nn.Module, sigma: float, seed: int = 0) -> None:
         m.weight.data = (blocks + noise).reshape(w.shape).to(w.dtype)
 
 
+def _row(name: str, applied: _Applied, result, gguf_spec, model: torch.nn.Module, evals: dict, reference: dict,
+         base: dict, bf16: float, t0: float) -> dict:
+    """One configuration's row: perplexity, increase and KL on each evaluation set, weight memory; printed."""
+    ppl, kl = {}, {}
+    with applied:
+        for k, ws in evals.items():
+            ppl[k], kl[k], _ = _evaluate(model, ws, reference[k])
+    if result is None:  # a GGUF block format on every linear layer
+        layers = {n: m for n, m in linear_layers(model).items() if n != "lm_head"}
+        served = bf16 - sum(m.weight.numel() * (2 - bits_per_weight(gguf_spec, m.in_features) / 8)
+                            for m in layers.values())
+        counts, notes = {gguf_spec.gguf_type: len(layers)}, []
+    else:
+        served, _ = weight_bytes(model, result)
+        counts, notes = {}, result.notes
+        for s in result.schemes.values():
+            counts[s] = counts.get(s, 0) + 1
+    row = {"config": name, "ppl": ppl, "increase": {k: ppl[k] / base[k] - 1 for k in ppl}, "kl": kl,
+           "weights_mib": served / 2**20, "vs_bf16": 1 - served / bf16, "layers": counts,
+           "seconds": time.time() - t0, "notes": notes}
+    print(f"{name}: calib ppl {ppl['calib']:.3f} ({row['increase']['calib']:+.2%}), held-out ppl "
+          f"{ppl['heldout']:.3f} ({row['increase']['heldout']:+.2%}, KL {kl['heldout']:.4f}, calib KL "
+          f"{kl['calib']:.4f}), weights "
+          f"{row['weights_mib']:.1f} MiB ({row['vs_bf16']:.1%} below bf16), layers {counts}, "
+          f"{row['seconds']:.0f} s", flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
@@ -283,6 +317,11 @@ def main() -> None:
                    "model is the reference (see the docstring)")
     p.add_argument("--online-down-rotation", action="store_true", help="with --rotate: also QuaRot's R4, an online "
                    "Hadamard on every down_proj input (evaluation only; see the docstring)")
+    p.add_argument("--tune-steps", type=int, default=0, metavar="N", help="also report each configuration tuned "
+                   "end to end for N steps on the calibration windows (quant/tune.py; row name CONFIG+tuneN), from "
+                   "the same quantization")
+    p.add_argument("--tune-lr", type=float, default=1e-3)
+    p.add_argument("--tune-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = p.parse_args()
     if args.online_down_rotation and not args.rotate:
         p.error("--online-down-rotation goes with --rotate")
@@ -321,32 +360,22 @@ def main() -> None:
         base, reference = changed, logprobs  # every row below is measured against this float model
     hidden = ckpt.model.config.hidden_size
     stats: dict = {}
+    calib = _windows(ckpt.tokenizer, args.calib, args.seq_len, args.calib_tokens) if args.tune_steps else None
     for name in args.configs.split(","):
         t0 = time.time()
-        applied, result, gguf_spec = _run(ckpt, CONFIGS[name], args, stats, hidden)
-        ppl, kl = {}, {}
-        with applied:
-            for k, ws in evals.items():
-                ppl[k], kl[k], _ = _evaluate(ckpt.model, ws, reference[k])
-        if result is None:  # a GGUF block format on every linear layer
-            layers = {n: m for n, m in linear_layers(ckpt.model).items() if n != "lm_head"}
-            served = bf16 - sum(m.weight.numel() * (2 - bits_per_weight(gguf_spec, m.in_features) / 8)
-                                for m in layers.values())
-            counts, notes = {gguf_spec.gguf_type: len(layers)}, []
-        else:
-            served, _ = weight_bytes(ckpt.model, result)
-            counts, notes = {}, result.notes
-            for s in result.schemes.values():
-                counts[s] = counts.get(s, 0) + 1
-        row = {"config": name, "ppl": ppl, "increase": {k: ppl[k] / base[k] - 1 for k in ppl}, "kl": kl,
-               "weights_mib": served / 2**20, "vs_bf16": 1 - served / bf16, "layers": counts,
-               "seconds": time.time() - t0, "notes": notes}
+        applied, result, gguf_spec, folder = _run(ckpt, CONFIGS[name], args, stats, hidden)
+        rows.append(_row(name, applied, result, gguf_spec, ckpt.model, evals, reference, base, bf16, t0))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        if calib is None or folder is None:
+            continue
+        t0 = time.time()  # the same quantization tuned end to end (quant/tune.py) on the calibration windows
+        options = TuneOptions(steps=args.tune_steps, lr=args.tune_lr, dtype=getattr(torch, args.tune_dtype))
+        modules, rest, losses = tune(ckpt.model, *folder, calib, options)
+        row = _row(f"{name}+tune{args.tune_steps}", _applied(ckpt.model, modules, rest), result, gguf_spec,
+                   ckpt.model, evals, reference, base, bf16, t0)
+        row["tune_losses"] = losses
         rows.append(row)
-        print(f"{name}: calib ppl {ppl['calib']:.3f} ({row['increase']['calib']:+.2%}), held-out ppl "
-              f"{ppl['heldout']:.3f} ({row['increase']['heldout']:+.2%}, KL {kl['heldout']:.4f}, calib KL "
-              f"{kl['calib']:.4f}), weights "
-              f"{row['weights_mib']:.1f} MiB ({row['vs_bf16']:.1%} below bf16), layers {counts}, "
-              f"{row['seconds']:.0f} s", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
     print("\n| config | calib ppl | vs float32 | held-out ppl | vs float32 | KL held-out | KL calib | weight MiB | "

@@ -28,6 +28,7 @@ from glmserve.quant.schemes import SCHEMES, scheme
 from glmserve.quant.sensitivity import allocate, bits_per_weight, fisher_deltas, measure, units
 from glmserve.quant.sequential import Collect, Served, float_target, quantize_sequential
 from glmserve.quant.spec import QuantSpec
+from glmserve.quant.tune import TuneOptions, tune
 from glmserve.quant.weight import QuantizedWeight
 
 # awq-gptq: AWQ's input-channel scales folded first (no clipping search), then GPTQ on the rescaled weights
@@ -71,6 +72,8 @@ class Plan:
     sequential: bool = False
     asymmetric: bool = False
     asymmetric_damp: float | None = None  # the float target's ridge towards W (float_target); None: gptq_damp
+    # after quantizing: scales, float minimums and norms trained end to end against the float model (tune.py)
+    tune: TuneOptions | None = None
 
 
 @dataclass
@@ -83,8 +86,8 @@ class Result:
 
 
 def needs_calibration(plan: Plan) -> bool:
-    return plan.method != "rtn" or plan.sequential or plan.bits_budget is not None or plan.smooth is not None or (
-        plan.recipe is not None and plan.recipe.activation_threshold is not None)
+    return (plan.method != "rtn" or plan.sequential or plan.bits_budget is not None or plan.smooth is not None
+            or plan.tune is not None or (plan.recipe is not None and plan.recipe.activation_threshold is not None))
 
 
 def choose_schemes(model: torch.nn.Module, plan: Plan,
@@ -126,7 +129,7 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     if plan.method not in METHODS:
         raise InvalidRequestError(f"method {plan.method!r} is not one of {METHODS}")
     if needs_calibration(plan) and not calib:
-        raise InvalidRequestError("this plan needs calibration text (--calib): GPTQ, a bits budget and "
+        raise InvalidRequestError("this plan needs calibration text (--calib): GPTQ, a bits budget, tuning and "
                                   "activation_threshold all measure activations")
     notes = list(plan.recipe.notes) if plan.recipe else []
     schemes, deltas = choose_schemes(model, plan, calib)
@@ -152,6 +155,11 @@ def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Ten
     else:
         modules, rescaled = _quantize_one_pass(model, plan, calib, stats, schemes, threshold, progress, notes)
     progress.close()
+    if plan.tune is not None:
+        modules, rescaled, losses = tune(model, modules, rescaled, calib, plan.tune)
+        tail = losses[-max(1, len(losses) // 10):]
+        notes.append(f"tuned {len(losses)} steps end to end: calibration KL {losses[0]:.4f} at the first step, "
+                     f"{sum(tail) / len(tail):.4f} over the last {len(tail)}")
     supported = gptq_supports if plan.method in GPTQ_METHODS else awq.supports
     if plan.method != "rtn" and any(not supported(m.weight.spec) for m in modules.values()):
         also = ", fp8 and nvfp4" if supported is gptq_supports else ""
