@@ -119,7 +119,7 @@ def plot_quality(rows: list[tuple[str, dict[str, float]]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.4))
-    splits = (("heldout", "held-out text"), ("calib", "calibration-eval text"))
+    splits = (("heldout", "held-out text"), ("calib", "'calib' column (--calib-eval text, else --calib)"))
     height = 0.8 / len(splits)
     for n, (key, name) in enumerate(splits):
         ys = [i - 0.4 + height * (n + 0.5) for i in range(len(rows))]

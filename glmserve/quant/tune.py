@@ -147,7 +147,8 @@ def tune(model: torch.nn.Module, modules: dict[str, QuantizedModule], float_tens
         raise ValueError("tuning needs calibration windows")
     teacher = _teacher(model, windows)
     layers = {name: _TunedLayer(m) for name, m in modules.items()}
-    norms0 = {k: float_tensors.get(k, w).detach().float() for k, w in norm_weights(model).items()}
+    norms = {k: float_tensors.get(k, w).detach() for k, w in norm_weights(model).items()}
+    norms0 = {k: w.float() for k, w in norms.items()}
     norm_offsets = {k: torch.zeros_like(w, requires_grad=True) for k, w in norms0.items()}
     params = [p for layer in layers.values() for p in layer.parameters()] + list(norm_offsets.values())
     optimizer = torch.optim.Adam(params, lr=options.lr)
@@ -176,8 +177,7 @@ def tune(model: torch.nn.Module, modules: dict[str, QuantizedModule], float_tens
     finally:
         for h in hooks:
             h.remove()
-    tuned_norms = {k: (norms0[k] * (1 + v.detach())).to(float_tensors.get(k, norm_weights(model)[k]).dtype)
-                   for k, v in norm_offsets.items()}
+    tuned_norms = {k: (norms0[k] * (1 + v.detach())).to(norms[k].dtype) for k, v in norm_offsets.items()}
     return {name: layer.tuned() for name, layer in layers.items()}, {**float_tensors, **tuned_norms}, losses
 
 
