@@ -229,7 +229,8 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                         "float model's function is unchanged, its outlier channels spread): a randomized Hadamard "
                         "where the size allows (auto, the default kind), or a random orthogonal matrix")
     parser.add_argument("--tune-steps", type=int, default=0, metavar="N", help="after quantizing, train each "
-                        "group's scale (and float minimum) and every norm's weight for N steps so the quantized "
+                        "group's scale (and float minimum), a recipe's float outlier columns and every norm's weight "
+                        "for N steps so the quantized "
                         "model's next-token distributions match the float model's on the calibration text (codes "
                         "unchanged; needs --calib; about 7 s a step for SmolLM2-135M on 2 cores)")
     parser.add_argument("--tune-lr", type=float, default=1e-3, help="Adam's learning rate of --tune-steps, "
@@ -254,8 +255,8 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
     compressed-tensors folder `out`; returns (float model, pipeline Result). `stats`: calibration statistics
     already collected on these windows (calibrate.collect_stats), reused instead of collected again. `rotate`
     (or the recipe's `rotate`): rotate the residual stream first (quant/rotate.py); the returned float model is
-    the rotated one. `tune_steps` > 0: then train the scales, float minimums and norms end to end against the
-    float model for that many steps (quant/tune.py)."""
+    the rotated one. `tune_steps` > 0: then train the scales, float minimums, outlier columns and norms end to end
+    against the float model for that many steps (quant/tune.py)."""
     import copy
     from pathlib import Path
 

@@ -106,7 +106,7 @@ class _TunedLayer:
 
     @torch.no_grad()
     def tuned(self) -> QuantizedModule:
-        """The module with its tuned scales and minimums in their stored dtypes."""
+        """The module with its tuned scales, minimums and outlier columns in their stored dtypes."""
         weight: QuantizedWeight = self.module.weight
         scales = self._stored_scales().to(weight.scales.dtype)
         mins, outliers = self._mins(), self._outliers()
@@ -138,9 +138,9 @@ def _kl(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
 def tune(model: torch.nn.Module, modules: dict[str, QuantizedModule], float_tensors: dict[str, torch.Tensor],
          windows: Sequence[torch.Tensor], options: TuneOptions,
          ) -> tuple[dict[str, QuantizedModule], dict[str, torch.Tensor], list[float]]:
-    """(the modules with tuned scales / minimums, the float tensors with tuned norms added, the loss of each
-    step). `model`: the float model (left unchanged; its outputs are the target); `float_tensors`: tensors the
-    quantized model computes with in place of the float model's (norms AWQ or SmoothQuant rescaled)."""
+    """(the modules with tuned scales / minimums / outlier columns, the float tensors with tuned norms added, the
+    loss of each step). `model`: the float model (left unchanged; its outputs are the target); `float_tensors`:
+    tensors the quantized model computes with in place of the float model's (norms AWQ or SmoothQuant rescaled)."""
     if options.steps < 1 or options.lr <= 0 or options.windows_per_step < 1:
         raise ValueError(f"tuning needs steps >= 1, lr > 0 and windows per step >= 1, not {options}")
     if not windows:
