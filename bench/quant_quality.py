@@ -321,6 +321,8 @@ def main() -> None:
                    "end to end for N steps on the calibration windows (quant/tune.py; row name CONFIG+tuneN), from "
                    "the same quantization")
     p.add_argument("--tune-lr", type=float, default=1e-3)
+    p.add_argument("--tune-samples", type=int, default=0, metavar="N", help="tune on N more windows the float "
+                   "model writes after pieces of the calibration text (row name CONFIG+tuneN+sampledN)")
     p.add_argument("--tune-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = p.parse_args()
     if args.online_down_rotation and not args.rotate:
@@ -370,9 +372,11 @@ def main() -> None:
         if calib is None or folder is None:
             continue
         t0 = time.time()  # the same quantization tuned end to end (quant/tune.py) on the calibration windows
-        options = TuneOptions(steps=args.tune_steps, lr=args.tune_lr, dtype=getattr(torch, args.tune_dtype))
+        options = TuneOptions(steps=args.tune_steps, lr=args.tune_lr, dtype=getattr(torch, args.tune_dtype),
+                              samples=args.tune_samples)
         modules, rest, losses = tune(ckpt.model, *folder, calib, options)
-        row = _row(f"{name}+tune{args.tune_steps}", _applied(ckpt.model, modules, rest), result, gguf_spec,
+        tuned = f"{name}+tune{args.tune_steps}" + (f"+sampled{args.tune_samples}" if args.tune_samples else "")
+        row = _row(tuned, _applied(ckpt.model, modules, rest), result, gguf_spec,
                    ckpt.model, evals, reference, base, bf16, t0)
         row["tune_losses"] = losses
         rows.append(row)

@@ -1,12 +1,14 @@
 """End-to-end tuning (glmserve/quant/tune.py) on a tiny random-weight llama: the KL to the float model on the
-calibration windows falls while every code, zero point and stored dtype stays; activation rounding (W8A8's)
-passes gradients straight through; NVFP4's float8 scales stay fixed while the norms move; the float model is left
-unchanged; `glmserve quantize --tune-steps` folders round trip and run on the engine as the fake-quantized float
-model computes; bad settings are refused."""
+calibration windows falls while every code, zero point and stored dtype stays; activation rounding (W8A8's) passes
+gradients straight through; NVFP4's float8 scales step between float8 values; the float model is left
+unchanged; windows the float model writes continue pieces of the calibration windows, the same for the same seed,
+and tuning with them is tuning on them; `glmserve quantize --tune-steps` folders round trip and run on the engine as
+the fake-quantized float model computes; bad settings are refused."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import test_quant_scale_search
@@ -23,7 +25,7 @@ from glmserve.quant.pipeline import Plan, quantize_model
 from glmserve.quant.recipe import uniform
 from glmserve.quant.reference import fake_quantize_inputs
 from glmserve.quant.schemes import scheme
-from glmserve.quant.tune import TuneOptions, _straight_through, norm_weights, tune
+from glmserve.quant.tune import TuneOptions, _straight_through, norm_weights, sampled_windows, tune
 
 tiny, calib = test_quant_scale_search.tiny, test_quant_scale_search.calib  # fixtures: the tiny llama, a calib file
 
@@ -117,10 +119,45 @@ def test_tuned_folder_round_trips_and_runs_on_the_engine(tiny, tmp_path, calib, 
 def test_bad_settings_are_refused(tiny, tmp_path, calib):
     with pytest.raises(InvalidRequestError, match="give --calib"):
         run_quantize(str(tiny), str(tmp_path / "e"), scheme="w4a16", tune_steps=4)
-    with pytest.raises(InvalidRequestError, match="--tune-steps must be >= 0"):
+    with pytest.raises(InvalidRequestError, match="--tune-samples must be >= 0"):
         run_quantize(str(tiny), str(tmp_path / "e"), scheme="w4a16", calib=[calib], tune_steps=-1)
+    with pytest.raises(InvalidRequestError, match="--tune-samples must be >= 0"):
+        run_quantize(str(tiny), str(tmp_path / "e"), scheme="w4a16", calib=[calib], tune_steps=2, tune_samples=-1)
+    with pytest.raises(InvalidRequestError, match="give --tune-steps as well"):
+        run_quantize(str(tiny), str(tmp_path / "e"), scheme="w4a16", calib=[calib], tune_samples=2)
     with pytest.raises(InvalidRequestError, match="--tune-lr > 0"):
         run_quantize(str(tiny), str(tmp_path / "e"), scheme="w4a16", calib=[calib], tune_steps=4, tune_lr=0)
     model = _model(tiny)
     with pytest.raises(ValueError, match="calibration windows"):
         tune(model, {}, {}, [], TuneOptions())
+
+
+def test_sampled_windows_continue_calibration_pieces_deterministically(tiny):
+    model = _model(tiny)
+    windows = _windows(n=3, length=24)
+    rng_state = torch.get_rng_state()
+    got = sampled_windows(model, windows, count=5, prompt_tokens=6, seed=1, batch=2)
+    assert torch.equal(torch.get_rng_state(), rng_state)  # the caller's random stream is left as it was
+    assert [w.shape for w in got] == [torch.Size([1, 24])] * 5
+    for i, w in enumerate(got):  # the first 6 tokens: a contiguous piece of calibration window i mod 3
+        source = windows[i % 3][0]
+        assert any(torch.equal(w[0, :6], source[j:j + 6]) for j in range(source.numel() - 5))
+    assert all(torch.equal(a, b) for a, b in zip(got, sampled_windows(model, windows, 5, 6, seed=1, batch=2),
+                                                 strict=True))
+    other = sampled_windows(model, windows, count=5, prompt_tokens=6, seed=2, batch=2)
+    assert any(not torch.equal(a[0, 6:], b[0, 6:]) for a, b in zip(got, other, strict=True))
+    with pytest.raises(ValueError, match="must be longer"):
+        sampled_windows(model, _windows(n=2, length=6), count=1, prompt_tokens=6, seed=0)
+
+
+def test_tuning_with_samples_is_tuning_on_them(tiny):
+    model = _model(tiny)
+    windows = _windows(n=2, length=16)
+    result = quantize_model(model, Plan(recipe=uniform("w4a16-asym")), windows)
+    options = TuneOptions(steps=3, lr=1e-2, windows_per_step=2, samples=3, prompt_tokens=4)
+    with_samples = tune(model, result.modules, result.float_tensors, windows, options)
+    written = sampled_windows(model, windows, 3, 4, seed=options.seed)
+    explicit = tune(model, result.modules, result.float_tensors, windows + written, replace(options, samples=0))
+    assert with_samples[2] == explicit[2]  # the same losses step by step
+    for n, m in with_samples[0].items():
+        assert torch.equal(m.weight.scales, explicit[0][n].weight.scales)

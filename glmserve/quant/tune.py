@@ -13,13 +13,19 @@ gradient passed straight through.
 Parameters are relative, s = s0 (1 + t) for a scale, m = m0 + s0 u for a float minimum, g = g0 (1 + v) for a
 norm's weight, w = w0 + rms(w0) k for a layer's float columns, all offsets 0 at the start, so one learning rate
 suits every layer whatever its magnitude. The student runs under bfloat16 autocast by default (2.4x faster than
-float32 on an AVX512-BF16 CPU, measured on SmolLM2-135M); the float teacher's log-probabilities are computed once
-in float32."""
+float32 on an AVX512-BF16 CPU, measured on SmolLM2-135M); the float teacher's log-probabilities are computed in
+float32 for each step's windows (not kept: memory stays that of one step however many windows there are).
+
+The calibration text can be extended by windows the float model writes itself (`TuneOptions.samples`): each
+continues a short piece of a calibration window by sampling (temperature 1, nucleus 0.95), as LLM-QAT distils on
+the model's own generations (Liu et al. 2023, arXiv 2305.17888, section 2.1); more windows for the same number of
+steps means fewer passes over each, which is what a few thousand calibration tokens for millions of scales lack."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,6 +48,8 @@ class TuneOptions:
     # the student's compute dtype: bfloat16 autocast (fast), or float32 where the format's own error is below
     # bfloat16's (a W8A8 model's KL can be)
     dtype: torch.dtype = torch.bfloat16
+    samples: int = 0  # windows the float model writes, added to the calibration windows (sampled_windows)
+    prompt_tokens: int = 32  # tokens of a calibration window each sampled window continues
 
 
 class _TunedLayer:
@@ -124,9 +132,40 @@ def norm_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _teacher(model: torch.nn.Module, windows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The float model's next-token log-probabilities of each window, bfloat16 [len - 1, vocab]."""
-    return [F.log_softmax(model(ids).logits[0, :-1].float(), dim=-1).to(torch.bfloat16) for ids in windows]
+def _teacher(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The float model's next-token log-probabilities of a window, computed in float32 and kept in bfloat16 [len - 1,
+    vocab]; computed again each time a step draws the window rather than kept for every window (50 MB a 512-token
+    window for SmolLM2's 49,152 tokens, 150 MB for GLM's: 128 windows would not fit beside a second run)."""
+    return F.log_softmax(model(ids).logits[0, :-1].float(), dim=-1).to(torch.bfloat16)
+
+
+@torch.no_grad()
+def sampled_windows(model: torch.nn.Module, windows: Sequence[torch.Tensor], count: int, prompt_tokens: int,
+                    seed: int, batch: int = 16) -> list[torch.Tensor]:
+    """`count` windows as long as the longest of `windows`, each written by `model` (nucleus sampling, p 0.95)
+    after `prompt_tokens` tokens taken at a random place in one of `windows` in turn (so the languages and topics
+    of the calibration text are continued in their proportions)."""
+    length, shortest = max(w.shape[1] for w in windows), min(w.shape[1] for w in windows)
+    if prompt_tokens < 1 or shortest <= prompt_tokens:
+        raise ValueError(f"sampled windows continue prompt_tokens={prompt_tokens} (>= 1) calibration tokens: every "
+                         f"calibration window must be longer (the shortest has {shortest})")
+    places = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(count):
+        source = windows[i % len(windows)][0]
+        start = int(torch.randint(source.numel() - prompt_tokens + 1, (1,), generator=places))
+        prompts.append(source[start:start + prompt_tokens])
+    out: list[torch.Tensor] = []
+    with torch.random.fork_rng(), tqdm(total=count, desc="sample", unit="window") as bar:
+        torch.manual_seed(seed)
+        for first in range(0, count, batch):
+            heads = torch.stack(prompts[first:first + batch])
+            new = length - prompt_tokens
+            ids = model.generate(heads, attention_mask=torch.ones_like(heads), do_sample=True, top_k=0, top_p=0.95,
+                                 temperature=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+            out += list(ids.split(1))
+            bar.update(len(heads))
+    return out
 
 
 def _kl(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -141,11 +180,13 @@ def tune(model: torch.nn.Module, modules: dict[str, QuantizedModule], float_tens
     """(the modules with tuned scales / minimums / outlier columns, the float tensors with tuned norms added, the
     loss of each step). `model`: the float model (left unchanged; its outputs are the target); `float_tensors`:
     tensors the quantized model computes with in place of the float model's (norms AWQ or SmoothQuant rescaled)."""
-    if options.steps < 1 or options.lr <= 0 or options.windows_per_step < 1:
-        raise ValueError(f"tuning needs steps >= 1, lr > 0 and windows per step >= 1, not {options}")
+    if options.steps < 1 or options.lr <= 0 or options.windows_per_step < 1 or options.samples < 0:
+        raise ValueError(f"tuning needs steps >= 1, lr > 0, windows per step >= 1 and samples >= 0, not {options}")
     if not windows:
         raise ValueError("tuning needs calibration windows")
-    teacher = _teacher(model, windows)
+    if options.samples:
+        windows = list(windows) + sampled_windows(model, windows, options.samples, options.prompt_tokens,
+                                                  options.seed)
     layers = {name: _TunedLayer(m) for name, m in modules.items()}
     norms = {k: float_tensors.get(k, w).detach() for k, w in norm_weights(model).items()}
     norms0 = {k: w.float() for k, w in norms.items()}
@@ -154,31 +195,39 @@ def tune(model: torch.nn.Module, modules: dict[str, QuantizedModule], float_tens
     optimizer = torch.optim.Adam(params, lr=options.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / options.steps)))
-    named = dict(model.named_modules())
-    hooks = [named[name].register_forward_pre_hook(_straight_through(m)) for name, m in modules.items()
-             if m.input_activations is not None]
     fixed = {k: v for k, v in float_tensors.items() if k not in norms0}
     order = torch.Generator().manual_seed(options.seed)
     losses = []
+    for _ in tqdm(range(options.steps), desc="tune", unit="step"):
+        picks = torch.randperm(len(windows), generator=order)[:options.windows_per_step].tolist()
+        targets = [_teacher(model, windows[i]) for i in picks]  # the float model's, before the rounding hooks
+        with _rounded_inputs(model, modules), torch.autocast("cpu", dtype=options.dtype,
+                                                             enabled=options.dtype != torch.float32):
+            weights = {f"{name}.weight": layer.dense() for name, layer in layers.items()}
+            weights.update({k: norms0[k] * (1 + v) for k, v in norm_offsets.items()})
+            weights.update(fixed)
+            loss = sum(_kl(torch.func.functional_call(model, weights, (windows[i],)).logits[0, :-1], target)
+                       for i, target in zip(picks, targets, strict=True)) / len(picks)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+    tuned_norms = {k: (norms0[k] * (1 + v.detach())).to(norms[k].dtype) for k, v in norm_offsets.items()}
+    return {name: layer.tuned() for name, layer in layers.items()}, {**float_tensors, **tuned_norms}, losses
+
+
+@contextmanager
+def _rounded_inputs(model: torch.nn.Module, modules: dict[str, QuantizedModule]):
+    """While open, the layers of `modules` with an activation format round their inputs (_straight_through)."""
+    named = dict(model.named_modules())
+    hooks = [named[name].register_forward_pre_hook(_straight_through(m)) for name, m in modules.items()
+             if m.input_activations is not None]
     try:
-        for _ in tqdm(range(options.steps), desc="tune", unit="step"):
-            picks = torch.randperm(len(windows), generator=order)[:options.windows_per_step].tolist()
-            with torch.autocast("cpu", dtype=options.dtype, enabled=options.dtype != torch.float32):
-                weights = {f"{name}.weight": layer.dense() for name, layer in layers.items()}
-                weights.update({k: norms0[k] * (1 + v) for k, v in norm_offsets.items()})
-                weights.update(fixed)
-                loss = sum(_kl(torch.func.functional_call(model, weights, (windows[i],)).logits[0, :-1],
-                               teacher[i]) for i in picks) / len(picks)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            losses.append(loss.item())
+        yield
     finally:
         for h in hooks:
             h.remove()
-    tuned_norms = {k: (norms0[k] * (1 + v.detach())).to(norms[k].dtype) for k, v in norm_offsets.items()}
-    return {name: layer.tuned() for name, layer in layers.items()}, {**float_tensors, **tuned_norms}, losses
 
 
 def _straight_through(module: QuantizedModule):
