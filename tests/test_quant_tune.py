@@ -18,6 +18,7 @@ from test_quant_loading import _engine, _worst_error
 from test_quant_sequential import _model, _windows
 from test_quantize_cli import _same_module, fake_quantized_model
 
+import glmserve.quant.tune as tune_module
 from glmserve.cli import main, run_quantize
 from glmserve.errors import InvalidRequestError
 from glmserve.quant.compressed_tensors import dense_weight, load_checkpoint
@@ -25,7 +26,7 @@ from glmserve.quant.pipeline import Plan, quantize_model
 from glmserve.quant.recipe import uniform
 from glmserve.quant.reference import fake_quantize_inputs
 from glmserve.quant.schemes import scheme
-from glmserve.quant.tune import TuneOptions, _straight_through, norm_weights, sampled_windows, tune
+from glmserve.quant.tune import TuneOptions, _draw, _straight_through, norm_weights, sampled_windows, tune
 
 tiny, calib = test_quant_scale_search.tiny, test_quant_scale_search.calib  # fixtures: the tiny llama, a calib file
 
@@ -150,14 +151,31 @@ def test_sampled_windows_continue_calibration_pieces_deterministically(tiny):
         sampled_windows(model, _windows(n=2, length=6), count=1, prompt_tokens=6, seed=0)
 
 
-def test_tuning_with_samples_is_tuning_on_them(tiny):
+def test_tuning_with_samples_tunes_on_them_too(tiny, monkeypatch):
     model = _model(tiny)
     windows = _windows(n=2, length=16)
     result = quantize_model(model, Plan(recipe=uniform("w4a16-asym")), windows)
-    options = TuneOptions(steps=3, lr=1e-2, windows_per_step=2, samples=3, prompt_tokens=4)
+    options = TuneOptions(steps=4, lr=1e-2, windows_per_step=2, samples=3, prompt_tokens=4)
+    calls, real = [], tune_module.sampled_windows
+
+    def spy(*args, **kwargs):
+        calls.append(args[2:])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tune_module, "sampled_windows", spy, raising=True)
     with_samples = tune(model, result.modules, result.float_tensors, windows, options)
-    written = sampled_windows(model, windows, 3, 4, seed=options.seed)
-    explicit = tune(model, result.modules, result.float_tensors, windows + written, replace(options, samples=0))
-    assert with_samples[2] == explicit[2]  # the same losses step by step
-    for n, m in with_samples[0].items():
-        assert torch.equal(m.weight.scales, explicit[0][n].weight.scales)
+    assert calls == [(3, 4, options.seed)]
+    again = tune(model, result.modules, result.float_tensors, windows, options)
+    without = tune(model, result.modules, result.float_tensors, windows, replace(options, samples=0))
+    assert with_samples[2] == again[2]  # the same windows, the same steps
+    assert with_samples[2][0] != without[2][0]  # each step has a sampled window in its batch
+
+
+def test_each_step_draws_half_its_windows_from_the_text():
+    order = torch.Generator().manual_seed(0)
+    assert sorted(_draw(order, 4, 4, 4)) == [0, 1, 2, 3]  # no sampled windows: the text's only
+    for count in (1, 3, 4):
+        for _ in range(20):
+            picks = _draw(order, 5, 12, count)
+            text = [i for i in picks if i < 5]
+            assert len(text) == (count + 1) // 2 and len(set(picks)) == count and max(picks) < 12

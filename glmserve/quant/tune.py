@@ -18,8 +18,9 @@ float32 for each step's windows (not kept: memory stays that of one step however
 
 The calibration text can be extended by windows the float model writes itself (`TuneOptions.samples`): each
 continues a short piece of a calibration window by sampling (temperature 1, nucleus 0.95), as LLM-QAT distils on
-the model's own generations (Liu et al. 2023, arXiv 2305.17888, section 2.1); more windows for the same number of
-steps means fewer passes over each, which is what a few thousand calibration tokens for millions of scales lack."""
+the model's own generations (Liu et al. 2023, arXiv 2305.17888, section 2.1). Each step then draws half its windows
+from the calibration text and half from the sampled ones: more distinct windows against the overfitting of a few
+thousand calibration tokens for millions of scales, while the real text stays in every step."""
 
 from __future__ import annotations
 
@@ -184,6 +185,7 @@ def tune(model: torch.nn.Module, modules: dict[str, QuantizedModule], float_tens
         raise ValueError(f"tuning needs steps >= 1, lr > 0, windows per step >= 1 and samples >= 0, not {options}")
     if not windows:
         raise ValueError("tuning needs calibration windows")
+    text_windows = len(windows)
     if options.samples:
         windows = list(windows) + sampled_windows(model, windows, options.samples, options.prompt_tokens,
                                                   options.seed)
@@ -199,7 +201,7 @@ def tune(model: torch.nn.Module, modules: dict[str, QuantizedModule], float_tens
     order = torch.Generator().manual_seed(options.seed)
     losses = []
     for _ in tqdm(range(options.steps), desc="tune", unit="step"):
-        picks = torch.randperm(len(windows), generator=order)[:options.windows_per_step].tolist()
+        picks = _draw(order, text_windows, len(windows), options.windows_per_step)
         targets = [_teacher(model, windows[i]) for i in picks]  # the float model's, before the rounding hooks
         with _rounded_inputs(model, modules), torch.autocast("cpu", dtype=options.dtype,
                                                              enabled=options.dtype != torch.float32):
@@ -215,6 +217,17 @@ def tune(model: torch.nn.Module, modules: dict[str, QuantizedModule], float_tens
         losses.append(loss.item())
     tuned_norms = {k: (norms0[k] * (1 + v.detach())).to(norms[k].dtype) for k, v in norm_offsets.items()}
     return {name: layer.tuned() for name, layer in layers.items()}, {**float_tensors, **tuned_norms}, losses
+
+
+def _draw(order: torch.Generator, text: int, total: int, count: int) -> list[int]:
+    """One step's window indices: `count` of the `text` calibration windows when there are no others; with sampled
+    windows (indices text..total-1) half of them (rounded up) from the calibration text and the rest sampled, so
+    the real text stays in every step while the sampled windows add variety."""
+    if total == text:
+        return torch.randperm(text, generator=order)[:count].tolist()
+    from_text = (count + 1) // 2
+    return (torch.randperm(text, generator=order)[:from_text].tolist()
+            + (text + torch.randperm(total - text, generator=order)[:count - from_text]).tolist())
 
 
 @contextmanager
