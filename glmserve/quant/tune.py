@@ -14,7 +14,8 @@ Parameters are relative, s = s0 (1 + t) for a scale, m = m0 + s0 u for a float m
 norm's weight, w = w0 + rms(w0) k for a layer's float columns, all offsets 0 at the start, so one learning rate
 suits every layer whatever its magnitude. The student runs under bfloat16 autocast by default (2.4x faster than
 float32 on an AVX512-BF16 CPU, measured on SmolLM2-135M); the float teacher's log-probabilities are computed in
-float32 for each step's windows (not kept: memory stays that of one step however many windows there are).
+float32, kept for the calibration text's windows and computed again for each draw of a sampled one (memory grows
+with the calibration text, not with the samples).
 
 The calibration text can be extended by windows the float model writes itself (`TuneOptions.samples`): each
 continues a short piece of a calibration window by sampling (temperature 1, nucleus 0.95), as LLM-QAT distils on
@@ -135,8 +136,8 @@ def norm_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def _teacher(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The float model's next-token log-probabilities of a window, computed in float32 and kept in bfloat16 [len - 1,
-    vocab]; computed again each time a step draws the window rather than kept for every window (50 MB a 512-token
-    window for SmolLM2's 49,152 tokens, 150 MB for GLM's: 128 windows would not fit beside a second run)."""
+    vocab]: 50 MB a 512-token window for SmolLM2's 49,152 tokens, 150 MB for GLM's, so tune() keeps them for the
+    calibration text's windows only and computes a sampled window's each time a step draws it."""
     return F.log_softmax(model(ids).logits[0, :-1].float(), dim=-1).to(torch.bfloat16)
 
 
@@ -199,10 +200,13 @@ def tune(model: torch.nn.Module, modules: dict[str, QuantizedModule], float_tens
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / options.steps)))
     fixed = {k: v for k, v in float_tensors.items() if k not in norms0}
     order = torch.Generator().manual_seed(options.seed)
-    losses = []
+    losses, kept = [], {}
     for _ in tqdm(range(options.steps), desc="tune", unit="step"):
         picks = _draw(order, text_windows, len(windows), options.windows_per_step)
-        targets = [_teacher(model, windows[i]) for i in picks]  # the float model's, before the rounding hooks
+        # the float model's log-probs, before the rounding hooks: the calibration text's kept once computed (each is
+        # drawn many times), a sampled window's computed each time (they are many, each drawn a few times)
+        targets = [kept[i] if i in kept else _teacher(model, windows[i]) for i in picks]
+        kept.update({i: t for i, t in zip(picks, targets, strict=True) if i < text_windows})
         with _rounded_inputs(model, modules), torch.autocast("cpu", dtype=options.dtype,
                                                              enabled=options.dtype != torch.float32):
             weights = {f"{name}.weight": layer.dense() for name, layer in layers.items()}
