@@ -102,10 +102,10 @@ def test_tuned_folder_round_trips_and_runs_on_the_engine(tiny, tmp_path, calib, 
     monkeypatch.setenv("GLMSERVE_QUANT_BACKEND", "reference")  # the folder's arithmetic, not the int8 kernels'
     out = tmp_path / "q"
     main(["quantize", str(tiny), "--scheme", "w4a16-asym", "--calib", calib, "--seq-len", "32", "--tune-steps", "8",
-          "--tune-lr", "0.01", "--out", str(out)])
+          "--tune-lr", "0.01", "--tune-samples", "2", "--out", str(out)])
     assert "MiB in bf16" in capsys.readouterr().out
     _, result = run_quantize(str(tiny), str(tmp_path / "again"), scheme="w4a16-asym", calib=[calib], seq_len=32,
-                             tune_steps=8, tune_lr=0.01)
+                             tune_steps=8, tune_lr=0.01, tune_samples=2)
     assert any(note.startswith("tuned 8 steps end to end") for note in result.notes)
     _, modules, rest = load_checkpoint(out)
     for n in modules:  # the same seed, the same windows: the command and the function write the same weights
@@ -147,8 +147,11 @@ def test_sampled_windows_continue_calibration_pieces_deterministically(tiny):
                                                  strict=True))
     other = sampled_windows(model, windows, count=5, prompt_tokens=6, seed=2, batch=2)
     assert any(not torch.equal(a[0, 6:], b[0, 6:]) for a, b in zip(got, other, strict=True))
-    with pytest.raises(ValueError, match="must be longer"):
-        sampled_windows(model, _windows(n=2, length=6), count=1, prompt_tokens=6, seed=0)
+    short = _windows(n=2, length=6)  # prompts of at most half the shortest window
+    assert all(any(torch.equal(w[0, :3], s[0, j:j + 3]) for s in short for j in range(4))
+               for w in sampled_windows(model, short, count=2, prompt_tokens=6, seed=0))
+    with pytest.raises(ValueError, match="windows of 2 or more"):
+        sampled_windows(model, _windows(n=2, length=1), count=1, prompt_tokens=6, seed=0)
 
 
 def test_tuning_with_samples_tunes_on_them_too(tiny, monkeypatch):

@@ -145,12 +145,13 @@ def _teacher(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def sampled_windows(model: torch.nn.Module, windows: Sequence[torch.Tensor], count: int, prompt_tokens: int,
                     seed: int, batch: int = 16) -> list[torch.Tensor]:
     """`count` windows as long as the longest of `windows`, each written by `model` (nucleus sampling, p 0.95)
-    after `prompt_tokens` tokens taken at a random place in one of `windows` in turn (so the languages and topics
-    of the calibration text are continued in their proportions)."""
+    after `prompt_tokens` tokens (at most half the shortest window) taken at a random place in one of `windows` in
+    turn (so the languages and topics of the calibration text are continued in their proportions)."""
     length, shortest = max(w.shape[1] for w in windows), min(w.shape[1] for w in windows)
-    if prompt_tokens < 1 or shortest <= prompt_tokens:
-        raise ValueError(f"sampled windows continue prompt_tokens={prompt_tokens} (>= 1) calibration tokens: every "
-                         f"calibration window must be longer (the shortest has {shortest})")
+    if prompt_tokens < 1 or shortest < 2:
+        raise ValueError(f"sampled windows continue prompt_tokens={prompt_tokens} (>= 1) tokens of calibration "
+                         f"windows of 2 or more (the shortest has {shortest})")
+    prompt_tokens = min(prompt_tokens, shortest // 2)
     places = torch.Generator().manual_seed(seed)
     prompts = []
     for i in range(count):
