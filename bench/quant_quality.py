@@ -59,7 +59,7 @@ from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_inputs
 from glmserve.quant.rotate import KINDS, rotate_model, rotation
 from glmserve.quant.schemes import scheme
-from glmserve.quant.tune import TuneOptions, tune
+from glmserve.quant.tune import TuneOptions, sampled_windows, tune
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -363,6 +363,11 @@ def main() -> None:
     hidden = ckpt.model.config.hidden_size
     stats: dict = {}
     calib = _windows(ckpt.tokenizer, args.calib, args.seq_len, args.calib_tokens) if args.tune_steps else None
+    options = TuneOptions(steps=args.tune_steps, lr=args.tune_lr, dtype=getattr(torch, args.tune_dtype),
+                          samples=args.tune_samples)
+    # written once: every configuration is tuned on the same samples of the float model
+    sampled = sampled_windows(ckpt.model, calib, options.samples, options.prompt_tokens, options.seed) \
+        if calib and options.samples else None
     for name in args.configs.split(","):
         t0 = time.time()
         applied, result, gguf_spec, folder = _run(ckpt, CONFIGS[name], args, stats, hidden)
@@ -372,9 +377,7 @@ def main() -> None:
         if calib is None or folder is None:
             continue
         t0 = time.time()  # the same quantization tuned end to end (quant/tune.py) on the calibration windows
-        options = TuneOptions(steps=args.tune_steps, lr=args.tune_lr, dtype=getattr(torch, args.tune_dtype),
-                              samples=args.tune_samples)
-        modules, rest, losses = tune(ckpt.model, *folder, calib, options)
+        modules, rest, losses = tune(ckpt.model, *folder, calib, options, sampled)
         tuned = f"{name}+tune{args.tune_steps}" + (f"+sampled{args.tune_samples}" if args.tune_samples else "")
         row = _row(tuned, _applied(ckpt.model, modules, rest), result, gguf_spec,
                    ckpt.model, evals, reference, base, bf16, t0)

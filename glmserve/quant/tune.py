@@ -159,11 +159,11 @@ def sampled_windows(model: torch.nn.Module, windows: Sequence[torch.Tensor], cou
         start = int(torch.randint(source.numel() - prompt_tokens + 1, (1,), generator=places))
         prompts.append(source[start:start + prompt_tokens])
     out: list[torch.Tensor] = []
+    new = length - prompt_tokens
     with torch.random.fork_rng(), tqdm(total=count, desc="sample", unit="window") as bar:
         torch.manual_seed(seed)
         for first in range(0, count, batch):
             heads = torch.stack(prompts[first:first + batch])
-            new = length - prompt_tokens
             ids = model.generate(heads, attention_mask=torch.ones_like(heads), do_sample=True, top_k=0, top_p=0.95,
                                  temperature=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
             out += list(ids.split(1))
@@ -178,19 +178,21 @@ def _kl(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
 
 
 def tune(model: torch.nn.Module, modules: dict[str, QuantizedModule], float_tensors: dict[str, torch.Tensor],
-         windows: Sequence[torch.Tensor], options: TuneOptions,
+         windows: Sequence[torch.Tensor], options: TuneOptions, sampled: Sequence[torch.Tensor] | None = None,
          ) -> tuple[dict[str, QuantizedModule], dict[str, torch.Tensor], list[float]]:
     """(the modules with tuned scales / minimums / outlier columns, the float tensors with tuned norms added, the
     loss of each step). `model`: the float model (left unchanged; its outputs are the target); `float_tensors`:
-    tensors the quantized model computes with in place of the float model's (norms AWQ or SmoothQuant rescaled)."""
+    tensors the quantized model computes with in place of the float model's (norms AWQ or SmoothQuant rescaled);
+    `sampled`: windows sampled_windows already wrote for these windows and options (several quantizations of one
+    model tuned on the same samples), else options.samples of them are written here."""
     if options.steps < 1 or options.lr <= 0 or options.windows_per_step < 1 or options.samples < 0:
         raise ValueError(f"tuning needs steps >= 1, lr > 0, windows per step >= 1 and samples >= 0, not {options}")
     if not windows:
         raise ValueError("tuning needs calibration windows")
     text_windows = len(windows)
-    if options.samples:
-        windows = list(windows) + sampled_windows(model, windows, options.samples, options.prompt_tokens,
-                                                  options.seed)
+    if sampled is None and options.samples:
+        sampled = sampled_windows(model, windows, options.samples, options.prompt_tokens, options.seed)
+    windows = list(windows) + list(sampled or ())
     layers = {name: _TunedLayer(m) for name, m in modules.items()}
     norms = {k: float_tensors.get(k, w).detach() for k, w in norm_weights(model).items()}
     norms0 = {k: w.float() for k, w in norms.items()}
