@@ -155,6 +155,8 @@ CONFIGS = {
                               sensitivity="fisher"),
     "seeds-recipe": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml")),
     "gptq-seeds-recipe": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml"), method="gptq"),
+    "gptq-seeds-recipe-budget": dict(recipe=str(ROOT / "examples/quant/seeds_mixed_budget.yaml"), method="gptq",
+                                     sensitivity="fisher"),
     "seeds-recipe-sq": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml"), smooth=0.5),
 }
 

@@ -194,9 +194,10 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default=None, metavar="FILE", help="YAML/JSON recipe: module patterns -> "
                         "schemes, or the seeds' form (examples/quant/seeds_mixed.yaml)")
     parser.add_argument("--bits-budget", type=float, default=None, metavar="B",
-                        help="choose per-layer schemes by measured sensitivity under B bits per weight")
+                        help="choose per-layer schemes by measured sensitivity under B bits per weight; with "
+                        "--recipe, upgrade the recipe's layers (their schemes the floor) under B")
     parser.add_argument("--candidates", default=None, help="schemes a --bits-budget chooses from (comma-"
-                        "separated; default int8,w4a16,w4a16-g64)")
+                        "separated, 'none' for float; default int8,w4a16,w4a16-g64, with --recipe the recipe's own)")
     parser.add_argument("--calib", nargs="+", default=None, metavar="FILE", help="calibration text file(s)")
     parser.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most, an "
                         "equal share from each file")
@@ -275,8 +276,9 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
     from glmserve.quant.rotate import rotate_model
     from glmserve.quant.tune import TuneOptions
 
-    if sum(x is not None for x in (scheme, recipe, bits_budget)) != 1:
-        raise InvalidRequestError("give exactly one of --scheme, --recipe, --bits-budget")
+    if (scheme is not None) + (recipe is not None) + (bits_budget is not None and recipe is None) != 1:
+        raise InvalidRequestError("give exactly one of --scheme, --recipe, --bits-budget (or --recipe with "
+                                  "--bits-budget: the recipe's schemes upgraded by sensitivity under the budget)")
     if scheme is not None:
         pipeline.scheme_specs(scheme)
     if not 0 < gptq_damp <= 1:

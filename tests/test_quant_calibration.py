@@ -173,6 +173,10 @@ def test_rules_recipe_json(tmp_path):
     ({"activation_threshold": -1}, "positive number"),
     ({"atention_layers": {}}, "unknown keys"),
     ([1, 2], "a recipe is a mapping"),
+    ({"default": "fp8", "bits_budget": 0}, "bits_budget must be a positive"),
+    ({"default": "fp8", "bits_budget": True}, "bits_budget must be a positive"),
+    ({"default": "fp8", "bits_budget": 6, "candidates": [8]}, "list of scheme names"),
+    ({"default": "fp8", "candidates": ["int8"]}, "give bits_budget"),
 ])
 def test_bad_recipes_are_typed_errors(bad, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -182,6 +186,15 @@ def test_bad_recipes_are_typed_errors(bad, message):
 def test_unknown_scheme_in_recipe():
     with pytest.raises(InvalidRequestError, match="unknown scheme 'int3'"):
         parse_recipe({"rules": [{"pattern": "*", "scheme": "int3"}]}).assign(LLAMA, KNOWN)
+    with pytest.raises(InvalidRequestError, match="unknown scheme 'fp6'"):
+        parse_recipe({"default": "fp8", "bits_budget": 6, "candidates": ["fp6"]}).assign(LLAMA, KNOWN)
+
+
+def test_budget_recipe_file():
+    recipe = load_recipe("examples/quant/seeds_mixed_budget.yaml")
+    assert (recipe.bits_budget, recipe.candidates, recipe.activation_threshold) == (6.5, ("fp8",), 6.0)
+    assert recipe.assign(LLAMA, KNOWN) == load_recipe("examples/quant/seeds_mixed.yaml").assign(LLAMA, KNOWN)
+    assert parse_recipe({"default": "fp8", "bits_budget": 6, "candidates": "int8, none"}).candidates == ("int8", "none")
 
 
 def test_mean_nll_batches_windows_without_changing_the_result():

@@ -122,10 +122,88 @@ def test_cli_bits_budget_mixes_formats(tiny, tmp_path):
         n: 8 if s == "int8" else 4 for n, s in result.schemes.items()}
 
 
+def _budget_recipe(tmp_path, budget: float | None, candidates: str = "[fp8]"):
+    path = tmp_path / "budget.yaml"
+    extra = "" if budget is None else f"bits_budget: {budget}\ncandidates: {candidates}\n"
+    path.write_text("attention_layers: {type: fp8, scheme: E4M3}\nffn_layers: {type: nvfp4}\n" + extra)
+    return str(path)
+
+
+def test_recipe_with_a_bits_budget_upgrades_the_most_sensitive_ffn_units(tiny, tmp_path):
+    """The seeds' recipe as each unit's floor, FFN units upgraded to FP8 by their measured loss decrease per added
+    bit, within the budget; the folder holds the chosen formats."""
+    from glmserve.quant.sensitivity import bits_per_weight
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    kw = dict(calib=[str(calib)], seq_len=32, sensitivity="measured")
+    _, floor = run_quantize(str(tiny), str(tmp_path / "f"), recipe=_budget_recipe(tmp_path, None), **kw)
+    fp8, nvfp4 = (pipeline_specs(s) for s in ("fp8", "nvfp4"))
+    shapes = {n: (m.weight.shape[1], m.weight.shape[0]) for n, m in _linears(tiny).items()}
+    params = {n: shapes[n][0] * shapes[n][1] for n in floor.schemes}
+
+    def avg_bits(schemes):
+        return sum(bits_per_weight(fp8 if s == "fp8" else nvfp4, *shapes[n]) * params[n]
+                   for n, s in schemes.items()) / sum(params.values())
+
+    ffn_units = [("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"), ("model.layers.0.mlp.down_proj",),
+                 ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"), ("model.layers.1.mlp.down_proj",)]
+    all_fp8 = avg_bits({n: "fp8" for n in floor.schemes})
+    budget = (avg_bits(floor.schemes) + all_fp8) / 2
+    _, mixed = run_quantize(str(tiny), str(tmp_path / "m"), recipe=_budget_recipe(tmp_path, budget), **kw)
+    assert avg_bits(mixed.schemes) <= budget + 1e-9 < all_fp8
+    assert all(mixed.schemes[n] == "fp8" for n in floor.schemes if floor.schemes[n] == "fp8")  # attention: floor
+    upgraded = [u for u in ffn_units if mixed.schemes[u[0]] == "fp8"]
+    assert 0 < len(upgraded) < len(ffn_units)
+    assert all(len({mixed.schemes[n] for n in u}) == 1 for u in ffn_units)
+
+    def gain_per_bit(u):
+        d = mixed.sensitivity[u]
+        extra = sum((bits_per_weight(fp8, *shapes[n]) - bits_per_weight(nvfp4, *shapes[n])) * params[n] for n in u)
+        return (d["nvfp4"] - d["fp8"]) / extra
+
+    assert max(ffn_units, key=gain_per_bit) in upgraded  # the greedy's first pick: sensitivity chose it
+    _, modules, _ = load_checkpoint(tmp_path / "m")
+    assert {n: m.weight.spec.type for n, m in modules.items()} == {n: "float" for n in mixed.schemes}
+    assert {n: m.weight.spec.num_bits for n, m in modules.items()} == {
+        n: 8 if s == "fp8" else 4 for n, s in mixed.schemes.items()}
+
+    # the floor's own bits: nothing to upgrade; the CLI's budget overrides the file's; below the floor: refused
+    _, same = run_quantize(str(tiny), str(tmp_path / "s"), recipe=_budget_recipe(tmp_path, budget),
+                           bits_budget=avg_bits(floor.schemes) + 1e-6, **kw)
+    assert same.schemes == floor.schemes
+    with pytest.raises(InvalidRequestError, match="below the cheapest"):
+        run_quantize(str(tiny), str(tmp_path / "b"), recipe=_budget_recipe(tmp_path, 4.0), **kw)
+
+
+def test_recipe_budget_may_keep_units_in_float(tiny, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    _, result = run_quantize(str(tiny), str(tmp_path / "q"), recipe=_budget_recipe(tmp_path, 8.5, "[none]"),
+                             calib=[str(calib)], seq_len=32, sensitivity="fisher")
+    kept = {n for n in _linears(tiny) if n != "lm_head" and n not in result.schemes}
+    assert kept and all(d["none"] == 0.0 for d in result.sensitivity.values())
+    assert all(set(u) <= kept or not set(u) & kept for u in result.sensitivity)  # whole units
+    _, modules, rest = load_checkpoint(tmp_path / "q")
+    assert set(modules) == set(result.schemes) and all(f"{n}.weight" in rest for n in kept)
+
+
+def _linears(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def pipeline_specs(name: str):
+    from glmserve.quant.pipeline import scheme_specs
+
+    return scheme_specs(name)[0]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--scheme", "int3"], "unknown quantization scheme 'int3'"),
     (["--scheme", "w4a16", "--method", "gptq"], "needs calibration text"),
     (["--scheme", "w4a16", "--bits-budget", "5"], "exactly one of"),
+    (["--recipe", "examples/quant/seeds_mixed.yaml", "--scheme", "fp8"], "exactly one of"),
 ])
 def test_cli_errors(tiny, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -56,12 +56,13 @@ def scheme_specs(name: str) -> tuple[QuantSpec, QuantSpec | None]:
 @dataclass
 class Plan:
     """What to do: per-layer schemes come from `recipe`, or from a sensitivity allocation over `candidates`
-    under `bits_budget` (`sensitivity`: each unit's loss increase measured, or estimated from the Fisher
-    diagonal: sensitivity.py); `method` quantizes integer layers (GPTQ and AWQ need calibration)."""
+    under `bits_budget`, or from both (the recipe's schemes as floors, upgraded under the budget).
+    `sensitivity`: each unit's loss increase measured, or estimated from the Fisher diagonal (sensitivity.py);
+    `method` quantizes integer layers (GPTQ and AWQ need calibration)."""
 
     recipe: Recipe | None = None
     bits_budget: float | None = None
-    candidates: Sequence[str] = DEFAULT_CANDIDATES
+    candidates: Sequence[str] | None = None  # None: DEFAULT_CANDIDATES, or with a recipe its own (recipe.py)
     method: str = "rtn"
     sensitivity: str = "measured"
     gptq_damp: float = 0.01
@@ -75,6 +76,12 @@ class Plan:
     # after quantizing: scales, float minimums and norms trained end to end against the float model (tune.py)
     tune: TuneOptions | None = None
 
+    def budget(self) -> float | None:
+        """The bits budget: the plan's own, else its recipe's."""
+        if self.bits_budget is not None or self.recipe is None:
+            return self.bits_budget
+        return self.recipe.bits_budget
+
 
 @dataclass
 class Result:
@@ -86,40 +93,71 @@ class Result:
 
 
 def needs_calibration(plan: Plan) -> bool:
-    return (plan.method != "rtn" or plan.sequential or plan.bits_budget is not None or plan.smooth is not None
+    return (plan.method != "rtn" or plan.sequential or plan.budget() is not None or plan.smooth is not None
             or plan.tune is not None or (plan.recipe is not None and plan.recipe.activation_threshold is not None))
 
 
 def choose_schemes(model: torch.nn.Module, plan: Plan,
                    calib: Sequence[torch.Tensor] | None) -> tuple[dict[str, str], dict | None]:
-    """Module name -> scheme name, and the measured sensitivities when a bits budget chose them."""
+    """Module name -> scheme name, and the measured sensitivities when a bits budget chose them.
+
+    A recipe with a bits budget (the plan's or the recipe's own) gives each unit its floor: the unit keeps its
+    rule's scheme or is upgraded to a candidate of more bits; units the recipe leaves in float stay so and are
+    outside the budget."""
     layers = linear_layers(model)
     names = [n for n in layers if n != "lm_head" and not n.endswith(".lm_head")]
-    if plan.bits_budget is None:
-        if plan.recipe is None:
-            raise InvalidRequestError("give a scheme, a recipe or a bits budget")
-        known = {r.scheme for r in plan.recipe.rules} | {plan.recipe.default}
+    budget = plan.budget()
+    floor = None
+    if plan.recipe is not None:
+        upgrades = tuple(plan.candidates or plan.recipe.candidates)
+        known = plan.recipe.schemes() | set(upgrades)
         for s in known - {NONE}:
             scheme_specs(s)  # a typed error for an unknown name
-        return plan.recipe.assign(list(layers), known), None
+        floor = plan.recipe.assign(list(layers), known)
+        if budget is None:
+            return floor, None
+        cand_names = upgrades or tuple(sorted(plan.recipe.schemes() - {NONE}))
+    elif budget is None:
+        raise InvalidRequestError("give a scheme, a recipe or a bits budget")
+    else:
+        cand_names = tuple(plan.candidates or DEFAULT_CANDIDATES)
     if calib is None:
         raise InvalidRequestError("--bits-budget measures layer sensitivity on calibration text: give --calib")
-    cands = {c: scheme_specs(c)[0] for c in plan.candidates}
+    cands = {c: None if c == NONE else scheme_specs(c)[0] for c in cand_names}
     unit_list = units(names)
+    shape = {u: (layers[u[0]].in_features, layers[u[0]].out_features) for u in unit_list}
+    if floor is None:
+        options = {u: list(cands) for u in unit_list}
+    else:
+        options = {}
+        for u in unit_list:
+            base = {floor.get(n, NONE) for n in u}
+            if len(base) > 1:
+                raise InvalidRequestError(f"a bits budget upgrades whole units, but the recipe gives {', '.join(u)} "
+                                          f"different schemes ({', '.join(sorted(base))})")
+            (b,) = base
+            if b == NONE:
+                continue
+            floor_bits = bits_per_weight(scheme_specs(b)[0], *shape[u])
+            options[u] = [b] + [c for c in cand_names if c != b and bits_per_weight(cands[c], *shape[u]) > floor_bits]
+        unit_list = list(options)
+        cands.update({b: scheme_specs(b)[0] for b in {o[0] for o in options.values()} - set(cands)})
     if plan.sensitivity not in SENSITIVITY:
         raise InvalidRequestError(f"sensitivity {plan.sensitivity!r} is not one of {SENSITIVITY}")
     if plan.sensitivity == "fisher":
         progress = tqdm(total=len(calib), desc="fisher", unit="window")
-        deltas = fisher_deltas(model, window_loss, calib, unit_list, cands, progress)
+        deltas = fisher_deltas(model, window_loss, calib, unit_list, cands, progress, options)
     else:
-        progress = tqdm(total=len(unit_list) * len(cands), desc="sensitivity", unit="eval")
-        deltas = measure(model, lambda m: mean_nll(m, calib), unit_list, cands, progress)
+        progress = tqdm(total=sum(len(o) for o in options.values()), desc="sensitivity", unit="eval")
+        deltas = measure(model, lambda m: mean_nll(m, calib), unit_list, cands, progress, options)
     progress.close()
-    bits = {u: {c: bits_per_weight(s, layers[u[0]].in_features, layers[u[0]].out_features) for c, s in cands.items()}
-            for u in unit_list}
+    bits = {u: {c: bits_per_weight(cands[c], *shape[u]) for c in options[u]} for u in unit_list}
     params = {u: sum(layers[n].weight.numel() for n in u) for u in unit_list}
-    choice = allocate(deltas, bits, params, plan.bits_budget)
-    return {n: choice[u] for u in unit_list for n in u}, deltas
+    choice = allocate(deltas, bits, params, budget)
+    chosen = {n: choice[u] for u in unit_list for n in u}
+    if floor is not None:  # units outside the budget keep the recipe's word (float ones are absent from both)
+        chosen = {n: chosen.get(n, s) for n, s in floor.items()}
+    return {n: s for n, s in chosen.items() if s != NONE}, deltas
 
 
 def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Tensor] | None = None,

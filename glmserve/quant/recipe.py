@@ -15,6 +15,12 @@ NVFP4 is defined by its E4M3 scale per 16 values (compressed-tensors and vLLM ac
 `rotate`: true (or a kind: auto, hadamard, random) rotates the residual stream before quantizing (rotate.py), as
 `glmserve quantize --rotate` does.
 
+`bits_budget` (bits per weight over the recipe's quantized layers) and `candidates` (scheme names, "none" for
+float): the recipe's schemes become each layer unit's floor, and units are upgraded to candidates of more bits in the
+order of their measured sensitivity until the budget is spent (pipeline.choose_schemes; the seeds' "differentiated
+precision per layer" with its layer-wise sensitivity). Without `candidates` the upgrades are the recipe's own schemes
+(the seeds' form: an NVFP4 FFN unit may become FP8). `glmserve quantize --bits-budget / --candidates` override both.
+
 `activation_threshold`: input channels whose activation absmax on the calibration text exceeds it (LLM.int8()'s
 outlier features, Dettmers et al. 2022, arXiv 2208.07339, use 6.0) keep their weight columns in float; the rest of
 the weight is quantized with those columns zeroed (compressed_tensors.OutlierColumns).
@@ -66,6 +72,12 @@ class Recipe:
     activation_threshold: float | None = None
     rotate: str | None = None  # a rotate.KINDS kind: rotate the residual stream first; None: no rotation
     notes: tuple[str, ...] = field(default=())  # what was read differently from the file's letter, for the user
+    bits_budget: float | None = None  # upgrade units above their rule's scheme under this many bits per weight
+    candidates: tuple[str, ...] = ()  # the upgrades a bits budget chooses from; (): the recipe's own schemes
+
+    def schemes(self) -> set[str]:
+        """Every scheme the rules and the default name, "none" included."""
+        return {r.scheme for r in self.rules} | {self.default}
 
     def scheme_for(self, name: str) -> str:
         for rule in self.rules:
@@ -78,7 +90,7 @@ class Recipe:
     def assign(self, linear_names: Iterable[str], known_schemes: Iterable[str]) -> dict[str, str]:
         """Module name -> scheme for every linear layer not left in float."""
         known = set(known_schemes) | {NONE}
-        for scheme in {r.scheme for r in self.rules} | {self.default}:
+        for scheme in self.schemes() | set(self.candidates):
             if scheme not in known:
                 raise InvalidRequestError(f"recipe names unknown scheme {scheme!r} (known: {', '.join(sorted(known))})")
         out = {name: self.scheme_for(name) for name in linear_names}
@@ -116,7 +128,18 @@ def parse_recipe(data: object, where: str = "recipe") -> Recipe:
         rotate = "auto"
     if rotate not in (None, False) and rotate not in KINDS:
         raise InvalidRequestError(f"{where}: rotate must be true, false or one of {', '.join(KINDS)}, got {rotate!r}")
-    unknown = set(data) - {"rules", "default", "activation_threshold", "attention_layers", "ffn_layers", "rotate"}
+    budget = data.get("bits_budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0):
+        raise InvalidRequestError(f"{where}: bits_budget must be a positive number of bits per weight, got {budget!r}")
+    candidates = data.get("candidates", [])
+    if isinstance(candidates, str):
+        candidates = [c.strip() for c in candidates.split(",") if c.strip()]
+    if not isinstance(candidates, list) or not all(isinstance(c, str) for c in candidates):
+        raise InvalidRequestError(f"{where}: candidates is a list of scheme names, got {candidates!r}")
+    if candidates and budget is None:
+        raise InvalidRequestError(f"{where}: candidates are the upgrades a bits_budget chooses from: give bits_budget")
+    unknown = set(data) - {"rules", "default", "activation_threshold", "attention_layers", "ffn_layers", "rotate",
+                           "bits_budget", "candidates"}
     if unknown:
         raise InvalidRequestError(f"{where}: unknown keys {sorted(unknown)}")
     rules, notes = [], []
@@ -129,7 +152,8 @@ def parse_recipe(data: object, where: str = "recipe") -> Recipe:
             scheme, note = _seeds_scheme(data[key], f"{where}: {key}")
             rules.extend(Rule(p, scheme) for p in patterns)
             notes.extend([note] if note else [])
-    return Recipe(tuple(rules), str(data.get("default", NONE)), threshold, rotate or None, tuple(notes))
+    return Recipe(tuple(rules), str(data.get("default", NONE)), threshold, rotate or None, tuple(notes),
+                  None if budget is None else float(budget), tuple(candidates))
 
 
 def _seeds_scheme(entry: object, where: str) -> tuple[str, str | None]:

@@ -18,7 +18,7 @@ serving layout keeps them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -77,16 +77,21 @@ def fake_quantized(layers: Mapping[str, torch.nn.Linear], names: Sequence[str], 
 
 @torch.no_grad()
 def measure(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], float], unit_list: Sequence[tuple[str, ...]],
-            candidates: Mapping[str, QuantSpec], progress=None) -> dict[tuple[str, ...], dict[str, float]]:
-    """unit -> candidate name -> loss increase over the float model's loss (`loss_fn`, on calibration text)."""
+            candidates: Mapping[str, QuantSpec | None], progress=None,
+            options: Mapping[tuple[str, ...], Collection[str]] | None = None) -> dict[tuple[str, ...], dict[str, float]]:
+    """unit -> candidate name -> loss increase over the float model's loss (`loss_fn`, on calibration text).
+    `options`: per unit, the candidates to measure (default all); a None spec is float (no increase)."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     base = loss_fn(model)
     out: dict[tuple[str, ...], dict[str, float]] = {}
     for unit in unit_list:
         out[unit] = {}
-        for name, spec in candidates.items():
-            with fake_quantized(layers, unit, spec):
-                out[unit][name] = loss_fn(model) - base
+        for name, spec in _wanted(candidates, options, unit):
+            if spec is None:
+                out[unit][name] = 0.0
+            else:
+                with fake_quantized(layers, unit, spec):
+                    out[unit][name] = loss_fn(model) - base
             if progress is not None:
                 progress.update(1)
     return out
@@ -94,8 +99,11 @@ def measure(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], float],
 
 def fisher_deltas(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
                   windows: Sequence[torch.Tensor], unit_list: Sequence[tuple[str, ...]],
-                  candidates: Mapping[str, QuantSpec], progress=None) -> dict[tuple[str, ...], dict[str, float]]:
-    """unit -> candidate -> estimated loss increase; `loss_fn(model, window)` is the differentiable mean loss."""
+                  candidates: Mapping[str, QuantSpec | None], progress=None,
+                  options: Mapping[tuple[str, ...], Collection[str]] | None = None
+                  ) -> dict[tuple[str, ...], dict[str, float]]:
+    """unit -> candidate -> estimated loss increase; `loss_fn(model, window)` is the differentiable mean loss.
+    `options` and None specs as in `measure`."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     names = [n for u in unit_list for n in u]
     weights = [layers[n].weight for n in names]
@@ -119,10 +127,20 @@ def fisher_deltas(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, to
         for p in frozen:
             p.requires_grad_(True)
     by_name = dict(zip(names, fisher, strict=True))
+
+    def delta(unit: tuple[str, ...], spec: QuantSpec | None) -> float:
+        if spec is None:
+            return 0.0
+        return 0.5 * sum((by_name[n] * (dequantize(quantize(layers[n].weight, spec)) - layers[n].weight) ** 2)
+                         .sum().item() for n in unit) / len(windows)
+
     with torch.no_grad():
-        return {u: {c: 0.5 * sum((by_name[n] * (dequantize(quantize(layers[n].weight, spec)) - layers[n].weight)
-                                  ** 2).sum().item() for n in u) / len(windows)
-                    for c, spec in candidates.items()} for u in unit_list}
+        return {u: {c: delta(u, spec) for c, spec in _wanted(candidates, options, u)} for u in unit_list}
+
+
+def _wanted(candidates: Mapping[str, QuantSpec | None], options: Mapping[tuple[str, ...], Collection[str]] | None,
+            unit: tuple[str, ...]) -> list[tuple[str, QuantSpec | None]]:
+    return [(c, s) for c, s in candidates.items() if options is None or c in options[unit]]
 
 
 def allocate(deltas: Mapping[tuple[str, ...], Mapping[str, float]], bits: Mapping[tuple[str, ...], Mapping[str, float]],
