@@ -78,7 +78,8 @@ def fake_quantized(layers: Mapping[str, torch.nn.Linear], names: Sequence[str], 
 @torch.no_grad()
 def measure(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], float], unit_list: Sequence[tuple[str, ...]],
             candidates: Mapping[str, QuantSpec | None], progress=None,
-            options: Mapping[tuple[str, ...], Collection[str]] | None = None) -> dict[tuple[str, ...], dict[str, float]]:
+            options: Mapping[tuple[str, ...], Collection[str]] | None = None
+            ) -> dict[tuple[str, ...], dict[str, float]]:
     """unit -> candidate name -> loss increase over the float model's loss (`loss_fn`, on calibration text).
     `options`: per unit, the candidates to measure (default all); a None spec is float (no increase)."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
