@@ -14,6 +14,7 @@ from glmserve.layers.param_loading import WHOLE, Shard
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
 from glmserve.quant.schemes import SCHEMES, Scheme, scheme
+from glmserve.quant.weight import OutlierColumns, QuantizedWeight, WeightWithFloatColumns
 
 CPU = torch.device("cpu")
 SIZES = [128, 64, 64]
@@ -95,6 +96,77 @@ def test_float_parts_are_dropped_after_finalize():
     assert all(p is None for p in layer._parts)
     # int8 codes (1 byte) + one fp32 scale per row: about a quarter of the float32 matrix
     assert layer.weight_bytes() == sum(SIZES) * IN + sum(SIZES) * 4
+
+
+OUTLIERS = torch.tensor([5, 77, 200])
+
+
+def _with_float_columns(name: str, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A q|k|v weight quantized whole with OUTLIERS zeroed, those columns kept in float; and the float weight."""
+    whole = torch.cat(_parts(seed))
+    float_part = torch.randn(whole.shape[0], len(OUTLIERS), generator=torch.Generator().manual_seed(seed)) * 0.5
+    whole[:, OUTLIERS] = 0.0
+    q = quantize(whole, scheme(name).weight)
+    dense = dequantize(q)
+    assert torch.count_nonzero(dense[:, OUTLIERS]) == 0  # the codes hold nothing there
+    dense[:, OUTLIERS] = float_part
+    return WeightWithFloatColumns.of(q, OutlierColumns(OUTLIERS, float_part)), dense
+
+
+@pytest.mark.parametrize("backend", ["reference", "default"])
+@pytest.mark.parametrize("name", ["int8", "w8a8", "w4a16-asym", "fp8", "nvfp4"])
+def test_float_outlier_columns_join_the_quantized_product(name, backend, monkeypatch):
+    """A module with float outlier columns (the seeds' activation_threshold) runs natively: the codes' product on
+    inputs with those columns zeroed (so large outlier activations set no activation scale) plus the float columns'
+    product; the bound small-batch call is the same, the fused SwiGLU / bf16 GEMM calls step aside."""
+    if backend == "default":
+        monkeypatch.delenv("GLMSERVE_QUANT_BACKEND")
+    weight, dense = _with_float_columns(name, 4)
+    layer = _layer(name)
+    layer.load_weight("weight", weight, WHOLE)
+    layer.finalize()
+    x = torch.randn(5, IN)
+    x[:, OUTLIERS] *= 300.0  # LLM.int8()'s outlier features
+    inliers = x.index_fill(1, OUTLIERS, 0.0)
+    acts = scheme(name).activations
+    xq = inliers if acts is None else fake_quantize_activations(inliers, acts)
+    expected = F.linear(xq, dense) + F.linear(x[:, OUTLIERS], dense[:, OUTLIERS])
+    got = layer(x)
+    if backend == "reference":
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    else:  # the CPU kernels round A16 activations to int8 per block of 32 as well: small beside the inliers' part
+        assert (got - expected).abs().max() < 0.02 * F.linear(inliers, dense).abs().max()
+    matmul, _ = layer.small_batch() or (layer, 0)
+    torch.testing.assert_close(matmul(x.contiguous()), got, rtol=1e-5, atol=1e-4)
+    assert layer.small_batch_swiglu() is None and layer.dense_batch() is None and not layer.takes_bf16(64)
+    torch.testing.assert_close(layer.weight, dense, rtol=1e-3, atol=1e-3)  # the kernels' fp16 scales
+    assert torch.equal(layer.weight[:, OUTLIERS], dense[:, OUTLIERS])
+    codes_only = QuantizedLinear(IN, SIZES, scheme(name), False, CPU, torch.float32)
+    codes_only.load_weight("weight", quantize(torch.cat(_parts(4)), scheme(name).weight), WHOLE)
+    codes_only.finalize()
+    assert layer.weight_bytes() >= codes_only.weight_bytes() + sum(SIZES) * len(OUTLIERS) * 4
+
+
+def test_outlier_columns_decide_what_stacks():
+    """Parts with the same float columns stack into one segment; parts without them, or with others, do not."""
+    weight, dense = _with_float_columns("int8", 5)
+    rows = torch.arange(sum(SIZES)).split(SIZES)
+    same = QuantizedLinear(IN, SIZES, scheme("int8"), False, CPU, torch.float32)
+    for i, r in enumerate(rows):
+        same.load_weight("weight", weight.take_rows(r), Shard(part=i))
+    same.finalize()
+    mixed = QuantizedLinear(IN, SIZES, scheme("int8"), False, CPU, torch.float32)
+    mixed.load_weight("weight", weight.take_rows(rows[0]), Shard(part=0))
+    plain = quantize(dense[rows[1]].index_fill(1, OUTLIERS, 0.0), scheme("int8").weight)
+    mixed.load_weight("weight", plain, Shard(part=1))
+    mixed.load_weight("weight", weight.take_rows(rows[2]), Shard(part=2))
+    mixed.finalize()
+    assert len(same._segments) == 1 and len(mixed._segments) == 3
+    x = torch.randn(3, IN)
+    torch.testing.assert_close(same(x), F.linear(x, dense), rtol=1e-5, atol=1e-4)
+    expected = F.linear(x, dense)
+    expected[:, SIZES[0]:SIZES[0] + SIZES[1]] = F.linear(x, dequantize(plain))
+    torch.testing.assert_close(mixed(x), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_load_errors():

@@ -481,22 +481,38 @@ def test_bad_quantization_config_is_a_clear_error(edit, message, ct_checkpoints,
         load_model(str(folder), None, torch.device("cpu"), torch.float32)
 
 
-def test_outlier_columns_load_dequantized_only(ct_checkpoints, tmp_path):
-    """Float outlier columns (the activation_threshold recipe) are refused natively with a clear error and put
-    back into the float weight with --quantization none."""
+@pytest.mark.parametrize("name", ["int8", "w8a8", "fp8"])
+def test_outlier_columns_run_natively(name, ct_checkpoints, tmp_path, monkeypatch):
+    """Float outlier columns (the activation_threshold recipe: q/k/v of layer 0 share theirs, layer 1's down_proj
+    has its own) load with the codes and run on the CPU kernels as the fake-quantized float model computes; with
+    --quantization none they are put back into the float weight."""
+    monkeypatch.delenv("GLMSERVE_QUANT_BACKEND")
     src, dirs = ct_checkpoints
-    config, modules, rest = load_checkpoint(dirs["int8"])
-    target = "model.layers.0.mlp.down_proj"
-    columns = torch.tensor([3, 40])
-    weight = modules[target].weight
-    modules[target].outliers = OutlierColumns(columns, torch.randn(weight.shape[0], 2) * 0.3)
-    weight.codes[:, columns] = 0
+    config, modules, rest = load_checkpoint(dirs[name])
+    g = torch.Generator().manual_seed(3)
+    for targets, columns in ((["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                               "model.layers.0.self_attn.v_proj"], torch.tensor([1, 9, 30])),
+                             (["model.layers.1.mlp.down_proj"], torch.tensor([3, 40]))):
+        for target in targets:
+            weight = modules[target].weight
+            modules[target].outliers = OutlierColumns(columns, torch.randn(weight.shape[0], len(columns),
+                                                                           generator=g) * 0.3)
+            weight.codes[:, columns] = 0
     qconfig = config.pop("quantization_config")
     folder = tmp_path / "outliers"
     save_checkpoint(folder, modules, rest, config, qconfig["ignore"])
-    for file in dirs["int8"].glob("tokenizer*"):
+    for file in dirs[name].glob("tokenizer*"):
         shutil.copy(file, folder)
-    with pytest.raises(UnsupportedModelError, match="down_proj .* keeps float outlier columns"):
-        load_model(str(folder), None, torch.device("cpu"), torch.float32)
+    hf_fake = fake_quantized_model(src, folder)
+    llm = _engine(folder)
+    model = llm.engine.runner.model
+    qkv, down = model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.down_proj
+    assert [s.columns.tolist() for s in qkv._segments] == [[1, 9, 30]]  # q|k|v still one matmul
+    assert [s.columns.tolist() for s in down._segments] == [[3, 40]]
+    assert all(s.columns is None for s in model.layers[1].self_attn.qkv_proj._segments)
+    assert _worst_error(llm, hf_fake, list(range(5, 30))) < max(FAKE_TOLERANCE[name], 0.05)
     floats = load_model(str(folder), None, torch.device("cpu"), torch.float32, quantization="none").model
-    assert torch.equal(floats.layers[0].mlp.down_proj.weight, dense_weight(modules[target]))
+    target = "model.layers.1.mlp.down_proj"
+    assert torch.equal(floats.layers[1].mlp.down_proj.weight, dense_weight(modules[target]))
+
+

@@ -18,7 +18,7 @@ from glmserve.quant.backend import LinearBackend, select
 from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize_rows
 from glmserve.quant.schemes import Scheme
-from glmserve.quant.weight import QuantizedWeight, concat_rows, stackable
+from glmserve.quant.weight import QuantizedWeight, WeightWithFloatColumns, concat_rows, stackable
 
 BF16_ACTIVATIONS_ENV = "GLMSERVE_BF16_ACTIVATIONS"  # "0": activations between linears stay float32
 
@@ -52,24 +52,44 @@ _COVERED = object()  # a part loaded as rows of the previous part's (fused, quan
 
 @dataclass
 class _Segment:
-    """Consecutive output rows computed by one matmul: on a quant backend, or in float (backend None)."""
+    """Consecutive output rows computed by one matmul: on a quant backend, or in float (backend None). `columns` /
+    `float_part` ([k], [out, k]): input columns kept in float beside the codes (zero there), whose product is added
+    to the backend's on inputs with those columns zeroed (so that they do not set an activation block's scale)."""
 
     backend: LinearBackend | None
     prepared: Any  # the backend's layout; a float [rows, in] tensor when backend is None
     prepared_rows: int
     canonical: QuantizedWeight | None = None  # kept only where the backend cannot read its rows back
+    columns: torch.Tensor | None = None
+    float_part: torch.Tensor | None = None
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.backend is None:
             return self.prepared[ids].to(dtype)
         if self.canonical is not None:
-            return dequantize_rows(self.canonical, ids, dtype)
-        return self.backend.dequantize_rows(self.prepared, ids, dtype)
+            out = dequantize_rows(self.canonical, ids, dtype)
+        else:
+            out = self.backend.dequantize_rows(self.prepared, ids, dtype)
+        if self.columns is not None:
+            out[:, self.columns] = self.float_part[ids].to(dtype)
+        return out
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.backend is None:
             return F.linear(x, self.prepared, bias)
-        return self.backend.apply(self.prepared, x, bias)
+        if self.columns is None:
+            return self.backend.apply(self.prepared, x, bias)
+        return self.with_float_columns(lambda z: self.backend.apply(self.prepared, z, bias))(x)
+
+    def with_float_columns(self, matmul: Callable[[torch.Tensor], torch.Tensor]
+                           ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`matmul` (the codes' product) of [T, in] rows with the float columns' product added."""
+        columns, float_part = self.columns, self.float_part
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            y = matmul(x.index_fill(-1, columns, 0))
+            return y.add_(F.linear(x.index_select(-1, columns).to(float_part.dtype), float_part).to(y.dtype))
+        return call
 
 
 class QuantizedLinear(nn.Module):
@@ -160,7 +180,10 @@ class QuantizedLinear(nn.Module):
         # a backend that cannot read rows back (`dequantize_rows`) costs the canonical copy: tied embeddings
         # and weight inspection (learned-indexer fingerprints) need the rows
         keep = None if hasattr(backend, "dequantize_rows") else weight
-        return _Segment(backend, prepared, weight.shape[0], keep)
+        if not isinstance(weight, WeightWithFloatColumns):
+            return _Segment(backend, prepared, weight.shape[0], keep)
+        return _Segment(backend, prepared, weight.shape[0], keep, weight.outliers.columns,
+                        weight.outliers.weight.to(self.dtype).contiguous())
 
     # -- running --------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,13 +238,18 @@ class QuantizedLinear(nn.Module):
         return None if bound is None else _side_by_side(bound, max)
 
     def _segment_calls(self, name: str) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] | None:
-        """Each segment's backend `name(prepared)` (a bound call and its row limit), or None where one has none."""
+        """Each segment's backend `name(prepared)` (a bound call and its row limit), or None where one has none.
+        Float columns join only the plain product (`small_batch`): SwiGLU and the bf16 GEMMs' rows stay whole."""
         bound = []
         for segment in self._segments:
+            if segment.columns is not None and name != "small_batch":
+                return None
             method = getattr(segment.backend, name, None)
             call = None if method is None else method(segment.prepared)
             if call is None:
                 return None
+            if segment.columns is not None:
+                call = (segment.with_float_columns(call[0]), call[1])
             bound.append(call)
         return bound
 
@@ -237,8 +265,8 @@ class QuantizedLinear(nn.Module):
         """True where every segment runs `rows` rows as a bf16 GEMM (its backend's `bf16_rows`, without bias):
         bf16 inputs then come back in bf16 with no float32 round trip."""
         return self.bias is None and all(
-            s.backend is not None and hasattr(s.backend, "bf16_rows") and s.backend.bf16_rows(s.prepared, rows)
-            for s in self._segments)
+            s.backend is not None and s.columns is None and hasattr(s.backend, "bf16_rows")
+            and s.backend.bf16_rows(s.prepared, rows) for s in self._segments)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -258,7 +286,8 @@ class QuantizedLinear(nn.Module):
         """Bytes of the run-time weight (every tensor the prepared segments hold) plus the bias."""
         total = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         seen: set[int] = set()
-        return total + sum(_tensor_bytes((s.prepared, s.canonical), seen) for s in self._segments)
+        return total + sum(_tensor_bytes((s.prepared, s.canonical, s.columns, s.float_part), seen)
+                           for s in self._segments)
 
     def extra_repr(self) -> str:
         formats = [type(s.backend).__name__ if s.backend else "float" for s in self._segments]

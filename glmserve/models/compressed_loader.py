@@ -1,6 +1,7 @@
 """A compressed-tensors checkpoint (what `glmserve quantize` and llm-compressor write) as the loader's tensor
 stream: each quantized linear layer's tensors (glmserve/quant/compressed_tensors.py decodes them) arrive as
-one QuantizedWeight under `<module>.weight`, with its stored format (weights and input activations, W8A8's
+one QuantizedWeight under `<module>.weight` (a WeightWithFloatColumns where the module keeps float outlier
+columns), with its stored format (weights and input activations, W8A8's
 dynamic int8 tokens) for the plan (glmserve/quant/plan.py); or as its float weight when the checkpoint is
 dequantized (`--quantization none` or a scheme). Float tensors pass through."""
 
@@ -23,6 +24,7 @@ from glmserve.quant.compressed_tensors import (
     stream_modules,
 )
 from glmserve.quant.schemes import Scheme
+from glmserve.quant.weight import WeightWithFloatColumns
 
 
 def compressed_weights(files: list[Path], qconfig: Mapping, native: bool
@@ -32,12 +34,12 @@ def compressed_weights(files: list[Path], qconfig: Mapping, native: bool
     What the engine cannot run fails here, before any tensor is read."""
     keys = safetensors_keys(files)
     specs = quantized_modules(qconfig, keys)
-    _check_runnable(qconfig, specs, keys, native)
+    _check_runnable(qconfig, specs)
     formats = {f"{name}.weight": Scheme(QUANT_METHOD, w, a) for name, (w, a) in specs.items()} if native else {}
     return _tensors(qconfig, keys, files, native), formats
 
 
-def _check_runnable(qconfig: Mapping, specs: Mapping, keys: list[str], native: bool) -> None:
+def _check_runnable(qconfig: Mapping, specs: Mapping) -> None:
     if qconfig.get("quantization_status", "compressed") != "compressed":
         raise UnsupportedModelError(f"quantization_status {qconfig['quantization_status']!r}: only compressed "
                                     "checkpoints are read")
@@ -53,11 +55,6 @@ def _check_runnable(qconfig: Mapping, specs: Mapping, keys: list[str], native: b
                                         "dynamic ones, e.g. W8A8 per token)")
     if not specs:
         raise UnsupportedModelError("the quantization_config targets no quantized tensor of the checkpoint")
-    with_outliers = sorted(k.rpartition(".")[0] for k in keys if k.endswith(".outlier_columns"))
-    if native and with_outliers:
-        raise UnsupportedModelError(f"{with_outliers[0]} (and {len(with_outliers) - 1} more) keeps float outlier "
-                                    "columns, which quantized layers do not run; load it with --quantization none "
-                                    "(dequantized, outliers put back)")
 
 
 def _tensors(qconfig: Mapping, keys: list[str], files: list[Path], native: bool
@@ -65,7 +62,8 @@ def _tensors(qconfig: Mapping, keys: list[str], files: list[Path], native: bool
     for name, item in stream_modules(qconfig, keys, read_safetensors(files)):
         if not isinstance(item, QuantizedModule):
             yield name, item
-        elif native:
-            yield f"{name}.weight", item.weight
+        elif native:  # float outlier columns ride with the codes (layers/linear.py adds their product)
+            yield f"{name}.weight", (item.weight if item.outliers is None
+                                     else WeightWithFloatColumns.of(item.weight, item.outliers))
         else:
             yield f"{name}.weight", dense_weight(item, torch.float32)

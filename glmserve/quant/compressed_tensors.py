@@ -44,21 +44,13 @@ from safetensors.torch import save_file
 from glmserve.errors import InvalidRequestError, UnsupportedModelError
 from glmserve.quant.reference import dequantize
 from glmserve.quant.spec import QuantSpec
-from glmserve.quant.weight import QuantizedWeight
+from glmserve.quant.weight import OutlierColumns, QuantizedWeight
 
 QUANT_METHOD = "compressed-tensors"
 INT_QUANTIZED, PACK_QUANTIZED = "int-quantized", "pack-quantized"
 FLOAT_QUANTIZED, NVFP4_PACKED, MIXED = "float-quantized", "nvfp4-pack-quantized", "mixed-precision"
 FLOAT_ZERO_POINT = "torch.float32"  # the zp_dtype of a float minimum's zero point (see the module docstring)
 WEIGHTS_FILE = "model.safetensors"
-
-
-@dataclass
-class OutlierColumns:
-    """Input columns of a linear layer kept in float beside its quantized weight (see the module docstring)."""
-
-    columns: torch.Tensor  # int64 [k], sorted
-    weight: torch.Tensor  # float [out, k]
 
 
 @dataclass

@@ -71,6 +71,50 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros, self.mins,
                                                            self.global_scale) if t is not None)
 
+    @property
+    def float_columns(self) -> torch.Tensor | None:
+        """Input columns kept in float beside the codes (WeightWithFloatColumns); None for a plain weight."""
+        return None
+
+
+@dataclass
+class OutlierColumns:
+    """Input columns of a linear layer kept in float beside its quantized weight (the seeds' activation_threshold,
+    LLM.int8()'s decomposition): the codes are zero there and y = dequant(W) x + weight x[..., columns]."""
+
+    columns: torch.Tensor  # int64 [k], sorted
+    weight: torch.Tensor  # float [out, k]
+
+
+@dataclass
+class WeightWithFloatColumns(QuantizedWeight):
+    """A quantized weight and its float outlier columns, as the engine loads a compressed-tensors module that keeps
+    some (compressed_tensors.py's extension): a backend repacks the codes, the layer adds the float columns' part."""
+
+    outliers: OutlierColumns | None = None
+
+    @classmethod
+    def of(cls, weight: QuantizedWeight, outliers: OutlierColumns) -> WeightWithFloatColumns:
+        return cls(weight.spec, weight.codes, weight.scales, weight.zeros, weight.mins, weight.global_scale, outliers)
+
+    @property
+    def float_columns(self) -> torch.Tensor | None:
+        return self.outliers.columns
+
+    def _per_row(self, fn: Callable[[torch.Tensor], torch.Tensor], global_scale: torch.Tensor | None
+                 ) -> WeightWithFloatColumns:
+        weight = fn(self.outliers.weight)
+        return self.of(super()._per_row(fn, global_scale), OutlierColumns(self.outliers.columns.to(weight.device),
+                                                                          weight))
+
+    def _stack(self, parts: list[QuantizedWeight]) -> WeightWithFloatColumns:
+        weight = torch.cat([p.outliers.weight for p in parts], dim=0)  # type: ignore[attr-defined]
+        return self.of(super()._stack(parts), OutlierColumns(self.outliers.columns, weight))
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + sum(t.numel() * t.element_size() for t in (self.outliers.columns, self.outliers.weight))
+
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Parts of one spec (and one global scale) stacked along the output rows, as a fused q|k|v or gate|up.
@@ -90,6 +134,10 @@ def _check_stackable(parts: list[QuantizedWeight]) -> None:
     g = parts[0].global_scale
     if g is not None and any(p.global_scale is None or not torch.equal(p.global_scale, g) for p in parts):
         raise ValueError("cannot stack weights with different global scales")
+    c = parts[0].float_columns
+    if any((p.float_columns is None) != (c is None) or (c is not None and not torch.equal(p.float_columns, c))
+           for p in parts):
+        raise ValueError("cannot stack weights with different float columns")
 
 
 def stackable(a: QuantizedWeight, b: QuantizedWeight) -> bool:
