@@ -129,17 +129,7 @@ def choose_schemes(model: torch.nn.Module, plan: Plan,
     if floor is None:
         options = {u: list(cands) for u in unit_list}
     else:
-        options = {}
-        for u in unit_list:
-            base = {floor.get(n, NONE) for n in u}
-            if len(base) > 1:
-                raise InvalidRequestError(f"a bits budget upgrades whole units, but the recipe gives {', '.join(u)} "
-                                          f"different schemes ({', '.join(sorted(base))})")
-            (b,) = base
-            if b == NONE:
-                continue
-            floor_bits = bits_per_weight(scheme_specs(b)[0], *shape[u])
-            options[u] = [b] + [c for c in cand_names if c != b and bits_per_weight(cands[c], *shape[u]) > floor_bits]
+        options = _upgrades(unit_list, floor, cands, shape)
         unit_list = list(options)
         cands.update({b: scheme_specs(b)[0] for b in {o[0] for o in options.values()} - set(cands)})
     if plan.sensitivity not in SENSITIVITY:
@@ -158,6 +148,23 @@ def choose_schemes(model: torch.nn.Module, plan: Plan,
     if floor is not None:  # units outside the budget keep the recipe's word (float ones are absent from both)
         chosen = {n: chosen.get(n, s) for n, s in floor.items()}
     return {n: s for n, s in chosen.items() if s != NONE}, deltas
+
+
+def _upgrades(unit_list: Sequence[tuple[str, ...]], floor: Mapping[str, str], cands: Mapping[str, QuantSpec | None],
+              shape: Mapping[tuple[str, ...], tuple[int, int]]) -> dict[tuple[str, ...], list[str]]:
+    """Per unit the recipe quantizes: its floor scheme first, then the candidates of more bits per weight."""
+    options = {}
+    for u in unit_list:
+        base = {floor.get(n, NONE) for n in u}
+        if len(base) > 1:
+            raise InvalidRequestError(f"a bits budget upgrades whole units, but the recipe gives {', '.join(u)} "
+                                      f"different schemes ({', '.join(sorted(base))})")
+        (b,) = base
+        if b == NONE:
+            continue
+        floor_bits = bits_per_weight(scheme_specs(b)[0], *shape[u])
+        options[u] = [b] + [c for c, spec in cands.items() if c != b and bits_per_weight(spec, *shape[u]) > floor_bits]
+    return options
 
 
 def quantize_model(model: torch.nn.Module, plan: Plan, calib: Sequence[torch.Tensor] | None = None,
