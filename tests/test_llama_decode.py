@@ -50,6 +50,9 @@ def fused_and_module_outputs(llm: LLM, prompts: list[list[int]], monkeypatch) ->
     ("qwen2", "w8a8", "float32"),  # q/k/v bias on a quantized linear
     ("qwen2", "none", "bfloat16"),  # q/k/v bias on a float one
     ("llama3-scaled", "w4a16-asym", "float32"),  # scaled rope, tied head, int4 with mins
+    ("llama", "fp8", "float32"),  # the float-code kernels (cpu_float_block): E4M3 weights and tokens
+    ("llama", "fp8-g32", "int8"),  # E4M3 activation tiles of 32, rounded before the kernel
+    ("llama", "nvfp4", "float32"),
 ])
 def test_fused_decode_equals_module_path(arch, quantization, kv, tiny_model_dir, cpu_isa, monkeypatch):
     llm = LLM(model=str(tiny_model_dir(arch)), block_size=4, max_num_batched_tokens=32, max_num_seqs=4,

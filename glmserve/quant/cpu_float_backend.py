@@ -23,6 +23,7 @@ What differs from `reference` is the order of the fp32 sums (tests/test_float_qu
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -191,6 +192,15 @@ class CpuFloatBlockBackend:
         if bias is not None:
             out += bias.to(torch.float32)
         return out.reshape(*x.shape[:-1], p.out_features).to(x.dtype)
+
+    def small_batch(self, prepared: PackedFloatWeight) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+        """`apply` of float32 contiguous [T, in] rows without bias as one bound kernel call (a decode step's straight
+        line of calls, models/llama_decode.py), and the row count from which `apply` differs: none."""
+        p = prepared
+        args = (p.fp8_tokens, p.codes, p.scales, p.fp4, p.group, p.factor, p.post, p.out_features)
+        if p.fp8_group is None:
+            return (lambda x: p.linear(x, *args)), sys.maxsize
+        return (lambda x: p.linear(_fp8_tiles(x, p.fp8_group, p.round_rows), *args)), sys.maxsize
 
     def dequantize_rows(self, prepared: PackedFloatWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight from the packed layout, equal to reference.dequantize's rows."""
