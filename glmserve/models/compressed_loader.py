@@ -1,9 +1,9 @@
 """A compressed-tensors checkpoint (what `glmserve quantize` and llm-compressor write) as the loader's tensor
 stream: each quantized linear layer's tensors (glmserve/quant/compressed_tensors.py decodes them) arrive as
 one QuantizedWeight under `<module>.weight` (a WeightWithFloatColumns where the module keeps float outlier
-columns), with its stored format (weights and input activations, W8A8's
-dynamic int8 tokens) for the plan (glmserve/quant/plan.py); or as its float weight when the checkpoint is
-dequantized (`--quantization none` or a scheme). Float tensors pass through."""
+columns), with its stored format (weights and input activations, W8A8's dynamic int8 tokens) for the plan
+(glmserve/quant/plan.py); or as its float weight when the checkpoint is dequantized (`--quantization none` or a
+scheme). Float tensors pass through."""
 
 from __future__ import annotations
 

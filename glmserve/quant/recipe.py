@@ -23,7 +23,8 @@ precision per layer" with its layer-wise sensitivity). Without `candidates` the 
 
 `activation_threshold`: input channels whose activation absmax on the calibration text exceeds it (LLM.int8()'s
 outlier features, Dettmers et al. 2022, arXiv 2208.07339, use 6.0) keep their weight columns in float; the rest of
-the weight is quantized with those columns zeroed (compressed_tensors.OutlierColumns).
+the weight is quantized with those columns zeroed (quant/weight.py OutlierColumns; the engine runs them
+natively, layers/linear.py).
 
 Embeddings, norms and lm_head are never linear layers a rule can reach except by naming lm_head explicitly (no
 glob wildcard matches it), so they stay in high precision unless asked.
