@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from glmserve.cli import main, run_quantize
 from glmserve.errors import InvalidRequestError
 from glmserve.quant.compressed_tensors import dense_weight, load_checkpoint
-from glmserve.quant.pipeline import WRITABLE_SCHEMES
+from glmserve.quant.pipeline import WRITABLE_SCHEMES, scheme_specs
+from glmserve.quant.sensitivity import bits_per_weight
 from tests.tiny_models import CORPUS, make_tiny_model
 
 CALIB = "\n".join(CORPUS[:8])
@@ -132,13 +133,11 @@ def _budget_recipe(tmp_path, budget: float | None, candidates: str = "[fp8]"):
 def test_recipe_with_a_bits_budget_upgrades_the_most_sensitive_ffn_units(tiny, tmp_path):
     """The seeds' recipe as each unit's floor, FFN units upgraded to FP8 by their measured loss decrease per added
     bit, within the budget; the folder holds the chosen formats."""
-    from glmserve.quant.sensitivity import bits_per_weight
-
     calib = tmp_path / "calib.txt"
     calib.write_text(CALIB)
     kw = dict(calib=[str(calib)], seq_len=32, sensitivity="measured")
     _, floor = run_quantize(str(tiny), str(tmp_path / "f"), recipe=_budget_recipe(tmp_path, None), **kw)
-    fp8, nvfp4 = (pipeline_specs(s) for s in ("fp8", "nvfp4"))
+    fp8, nvfp4 = (scheme_specs(s)[0] for s in ("fp8", "nvfp4"))
     shapes = {n: (m.weight.shape[1], m.weight.shape[0]) for n, m in _linears(tiny).items()}
     params = {n: shapes[n][0] * shapes[n][1] for n in floor.schemes}
 
@@ -191,12 +190,6 @@ def test_recipe_budget_may_keep_units_in_float(tiny, tmp_path):
 def _linears(model_dir):
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-
-
-def pipeline_specs(name: str):
-    from glmserve.quant.pipeline import scheme_specs
-
-    return scheme_specs(name)[0]
 
 
 @pytest.mark.parametrize("argv, message", [
