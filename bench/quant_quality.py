@@ -155,8 +155,7 @@ CONFIGS = {
                               sensitivity="fisher"),
     "seeds-recipe": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml")),
     "gptq-seeds-recipe": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml"), method="gptq"),
-    "gptq-seeds-recipe-budget": dict(recipe=str(ROOT / "examples/quant/seeds_mixed_budget.yaml"), method="gptq",
-                                     sensitivity="fisher"),
+    "gptq-seeds-recipe-budget": dict(recipe=str(ROOT / "examples/quant/seeds_mixed_budget.yaml"), method="gptq"),
     "seeds-recipe-sq": dict(recipe=str(ROOT / "examples/quant/seeds_mixed.yaml"), smooth=0.5),
 }
 

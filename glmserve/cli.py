@@ -222,9 +222,10 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smooth", type=float, default=None, metavar="ALPHA", help="SmoothQuant: migrate "
                         "activation outliers into the weights with strength ALPHA in [0, 1] (0.5 typical; for "
                         "w8a8 / fp8; needs --calib)")
-    parser.add_argument("--sensitivity", default="measured", choices=["measured", "fisher"],
+    parser.add_argument("--sensitivity", default=None, choices=["measured", "fisher"],
                         help="--bits-budget: measure each layer unit's loss increase, or estimate it from the "
-                        "Fisher diagonal (one gradient pass over the calibration text)")
+                        "Fisher diagonal (one gradient pass over the calibration text); default: the recipe's "
+                        "`sensitivity`, else measured")
     parser.add_argument("--rotate", nargs="?", const="auto", default=None, choices=["auto", "hadamard", "random"],
                         help="first rotate the residual stream (QuaRot's R1: norms folded, lm_head untied; the "
                         "float model's function is unchanged, its outlier channels spread): a randomized Hadamard "
@@ -252,7 +253,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
 def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | None = None,
                  bits_budget: float | None = None, candidates: str | None = None, calib: list[str] | None = None,
                  calib_tokens: int = 4096, seq_len: int = 512, method: str = "rtn", dtype: str = "auto",
-                 sensitivity: str = "measured", smooth: float | None = None, stats=None, gptq_damp: float = 0.01,
+                 sensitivity: str | None = None, smooth: float | None = None, stats=None, gptq_damp: float = 0.01,
                  rotate: str | None = None, scale_search: bool = False, sequential: bool = False,
                  asymmetric: bool = False, asymmetric_damp: float | None = None, tune_steps: int = 0,
                  tune_lr: float = 1e-3, tune_dtype: str = "bfloat16", tune_samples: int = 0):

@@ -177,6 +177,8 @@ def test_rules_recipe_json(tmp_path):
     ({"default": "fp8", "bits_budget": True}, "bits_budget must be a positive"),
     ({"default": "fp8", "bits_budget": 6, "candidates": [8]}, "list of scheme names"),
     ({"default": "fp8", "candidates": ["int8"]}, "give bits_budget"),
+    ({"default": "fp8", "bits_budget": 6, "sensitivity": "exact"}, "sensitivity is one of measured, fisher"),
+    ({"default": "fp8", "sensitivity": "fisher"}, "goes with a bits_budget"),
 ])
 def test_bad_recipes_are_typed_errors(bad, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -192,7 +194,7 @@ def test_unknown_scheme_in_recipe():
 
 def test_budget_recipe_file():
     recipe = load_recipe("examples/quant/seeds_mixed_budget.yaml")
-    assert (recipe.bits_budget, recipe.candidates, recipe.activation_threshold) == (6.5, ("fp8",), 6.0)
+    assert (recipe.bits_budget, recipe.candidates, recipe.sensitivity) == (6.5, ("fp8",), "fisher")
     assert recipe.assign(LLAMA, KNOWN) == load_recipe("examples/quant/seeds_mixed.yaml").assign(LLAMA, KNOWN)
     assert parse_recipe({"default": "fp8", "bits_budget": 6, "candidates": "int8, none"}).candidates == ("int8", "none")
 

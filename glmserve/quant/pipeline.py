@@ -25,6 +25,7 @@ from glmserve.quant.perplexity import mean_nll, window_loss
 from glmserve.quant.quantize import quantize
 from glmserve.quant.recipe import NONE, Recipe
 from glmserve.quant.schemes import SCHEMES, scheme
+from glmserve.quant.sensitivity import KINDS as SENSITIVITY_KINDS
 from glmserve.quant.sensitivity import allocate, bits_per_weight, fisher_deltas, measure, units
 from glmserve.quant.sequential import Collect, Served, float_target, quantize_sequential
 from glmserve.quant.spec import QuantSpec
@@ -39,7 +40,6 @@ GPTQ_METHODS = ("gptq", "awq-gptq")
 # the schemes this command can write: every named scheme compressed-tensors holds (not GGUF blocks, not none)
 WRITABLE_SCHEMES = tuple(n for n, sch in SCHEMES.items() if sch.weight is not None and sch.weight.gguf_type is None)
 DEFAULT_CANDIDATES = ("int8", "w4a16", "w4a16-g64")
-SENSITIVITY = ("measured", "fisher")
 
 
 def scheme_specs(name: str) -> tuple[QuantSpec, QuantSpec | None]:
@@ -64,7 +64,7 @@ class Plan:
     bits_budget: float | None = None
     candidates: Sequence[str] | None = None  # None: DEFAULT_CANDIDATES, or with a recipe its own (recipe.py)
     method: str = "rtn"
-    sensitivity: str = "measured"
+    sensitivity: str | None = None  # a sensitivity.KINDS kind; None: the recipe's, else "measured"
     gptq_damp: float = 0.01
     smooth: float | None = None  # SmoothQuant's alpha (smoothquant.py); None: no migration
     scale_search: bool = False  # each (row, group)'s range by weighted-MSE search (scale_search.py), not absmax
@@ -132,9 +132,10 @@ def choose_schemes(model: torch.nn.Module, plan: Plan,
         options = _upgrades(unit_list, floor, cands, shape)
         unit_list = list(options)
         cands.update({b: scheme_specs(b)[0] for b in {o[0] for o in options.values()} - set(cands)})
-    if plan.sensitivity not in SENSITIVITY:
-        raise InvalidRequestError(f"sensitivity {plan.sensitivity!r} is not one of {SENSITIVITY}")
-    if plan.sensitivity == "fisher":
+    kind = plan.sensitivity or (plan.recipe.sensitivity if plan.recipe else None) or "measured"
+    if kind not in SENSITIVITY_KINDS:
+        raise InvalidRequestError(f"sensitivity {kind!r} is not one of {SENSITIVITY_KINDS}")
+    if kind == "fisher":
         progress = tqdm(total=len(calib), desc="fisher", unit="window")
         deltas = fisher_deltas(model, window_loss, calib, unit_list, cands, progress, options)
     else:

@@ -19,7 +19,8 @@ NVFP4 is defined by its E4M3 scale per 16 values (compressed-tensors and vLLM ac
 float): the recipe's schemes become each layer unit's floor, and units are upgraded to candidates of more bits in the
 order of their measured sensitivity until the budget is spent (pipeline.choose_schemes; the seeds' "differentiated
 precision per layer" with its layer-wise sensitivity). Without `candidates` the upgrades are the recipe's own schemes
-(the seeds' form: an NVFP4 FFN unit may become FP8). `glmserve quantize --bits-budget / --candidates` override both.
+(the seeds' form: an NVFP4 FFN unit may become FP8); `sensitivity` (measured or fisher) how the units' loss increases
+are found. `glmserve quantize --bits-budget / --candidates / --sensitivity` override the file.
 
 `activation_threshold`: input channels whose activation absmax on the calibration text exceeds it (LLM.int8()'s
 outlier features, Dettmers et al. 2022, arXiv 2208.07339, use 6.0) keep their weight columns in float; the rest of
@@ -43,6 +44,7 @@ import yaml
 
 from glmserve.errors import InvalidRequestError
 from glmserve.quant.rotate import KINDS
+from glmserve.quant.sensitivity import KINDS as SENSITIVITY_KINDS
 
 NONE = "none"
 LM_HEAD = "lm_head"
@@ -75,6 +77,7 @@ class Recipe:
     notes: tuple[str, ...] = field(default=())  # what was read differently from the file's letter, for the user
     bits_budget: float | None = None  # upgrade units above their rule's scheme under this many bits per weight
     candidates: tuple[str, ...] = ()  # the upgrades a bits budget chooses from; (): the recipe's own schemes
+    sensitivity: str | None = None  # a sensitivity.KINDS kind for the budget; None: the command's default
 
     def schemes(self) -> set[str]:
         """Every scheme the rules and the default name, "none" included."""
@@ -139,8 +142,12 @@ def parse_recipe(data: object, where: str = "recipe") -> Recipe:
         raise InvalidRequestError(f"{where}: candidates is a list of scheme names, got {candidates!r}")
     if candidates and budget is None:
         raise InvalidRequestError(f"{where}: candidates are the upgrades a bits_budget chooses from: give bits_budget")
+    sensitivity = data.get("sensitivity")
+    if sensitivity is not None and (budget is None or sensitivity not in SENSITIVITY_KINDS):
+        raise InvalidRequestError(f"{where}: sensitivity is one of {', '.join(SENSITIVITY_KINDS)} and goes with a "
+                                  f"bits_budget, got {sensitivity!r}")
     unknown = set(data) - {"rules", "default", "activation_threshold", "attention_layers", "ffn_layers", "rotate",
-                           "bits_budget", "candidates"}
+                           "bits_budget", "candidates", "sensitivity"}
     if unknown:
         raise InvalidRequestError(f"{where}: unknown keys {sorted(unknown)}")
     rules, notes = [], []
@@ -154,7 +161,7 @@ def parse_recipe(data: object, where: str = "recipe") -> Recipe:
             rules.extend(Rule(p, scheme) for p in patterns)
             notes.extend([note] if note else [])
     return Recipe(tuple(rules), str(data.get("default", NONE)), threshold, rotate or None, tuple(notes),
-                  None if budget is None else float(budget), tuple(candidates))
+                  None if budget is None else float(budget), tuple(candidates), sensitivity)
 
 
 def _seeds_scheme(entry: object, where: str) -> tuple[str, str | None]:

@@ -29,6 +29,7 @@ from glmserve.quant.reference import dequantize
 from glmserve.quant.spec import QuantSpec
 
 SCALE_BITS = 16
+KINDS = ("measured", "fisher")  # how a unit's loss increase is found: `measure` or `fisher_deltas`
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
