@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,6 +174,19 @@ def test_recipe_with_a_bits_budget_upgrades_the_most_sensitive_ffn_units(tiny, t
     assert same.schemes == floor.schemes
     with pytest.raises(InvalidRequestError, match="below the cheapest"):
         run_quantize(str(tiny), str(tmp_path / "b"), recipe=_budget_recipe(tmp_path, 4.0), **kw)
+
+
+def test_a_recipes_sensitivity_is_its_budgets_unless_the_command_says(tiny, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    recipe = tmp_path / "fisher.yaml"
+    recipe.write_text(Path(_budget_recipe(tmp_path, 6.0)).read_text() + "sensitivity: fisher\n")
+    kw = dict(calib=[str(calib)], seq_len=32)
+    _, own = run_quantize(str(tiny), str(tmp_path / "a"), recipe=str(recipe), **kw)
+    _, fisher = run_quantize(str(tiny), str(tmp_path / "b"), recipe=_budget_recipe(tmp_path, 6.0),
+                             sensitivity="fisher", **kw)
+    _, measured = run_quantize(str(tiny), str(tmp_path / "c"), recipe=str(recipe), sensitivity="measured", **kw)
+    assert own.sensitivity == fisher.sensitivity != measured.sensitivity
 
 
 def test_recipe_budget_may_keep_units_in_float(tiny, tmp_path):
