@@ -68,6 +68,13 @@ class PackedFloatWeight:
         """The bytes a matmul reads of this weight."""
         return self.codes.numel() + self.scales.numel() * self.scales.element_size()
 
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """The kernel on float32 contiguous [T, in] rows (activation tiles rounded first where the format has them)."""
+        if self.fp8_group is not None:
+            rows = _fp8_tiles(rows, self.fp8_group, self.round_rows)
+        return self.linear(rows, self.fp8_tokens, self.codes, self.scales, self.fp4, self.group, self.factor, self.post,
+                           self.out_features)
+
 
 def _weight_format_supported(spec: QuantSpec) -> bool:
     if spec.type != "float" or spec.dynamic or not spec.symmetric or spec.gguf_type is not None:
@@ -185,10 +192,7 @@ class CpuFloatBlockBackend:
         p = prepared
         if x.shape[-1] != p.in_features:
             raise InvalidRequestError(f"input has {x.shape[-1]} features, the weight takes {p.in_features}")
-        rows = x.reshape(-1, p.in_features).to(torch.float32)
-        if p.fp8_group is not None:
-            rows = _fp8_tiles(rows, p.fp8_group, p.round_rows)
-        out = p.linear(rows, p.fp8_tokens, p.codes, p.scales, p.fp4, p.group, p.factor, p.post, p.out_features)
+        out = p.matmul(x.reshape(-1, p.in_features).to(torch.float32))
         if bias is not None:
             out += bias.to(torch.float32)
         return out.reshape(*x.shape[:-1], p.out_features).to(x.dtype)
@@ -196,11 +200,7 @@ class CpuFloatBlockBackend:
     def small_batch(self, prepared: PackedFloatWeight) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
         """`apply` of float32 contiguous [T, in] rows without bias as one bound kernel call (a decode step's straight
         line of calls, models/llama_decode.py), and the row count from which `apply` differs: none."""
-        p = prepared
-        args = (p.fp8_tokens, p.codes, p.scales, p.fp4, p.group, p.factor, p.post, p.out_features)
-        if p.fp8_group is None:
-            return (lambda x: p.linear(x, *args)), sys.maxsize
-        return (lambda x: p.linear(_fp8_tiles(x, p.fp8_group, p.round_rows), *args)), sys.maxsize
+        return prepared.matmul, sys.maxsize
 
     def dequantize_rows(self, prepared: PackedFloatWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight from the packed layout, equal to reference.dequantize's rows."""

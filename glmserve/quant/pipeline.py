@@ -4,7 +4,7 @@ nearest, GPTQ or AWQ, outlier columns kept in float) -> a compressed-tensors saf
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -110,10 +110,8 @@ def choose_schemes(model: torch.nn.Module, plan: Plan,
     floor = None
     if plan.recipe is not None:
         upgrades = tuple(plan.candidates or plan.recipe.candidates)
-        known = plan.recipe.schemes() | set(upgrades)
-        for s in known - {NONE}:
-            scheme_specs(s)  # a typed error for an unknown name
-        floor = plan.recipe.assign(list(layers), known)
+        specs = _specs(plan.recipe.schemes() | set(upgrades))  # a typed error for an unknown name
+        floor = plan.recipe.assign(list(layers), specs)
         if budget is None:
             return floor, None
         cand_names = upgrades or tuple(sorted(plan.recipe.schemes() - {NONE}))
@@ -121,28 +119,27 @@ def choose_schemes(model: torch.nn.Module, plan: Plan,
         raise InvalidRequestError("give a scheme, a recipe or a bits budget")
     else:
         cand_names = tuple(plan.candidates or DEFAULT_CANDIDATES)
+        specs = _specs(cand_names)
     if calib is None:
         raise InvalidRequestError("--bits-budget measures layer sensitivity on calibration text: give --calib")
-    cands = {c: None if c == NONE else scheme_specs(c)[0] for c in cand_names}
     unit_list = units(names)
     shape = {u: (layers[u[0]].in_features, layers[u[0]].out_features) for u in unit_list}
     if floor is None:
-        options = {u: list(cands) for u in unit_list}
+        options = {u: list(cand_names) for u in unit_list}
     else:
-        options = _upgrades(unit_list, floor, cands, shape)
+        options = _upgrades(unit_list, floor, specs, cand_names, shape)
         unit_list = list(options)
-        cands.update({b: scheme_specs(b)[0] for b in {o[0] for o in options.values()} - set(cands)})
     kind = plan.sensitivity or (plan.recipe.sensitivity if plan.recipe else None) or "measured"
     if kind not in SENSITIVITY_KINDS:
         raise InvalidRequestError(f"sensitivity {kind!r} is not one of {SENSITIVITY_KINDS}")
     if kind == "fisher":
         progress = tqdm(total=len(calib), desc="fisher", unit="window")
-        deltas = fisher_deltas(model, window_loss, calib, unit_list, cands, progress, options)
+        deltas = fisher_deltas(model, window_loss, calib, unit_list, specs, progress, options)
     else:
         progress = tqdm(total=sum(len(o) for o in options.values()), desc="sensitivity", unit="eval")
-        deltas = measure(model, lambda m: mean_nll(m, calib), unit_list, cands, progress, options)
+        deltas = measure(model, lambda m: mean_nll(m, calib), unit_list, specs, progress, options)
     progress.close()
-    bits = {u: {c: bits_per_weight(cands[c], *shape[u]) for c in options[u]} for u in unit_list}
+    bits = {u: {c: bits_per_weight(specs[c], *shape[u]) for c in options[u]} for u in unit_list}
     params = {u: sum(layers[n].weight.numel() for n in u) for u in unit_list}
     choice = allocate(deltas, bits, params, budget)
     chosen = {n: choice[u] for u in unit_list for n in u}
@@ -151,8 +148,14 @@ def choose_schemes(model: torch.nn.Module, plan: Plan,
     return {n: s for n, s in chosen.items() if s != NONE}, deltas
 
 
-def _upgrades(unit_list: Sequence[tuple[str, ...]], floor: Mapping[str, str], cands: Mapping[str, QuantSpec | None],
-              shape: Mapping[tuple[str, ...], tuple[int, int]]) -> dict[tuple[str, ...], list[str]]:
+def _specs(names: Iterable[str]) -> dict[str, QuantSpec | None]:
+    """Each scheme name's weight spec (None for "none", float); a typed error for a name this command cannot write."""
+    return {n: None if n == NONE else scheme_specs(n)[0] for n in names}
+
+
+def _upgrades(unit_list: Sequence[tuple[str, ...]], floor: Mapping[str, str], specs: Mapping[str, QuantSpec | None],
+              candidates: Sequence[str], shape: Mapping[tuple[str, ...], tuple[int, int]]
+              ) -> dict[tuple[str, ...], list[str]]:
     """Per unit the recipe quantizes: its floor scheme first, then the candidates of more bits per weight."""
     options = {}
     for u in unit_list:
@@ -163,8 +166,8 @@ def _upgrades(unit_list: Sequence[tuple[str, ...]], floor: Mapping[str, str], ca
         (b,) = base
         if b == NONE:
             continue
-        floor_bits = bits_per_weight(scheme_specs(b)[0], *shape[u])
-        options[u] = [b] + [c for c, spec in cands.items() if c != b and bits_per_weight(spec, *shape[u]) > floor_bits]
+        floor_bits = bits_per_weight(specs[b], *shape[u])
+        options[u] = [b] + [c for c in candidates if c != b and bits_per_weight(specs[c], *shape[u]) > floor_bits]
     return options
 
 
