@@ -1,7 +1,7 @@
 """Where our engine's time goes: torch.profiler over a prefill and over batched decode steps.
 
     .venv/bin/python bench/profile_engine.py [--prefill 512] [--batch 32] [--steps 16] [--top 15] [--dtype D] \
-        [--cpu-repeats N]
+        [--cpu-repeats N] [--model PATH]
 
 Runs the embedded model (engine defaults, GLMSERVE_BENCH_THREADS threads) on bench workload
 prompts: one `--prefill`-token prompt with 1 new token, then `--batch` 128-token prompts whose
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--dtype", default="auto", help="engine dtype (auto: float32 on CPU)")
+    parser.add_argument("--model", default=None, help="a model folder or GGUF file (default: the embedded SmolLM2)")
     parser.add_argument("--cpu-repeats", type=int, default=0,
                         help="also time this many unprofiled prefills by thread CPU time (one thread)")
     args = parser.parse_args()
@@ -112,7 +113,7 @@ def main() -> None:
 
     torch.set_num_threads(wl.THREADS)
     profile_kernels()
-    llm = LLM(model=None, dtype=args.dtype, num_threads=wl.THREADS)
+    llm = LLM(model=args.model, dtype=args.dtype, num_threads=wl.THREADS)
     engine = llm.engine
     maker = wl.PromptMaker(wl.load_tokenizer(wl.embedded_gguf_path()), wl.SEED + 3)
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

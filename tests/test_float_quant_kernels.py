@@ -1,15 +1,16 @@
 """The `cpu_float_block` backend (quant/cpu_float_backend.py, kernels/csrc/float_quant_matmul.cpp) on every
 instruction-set variant this CPU runs (fixture cpu_isa), against `reference`, for FP8 E4M3 weights (per
 channel with the fp8 scheme's per-token fp8 activations, per channel weight-only, per tensor, 128x128 blocks)
-and NVFP4, at batch 1 and 7 (registers only) and 33 (the decoded-tile path), on SmolLM2's 576 / 1536 shapes
-(not multiples of 128) and odd ones.
+and NVFP4, at batch 1, 4 and 7 (registers only; 7 on AVX-512 only) and 33 (the decoded-tile path), on
+SmolLM2's 576 / 1536 shapes (not multiples of 128) and odd ones.
 
 Tolerance: the kernel multiplies by the reference's own weights (FP8: bit-identical; NVFP4: within one fp32
-rounding of the scale and one of the product, 3 u relative, u = 2^-24) and by the reference's own fp8
-activations (checked exactly below), so what remains is the order of the fp32 sums. Any order of summing K
-products is within (K - 1) u sum |x_i w_i| of the exact sum (Higham, Accuracy and Stability of Numerical
-Algorithms, 4.2), for the kernel and for F.linear alike: the bound is (2 K + 3) u sum |x_i w_i| (measured:
-~1e-3 of it). A decoding slip (one wrong code or scale) is ~1e-2 of a row's sum at least.
+rounding of the scale and one of the product, 3 u relative, u = 2^-24), or at small batches by the codes' values
+with each scale group's sum times its scale (one rounding of the product and one of the sum per group), and by
+the reference's own fp8 activations (checked exactly below), so what remains is the order of the fp32 sums.
+Any order of summing K products is within (K - 1) u sum |x_i w_i| of the exact sum (Higham, Accuracy and
+Stability of Numerical Algorithms, 4.2), for the kernel and for F.linear alike: the bound is (2 K + 3) u
+sum |x_i w_i| (measured: ~1e-3 of it). A decoding slip (one wrong code or scale) is ~1e-2 of a row's sum at least.
 Exact checks: every E4M3 and E2M1 code decoded through the kernel (identity activations), the fp8 activation
 rows, and dequantize_rows against reference.dequantize.
 """
@@ -49,7 +50,7 @@ FORMATS = {  # name -> (weight spec, activation spec)
     "nvfp4": (NVFP4, None),
 }
 SHAPES = [(1536, 576), (576, 1536)]  # (out, in)
-BATCHES = [1, 7, 33]
+BATCHES = [1, 4, 7, 33]
 
 
 @functools.cache  # a few MB each, reused by every variant
