@@ -180,6 +180,11 @@ inline void decode_pair(const Tile& t, int64_t i, const V& sg, V& w0, V& w1) {
   w1 = vmul(w1, sg);
 }
 
+// The direct path reads each weight once per call, from DRAM in a decode step: it asks for the codes PF_BYTES
+// ahead (past the tile's end: the next tile's, which follows in memory) and for NVFP4's scale bytes PF_GROUPS
+// groups ahead, as the int kernels' tiles do (quant_matmul.cpp PF_BLOCKS)
+constexpr int64_t PF_BYTES = 1024, PF_GROUPS = 4;
+
 // NB activation rows (x rows of stride kp) x one tile, decoding in registers: out [NB, 16]
 template <int NB, bool FP4>
 void tile_direct(const Tile& t, const Shape& s, const float* x, float* out) {
@@ -192,7 +197,9 @@ void tile_direct(const Tile& t, const Shape& s, const float* x, float* out) {
     UNROLL for (int n = 0; n < NB; ++n)
       UNROLL for (int c = 0; c < CH; ++c) acc[n][c] = vzero();
     const int64_t end = std::min(s.kp, (g + 1) * s.group);
+    if constexpr (FP4) __builtin_prefetch(t.sbytes + (g + PF_GROUPS) * ROWS);
     for (int64_t i = g * s.group; i < end; i += STEP) {
+      __builtin_prefetch(t.codes + (FP4 ? i / 2 : i) * ROWS + PF_BYTES);
       UNROLL for (int p = 0; p < STEP; p += 2) {
         V w0, w1;
         decode_raw_pair<FP4>(t, i + p, w0, w1);
