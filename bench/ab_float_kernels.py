@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 from pathlib import Path
 
 import torch
-from ab_quant_kernels import build_a, cpu_and_wall
+from ab_quant_kernels import build_a, time_interleaved
 from bench_quant_kernels import SHAPES
 
 from glmserve.kernels.build import load
@@ -69,18 +68,12 @@ def main() -> None:
             calls = {"A": a.float_quant_linear, "B": b.float_quant_linear}
             ya, yb = (f(x, *weights) for f in calls.values())
             assert torch.allclose(ya, yb, rtol=1e-5, atol=1e-5 * float(ya.abs().max())), f"{shape} {fmt} M={m}"
-            cpu: dict[str, list[float]] = {k: [] for k in calls}
-            wall: dict[str, list[float]] = {k: [] for k in calls}
-            for r in range(args.repeats):
-                for k in list(calls)[r % 2:] + list(calls)[:r % 2]:
-                    c, w_ = cpu_and_wall(calls[k], x, *weights)
-                    cpu[k].append(c)
-                    wall[k].append(w_)
-            us = {k: statistics.median(v) * 1e6 for k, v in cpu.items()}
-            us_wall = {k: statistics.median(v) * 1e6 for k, v in wall.items()}
+            us, us_wall = time_interleaved(calls, x, *weights, repeats=args.repeats)
             gmacs = {k: m * out * inp / t / 1e3 for k, t in us.items()}
-            print(f"| {shape} | {fmt} | {m} | {us['A']:.0f} ({us_wall['A']:.0f}) | {us['B']:.0f} ({us_wall['B']:.0f}) | "
-                  f"{gmacs['A']:.1f} | {gmacs['B']:.1f} | {us['B'] / us['A']:.2f} |", flush=True)
+            cells = " | ".join(f"{us[k]:.0f} ({us_wall[k]:.0f})" for k in calls)
+            ratio = us["B"] / us["A"]
+            print(f"| {shape} | {fmt} | {m} | {cells} | {gmacs['A']:.1f} | {gmacs['B']:.1f} | {ratio:.2f} |",
+                  flush=True)
     print("loadavg after:", Path("/proc/loadavg").read_text().strip())
 
 

@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,6 +69,22 @@ def cpu_and_wall(fn, *args, seconds: float = 0.005) -> tuple[float, float]:
     return (time.thread_time() - cpu) / calls, (time.perf_counter() - start) / calls
 
 
+def time_interleaved(calls: dict[str, Callable], *args: object,
+                     repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median microseconds per call of each of `calls` on `args`, timed in turn, the order rotating per repeat: (the
+    calling thread's CPU time, wall time) by name."""
+    cpu: dict[str, list[float]] = {k: [] for k in calls}
+    wall: dict[str, list[float]] = {k: [] for k in calls}
+    names = list(calls)
+    for r in range(repeats):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            c, w = cpu_and_wall(calls[k], *args)
+            cpu[k].append(c)
+            wall[k].append(w)
+    return ({k: statistics.median(v) * 1e6 for k, v in cpu.items()},
+            {k: statistics.median(v) * 1e6 for k, v in wall.items()})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a_source", type=Path, help="A: a quant_matmul.cpp (e.g. main's)")
@@ -111,15 +128,7 @@ def main() -> None:
             a.set_amx(True)
             for k, v in outs.items():
                 assert torch.equal(v, outs["A VNNI"]), f"{shape} {fmt} M={m}: {k} differs from A's VNNI tiles"
-            cpu: dict[str, list[float]] = {k: [] for k in calls}
-            wall: dict[str, list[float]] = {k: [] for k in calls}
-            for r in range(args.repeats):
-                for k in list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]:
-                    c, w_ = cpu_and_wall(calls[k], *acts, *weights)
-                    cpu[k].append(c)
-                    wall[k].append(w_)
-            us = {k: statistics.median(v) * 1e6 for k, v in cpu.items()}
-            us_wall = {k: statistics.median(v) * 1e6 for k, v in wall.items()}
+            us, us_wall = time_interleaved(calls, *acts, *weights, repeats=args.repeats)
             gmacs = {k: m * out * inp / t / 1e3 for k, t in us.items()}
             cells = " | ".join(f"{us[k]:.0f} ({us_wall[k]:.0f})" if k in us else "–" for k in ("A", "B", "B VNNI"))
             vnni_gmacs = f"{gmacs['B VNNI']:.0f}" if amx else "–"
