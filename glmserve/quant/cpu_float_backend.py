@@ -15,10 +15,11 @@ factor; NVFP4 keeps its nibbles (two inputs a byte) and its E4M3 scale bytes, th
 one float. So the bytes a matmul reads per weight are 1 + 4 / group for FP8 (1.03 for 128x128 blocks, ~1 per
 channel) and 0.5 + 1 / 16 for NVFP4, against 4 for float32.
 
-Numerics: from 9 rows on (8 on AVX-512) the kernel multiplies by weights bit-identical to reference.dequantize
-for FP8 (value * scale, one fp32 rounding) and within one fp32 rounding of it for NVFP4 (the scale is value(s) *
-(2^120 / global) instead of s / global); up to 8 (4) rows it sums x * value over each scale group and multiplies
-the group's sum by the scale once (one rounding per weight fewer or more than the reference's, as the sums fall).
+Numerics: from 9 rows on (AVX-512; 5 on AVX2 and scalar) the kernel multiplies by weights bit-identical to
+reference.dequantize for FP8 (value * scale, one fp32 rounding) and within one fp32 rounding of it for NVFP4 (the
+scale is value(s) * (2^120 / global) instead of s / global); below that it sums x * value over each scale group
+and multiplies the group's sum by the scale once (one rounding per weight fewer or more than the reference's, as
+the sums fall).
 fp8 activations are fake-quantized per row exactly as the reference does. What differs from `reference` is the
 order and grouping of the fp32 sums (tests/test_float_quant_kernels.py bounds it).
 """

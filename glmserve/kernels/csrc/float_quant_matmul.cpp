@@ -104,7 +104,8 @@ inline V fp8_scaled(const uint8_t* p) { return {fp8_scaled8(p), fp8_scaled8(p + 
 inline void fp4_pair8(const uint8_t* p, __m256& lo, __m256& hi) {
   // vpermps reads the low 3 bits of each index: the magnitude of the low nibble, then (shifted) of the high one
   const __m256 table = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   lo = _mm256_or_ps(_mm256_permutevar8x32_ps(table, v), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 28), sign)));
   hi = _mm256_or_ps(_mm256_permutevar8x32_ps(table, _mm256_srli_epi32(v, 4)),
                     _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 24), sign)));
