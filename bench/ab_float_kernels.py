@@ -15,15 +15,13 @@ calling thread's CPU time, and wall), GMAC/s from the CPU time, and B / A time.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from pathlib import Path
 
 import torch
-from ab_quant_kernels import build_a, time_interleaved
+from ab_quant_kernels import build_ab, parse_ab_args, time_interleaved
 from bench_quant_kernels import SHAPES
 
-from glmserve.kernels.build import load
 from glmserve.kernels.isa import active_isa
 from glmserve.quant.cpu_float_backend import CpuFloatBlockBackend
 from glmserve.quant.quantize import quantize
@@ -40,19 +38,10 @@ FORMATS = {  # name -> (weight spec, activation spec)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("a_source", type=Path, help="A: a float_quant_matmul.cpp (e.g. main's)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 32])
-    parser.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if not s.startswith("lm_head")],
-                        choices=list(SHAPES))
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    a, b = build_a(args.a_source), load("float_quant_matmul", active_isa())
+    args = parse_ab_args(__doc__.splitlines()[0], "float_quant_matmul", [1, 2, 4, 32],
+                         [s for s in SHAPES if not s.startswith("lm_head")], list(FORMATS))
+    a, b = build_ab("float_quant_matmul", args)
     backend = CpuFloatBlockBackend()
-    print("loadavg before:", Path("/proc/loadavg").read_text().strip())
     print(f"variant {active_isa()}, threads {args.threads}, medians of {args.repeats}; "
           "us: CPU time of the calling thread (wall)")
     print("| shape | format | M | A us | B us | A GMAC/s | B GMAC/s | B / A time |")

@@ -85,21 +85,34 @@ def time_interleaved(calls: dict[str, Callable], *args: object,
             {k: statistics.median(v) * 1e6 for k, v in wall.items()})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("a_source", type=Path, help="A: a quant_matmul.cpp (e.g. main's)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+def parse_ab_args(description: str, kernel: str, batches: list[int], shapes: list[str],
+                  formats: list[str]) -> argparse.Namespace:
+    """The A/B scripts' command line: A's source of `kernel` (a csrc file name) and the cases to time."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("a_source", type=Path, help=f"A: a {kernel}.cpp (e.g. main's)")
+    parser.add_argument("--batches", type=int, nargs="+", default=batches)
+    parser.add_argument("--shapes", nargs="+", default=shapes, choices=list(SHAPES))
+    parser.add_argument("--formats", nargs="+", default=formats, choices=formats)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def build_ab(kernel: str, args: argparse.Namespace) -> tuple[object, object]:
+    """A (built from args.a_source) and B (this checkout's build) of `kernel`, with torch on args.threads threads;
+    prints the load average before the timing starts."""
     torch.set_num_threads(args.threads)
-    a, b = build_a(args.a_source), load("quant_matmul", active_isa())
+    a, b = build_a(args.a_source), load(kernel, active_isa())
+    print("loadavg before:", Path("/proc/loadavg").read_text().strip())
+    return a, b
+
+
+def main() -> None:
+    args = parse_ab_args(__doc__.splitlines()[0], "quant_matmul", [8, 16, 32, 64], list(SHAPES), list(FORMATS))
+    a, b = build_ab("quant_matmul", args)
     amx = a.set_amx(True) and b.set_amx(True)  # without AMX both run their VNNI (or AVX2) tiles: A and B only
     quantize_acts = kernels.op("quantize_activations", CPU, torch.float32)
     backend = CpuBlockBackend()
-    print("loadavg before:", Path("/proc/loadavg").read_text().strip())
     print(f"AMX int8 tiles: {amx}; threads {args.threads}, medians of {args.repeats}; "
           "us: CPU time of the calling thread (wall)")
     print("| shape | format | M | A us | B us | B VNNI us | A GMAC/s | B GMAC/s | B VNNI GMAC/s | B / A time |")
