@@ -32,7 +32,7 @@ from glmserve.quant.quantize import quantize
 from glmserve.quant.reference import dequantize, fake_quantize_activations
 from glmserve.quant.schemes import FP8_GROUP128, FP8_TOKENS, SCHEMES
 from glmserve.quant.spec import QuantSpec
-from glmserve.quant.weight import QuantizedWeight, concat_rows
+from glmserve.quant.weight import OutlierColumns, QuantizedWeight, WeightWithFloatColumns, concat_rows
 
 CPU = torch.device("cpu")
 U = 2.0 ** -24
@@ -107,6 +107,38 @@ def test_odd_shapes(cpu_isa, fmt, out, inp, batch):
     check(fmt, (out, inp), activations(batch, inp))
 
 
+@pytest.mark.parametrize("fmt", ["fp8_channel_tokens", "fp8_channel", "nvfp4", "fp8_block_g128"])
+@pytest.mark.parametrize("batch", [1, 4, 9, 33])
+def test_float_outlier_columns_inside_the_kernel(cpu_isa, fmt, batch):
+    """A weight with float input columns (the seeds' activation_threshold): the kernel call adds their product and
+    multiplies the codes by rows with those columns zeroed (fp8 token scales set without them), as the layer's own
+    path computes it; with fp8 activation tiles (rounded before the kernel) the layer keeps adding them itself."""
+    spec, act = FORMATS[fmt]
+    out, inp, columns = 200, 576, torch.tensor([3, 5, 300, 575])
+    g = torch.Generator().manual_seed(batch)
+    w = torch.randn(out, inp, generator=g) * 0.02
+    w[:, columns] = 0.0
+    float_part = torch.randn(out, len(columns), generator=g)
+    weight = WeightWithFloatColumns.of(quantize(w, spec), OutlierColumns(columns, float_part))
+    x = activations(batch, inp)
+    x[:, columns] *= 100.0
+    backend = CpuFloatBlockBackend()
+    packed = backend.prepare(weight, act, CPU)
+    assert backend.keeps_float_columns(packed) == (fmt != "fp8_block_g128")
+    if fmt == "fp8_block_g128":
+        return
+    inliers = x.index_fill(1, columns, 0.0)
+    xa = inliers if act is None else fake_quantize_activations(inliers, act)
+    w_ref = dequantize(weight)
+    ref = F.linear(xa, w_ref) + F.linear(x[:, columns], float_part)
+    bound = (2 * inp + 3) * U * (xa.abs() @ w_ref.abs().T + x[:, columns].abs() @ float_part.abs().T)
+    y = backend.apply(packed, x, None)
+    assert ((y - ref).abs() <= bound).all(), ((y - ref).abs() / bound).max()
+    rows = torch.tensor([0, 17, 199])
+    expected_rows = w_ref[rows].index_copy(1, columns, float_part[rows])
+    assert torch.equal(backend.dequantize_rows(packed, rows, torch.float32), expected_rows)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block", "nvfp4"])
 def test_huge_scales_keep_their_value(cpu_isa, fmt):
     """Weights of 1e6: the folded scales would pass fp32's range without the kernel's power-of-two `post`."""
@@ -147,6 +179,22 @@ def test_fp8_activation_rows_equal_the_reference(cpu_isa):
     x[3, :7] = torch.tensor([1e-9, -3e-3, 448.0, -5e4, 2.0 ** -10, 0.1, 7.0])
     rows = kernels.op("fp8_fake_quantize_rows", CPU, torch.float32)(x)
     assert torch.equal(rows, fake_quantize_activations(x, FP8_TOKENS))
+
+
+def test_fp8_rounding_at_every_e4m3_boundary(cpu_isa):
+    """Rows whose largest value is 448 (scale exactly 1, so the row's values are rounded as they are): every E4M3
+    value, every midpoint between neighbours (ties go to the even code), one fp32 step either side of each, both
+    signs, subnormals included: the kernel's bit arithmetic against torch's own E4M3 conversion."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448, every code
+    mids = (grid[:-1] + grid[1:]) / 2
+    below, above = torch.nextafter(mids, torch.zeros(())), torch.nextafter(mids, torch.full((), 500.0))
+    values = torch.cat([grid, mids, below, above])
+    values = torch.cat([values, -values])
+    rows = values[: values.numel() // 63 * 63].reshape(-1, 63)
+    rows = torch.cat([rows, torch.full((rows.shape[0], 1), 448.0)], dim=1)
+    got = kernels.op("fp8_fake_quantize_rows", CPU, torch.float32)(rows)
+    assert torch.equal(got, rows.to(torch.float8_e4m3fn).float())
+    assert torch.equal(got, fake_quantize_activations(rows, FP8_TOKENS))
 
 
 @pytest.mark.parametrize("fmt", ["fp8_channel", "fp8_block", "fp8_tensor", "nvfp4"])

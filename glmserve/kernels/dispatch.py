@@ -25,9 +25,12 @@ Ops (all CPU, float32 queries/scores; signatures of csrc/*.cpp):
   quant_linear_swiglu(same arguments; out_features = 2I, I a multiple of 16) -> [T,I]: silu(gate) * up of a merged
                gate-up weight's quant_linear, as silu_and_mul computes it, without the [T,2I] product in memory
   float_quant_linear(x [T,in], fp8_tokens, codes [tiles,kp or kp/2,16] u8, scales [tiles,groups,16] (f32, or
-               E4M3 bytes for fp4), fp4, group, factor, post, out_features) -> [T,out]: FP8 / NVFP4 weights packed
-               by quant/cpu_float_backend.py, dequantized in the kernel
+               E4M3 bytes for fp4), fp4, group, factor, post, out_features, columns [n] i64 (or empty), float_part
+               [tiles,n,16] f32) -> [T,out]: FP8 / NVFP4 weights packed by quant/cpu_float_backend.py, dequantized in
+               the kernel, plus the product of input columns kept in float (zeroed in the rows the codes multiply)
   fp8_fake_quantize_rows(x [T,in]) -> [T,in]: E4M3 per-token fake quantization (float_quant_linear's fp8_tokens)
+  half_linear(x [T,in], codes [tiles,kp,16] 16-bit, bf16, out_features) -> [T,out]: a bf16 or fp16 weight packed by
+               layers/half_linear.py, widened exactly to float32 in the kernel
   set_amx(enable) -> bool: whether quant_matmul / quant_linear run batches of 6+ rows (int8 weights; 10+ for
                int4) on the AMX int8 tiles
                (default: yes where the CPU and the avx512 build have them, unless GLMSERVE_CPU_AMX=0); returns
@@ -95,6 +98,7 @@ OPS: dict[str, str] = {  # op -> the source (extension) that defines it
     "quant_linear_swiglu": "quant_matmul",
     "float_quant_linear": "float_quant_matmul",
     "fp8_fake_quantize_rows": "float_quant_matmul",
+    "half_linear": "float_quant_matmul",
     "dequantize_packed": "quant_matmul",
     "amx_bf16_linear": "quant_matmul",
     "amx_bf16_linear_swiglu": "quant_matmul",

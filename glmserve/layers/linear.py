@@ -180,7 +180,8 @@ class QuantizedLinear(nn.Module):
         # a backend that cannot read rows back (`dequantize_rows`) costs the canonical copy: tied embeddings
         # and weight inspection (learned-indexer fingerprints) need the rows
         keep = None if hasattr(backend, "dequantize_rows") else weight
-        if not isinstance(weight, WeightWithFloatColumns):
+        inside = getattr(backend, "keeps_float_columns", None)  # a backend that adds the float columns' product itself
+        if not isinstance(weight, WeightWithFloatColumns) or (inside is not None and inside(prepared)):
             return _Segment(backend, prepared, weight.shape[0], keep)
         return _Segment(backend, prepared, weight.shape[0], keep, weight.outliers.columns,
                         weight.outliers.weight.to(self.dtype).contiguous())

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from glmserve.errors import UnsupportedModelError
 from glmserve.layers.param_loading import CheckpointTensor
 from glmserve.models.compressed_loader import compressed_weights
-from glmserve.models.quantized import checkpoint_tensors, quantize_modules
+from glmserve.models.quantized import checkpoint_tensors, keep_head_in_half, quantize_modules
 from glmserve.models.registry import model_class
 from glmserve.quant.compressed_tensors import QUANT_METHOD, safetensors_keys
 from glmserve.quant.plan import validate as validate_quantization
@@ -135,6 +135,7 @@ def _build(hf_config: PretrainedConfig | SimpleNamespace, weights: Iterator[tupl
     _materialize(model, device)
     model.rotary.to(device, dtype)
     model.load_weights(checkpoint_tensors(weights, quantization))
+    keep_head_in_half(model, device, dtype)
     return model.eval()
 
 

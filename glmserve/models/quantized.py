@@ -2,7 +2,8 @@
 keep plain nn.Linear / MergedLinear / nn.Embedding, and the modules the plan (glmserve/quant/plan.py) picks
 are swapped for QuantizedLinear / QuantizedEmbedding. What a model keeps float regardless (a weight its
 forward reads directly, as MLA's kv_b_proj; MoE expert tensors, which are no Linear modules) it names in
-`unquantized_modules`."""
+`unquantized_modules`. Once loaded, a quantized model's float lm_head may be kept as 16-bit floats on CPU
+(`keep_head_in_half`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from glmserve import kernels
 from glmserve.layers.embedding import QuantizedEmbedding
+from glmserve.layers.half_linear import HalfLinear, TiedHalfEmbedding, exact_half_dtype
 from glmserve.layers.linear import MergedLinear, QuantizedLinear
 from glmserve.layers.param_loading import CheckpointTensor, HoldsWeights
 from glmserve.quant.plan import Role, dequantizes_checkpoint, plan
@@ -61,6 +64,24 @@ def quantize_modules(model: nn.Module, quantization: str | None, formats: Mappin
                else QuantizedLinear.like(old, scheme, device))
         setattr(owner, attr, new)
     return chosen
+
+
+def keep_head_in_half(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """A loaded quantized model's float lm_head (and the embedding tied to it) kept as bf16 or fp16 numbers where
+    every value of the float32 weight is one (layers/half_linear.py): half the bytes a CPU decode step reads, the
+    same products. Only on CPU in float32, where some module is quantized (`--quantization none` and float
+    checkpoints keep F.linear) and the kernel is available."""
+    head = getattr(model, "lm_head", None)
+    if (device.type != "cpu" or dtype != torch.float32 or type(head) is not nn.Linear or head.bias is not None
+            or not any(isinstance(m, QuantizedLinear) for m in model.modules())):
+        return
+    matmul = kernels.op("half_linear", device, torch.float32)
+    half = None if matmul is None else exact_half_dtype(head.weight)
+    if half is None:
+        return
+    model.lm_head = HalfLinear(head.weight, half, matmul)
+    if model._ties_word_embeddings():
+        model.embed_tokens = TiedHalfEmbedding(model.lm_head)
 
 
 def checkpoint_tensors(weights: Iterable[tuple[str, CheckpointTensor]], quantization: str | None

@@ -15,6 +15,11 @@ factor; NVFP4 keeps its nibbles (two inputs a byte) and its E4M3 scale bytes, th
 one float. So the bytes a matmul reads per weight are 1 + 4 / group for FP8 (1.03 for 128x128 blocks, ~1 per
 channel) and 0.5 + 1 / 16 for NVFP4, against 4 for float32.
 
+Float outlier columns (a WeightWithFloatColumns: input columns kept in float beside zero codes) are packed with
+the codes (their float32 rows in the same tiles) and their product added inside the kernel call, the rows the codes
+multiply having those columns zeroed first; not with fp8 activation tiles (`fp8-block-g128`, whose rows are rounded
+before the kernel), where the layer adds them (layers/linear.py) as for other backends.
+
 Numerics: from 9 rows on (AVX-512; 5 on AVX2 and scalar) the kernel multiplies by weights bit-identical to
 reference.dequantize for FP8 (value * scale, one fp32 rounding) and within one fp32 rounding of it for NVFP4 (the
 scale is value(s) * (2^120 / global) instead of s / global); below that it sums x * value over each scale group
@@ -38,9 +43,10 @@ from glmserve.errors import InvalidRequestError
 from glmserve.quant.backend import register
 from glmserve.quant.reference import E2M1_VALUES
 from glmserve.quant.spec import QuantSpec
-from glmserve.quant.weight import QuantizedWeight
+from glmserve.quant.weight import QuantizedWeight, WeightWithFloatColumns
 
 ROWS = 16  # output rows per tile (the kernel's)
+NO_COLUMNS = torch.empty(0, dtype=torch.long)  # a weight without float columns (the kernel's empty arguments)
 PAD = 16  # in_features are padded to a multiple of this (the kernel's)
 DECODE = 2.0 ** 120  # the kernel decodes an E4M3 code to value * 2^-120 (csrc/float_quant_matmul.cpp)
 FP32_LIMIT = 2.0 ** 127  # folded scales stay below this
@@ -65,18 +71,20 @@ class PackedFloatWeight:
     linear: Callable
     fp8_group: int | None = None  # activations rounded per 1 x fp8_group tile (before the kernel), else None
     round_rows: Callable | None = None
+    columns: torch.Tensor = NO_COLUMNS  # [n] int64: input columns kept in float (none: empty)
+    float_part: torch.Tensor = NO_COLUMNS  # [tiles, n, 16] float32: their weights, rows as the codes'
 
     @property
     def nbytes(self) -> int:
         """The bytes a matmul reads of this weight."""
-        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.columns, self.float_part))
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """The kernel on float32 contiguous [T, in] rows (activation tiles rounded first where the format has them)."""
         if self.fp8_group is not None:
             rows = _fp8_tiles(rows, self.fp8_group, self.round_rows)
         return self.linear(rows, self.fp8_tokens, self.codes, self.scales, self.fp4, self.group, self.factor, self.post,
-                           self.out_features)
+                           self.out_features, self.columns, self.float_part)
 
 
 def _weight_format_supported(spec: QuantSpec) -> bool:
@@ -183,13 +191,21 @@ class CpuFloatBlockBackend:
             post = _post(float(row_scales.abs().max()) * DECODE)
             scales = _tiled((row_scales * (DECODE / post)).to(torch.float32), tiles)
             factor, global_scale = 1.0, None
-        tiles = activations is not None and activations.strategy == "group"
-        return PackedFloatWeight(codes, scales, fp4, group, factor, post, global_scale, inp, out,
-                                 fp8_tokens=activations is not None and not tiles,
-                                 linear=kernels.op("float_quant_linear", device, torch.float32),
-                                 fp8_group=activations.group_size if tiles else None,
-                                 round_rows=kernels.op("fp8_fake_quantize_rows", device, torch.float32)
-                                 if tiles else None)
+        act_tiles = activations is not None and activations.strategy == "group"
+        packed = PackedFloatWeight(codes, scales, fp4, group, factor, post, global_scale, inp, out,
+                                   fp8_tokens=activations is not None and not act_tiles,
+                                   linear=kernels.op("float_quant_linear", device, torch.float32),
+                                   fp8_group=activations.group_size if act_tiles else None,
+                                   round_rows=kernels.op("fp8_fake_quantize_rows", device, torch.float32)
+                                   if act_tiles else None)
+        if isinstance(weight, WeightWithFloatColumns) and not act_tiles:
+            packed.columns = weight.outliers.columns.to(torch.long).contiguous()
+            packed.float_part = _tiled(weight.outliers.weight.to(torch.float32), tiles)
+        return packed
+
+    def keeps_float_columns(self, prepared: PackedFloatWeight) -> bool:
+        """Whether `apply` adds the weight's float columns itself (then the layer does not)."""
+        return prepared.columns.numel() > 0
 
     def apply(self, prepared: PackedFloatWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         p = prepared
@@ -220,6 +236,8 @@ class CpuFloatBlockBackend:
             values = codes.view(torch.float8_e4m3fn).to(torch.float32)
             scale = scales * (p.post / DECODE)  # exact: powers of two
         w = values[:, :p.in_features] * scale.repeat_interleave(p.group, dim=1)[:, :p.in_features]
+        if p.columns.numel():
+            w[:, p.columns] = p.float_part[tile, :, row]
         return w.to(dtype)
 
 

@@ -1,6 +1,7 @@
 // Float quantized linear layers on CPU: float32 activations times FP8 E4M3 or NVFP4 (E2M1) weights that are
 // dequantized inside the kernel, with fp32 FMAs (glmserve/quant/cpu_float_backend.py repacks the weights and
-// documents the formats).
+// documents the formats); and float32 activations times 16-bit float weights (bf16 or fp16, no scale: the
+// high-precision lm_head of a quantized model at half of float32's bytes, glmserve/layers/half_linear.py).
 //
 // Weights: rows interleaved in tiles of 16 output rows, as the int kernels (quant_matmul.cpp) lay them out,
 // so that one SIMD vector holds input i of the tile's 16 rows and a dot product accumulates one row per lane
@@ -10,6 +11,7 @@
 //   fp4: codes [tiles, kp / 2, 16] uint8: byte j of row r = code of input 2j (low nibble) | 2j+1 (high);
 //        scales [tiles, groups, 16] uint8 (E4M3 bits of NVFP4's per-16 scale); `factor` = 2^120 / (global
 //        scale * post)
+//   bf16 / f16: codes [tiles, kp, 16] 16-bit floats, no scales (one group of scale 1: the row's sum as it is)
 // A weight is value(code) * s(row, group); the output is post * sum_i x_i w_i (post: a power of two that
 // keeps the folded scales finite, 1 for any real checkpoint).
 //
@@ -22,6 +24,7 @@
 //     reference's fp8.float() * scale. NaN codes (0x7F, 0xFF) are not decoded as NaN (quantizers never write them).
 //   E2M1: a 16-entry table: AVX-512 vpermps (one instruction), AVX2 vpermps on the magnitude (8 entries)
 //     with the sign bit or-ed in, scalar a table lookup.
+//   bf16: zero-extend to 32 bits and shift left 16 (exact); fp16: F16C's vcvtph2ps (exact), scalar c10::Half.
 // Per tile: batch <= NB rows (8 AVX-512, 4 AVX2 and scalar): each input's 16 weights are decoded once into a
 // register, unscaled, and FMA-ed into the rows' accumulators of the current scale group (2-4 independent chains
 // at small NB to hide FMA latency); at the group's end one FMA per row adds accumulator x scale to the row's
@@ -33,10 +36,11 @@
 //
 // Activations are float32. With fp8 activations (the fp8 schemes' dynamic per-token E4M3), each row is
 // fake-quantized first exactly as glmserve/quant/reference.py does (scale = max(amax / 448, 1e-12), codes by
-// torch's own E4M3 rounding, c10::Float8_e4m3fn), then multiplied in float: the same numbers as the reference.
+// torch's own E4M3 rounding, c10::Float8_e4m3fn's, in vectorizable bit arithmetic: e4m3_round), then multiplied in
+// float: the same numbers as the reference.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 #include <torch/extension.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -59,6 +63,13 @@ constexpr int64_t ROWS = 16;   // output rows per tile
 constexpr int64_t KC = 256;    // inputs per decoded chunk (batched path): 16 KB of fp32 weights
 constexpr float FP8_MAX = 448.0f;
 
+enum class Fmt { FP8, FP4, BF16, F16 };
+constexpr bool half_format(Fmt f) { return f == Fmt::BF16 || f == Fmt::F16; }
+// bytes of codes before input i (even) of a tile: 16 rows of 1, 1/2 or 2 bytes each
+template <Fmt F> constexpr int64_t code_offset(int64_t i) {
+  return F == Fmt::FP4 ? (i / 2) * ROWS : (half_format(F) ? 2 : 1) * i * ROWS;
+}
+
 // ---------------------------------------------------------------------------------------------- vectors of 16 rows
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int MAX_NB = 8;
@@ -80,6 +91,11 @@ inline void fp4_pair(const uint8_t* p, V& lo, V& hi) {  // 16 bytes -> the value
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   lo.r = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table);
   hi.r = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+template <bool BF16> inline V half_values(const uint8_t* p) {  // 16 bf16 / fp16 numbers -> float32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (BF16) return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  else return {_mm512_cvtph_ps(h)};
 }
 template <int NB> constexpr int chains() { return NB == 1 ? 4 : 2; }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -114,6 +130,12 @@ inline void fp4_pair(const uint8_t* p, V& lo, V& hi) {
   fp4_pair8(p, lo.a, hi.a);
   fp4_pair8(p + 8, lo.b, hi.b);
 }
+template <bool BF16> inline __m256 half_values8(const uint8_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  else return _mm256_cvtph_ps(h);  // F16C, part of the x86-64-v3 build
+}
+template <bool BF16> inline V half_values(const uint8_t* p) { return {half_values8<BF16>(p), half_values8<BF16>(p + 16)}; }
 template <int NB> constexpr int chains() { return NB == 1 ? 2 : 1; }
 #else
 constexpr int MAX_NB = 4;
@@ -141,12 +163,26 @@ inline void fp4_pair(const uint8_t* p, V& lo, V& hi) {
     hi.v[r] = E2M1[p[r] >> 4];
   }
 }
+template <bool BF16> inline V half_values(const uint8_t* p) {
+  V a;
+  for (int r = 0; r < ROWS; ++r) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * r, 2);
+    if constexpr (BF16) {
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      std::memcpy(&a.v[r], &bits, 4);
+    } else {
+      a.v[r] = static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+    }
+  }
+  return a;
+}
 template <int NB> constexpr int chains() { return 1; }
 #endif
 
 // ---------------------------------------------------------------------------------------------- one tile
 struct Tile {
-  const uint8_t* codes;   // fp8: [kp, 16]; fp4: [kp / 2, 16]
+  const uint8_t* codes;   // fp8: [kp, 16]; fp4: [kp / 2, 16]; bf16 / f16: [kp, 16] 16-bit
   const float* scales;    // fp8: [groups, 16] (folded)
   const uint8_t* sbytes;  // fp4: [groups, 16] E4M3 bits
 };
@@ -156,27 +192,43 @@ struct Shape {
   float factor;  // fp4: 2^120 / (global * post)
 };
 
-template <bool FP4>
+// Input columns kept in float beside the codes (zero codes there): their product, x[:, cols] times part's rows, is
+// added to the output after `post`; the rows the codes multiply have these columns zeroed (so that they do not set
+// an fp8 row's scale), as glmserve/layers/linear.py adds them outside a kernel
+struct FloatColumns {
+  const float* x = nullptr;      // the activations as given, [N, stride]
+  int64_t stride = 0;
+  const int64_t* cols = nullptr;  // [n]
+  int64_t n = 0;
+  const float* part = nullptr;   // [tiles, n, 16]: rows interleaved as the codes'
+};
+
+template <Fmt F>
 inline V group_scale(const Tile& t, const Shape& s, int64_t g) {
-  if constexpr (FP4) return vmul(fp8_scaled(t.sbytes + g * ROWS), vset(s.factor));
-  else return vload(t.scales + g * ROWS);
+  if constexpr (F == Fmt::FP4) return vmul(fp8_scaled(t.sbytes + g * ROWS), vset(s.factor));
+  else if constexpr (F == Fmt::FP8) return vload(t.scales + g * ROWS);
+  else return vset(1.f);
 }
 
 // the code values (times 2^-120 for E4M3) of inputs i and i + 1 (i even) of the tile's 16 rows, unscaled
-template <bool FP4>
+template <Fmt F>
 inline void decode_raw_pair(const Tile& t, int64_t i, V& w0, V& w1) {
-  if constexpr (FP4) {
-    fp4_pair(t.codes + (i / 2) * ROWS, w0, w1);
+  const uint8_t* p = t.codes + code_offset<F>(i);
+  if constexpr (F == Fmt::FP4) {
+    fp4_pair(p, w0, w1);
+  } else if constexpr (F == Fmt::FP8) {
+    w0 = fp8_scaled(p);
+    w1 = fp8_scaled(p + ROWS);
   } else {
-    w0 = fp8_scaled(t.codes + i * ROWS);
-    w1 = fp8_scaled(t.codes + (i + 1) * ROWS);
+    w0 = half_values<F == Fmt::BF16>(p);
+    w1 = half_values<F == Fmt::BF16>(p + 2 * ROWS);
   }
 }
 
 // the same weights times their group's scale
-template <bool FP4>
+template <Fmt F>
 inline void decode_pair(const Tile& t, int64_t i, const V& sg, V& w0, V& w1) {
-  decode_raw_pair<FP4>(t, i, w0, w1);
+  decode_raw_pair<F>(t, i, w0, w1);
   w0 = vmul(w0, sg);
   w1 = vmul(w1, sg);
 }
@@ -187,7 +239,7 @@ inline void decode_pair(const Tile& t, int64_t i, const V& sg, V& w0, V& w1) {
 constexpr int64_t PF_BYTES = 1024, PF_GROUPS = 4;
 
 // NB activation rows (x rows of stride kp) x one tile, decoding in registers: out [NB, 16]
-template <int NB, bool FP4>
+template <int NB, Fmt F>
 void tile_direct(const Tile& t, const Shape& s, const float* x, float* out) {
   constexpr int CH = chains<NB>();  // independent accumulators per row (1, 2 or 4)
   constexpr int STEP = CH < 2 ? 2 : CH;  // inputs per step: whole pairs
@@ -198,12 +250,12 @@ void tile_direct(const Tile& t, const Shape& s, const float* x, float* out) {
     UNROLL for (int n = 0; n < NB; ++n)
       UNROLL for (int c = 0; c < CH; ++c) acc[n][c] = vzero();
     const int64_t end = std::min(s.kp, (g + 1) * s.group);
-    if constexpr (FP4) __builtin_prefetch(t.sbytes + (g + PF_GROUPS) * ROWS);
+    if constexpr (F == Fmt::FP4) __builtin_prefetch(t.sbytes + (g + PF_GROUPS) * ROWS);
     for (int64_t i = g * s.group; i < end; i += STEP) {
-      __builtin_prefetch(t.codes + (FP4 ? i / 2 : i) * ROWS + PF_BYTES);
+      __builtin_prefetch(t.codes + code_offset<F>(i) + PF_BYTES);
       UNROLL for (int p = 0; p < STEP; p += 2) {
         V w0, w1;
-        decode_raw_pair<FP4>(t, i + p, w0, w1);
+        decode_raw_pair<F>(t, i + p, w0, w1);
         UNROLL for (int n = 0; n < NB; ++n) {
           const float* xi = x + n * s.kp + i + p;
           acc[n][p % CH] = vfma(xi, w0, acc[n][p % CH]);
@@ -211,7 +263,7 @@ void tile_direct(const Tile& t, const Shape& s, const float* x, float* out) {
         }
       }
     }
-    const V sg = group_scale<FP4>(t, s, g);
+    const V sg = group_scale<F>(t, s, g);
     UNROLL for (int n = 0; n < NB; ++n) {
       V sum = acc[n][0];
       UNROLL for (int c = 1; c < CH; ++c) sum = vadd(sum, acc[n][c]);
@@ -222,14 +274,14 @@ void tile_direct(const Tile& t, const Shape& s, const float* x, float* out) {
 }
 
 // the tile's weights of inputs [k0, k1) decoded and scaled into buf [k1 - k0, 16]
-template <bool FP4>
+template <Fmt F>
 void decode_chunk(const Tile& t, const Shape& s, int64_t k0, int64_t k1, float* buf) {
   for (int64_t g = k0 / s.group; g * s.group < k1; ++g) {
-    const V sg = group_scale<FP4>(t, s, g);
+    const V sg = group_scale<F>(t, s, g);
     const int64_t lo = std::max(k0, g * s.group), hi = std::min(k1, (g + 1) * s.group);
     for (int64_t i = lo; i < hi; i += 2) {
       V w0, w1;
-      decode_pair<FP4>(t, i, sg, w0, w1);
+      decode_pair<F>(t, i, sg, w0, w1);
       vstore(buf + (i - k0) * ROWS, w0);
       vstore(buf + (i - k0 + 1) * ROWS, w1);
     }
@@ -256,67 +308,113 @@ void chunk_rows(int rows, const float* buf, int64_t len, const float* x, int64_t
   chunk_fma<NB>(buf, len, x, kp, acc);
 }
 
-template <bool FP4, int NB>
+template <Fmt F, int NB>
 void direct_rows(int rows, const Tile& t, const Shape& s, const float* x, float* out) {
   if constexpr (NB > 1) {
-    if (rows < NB) return direct_rows<FP4, NB - 1>(rows, t, s, x, out);
+    if (rows < NB) return direct_rows<F, NB - 1>(rows, t, s, x, out);
   }
-  tile_direct<NB, FP4>(t, s, x, out);
+  tile_direct<NB, F>(t, s, x, out);
 }
 
-template <bool FP4>
+// acc [N, 16] += the float columns' product for tile ti
+inline void add_float_columns(const FloatColumns& fc, int64_t ti, int64_t N, float* acc) {
+  const float* part = fc.part + ti * fc.n * ROWS;
+  for (int64_t n = 0; n < N; ++n) {
+    V sum = vzero();
+    for (int64_t j = 0; j < fc.n; ++j) sum = vfma(fc.x + n * fc.stride + fc.cols[j], vload(part + j * ROWS), sum);
+    vstore(acc + n * ROWS, sum);
+  }
+}
+
+template <Fmt F>
 void matmul_impl(const float* x, int64_t N, const uint8_t* codes, const float* scales, const uint8_t* sbytes,
-                 int64_t tiles, const Shape& s, float post, int64_t out_features, float* o) {
-  const int64_t code_bytes = (FP4 ? s.kp / 2 : s.kp) * ROWS;
+                 int64_t tiles, const Shape& s, float post, int64_t out_features, float* o, const FloatColumns& fc) {
+  const int64_t code_bytes = code_offset<F>(s.kp);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(N * ROWS), buf(N > MAX_NB ? KC * ROWS : 0);
+    std::vector<float> acc(N * ROWS), buf(N > MAX_NB ? KC * ROWS : 0), extra(fc.n ? N * ROWS : 0);
     for (int64_t ti = begin; ti < end; ++ti) {
-      const Tile t{codes + ti * code_bytes, FP4 ? nullptr : scales + ti * s.groups * ROWS,
-                   FP4 ? sbytes + ti * s.groups * ROWS : nullptr};
+      const Tile t{codes + ti * code_bytes, F == Fmt::FP8 ? scales + ti * s.groups * ROWS : nullptr,
+                   F == Fmt::FP4 ? sbytes + ti * s.groups * ROWS : nullptr};
       if (N <= MAX_NB) {
-        direct_rows<FP4, MAX_NB>(static_cast<int>(N), t, s, x, acc.data());
+        direct_rows<F, MAX_NB>(static_cast<int>(N), t, s, x, acc.data());
       } else {
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t k0 = 0; k0 < s.kp; k0 += KC) {
           const int64_t len = std::min(KC, s.kp - k0);
-          decode_chunk<FP4>(t, s, k0, k0 + len, buf.data());
+          decode_chunk<F>(t, s, k0, k0 + len, buf.data());
           for (int64_t n0 = 0; n0 < N; n0 += MAX_NB)
             chunk_rows<MAX_NB>(static_cast<int>(std::min<int64_t>(MAX_NB, N - n0)), buf.data(), len,
                                x + n0 * s.kp + k0, s.kp, acc.data() + n0 * ROWS);
         }
       }
       const int64_t r0 = ti * ROWS, cols = std::min<int64_t>(ROWS, out_features - r0);
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t c = 0; c < cols; ++c) o[n * out_features + r0 + c] = acc[n * ROWS + c] * post;
+      if (fc.n) {
+        add_float_columns(fc, ti, N, extra.data());
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t c = 0; c < cols; ++c)
+            o[n * out_features + r0 + c] = acc[n * ROWS + c] * post + extra[n * ROWS + c];
+      } else {
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t c = 0; c < cols; ++c) o[n * out_features + r0 + c] = acc[n * ROWS + c] * post;
+      }
     }
   });
 }
 
-// one row fake-quantized to E4M3 per token, as reference.fake_quantize_activations: (x / scale) -> e4m3 -> * scale.
-// Without fast math, so that x / scale is a true division (as torch's) rather than a reciprocal multiply.
-__attribute__((optimize("no-fast-math"))) void fp8_row(const float* x, int64_t k, int64_t kp, float* out) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float scale = std::max(amax / FP8_MAX, 1e-12f);
-  for (int64_t i = 0; i < k; ++i) out[i] = static_cast<float>(c10::Float8_e4m3fn(x[i] / scale)) * scale;
-  for (int64_t i = k; i < kp; ++i) out[i] = 0.f;
+// v rounded to the nearest E4M3 value, ties to even (|v| <= 448 here), as c10::Float8_e4m3fn(v) converts it and
+// float() widens it back; branch-free bit arithmetic on fp32 so that the loop over a row vectorizes (the same steps
+// as c10's fp8e4m3fn_from_fp32_value, which converts one value at a time: 12 ns a value measured on Zen 5):
+//   |v| >= 2^-6 (E4M3 normals): the fp32 mantissa rounded to its top 3 bits (a carry moves into the exponent);
+//   below (E4M3 subnormals, multiples of 2^-9): |v| + 2^14 rounds there in fp32 arithmetic, then 2^14 comes off.
+// Compiled without fast math (as fp8_row), so that the add and subtract are not folded away.
+__attribute__((optimize("no-fast-math"))) inline float e4m3_round(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+  const uint32_t normal = (magnitude + 0x7FFFFu + ((magnitude >> 20) & 1u)) & 0xFFF00000u;
+  float m;
+  std::memcpy(&m, &magnitude, 4);
+  const float sub = (m + 16384.f) - 16384.f;
+  uint32_t sub_bits;
+  std::memcpy(&sub_bits, &sub, 4);
+  const uint32_t rounded = (magnitude < 0x3C800000u ? sub_bits : normal) | (bits & 0x80000000u);  // 2^-6
+  float out;
+  std::memcpy(&out, &rounded, 4);
+  return out;
 }
 
-// x [N, k] -> [N, kp] float32 rows the kernel reads: fake-quantized to fp8 per token, zero-padded, or x itself
-at::Tensor kernel_rows(const at::Tensor& x, int64_t kp, bool fp8_tokens) {
+// one row fake-quantized to E4M3 per token in place, as reference.fake_quantize_activations: (x / scale) -> e4m3 ->
+// * scale, the row zero-padded from k to kp. Without fast math, so that x / scale is a true division (as torch's)
+// rather than a reciprocal multiply. Both loops vectorize (in place: no aliasing check to fall back on scalar code).
+__attribute__((optimize("no-fast-math"))) void fp8_row(float* row, int64_t k, int64_t kp) {
+  uint32_t largest = 0;  // |x| compared as bits: the floats' order (no NaN), and a maximum that vectorizes
+  for (int64_t i = 0; i < k; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, row + i, 4);
+    largest = std::max(largest, bits & 0x7FFFFFFFu);
+  }
+  float amax;
+  std::memcpy(&amax, &largest, 4);
+  const float scale = std::max(amax / FP8_MAX, 1e-12f);
+  for (int64_t i = 0; i < k; ++i) row[i] = e4m3_round(row[i] / scale) * scale;
+  for (int64_t i = k; i < kp; ++i) row[i] = 0.f;
+}
+
+// x [N, k] -> [N, kp] float32 rows the kernel reads: the float columns zeroed, fake-quantized to fp8 per token,
+// zero-padded, or x itself
+at::Tensor kernel_rows(const at::Tensor& x, int64_t kp, bool fp8_tokens, const FloatColumns& fc = {}) {
   const int64_t N = x.size(0), k = x.size(1);
-  if (!fp8_tokens && k == kp) return x;
+  if (!fp8_tokens && k == kp && !fc.n) return x;
   auto rows = at::empty({N, kp}, at::kFloat);
   const float* xp = x.data_ptr<float>();
   float* rp = rows.data_ptr<float>();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      if (fp8_tokens) {
-        fp8_row(xp + n * k, k, kp, rp + n * kp);
-      } else {
-        std::memcpy(rp + n * kp, xp + n * k, k * sizeof(float));
-        std::fill(rp + n * kp + k, rp + (n + 1) * kp, 0.f);
-      }
+      float* row = rp + n * kp;
+      std::memcpy(row, xp + n * k, k * sizeof(float));
+      std::fill(row + k, row + kp, 0.f);
+      for (int64_t j = 0; j < fc.n; ++j) row[fc.cols[j]] = 0.f;
+      if (fp8_tokens) fp8_row(row, k, kp);
     }
   });
   return rows;
@@ -330,9 +428,11 @@ at::Tensor fp8_fake_quantize_rows(const at::Tensor& x_in) {
   return kernel_rows(x, x.size(1), true);
 }
 
-// out [N, out_features] = x [N, k] (fp8-fake-quantized per row first when fp8_tokens) x the packed weight
+// out [N, out_features] = x [N, k] (fp8-fake-quantized per row first when fp8_tokens) x the packed weight, plus
+// x[:, columns] x float_part's rows where columns is not empty (columns [n] int64, float_part [tiles, n, 16] float32)
 at::Tensor float_quant_linear(const at::Tensor& x_in, bool fp8_tokens, const at::Tensor& codes, const at::Tensor& scales,
-                              bool fp4, int64_t group, double factor, double post, int64_t out_features) {
+                              bool fp4, int64_t group, double factor, double post, int64_t out_features,
+                              const at::Tensor& columns, const at::Tensor& float_part) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "float_quant_linear: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == ROWS,
@@ -347,16 +447,54 @@ at::Tensor float_quant_linear(const at::Tensor& x_in, bool fp8_tokens, const at:
   const auto x = x_in.contiguous();
   TORCH_CHECK(x.size(1) <= kp && x.size(1) > kp - 16, "float_quant_linear: input has ", x.size(1),
               " features, the weight ", kp, " (padded)");
-  const auto rows = kernel_rows(x, kp, fp8_tokens);
+  FloatColumns fc;
+  if (columns.numel()) {
+    TORCH_CHECK(columns.dim() == 1 && columns.scalar_type() == at::kLong && columns.is_contiguous() &&
+                    float_part.scalar_type() == at::kFloat && float_part.is_contiguous() &&
+                    float_part.sizes() == at::IntArrayRef({tiles, columns.numel(), ROWS}),
+                "float_quant_linear: columns [n] int64 and float_part [tiles, n, 16] float32");
+    const int64_t* cols = columns.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(cols, cols + columns.numel(), [&](int64_t c) { return c >= 0 && c < x.size(1); }),
+                "float_quant_linear: a float column outside the input's ", x.size(1));
+    fc = {x.data_ptr<float>(), x.size(1), cols, columns.numel(), float_part.data_ptr<float>()};
+  }
+  const auto rows = kernel_rows(x, kp, fp8_tokens, fc);
   const int64_t N = x.size(0);
   auto out = at::empty({N, out_features}, at::kFloat);
   const Shape s{kp, group, groups, static_cast<float>(factor)};
   if (fp4)
-    matmul_impl<true>(rows.data_ptr<float>(), N, codes.data_ptr<uint8_t>(), nullptr, scales.data_ptr<uint8_t>(), tiles,
-                      s, static_cast<float>(post), out_features, out.data_ptr<float>());
+    matmul_impl<Fmt::FP4>(rows.data_ptr<float>(), N, codes.data_ptr<uint8_t>(), nullptr, scales.data_ptr<uint8_t>(),
+                          tiles, s, static_cast<float>(post), out_features, out.data_ptr<float>(), fc);
   else
-    matmul_impl<false>(rows.data_ptr<float>(), N, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, tiles,
-                       s, static_cast<float>(post), out_features, out.data_ptr<float>());
+    matmul_impl<Fmt::FP8>(rows.data_ptr<float>(), N, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr,
+                          tiles, s, static_cast<float>(post), out_features, out.data_ptr<float>(), fc);
+  return out;
+}
+
+// out [N, out_features] = x [N, k] x a weight of 16-bit floats packed in tiles of 16 rows (codes [tiles, kp, 16]:
+// bf16 or fp16 bits), each weight widened exactly to float32
+at::Tensor half_linear(const at::Tensor& x_in, const at::Tensor& codes, bool bf16, int64_t out_features) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "half_linear: x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(codes.dim() == 3 && codes.element_size() == 2 && codes.is_contiguous() && codes.size(2) == ROWS,
+              "half_linear: codes [tiles, kp, 16] of 16-bit floats");
+  const int64_t tiles = codes.size(0), kp = codes.size(1);
+  TORCH_CHECK(kp % 16 == 0 && tiles * ROWS >= out_features, "half_linear: inputs padded to 16, ", tiles,
+              " tiles for ", out_features, " rows");
+  const auto x = x_in.contiguous();
+  TORCH_CHECK(x.size(1) <= kp && x.size(1) > kp - 16, "half_linear: input has ", x.size(1), " features, the weight ",
+              kp, " (padded)");
+  const auto rows = kernel_rows(x, kp, false);
+  const int64_t N = x.size(0);
+  auto out = at::empty({N, out_features}, at::kFloat);
+  const Shape s{kp, kp, 1, 1.f};
+  const auto* bytes = static_cast<const uint8_t*>(codes.data_ptr());
+  if (bf16)
+    matmul_impl<Fmt::BF16>(rows.data_ptr<float>(), N, bytes, nullptr, nullptr, tiles, s, 1.f, out_features,
+                           out.data_ptr<float>(), {});
+  else
+    matmul_impl<Fmt::F16>(rows.data_ptr<float>(), N, bytes, nullptr, nullptr, tiles, s, 1.f, out_features,
+                          out.data_ptr<float>(), {});
   return out;
 }
 
@@ -364,5 +502,6 @@ at::Tensor float_quant_linear(const at::Tensor& x_in, bool fp8_tokens, const at:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_quant_linear", &float_quant_linear, "float32 activations x packed FP8 / NVFP4 weights (CPU)");
+  m.def("half_linear", &half_linear, "float32 activations x packed bf16 / fp16 weights (CPU)");
   m.def("fp8_fake_quantize_rows", &fp8_fake_quantize_rows, "E4M3 per-token fake quantization of activation rows");
 }
