@@ -8,15 +8,22 @@ differs from F.linear on the float32 weight only in the order of the fp32 sums: 
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from glmserve import LLM, SamplingParams, kernels
 from glmserve.cli import run_quantize
 from glmserve.layers.half_linear import HalfLinear, TiedHalfEmbedding, exact_half_dtype
 from glmserve.models import loader
+from glmserve.models.hf_float import source_float_dtype
 from glmserve.models.quantized import weight_bytes
+from glmserve.quant.compressed_tensors import load_checkpoint
+from tests.tiny_models import make_tiny_model
 
 CPU = torch.device("cpu")
 U = 2.0 ** -24
@@ -69,6 +76,7 @@ def test_rows_read_back_exactly_and_leading_dims(cpu_isa):
     head = HalfLinear(w, torch.bfloat16, matmul_op())
     ids = torch.tensor([0, 17, 49, 17])
     assert torch.equal(head.dequantize_rows(ids, torch.float32), w[ids])
+    assert torch.equal(head.weight, w)
     assert torch.equal(TiedHalfEmbedding(head)(ids.reshape(2, 2)), w[ids].reshape(2, 2, 40))
     x = torch.randn(2, 3, 40)
     assert head(x).shape == (2, 3, 50)
@@ -117,3 +125,16 @@ def test_quantized_folder_with_a_bf16_head(arch, tiny_model_dir, tmp_path, monke
     assert (ours - ref).abs().max() < 1e-3
     monkeypatch.setenv("GLMSERVE_TORCH_ONLY", "1")
     assert type(load(folder)[0].lm_head) is torch.nn.Linear
+
+
+def test_quantize_auto_keeps_the_sources_float_dtype(tmp_path):
+    """`--dtype auto` writes the float tensors in the source's dtype: a bf16 folder's bf16 (not the float32 the model
+    is quantized in), a GGUF's bfloat16 (models/hf_float.py source_float_dtype)."""
+    source = make_tiny_model("llama", tmp_path / "f32")
+    AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    shutil.copy(source / "tokenizer.json", tmp_path / "bf16")
+    for name, want in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        run_quantize(str(tmp_path / name), str(tmp_path / f"q-{name}"), scheme="fp8")
+        _, _, rest = load_checkpoint(tmp_path / f"q-{name}")
+        assert {t.dtype for t in rest.values()} == {want}
+    assert source_float_dtype(Path("model.gguf"), {}) == torch.bfloat16

@@ -60,6 +60,11 @@ class HalfLinear(nn.Module):
         """Rows `ids` [n] of W as `dtype` [n, in]."""
         return self.codes[ids // ROWS, :, ids % ROWS][:, :self.in_features].to(dtype)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """W [out, in] in float32, widened on demand (inspection, as QuantizedLinear.weight; not kept)."""
+        return self.dequantize_rows(torch.arange(self.out_features), torch.float32)
+
     # -- glmserve/layers/param_loading.py HoldsWeights: made from a loaded weight, nothing left to fill -------------
     def weight_slots(self) -> dict[str, int]:
         return {}
