@@ -51,7 +51,8 @@ def main() -> None:
         spec, acts = FORMATS[fmt]
         w = torch.randn(out, inp, generator=torch.Generator().manual_seed(out + inp)) * 0.02
         p = backend.prepare(quantize(w, spec), acts, CPU)
-        weights = (p.fp8_tokens, p.codes, p.scales, p.fp4, p.group, p.factor, p.post, p.out_features)
+        weights = (p.fp8_tokens, p.codes, p.scales, p.fp4, p.group, p.factor, p.post, p.out_features, p.columns,
+                   p.float_part)
         for m in args.batches:
             x = torch.randn(m, inp, generator=torch.Generator().manual_seed(m))
             calls = {"A": a.float_quant_linear, "B": b.float_quant_linear}

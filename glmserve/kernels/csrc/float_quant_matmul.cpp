@@ -288,24 +288,46 @@ void decode_chunk(const Tile& t, const Shape& s, int64_t k0, int64_t k1, float* 
   }
 }
 
-// NB rows x a decoded chunk of `len` inputs: acc [NB, 16] (in memory, across chunks) += x[:, k0:k0+len] w
-template <int NB>
-void chunk_fma(const float* buf, int64_t len, const float* x, int64_t kp, float* acc) {
-  V a[NB];
-  UNROLL for (int n = 0; n < NB; ++n) a[n] = vload(acc + n * ROWS);
+// NB rows x T decoded chunks of `len` inputs (T tiles side by side, buf [T][KC][16]): acc [T][N][16] (in memory,
+// across chunks; `n_stride` = N * 16 floats between tiles) += x[:, k0:k0+len] w. Two tiles (AVX-512) load each row's
+// broadcast input once for two FMAs and keep 16 accumulators in flight
+template <int NB, int T>
+void chunk_fma(const float* buf, int64_t len, const float* x, int64_t kp, float* acc, int64_t n_stride) {
+  V a[T][NB];
+  UNROLL for (int t = 0; t < T; ++t)
+    UNROLL for (int n = 0; n < NB; ++n) a[t][n] = vload(acc + t * n_stride + n * ROWS);
   for (int64_t i = 0; i < len; ++i) {
-    const V w = vload(buf + i * ROWS);
-    UNROLL for (int n = 0; n < NB; ++n) a[n] = vfma(x + n * kp + i, w, a[n]);
+    V w[T];
+    UNROLL for (int t = 0; t < T; ++t) w[t] = vload(buf + t * KC * ROWS + i * ROWS);
+    UNROLL for (int n = 0; n < NB; ++n)
+      UNROLL for (int t = 0; t < T; ++t) a[t][n] = vfma(x + n * kp + i, w[t], a[t][n]);
   }
-  UNROLL for (int n = 0; n < NB; ++n) vstore(acc + n * ROWS, a[n]);
+  UNROLL for (int t = 0; t < T; ++t)
+    UNROLL for (int n = 0; n < NB; ++n) vstore(acc + t * n_stride + n * ROWS, a[t][n]);
 }
 
-template <int NB>
-void chunk_rows(int rows, const float* buf, int64_t len, const float* x, int64_t kp, float* acc) {
+template <int NB, int T>
+void chunk_rows(int rows, const float* buf, int64_t len, const float* x, int64_t kp, float* acc, int64_t n_stride) {
   if constexpr (NB > 1) {
-    if (rows < NB) return chunk_rows<NB - 1>(rows, buf, len, x, kp, acc);
+    if (rows < NB) return chunk_rows<NB - 1, T>(rows, buf, len, x, kp, acc, n_stride);
   }
-  chunk_fma<NB>(buf, len, x, kp, acc);
+  chunk_fma<NB, T>(buf, len, x, kp, acc, n_stride);
+}
+
+// tiles per pass of the batched path: two where 16 accumulators and their weights fit the registers (AVX-512)
+constexpr int PASS_TILES = MAX_NB == 8 ? 2 : 1;
+
+// T tiles (t0 and the next T - 1) x N rows through decoded chunks: acc [T][N][16]
+template <Fmt F, int T>
+void chunked_tiles(const Tile* t, const Shape& s, const float* x, int64_t N, float* buf, float* acc) {
+  std::fill(acc, acc + T * N * ROWS, 0.f);
+  for (int64_t k0 = 0; k0 < s.kp; k0 += KC) {
+    const int64_t len = std::min(KC, s.kp - k0);
+    for (int u = 0; u < T; ++u) decode_chunk<F>(t[u], s, k0, k0 + len, buf + u * KC * ROWS);
+    for (int64_t n0 = 0; n0 < N; n0 += MAX_NB)
+      chunk_rows<MAX_NB, T>(static_cast<int>(std::min<int64_t>(MAX_NB, N - n0)), buf, len, x + n0 * s.kp + k0, s.kp,
+                            acc + n0 * ROWS, N * ROWS);
+  }
 }
 
 template <Fmt F, int NB>
@@ -330,32 +352,33 @@ template <Fmt F>
 void matmul_impl(const float* x, int64_t N, const uint8_t* codes, const float* scales, const uint8_t* sbytes,
                  int64_t tiles, const Shape& s, float post, int64_t out_features, float* o, const FloatColumns& fc) {
   const int64_t code_bytes = code_offset<F>(s.kp);
+  const auto tile = [&](int64_t ti) {
+    return Tile{codes + ti * code_bytes, F == Fmt::FP8 ? scales + ti * s.groups * ROWS : nullptr,
+                F == Fmt::FP4 ? sbytes + ti * s.groups * ROWS : nullptr};
+  };
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(N * ROWS), buf(N > MAX_NB ? KC * ROWS : 0), extra(fc.n ? N * ROWS : 0);
-    for (int64_t ti = begin; ti < end; ++ti) {
-      const Tile t{codes + ti * code_bytes, F == Fmt::FP8 ? scales + ti * s.groups * ROWS : nullptr,
-                   F == Fmt::FP4 ? sbytes + ti * s.groups * ROWS : nullptr};
-      if (N <= MAX_NB) {
+    const bool chunked = N > MAX_NB;
+    std::vector<float> acc(PASS_TILES * N * ROWS), buf(chunked ? PASS_TILES * KC * ROWS : 0), extra(fc.n ? N * ROWS : 0);
+    for (int64_t ti = begin; ti < end;) {
+      const int pass = chunked && ti + PASS_TILES <= end ? PASS_TILES : 1;
+      if (!chunked) {
+        const Tile t = tile(ti);
         direct_rows<F, MAX_NB>(static_cast<int>(N), t, s, x, acc.data());
+      } else if (pass == 1) {
+        const Tile t = tile(ti);
+        chunked_tiles<F, 1>(&t, s, x, N, buf.data(), acc.data());
       } else {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t k0 = 0; k0 < s.kp; k0 += KC) {
-          const int64_t len = std::min(KC, s.kp - k0);
-          decode_chunk<F>(t, s, k0, k0 + len, buf.data());
-          for (int64_t n0 = 0; n0 < N; n0 += MAX_NB)
-            chunk_rows<MAX_NB>(static_cast<int>(std::min<int64_t>(MAX_NB, N - n0)), buf.data(), len,
-                               x + n0 * s.kp + k0, s.kp, acc.data() + n0 * ROWS);
-        }
+        Tile t[PASS_TILES];
+        for (int u = 0; u < PASS_TILES; ++u) t[u] = tile(ti + u);
+        chunked_tiles<F, PASS_TILES>(t, s, x, N, buf.data(), acc.data());
       }
-      const int64_t r0 = ti * ROWS, cols = std::min<int64_t>(ROWS, out_features - r0);
-      if (fc.n) {
-        add_float_columns(fc, ti, N, extra.data());
+      for (int u = 0; u < pass; ++u, ++ti) {
+        const float* a = acc.data() + u * N * ROWS;
+        const int64_t r0 = ti * ROWS, cols = std::min<int64_t>(ROWS, out_features - r0);
+        if (fc.n) add_float_columns(fc, ti, N, extra.data());
         for (int64_t n = 0; n < N; ++n)
           for (int64_t c = 0; c < cols; ++c)
-            o[n * out_features + r0 + c] = acc[n * ROWS + c] * post + extra[n * ROWS + c];
-      } else {
-        for (int64_t n = 0; n < N; ++n)
-          for (int64_t c = 0; c < cols; ++c) o[n * out_features + r0 + c] = acc[n * ROWS + c] * post;
+            o[n * out_features + r0 + c] = a[n * ROWS + c] * post + (fc.n ? extra[n * ROWS + c] : 0.f);
       }
     }
   });
