@@ -245,7 +245,8 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                         "model's compute dtype while tuning: bfloat16 (autocast, faster) or float32 (for formats "
                         "whose error is below bfloat16's, e.g. w8a8)")
     parser.add_argument("--dtype", default="auto", choices=list(QUANTIZE_DTYPES),
-                        help="dtype of the tensors kept in float (auto: the source's; bfloat16 for a GGUF file)")
+                        help="dtype of the tensors kept in float (auto: each as the source stores it; bfloat16 "
+                             "for a GGUF's block-quantized ones)")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--num-threads", type=int, default=None)
 
@@ -308,7 +309,7 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
     ckpt = model if isinstance(model, FloatCheckpoint) else load_float(model)
     if rotate:
         if ckpt is model:  # the caller's model stays as it was
-            ckpt = FloatCheckpoint(copy.deepcopy(ckpt.model), ckpt.tokenizer, ckpt.source, ckpt.float_dtype)
+            ckpt = FloatCheckpoint(copy.deepcopy(ckpt.model), ckpt.tokenizer, ckpt.source, ckpt.float_dtypes)
         rotate_model(ckpt.model, rotate)
     windows = None
     if calib:
@@ -316,7 +317,7 @@ def run_quantize(model, out: str, *, scheme: str | None = None, recipe: str | No
                    for w in token_windows(ckpt.tokenizer, Path(f).read_text(encoding="utf-8"), seq_len,
                                           max(calib_tokens // len(calib), 2))]
     result = pipeline.quantize_model(ckpt.model, plan, windows, stats)
-    torch_dtype = ckpt.float_dtype if QUANTIZE_DTYPES[dtype] is None else getattr(torch, QUANTIZE_DTYPES[dtype])
+    torch_dtype = ckpt.float_dtypes if QUANTIZE_DTYPES[dtype] is None else getattr(torch, QUANTIZE_DTYPES[dtype])
     pipeline.save(Path(out), ckpt.model, ckpt.tokenizer, result, torch_dtype)
     return ckpt.model, result
 

@@ -9,7 +9,6 @@ differs from F.linear on the float32 weight only in the order of the fp32 sums: 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from glmserve import LLM, SamplingParams, kernels
 from glmserve.cli import run_quantize
 from glmserve.layers.half_linear import HalfLinear, TiedHalfEmbedding, exact_half_dtype
 from glmserve.models import loader
-from glmserve.models.hf_float import source_float_dtype
+from glmserve.models.gguf_loader import embedded_default_gguf, load_gguf
 from glmserve.models.quantized import weight_bytes
 from glmserve.quant.compressed_tensors import load_checkpoint
 from tests.tiny_models import make_tiny_model
@@ -127,14 +126,17 @@ def test_quantized_folder_with_a_bf16_head(arch, tiny_model_dir, tmp_path, monke
     assert type(load(folder)[0].lm_head) is torch.nn.Linear
 
 
-def test_quantize_auto_keeps_the_sources_float_dtype(tmp_path):
-    """`--dtype auto` writes the float tensors in the source's dtype: a bf16 folder's bf16 (not the float32 the model
-    is quantized in), a GGUF's bfloat16 (models/hf_float.py source_float_dtype)."""
+def test_quantize_auto_keeps_each_float_tensor_as_the_source_stores_it(tmp_path):
+    """`--dtype auto` writes the float tensors as the source stores them: a bf16 folder's in bf16 (not the float32 the
+    model is quantized in); a GGUF's F32 norms in float32 and its block-quantized embedding in bf16
+    (GGUFCheckpoint.stored_float_dtypes)."""
     source = make_tiny_model("llama", tmp_path / "f32")
     AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
     shutil.copy(source / "tokenizer.json", tmp_path / "bf16")
     for name, want in (("f32", torch.float32), ("bf16", torch.bfloat16)):
         run_quantize(str(tmp_path / name), str(tmp_path / f"q-{name}"), scheme="fp8")
-        _, _, rest = load_checkpoint(tmp_path / f"q-{name}")
-        assert {t.dtype for t in rest.values()} == {want}
-    assert source_float_dtype(Path("model.gguf"), {}) == torch.bfloat16
+        config, _, rest = load_checkpoint(tmp_path / f"q-{name}")
+        assert {t.dtype for t in rest.values()} == {want} and config["torch_dtype"] == str(want)[6:]
+    stored = load_gguf(embedded_default_gguf()).stored_float_dtypes()
+    assert stored["model.embed_tokens.weight"] == torch.bfloat16  # Q8_0 blocks
+    assert stored["model.norm.weight"] == stored["model.layers.0.input_layernorm.weight"] == torch.float32

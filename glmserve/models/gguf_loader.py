@@ -191,6 +191,16 @@ class GGUFCheckpoint:
                 yield hf_name, torch.from_numpy(values)
             self.reader.release(tensor)  # the caller has taken this tensor; its file pages need not stay resident
 
+    def stored_float_dtypes(self) -> dict[str, torch.dtype]:
+        """{hf_name: the float dtype each tensor is stored as}: F32 / F16 / BF16 as they are; a block-quantized one
+        bfloat16, whose 8 significant bits hold a block's values (an int8 or 4-bit code times a float16 scale) closer
+        than the block's own step, at half of float32's bytes (the dtype `glmserve quantize` writes such a tensor in
+        where it stays float, e.g. the embedded SmolLM2's Q8_0 embedding: on CPU a quantized model's bf16 lm_head runs
+        from half the bytes, layers/half_linear.py)."""
+        plain = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+        return {self.hf_names[t.name]: plain.get(t.tensor_type.name, torch.bfloat16)
+                for t in self.reader.tensors if t.name in self.hf_names}
+
     def tensor_count(self) -> int:
         """How many tensors `tensors` yields (the file's, less those folded into the config)."""
         return sum(tensor.name in self.hf_names for tensor in self.reader.tensors)

@@ -5,8 +5,7 @@ an HF folder with safetensors."""
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,9 +24,9 @@ class FloatCheckpoint:
     model: torch.nn.Module  # transformers' *ForCausalLM, eval mode, float32
     tokenizer: PreTrainedTokenizerBase
     source: Path
-    # what the source stores its float tensors in (a folder: its most common float dtype; a GGUF: bfloat16, see
-    # source_float_dtype), the dtype `glmserve quantize --dtype auto` writes the tensors it keeps in float
-    float_dtype: torch.dtype = torch.float32
+    # {tensor name: the float dtype the source stores it in} (GGUFCheckpoint.stored_float_dtypes for a GGUF): what
+    # `glmserve quantize --dtype auto` writes the tensors it keeps in float as (a name not here: float32)
+    float_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
 
 def load_float(path: str | None) -> FloatCheckpoint:
@@ -35,11 +34,13 @@ def load_float(path: str | None) -> FloatCheckpoint:
     if location.is_file() and location.suffix == ".gguf":
         ckpt = load_gguf(location)
         config, tensors, tokenizer = ckpt.config, dict(ckpt.tensors()), ckpt.tokenizer()
+        stored = ckpt.stored_float_dtypes()
     elif location.is_dir() and (location / "config.json").exists():
         config = AutoConfig.from_pretrained(str(location))
         if getattr(config, "quantization_config", None) is not None:
             raise UnsupportedModelError(f"{location} is already quantized; quantize its float checkpoint")
         tensors, tokenizer = dict(safetensors_weights(location)), AutoTokenizer.from_pretrained(str(location))
+        stored = {name: t.dtype for name, t in tensors.items() if t.is_floating_point()}
     else:
         raise UnsupportedModelError(f"{location} is neither 'default', a .gguf file nor a model directory")
     model_class(config)  # one of the architectures glmserve runs
@@ -52,16 +53,4 @@ def load_float(path: str | None) -> FloatCheckpoint:
                                     f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     if tied:
         model.tie_weights()
-    return FloatCheckpoint(model.eval(), tokenizer, location, source_float_dtype(location, tensors))
-
-
-def source_float_dtype(location: Path, tensors: dict[str, torch.Tensor]) -> torch.dtype:
-    """The dtype a checkpoint keeps its float tensors in: a folder's most common float dtype (bf16 for most HF
-    models); bfloat16 for a GGUF file, whose float tensors here are its F32 norms and its blocks dequantized to float32
-    (the embedding of the embedded SmolLM2 is Q8_0): bf16's 8 significant bits hold such a block's values closer than
-    its own step (an int8 code of a float16 scale), at half of float32's bytes, and on CPU a quantized model's bf16
-    lm_head runs from half the bytes (layers/half_linear.py)."""
-    if location.suffix == ".gguf":
-        return torch.bfloat16
-    counts = Counter(t.dtype for t in tensors.values() if t.is_floating_point())
-    return counts.most_common(1)[0][0] if counts else torch.float32
+    return FloatCheckpoint(model.eval(), tokenizer, location, stored)

@@ -438,28 +438,35 @@ def _split_rows(q: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
             for c, s, z, m in zip(cut(q.codes), cut(q.scales), cut(q.zeros), cut(q.mins), strict=True)]
 
 
-def float_tensors(model: torch.nn.Module, modules: Mapping[str, QuantizedModule], dtype: torch.dtype | None) -> dict:
-    """Every tensor of the model but the quantized weights (lm_head left out when tied to the embeddings)."""
+FloatDtypes = torch.dtype | Mapping[str, torch.dtype] | None  # one for all, per tensor name (others: as they are)
+
+
+def float_tensors(model: torch.nn.Module, modules: Mapping[str, QuantizedModule], dtype: FloatDtypes) -> dict:
+    """Every tensor of the model but the quantized weights (lm_head left out when tied to the embeddings), as
+    `dtype` says."""
     quantized = {f"{n}.weight" for n in modules}
     tied = getattr(model.config, "tie_word_embeddings", False)
     out = {}
     for name, t in model.state_dict().items():
         if name in quantized or (tied and name == "lm_head.weight"):
             continue
-        out[name] = t.detach().to(dtype or t.dtype).clone()
+        want = dtype.get(name, t.dtype) if isinstance(dtype, Mapping) else dtype or t.dtype
+        out[name] = t.detach().to(want).clone()
     return out
 
 
-def save(out_dir: Path, model: torch.nn.Module, tokenizer, result: Result, dtype: torch.dtype | None = None) -> None:
-    """The compressed-tensors folder: weights, config.json with quantization_config, tokenizer files."""
+def save(out_dir: Path, model: torch.nn.Module, tokenizer, result: Result, dtype: FloatDtypes = None) -> None:
+    """The compressed-tensors folder: weights, config.json with quantization_config (its dtype: that of the largest
+    float tensor where `dtype` is not None), tokenizer files."""
     ignore = [n for n in linear_layers(model) if n not in result.modules]
     config = model.config.to_dict()
     if "lm_head" in result.modules:  # a quantized lm_head is its own tensor, no longer the embeddings
         config["tie_word_embeddings"] = False
-    if dtype is not None:
-        config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
     tensors = float_tensors(model, result.modules, dtype)
     tensors.update({k: v.to(tensors[k].dtype) for k, v in result.float_tensors.items()})
+    if dtype is not None:
+        largest = max(tensors.values(), key=torch.Tensor.numel).dtype
+        config["torch_dtype"] = config["dtype"] = str(largest).removeprefix("torch.")
     save_checkpoint(out_dir, result.modules, tensors, config, ignore)
     tokenizer.save_pretrained(str(out_dir))
 
