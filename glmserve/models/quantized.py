@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from glmserve import kernels
+from glmserve.kernels.isa import active_isa
 from glmserve.layers.embedding import QuantizedEmbedding
 from glmserve.layers.half_linear import HalfLinear, TiedHalfEmbedding, exact_half_dtype
 from glmserve.layers.linear import MergedLinear, QuantizedLinear
@@ -70,10 +71,11 @@ def keep_head_in_half(model: nn.Module, device: torch.device, dtype: torch.dtype
     """A loaded quantized model's float lm_head (and the embedding tied to it) kept as bf16 or fp16 numbers where
     every value of the float32 weight is one (layers/half_linear.py): half the bytes a CPU decode step reads, the
     same products. Only on CPU in float32, where some module is quantized (`--quantization none` and float
-    checkpoints keep F.linear) and the kernel is available."""
+    checkpoints keep F.linear) and a SIMD build of the kernel runs (the scalar one reads the bytes faster at batch 1
+    but multiplies slower than MKL's sgemm from 8 rows: bench/bench_half_head.py)."""
     head = getattr(model, "lm_head", None)
     if (device.type != "cpu" or dtype != torch.float32 or type(head) is not nn.Linear or head.bias is not None
-            or not any(isinstance(m, QuantizedLinear) for m in model.modules())):
+            or active_isa() == "scalar" or not any(isinstance(m, QuantizedLinear) for m in model.modules())):
         return
     matmul = kernels.op("half_linear", device, torch.float32)
     half = None if matmul is None else exact_half_dtype(head.weight)
