@@ -1,7 +1,8 @@
 """The `cpu_float_block` backend (quant/cpu_float_backend.py, kernels/csrc/float_quant_matmul.cpp) on every
 instruction-set variant this CPU runs (fixture cpu_isa), against `reference`, for FP8 E4M3 weights (per
 channel with the fp8 scheme's per-token fp8 activations, per channel weight-only, per tensor, 128x128 blocks)
-and NVFP4, at batch 1, 4 and 7 (registers only; 7 on AVX-512 only) and 33 (the decoded-tile path), on
+and NVFP4, at batch 1, 4, 7 and 12 (registers only, in groups of up to 8 rows on AVX-512 and 4 on AVX2 and scalar:
+12 is two groups on AVX-512, and the decoded-tile path on the others) and 33 (the decoded-tile path), on
 SmolLM2's 576 / 1536 shapes (not multiples of 128) and odd ones.
 
 Tolerance: the kernel multiplies by the reference's own weights (FP8: bit-identical; NVFP4: within one fp32
@@ -50,7 +51,7 @@ FORMATS = {  # name -> (weight spec, activation spec)
     "nvfp4": (NVFP4, None),
 }
 SHAPES = [(1536, 576), (576, 1536)]  # (out, in)
-BATCHES = [1, 4, 7, 33]
+BATCHES = [1, 4, 7, 12, 33]
 
 
 @functools.cache  # a few MB each, reused by every variant

@@ -20,7 +20,7 @@ the codes (their float32 rows in the same tiles) and their product added inside 
 multiply having those columns zeroed first; not with fp8 activation tiles (`fp8-block-g128`, whose rows are rounded
 before the kernel), where the layer adds them (layers/linear.py) as for other backends.
 
-Numerics: from 9 rows on (AVX-512; 5 on AVX2 and scalar) the kernel multiplies by weights bit-identical to
+Numerics: from 17 rows on (AVX-512; 9 on AVX2 and scalar) the kernel multiplies by weights bit-identical to
 reference.dequantize for FP8 (value * scale, one fp32 rounding) and within one fp32 rounding of it for NVFP4 (the
 scale is value(s) * (2^120 / global) instead of s / global); below that it sums x * value over each scale group
 and multiplies the group's sum by the scale once (one rounding per weight fewer or more than the reference's, as

@@ -25,14 +25,14 @@
 //   E2M1: a 16-entry table: AVX-512 vpermps (one instruction), AVX2 vpermps on the magnitude (8 entries)
 //     with the sign bit or-ed in, scalar a table lookup.
 //   bf16: zero-extend to 32 bits and shift left 16 (exact); fp16: F16C's vcvtph2ps (exact), scalar c10::Half.
-// Per tile: batch <= NB rows (8 AVX-512, 4 AVX2 and scalar): each input's 16 weights are decoded once into a
-// register, unscaled, and FMA-ed into the rows' accumulators of the current scale group (2-4 independent chains
-// at small NB to hide FMA latency); at the group's end one FMA per row adds accumulator x scale to the row's
-// total, so the scale costs one multiply per group instead of one per weight (NVFP4: per 16 inputs). Batch > NB:
-// the tile's weights are decoded once per chunk of KC inputs into an fp32 buffer
-// (16 x KC floats, in L1/L2) and every group of NB rows runs an fp32 micro-kernel over it, so decoding is
-// paid once per weight whatever the batch (the "decode once, reuse" tiling of llama.cpp's and vLLM's CPU
-// GEMMs, in our own code). Threads split the tiles (at::parallel_for).
+// Per tile: batch <= 2 NB rows (NB: 8 AVX-512, 4 AVX2 and scalar), each group of up to NB rows: each input's 16
+// weights are decoded into a register, unscaled, and FMA-ed into the rows' accumulators of the current scale group
+// (2-4 independent chains at small NB to hide FMA latency); at the group's end one FMA per row adds accumulator x
+// scale to the row's total, so the scale costs one multiply per group instead of one per weight (NVFP4: per 16
+// inputs). Batch > 2 NB: the tile's weights are decoded once per chunk of KC inputs into an fp32 buffer
+// (16 x KC floats, in L1/L2) and every group of NB rows runs an fp32 micro-kernel over it (two tiles at a time on
+// AVX-512), so decoding is paid once per weight whatever the batch (the "decode once, reuse" tiling of llama.cpp's
+// and vLLM's CPU GEMMs, in our own code). Threads split the tiles (at::parallel_for).
 //
 // Activations are float32. With fp8 activations (the fp8 schemes' dynamic per-token E4M3), each row is
 // fake-quantized first exactly as glmserve/quant/reference.py does (scale = max(amax / 448, 1e-12), codes by
@@ -316,6 +316,9 @@ void chunk_rows(int rows, const float* buf, int64_t len, const float* x, int64_t
   chunk_fma<NB, T>(buf, len, x, kp, acc, n_stride);
 }
 
+// rows up to which each group of MAX_NB rows decodes the weights in registers again (the direct path) rather than
+// once into a chunk buffer: a second decode costs less than the chunk's stores and reloads at 9-16 rows
+constexpr int64_t DIRECT_ROWS = 2 * MAX_NB;
 // tiles per pass of the batched path: two where 16 accumulators and their weights fit the registers (AVX-512)
 constexpr int PASS_TILES = MAX_NB == 8 ? 2 : 1;
 
@@ -359,14 +362,16 @@ void matmul_impl(const float* x, int64_t N, const uint8_t* codes, const float* s
                 F == Fmt::FP4 ? sbytes + ti * s.groups * ROWS : nullptr};
   };
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    const bool chunked = N > MAX_NB;
+    const bool chunked = N > DIRECT_ROWS;
     std::vector<float> acc(PASS_TILES * N * ROWS), buf(chunked ? PASS_TILES * KC * ROWS : 0);
     std::vector<float> extra(fc.n ? N * ROWS : 0);
     for (int64_t ti = begin; ti < end;) {
       const int pass = chunked && ti + PASS_TILES <= end ? PASS_TILES : 1;
       if (!chunked) {
         const Tile t = tile(ti);
-        direct_rows<F, MAX_NB>(static_cast<int>(N), t, s, x, acc.data());
+        for (int64_t n0 = 0; n0 < N; n0 += MAX_NB)
+          direct_rows<F, MAX_NB>(static_cast<int>(std::min<int64_t>(MAX_NB, N - n0)), t, s, x + n0 * s.kp,
+                                 acc.data() + n0 * ROWS);
       } else if (pass == 1) {
         const Tile t = tile(ti);
         chunked_tiles<F, 1>(&t, s, x, N, buf.data(), acc.data());
