@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glmserve.layers.param_loading import CheckpointTensor, Shard
@@ -44,10 +43,14 @@ class HalfLinear(nn.Module):
         super().__init__()
         if dtype not in HALF_DTYPES:
             raise ValueError(f"HalfLinear keeps bf16 or fp16 weights, not {dtype}")
-        self.out_features, self.in_features = weight.shape
-        kp, tiles = -(-self.in_features // PAD) * PAD, -(-self.out_features // ROWS)
-        padded = F.pad(weight.detach().to(dtype), (0, kp - self.in_features, 0, tiles * ROWS - self.out_features))
-        self.codes = padded.reshape(tiles, ROWS, kp).transpose(1, 2).contiguous()  # [tiles, kp, 16]
+        self.out_features, self.in_features = out, inp = weight.shape
+        kp, tiles, full = -(-inp // PAD) * PAD, -(-out // ROWS), out // ROWS
+        self.codes = torch.zeros(tiles, kp, ROWS, dtype=dtype)  # [tiles, kp, 16]
+        rows = self.codes.permute(0, 2, 1)  # the same memory as [tiles, 16, kp]: filled in one converting copy each
+        weight = weight.detach()
+        rows[:full, :, :inp].copy_(weight[:full * ROWS].view(full, ROWS, inp))
+        if out % ROWS:
+            rows[full, :out % ROWS, :inp].copy_(weight[full * ROWS:])
         self.scheme = Scheme(str(dtype).removeprefix("torch."), None)  # named in the startup log's formats
         self._matmul = matmul
 
