@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from glmserve.layers.param_loading import CheckpointTensor, Shard
+from glmserve.quant.cpu_float_backend import PAD, ROWS, tiled
 from glmserve.quant.schemes import Scheme
 
-ROWS = 16  # output rows per tile (the kernel's)
-PAD = 16  # in_features are padded to a multiple of this (the kernel's)
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # tried in this order
 CHECK_ROWS = 4096  # rows compared per step of exact_half_dtype (bounds its temporary copies)
 
@@ -43,14 +42,9 @@ class HalfLinear(nn.Module):
         super().__init__()
         if dtype not in HALF_DTYPES:
             raise ValueError(f"HalfLinear keeps bf16 or fp16 weights, not {dtype}")
-        self.out_features, self.in_features = out, inp = weight.shape
-        kp, tiles, full = -(-inp // PAD) * PAD, -(-out // ROWS), out // ROWS
-        self.codes = torch.zeros(tiles, kp, ROWS, dtype=dtype)  # [tiles, kp, 16]
-        rows = self.codes.permute(0, 2, 1)  # the same memory as [tiles, 16, kp]: filled in one converting copy each
-        weight = weight.detach()
-        rows[:full, :, :inp].copy_(weight[:full * ROWS].view(full, ROWS, inp))
-        if out % ROWS:
-            rows[full, :out % ROWS, :inp].copy_(weight[full * ROWS:])
+        self.out_features, self.in_features = weight.shape
+        kp, tiles = -(-self.in_features // PAD) * PAD, -(-self.out_features // ROWS)
+        self.codes = tiled(weight.detach(), tiles, kp, dtype)  # [tiles, kp, 16]
         self.scheme = Scheme(str(dtype).removeprefix("torch."), None)  # named in the startup log's formats
         self._matmul = matmul
 

@@ -133,10 +133,17 @@ def _row_scales(weight: QuantizedWeight) -> torch.Tensor:
     return s.expand(out, -1) if s.shape[0] == 1 else s
 
 
-def _tiled(t: torch.Tensor, tiles: int) -> torch.Tensor:
-    """[out, n] -> [tiles, n, 16]: rows padded to whole tiles (zeros), each tile's 16 rows innermost."""
-    t = F.pad(t, (0, 0, 0, tiles * ROWS - t.shape[0]))
-    return t.reshape(tiles, ROWS, -1).transpose(1, 2).contiguous()
+def tiled(t: torch.Tensor, tiles: int, width: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[out, n] -> [tiles, width, 16] (width: n unless given): rows padded to whole tiles and columns to `width` with
+    zeros, each tile's 16 rows innermost, converted to `dtype` (default: t's) in the same single copy."""
+    out, n = t.shape
+    packed = torch.zeros(tiles, n if width is None else width, ROWS, dtype=dtype or t.dtype, device=t.device)
+    rows = packed.permute(0, 2, 1)  # the same memory as [tiles, 16, width]
+    full = out // ROWS
+    rows[:full, :, :n].copy_(t[:full * ROWS].reshape(full, ROWS, n))
+    if out % ROWS:
+        rows[full, :out % ROWS, :n].copy_(t[full * ROWS:])
+    return packed
 
 
 def _post(largest: float) -> float:
@@ -178,18 +185,18 @@ class CpuFloatBlockBackend:
             c = F.pad(weight.codes.to(torch.uint8), (0, kp - inp))
             if int(c.max()) > 15:
                 raise InvalidRequestError(f"{spec}: codes outside E2M1's 0..15")
-            codes = _tiled(c[:, 0::2] | (c[:, 1::2] << 4), tiles)
-            scales = _tiled(_e4m3_bytes(weight.scales), tiles)
+            codes = tiled(c[:, 0::2] | (c[:, 1::2] << 4), tiles)
+            scales = tiled(_e4m3_bytes(weight.scales), tiles)
             g = 1.0 if weight.global_scale is None else float(weight.global_scale)
             post = _post(DECODE / g)
             factor, global_scale = DECODE / (g * post), weight.global_scale
         else:
             if weight.codes.dtype != torch.float8_e4m3fn:
                 raise InvalidRequestError(f"{spec}: codes must be float8_e4m3fn, not {weight.codes.dtype}")
-            codes = _tiled(F.pad(weight.codes.view(torch.uint8), (0, kp - inp)), tiles)
+            codes = tiled(weight.codes.view(torch.uint8), tiles, kp)
             row_scales = _row_scales(weight)
             post = _post(float(row_scales.abs().max()) * DECODE)
-            scales = _tiled((row_scales * (DECODE / post)).to(torch.float32), tiles)
+            scales = tiled(row_scales * (DECODE / post), tiles, dtype=torch.float32)
             factor, global_scale = 1.0, None
         act_tiles = activations is not None and activations.strategy == "group"
         packed = PackedFloatWeight(codes, scales, fp4, group, factor, post, global_scale, inp, out,
@@ -200,7 +207,7 @@ class CpuFloatBlockBackend:
                                    if act_tiles else None)
         if isinstance(weight, WeightWithFloatColumns) and not act_tiles:
             packed.columns = weight.outliers.columns.to(torch.long).contiguous()
-            packed.float_part = _tiled(weight.outliers.weight.to(torch.float32), tiles)
+            packed.float_part = tiled(weight.outliers.weight, tiles, dtype=torch.float32)
         return packed
 
     def keeps_float_columns(self, prepared: PackedFloatWeight) -> bool:
